@@ -1,0 +1,124 @@
+"""The root config schema: one section per table, each owned by the package that reads it.
+
+``load_config(path, overrides)`` reads a TOML file, applies ``--set a.b=value`` overrides, and validates every
+section (``wantrain.core.config`` explains the error messages). ``docs/config.md`` is generated from this schema
+by ``python -m wantrain.config`` and a test keeps it in sync.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from wantrain.core.config import ConfigError, config_reference, section, setting, structure, unstructure
+from wantrain.core.settings import ObserversConfig, OptimizerConfig, RunSection, TrainConfig
+from wantrain.data.config import DataConfig
+from wantrain.models.wan22.config import LoraConfig, ModelConfig
+from wantrain.schedulers.config import SchedulerConfig
+
+
+@section
+class RunConfig:
+    """A whole training run."""
+
+    run: RunSection = setting(factory=RunSection, doc="Run directory and seed.")
+    model: ModelConfig = setting(factory=ModelConfig, doc="Model.")
+    lora: LoraConfig = setting(factory=LoraConfig, doc="LoRA.")
+    data: DataConfig = setting(factory=DataConfig, doc="Data.")
+    train: TrainConfig = setting(factory=TrainConfig, doc="Training loop.")
+    optimizer: OptimizerConfig = setting(factory=OptimizerConfig, doc="Optimizer.")
+    lr_scheduler: SchedulerConfig = setting(
+        factory=SchedulerConfig, doc="Learning-rate schedule.", aliases=("lr_scheduler_config",)
+    )
+    observers: ObserversConfig = setting(factory=ObserversConfig, doc="Observers.")
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} is not of the form section.key=value (for example train.max_steps=20)")
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set {item!r} names no key; write section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word is a string: --set model.variant=tiny-i2v
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        parts, value = _parse_override(item)
+        table = data
+        for part in parts[:-1]:
+            nxt = table.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {item!r}: '{part}' is a value, not a table")
+            table = nxt
+        table[parts[-1]] = value
+    return data
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist (pass the path of a .toml file)")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text") from None
+
+
+def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read, override and validate a run config. Relative paths in it are resolved against the file's folder."""
+    path = Path(path)
+    data = apply_overrides(read_toml(path), list(overrides))
+    cfg = structure(RunConfig, data)
+    return resolve_paths(cfg, path.parent)
+
+
+def resolve_paths(cfg: RunConfig, base: Path) -> RunConfig:
+    """Make relative paths of the config relative to ``base`` (the config file's folder)."""
+    import attrs
+
+    def fix(obj: Any) -> Any:
+        if attrs.has(type(obj)):
+            changes = {}
+            for f in attrs.fields(type(obj)):
+                v = getattr(obj, f.name)
+                nv = fix(v)
+                if nv is not v:
+                    changes[f.name] = nv
+            return attrs.evolve(obj, **changes) if changes else obj
+        if isinstance(obj, Path) and not obj.is_absolute():
+            return (base / obj).resolve()
+        if isinstance(obj, list):
+            new = [fix(v) for v in obj]
+            return new if any(a is not b for a, b in zip(new, obj, strict=True)) else obj
+        return obj
+
+    return fix(cfg)
+
+
+def to_plain(cfg: RunConfig) -> dict[str, Any]:
+    return unstructure(cfg)
+
+
+def reference_markdown() -> str:
+    header = (
+        "# Config reference\n\n"
+        "Generated from the schema by `python -m wantrain.config > docs/config.md`; a test keeps it in sync.\n"
+        "Every key is checked: an unknown or misplaced key, a wrong type or an out-of-range value stops wantrain\n"
+        "with one line naming the key and what would be valid (exit code 2). `--set section.key=value` overrides\n"
+        "any key from the command line (the value is read as TOML; a bare word is a string).\n\n"
+    )
+    return header + config_reference(RunConfig) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -1,0 +1,380 @@
+"""Config machinery: TOML tables into frozen attrs sections, with errors a user can act on.
+
+Each package owns the section it reads (``core.settings.TrainConfig``, ``models.wan22.config.ModelConfig``, ...)
+and declares its keys with :func:`setting`, which records the documentation, the valid range or choices, and the
+default. :func:`structure` turns a TOML table into a section and raises :class:`ConfigError` with one line that
+names the full key path and what would be valid:
+
+* unknown keys, with a did-you-mean from the same table, or the table where the key belongs when it was put in
+  the wrong one (peer trainers silently ignore such keys and lose whole runs to them);
+* wrong types (``train.max_steps = "ten"``: expected an integer);
+* out-of-range values and unknown choices, naming the range or the choices.
+
+:func:`config_reference` renders the documentation of every key (``docs/config.md`` is generated from it, and a
+test keeps the two in sync).
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from wantrain.core.errors import ConfigError
+
+_DOC = "wantrain_doc"
+_RANGE = "wantrain_range"
+_CHOICES = "wantrain_choices"
+_ALIASES = "wantrain_aliases"
+
+NOTHING = attrs.NOTHING
+
+
+@attrs.frozen
+class Range:
+    """An inclusive or exclusive numeric range; ``None`` means unbounded on that side."""
+
+    low: float | None = None
+    high: float | None = None
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+
+    def contains(self, value: float) -> bool:
+        if self.low is not None and (value < self.low or (value == self.low and not self.low_inclusive)):
+            return False
+        if self.high is not None and (value > self.high or (value == self.high and not self.high_inclusive)):
+            return False
+        return True
+
+    def describe(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>=' if self.low_inclusive else '>'} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<=' if self.high_inclusive else '<'} {self.high:g}")
+        return " and ".join(parts) if parts else "any number"
+
+
+def at_least(low: float) -> Range:
+    return Range(low=low)
+
+
+def above(low: float) -> Range:
+    return Range(low=low, low_inclusive=False)
+
+
+def between(low: float, high: float) -> Range:
+    return Range(low=low, high=high)
+
+
+def setting(
+    default: Any = NOTHING,
+    *,
+    doc: str,
+    range: Range | None = None,  # noqa: A002 - reads naturally at the call site
+    choices: typing.Sequence[Any] | None = None,
+    factory: typing.Callable[[], Any] | None = None,
+    aliases: typing.Sequence[str] = (),
+) -> Any:
+    """Declare one config key of a section.
+
+    ``doc`` is the one-line meaning shown in ``docs/config.md``; ``range`` bounds numbers; ``choices`` lists the
+    accepted values (for ``Literal`` types the choices are taken from the type); ``aliases`` are other key names
+    accepted for this key (the seeds' spellings).
+    """
+    metadata = {_DOC: doc, _RANGE: range, _CHOICES: tuple(choices) if choices else None, _ALIASES: tuple(aliases)}
+    if factory is not None:
+        return attrs.field(factory=factory, metadata=metadata)
+    return attrs.field(default=default, metadata=metadata)
+
+
+def section(cls: type) -> type:
+    """Make ``cls`` a frozen, slotted, keyword-only config section.
+
+    A section that sets the class attribute ``__wantrain_extra__ = "field_name"`` receives the keys it does not
+    declare in that ``dict`` field instead of an unknown-key error, and must validate them itself (its attrs
+    validator raises ``ConfigError`` naming the key and the valid keys).
+    """
+    return attrs.frozen(kw_only=True)(cls)
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and attrs.has(tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp in (str, Path):
+        return "a string"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict or tp is dict:
+        return "a table"
+    if _is_section(tp):
+        return "a table"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a table"
+    return repr(value)
+
+
+class _Structurer:
+    """Walks a TOML document along a root section type. Holds the schema index for misplaced-key hints."""
+
+    def __init__(self, root: type) -> None:
+        self.root = root
+        self.index: dict[str, list[str]] = {}
+        self._index(root, "")
+
+    def _index(self, cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in attrs.fields(cls):
+            path = f"{prefix}{f.name}"
+            for name in (f.name, *f.metadata.get(_ALIASES, ())):
+                self.index.setdefault(name, []).append(path)
+            tp = hints[f.name]
+            inner = self._section_of(tp)
+            if inner is not None:
+                self._index(inner, path + ".")
+
+    @staticmethod
+    def _section_of(tp: Any) -> type | None:
+        if _is_section(tp):
+            return tp
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if origin in (list, tuple) and args and _is_section(args[0]):
+            return args[0]
+        if origin in (typing.Union, types.UnionType):
+            for a in args:
+                if _is_section(a):
+                    return a
+        return None
+
+    def unknown_key(self, cls: type, key: str, path: str) -> ConfigError:
+        known = []
+        for f in attrs.fields(cls):
+            known.extend((f.name, *f.metadata.get(_ALIASES, ())))
+        full = f"{path}.{key}" if path else key
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        if close:
+            hint = f"did you mean '{path + '.' if path else ''}{close[0]}'?"
+        elif key in self.index:
+            places = " or ".join(f"'{p}'" for p in self.index[key])
+            hint = f"this key belongs at {places}; move it to that table"
+        else:
+            table = f"[{path}]" if path else "the top level"
+            hint = f"valid keys in {table}: {', '.join(sorted(known))}"
+        return ConfigError(f"unknown config key '{full}': {hint}")
+
+    def structure(self, cls: type, data: Any, path: str) -> Any:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"'{path}' must be a table, got {_fmt(data)}")
+        hints = typing.get_type_hints(cls)
+        by_name: dict[str, attrs.Attribute] = {}
+        for f in attrs.fields(cls):
+            by_name[f.name] = f
+            for alias in f.metadata.get(_ALIASES, ()):
+                by_name[alias] = f
+        kwargs: dict[str, Any] = {}
+        extra_field = getattr(cls, "__wantrain_extra__", None)
+        extras: dict[str, Any] = {}
+        for key, value in data.items():
+            f = by_name.get(key)
+            if f is None and extra_field is not None:
+                extras[key] = value  # the section validates these itself (e.g. an external class's arguments)
+                continue
+            if f is None:
+                raise self.unknown_key(cls, key, path)
+            key_path = f"{path}.{key}" if path else key
+            if f.name in kwargs:
+                raise ConfigError(f"config key '{key_path}' is given twice (once under another accepted name)")
+            kwargs[f.name] = self.value(hints[f.name], value, key_path, f)
+        if extra_field is not None:
+            kwargs[extra_field] = extras
+        try:
+            return cls(**kwargs)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"[{path or 'config'}]: {exc}") from None
+
+    def value(self, tp: Any, value: Any, path: str, f: attrs.Attribute | None = None) -> Any:
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if origin in (typing.Union, types.UnionType):
+            non_none = [a for a in args if a is not type(None)]
+            if value is None and len(non_none) < len(args):
+                return None
+            errors = []
+            for a in non_none:
+                try:
+                    return self.value(a, value, path, f)
+                except ConfigError as exc:
+                    errors.append(exc)
+            if len(errors) == 1:
+                raise errors[0]
+            raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected {_type_name(tp)}")
+        if _is_section(tp):
+            return self.structure(tp, value, path)
+        if origin in (list, tuple):
+            if not isinstance(value, list | tuple):
+                raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a list")
+            item_tp = args[0] if args else Any
+            items = [self.value(item_tp, v, f"{path}[{i}]", f) for i, v in enumerate(value)]
+            return tuple(items) if origin is tuple else items
+        if origin is dict or tp is dict:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config key '{path}' must be a table, got {_fmt(value)}")
+            return dict(value)
+        if tp is Any:
+            return value
+        if origin is Literal:
+            if value not in args:
+                close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"config key '{path}' = {_fmt(value)} is not valid; expected one of "
+                    f"{', '.join(repr(a) for a in args)}{hint}"
+                )
+            return value
+        if tp is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected true or false")
+            return value
+        if tp is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected an integer")
+            return self._check_range(value, path, f)
+        if tp is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a number")
+            return self._check_range(float(value), path, f)
+        if tp is str:
+            if not isinstance(value, str):
+                raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a string")
+            choices = f.metadata.get(_CHOICES) if f is not None else None
+            if choices and value not in choices:
+                close = difflib.get_close_matches(value, list(choices), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"config key '{path}' = {value!r} is not valid; expected one of "
+                    f"{', '.join(repr(c) for c in choices)}{hint}"
+                )
+            return value
+        if tp is Path:
+            if not isinstance(value, str):
+                raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a path string")
+            return Path(value)
+        raise TypeError(f"unsupported config type {tp!r} at {path}")  # a schema bug, not a user error
+
+    @staticmethod
+    def _check_range(value: float, path: str, f: attrs.Attribute | None) -> Any:
+        rng = f.metadata.get(_RANGE) if f is not None else None
+        if rng is not None and not rng.contains(value):
+            raise ConfigError(f"config key '{path}' = {value!r} is out of range; expected {rng.describe()}")
+        return value
+
+
+def structure(root: type, data: Mapping[str, Any]) -> Any:
+    """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line)."""
+    return _Structurer(root).structure(root, data, "")
+
+
+def check_value(owner: type, name: str, value: Any, path: str) -> Any:
+    """Validate one value against the declared key ``owner.name`` (used for ``--set`` and by tests)."""
+    f = attrs.fields_dict(owner)[name]
+    return _Structurer(owner).value(typing.get_type_hints(owner)[name], value, path, f)
+
+
+def unstructure(obj: Any) -> Any:
+    """The plain-data form of a section tree (for writing the resolved config); ``None`` values are dropped."""
+    if attrs.has(type(obj)):
+        out = {}
+        for f in attrs.fields(type(obj)):
+            v = unstructure(getattr(obj, f.name))
+            if v is not None:
+                out[f.name] = v
+        return out
+    if isinstance(obj, list | tuple):
+        return [unstructure(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: unstructure(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def config_reference(root: type, title_prefix: str = "") -> str:
+    """Markdown tables documenting every key: name, type, default and meaning, one table per section."""
+    lines: list[str] = []
+
+    def walk(cls: type, path: str) -> None:
+        hints = typing.get_type_hints(cls)
+        rows = []
+        subsections = []
+        extra_field = getattr(cls, "__wantrain_extra__", None)
+        for f in attrs.fields(cls):
+            if f.name == extra_field:
+                continue
+            tp = hints[f.name]
+            inner = _Structurer._section_of(tp)
+            if inner is not None:
+                is_list = typing.get_origin(tp) in (list, tuple)
+                subsections.append((f, inner, is_list))
+                continue
+            if f.default is NOTHING:
+                default = "required"
+            elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
+                default = f"`{_fmt(f.default.factory())}`"
+            else:
+                default = "unset" if f.default is None else f"`{_fmt(f.default)}`"
+            extra = []
+            if f.metadata.get(_RANGE) is not None:
+                extra.append(f"range: {f.metadata[_RANGE].describe()}")
+            if f.metadata.get(_CHOICES):
+                extra.append("one of " + ", ".join(f"`{c}`" for c in f.metadata[_CHOICES]))
+            if f.metadata.get(_ALIASES):
+                extra.append("also accepted as " + ", ".join(f"`{a}`" for a in f.metadata[_ALIASES]))
+            doc = f.metadata.get(_DOC, "")
+            if extra:
+                doc += " (" + "; ".join(extra) + ")"
+            rows.append(f"| `{f.name}` | {_type_name(tp)} | {default} | {doc} |")
+        if rows:
+            lines.append(f"## `[{path}]`" if path else "## top level")
+            lines.append("")
+            if cls.__doc__:
+                lines.append(" ".join(cls.__doc__.split()))
+                lines.append("")
+            lines.append("| key | type | default | meaning |")
+            lines.append("|---|---|---|---|")
+            lines.extend(rows)
+            lines.append("")
+        for f, inner, is_list in subsections:
+            sub = f"{path}.{f.name}" if path else f.name
+            walk(inner, f"[{sub}]" if is_list else sub)
+
+    walk(root, "")
+    return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""What every handler receives besides its event: the run's live objects, the control object, and the metrics
+collector that turns device values into host values once per log interval."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from wantrain.core.control import Control
+
+
+@attrs.define
+class TrainState:
+    """Counters of the run. Plain ints, updated by the core only."""
+
+    step: int = 0  # optimizer steps taken (including skipped ones)
+    micro_step: int = 0
+    total_steps: int = 0
+    expert: str | None = None
+    consecutive_oom: int = 0
+    skipped_steps: int = 0
+
+
+@attrs.define
+class Live:
+    """Device objects of the current dispatch. Cleared by the core after each micro-step so that nothing keeps
+    device tensors alive between steps."""
+
+    loss: torch.Tensor | None = None
+    batch: Mapping[str, Any] | None = None
+
+    def clear(self) -> None:
+        self.loss = None
+        self.batch = None
+
+
+class DeviceMetrics:
+    """Collects metric values during a log interval and converts them to host floats in ONE transfer.
+
+    Observers call :meth:`put` (or :meth:`accumulate`) with device tensors at any point; nothing syncs there.
+    At a log step the core calls :meth:`gather`, which stacks every pending tensor and calls ``.tolist()`` once:
+    this is the only device->host sync point of the interval (nanoGPT's ``loss.item()`` every ``log_interval``).
+    Python floats are passed through as they are (psutil and ``torch.cuda.memory_allocated`` are host values).
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self._floats: dict[str, float] = {}
+
+    def put(self, name: str, value: torch.Tensor | float) -> None:
+        """Set ``name`` for this interval (the last value put wins)."""
+        if isinstance(value, torch.Tensor):
+            self._tensors[name] = value.detach().reshape(())
+        else:
+            self._floats[name] = float(value)
+
+    def accumulate(self, name: str, value: torch.Tensor) -> None:
+        """Add ``value`` to the running mean of ``name`` over the interval (device-side)."""
+        v = value.detach().reshape(()).float()
+        if name in self._sums:
+            total, count = self._sums[name]
+            self._sums[name] = (total + v, count + 1)
+        else:
+            self._sums[name] = (v, 1)
+
+    def pending(self) -> tuple[str, ...]:
+        return (*self._tensors, *self._sums, *self._floats)
+
+    def gather(self) -> dict[str, float]:
+        """All values of the interval as host floats, then reset. One device->host transfer."""
+        names: list[str] = []
+        parts: list[torch.Tensor] = []
+        for name, t in self._tensors.items():
+            names.append(name)
+            parts.append(t.float())
+        for name, (total, count) in self._sums.items():
+            names.append(name)
+            parts.append(total / count)
+        out: dict[str, float] = {}
+        if parts:
+            device = parts[0].device
+            stacked = torch.stack([p.to(device) for p in parts])
+            # this is the CPU-GPU sync point of the log interval
+            for name, value in zip(names, stacked.tolist(), strict=True):
+                out[name] = value
+        out.update(self._floats)
+        self._tensors.clear()
+        self._sums.clear()
+        self._floats.clear()
+        return out
+
+
+@attrs.define(eq=False)
+class Context:
+    """Handed to every handler with its event. Observers read from it and request through ``control``.
+
+    ``adapter``, ``optimizer`` and ``scheduler`` are live objects: device operations on them are allowed, host
+    syncs are not (except in handlers of ``MetricsLogged``, ``RunStarted``, ``CheckpointSaved`` and ``RunEnded``).
+    """
+
+    control: Control
+    state: TrainState
+    metrics: DeviceMetrics
+    live: Live
+    run_dir: Path | None = None
+    config: Any = None
+    adapter: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    extras: dict[str, Any] = attrs.field(factory=dict)

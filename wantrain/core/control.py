@@ -1,0 +1,70 @@
+"""The control object: observers request, the core acts.
+
+Observers never change the model, the optimizer or the loop themselves; they set requests here and the core reads
+them at fixed points (see the pseudocode in ``wantrain.core.events``):
+
+* ``request_stop`` -- read after every micro-step and after every optimizer step. Sticky: once raised it stays
+  raised for the rest of the run, whoever asks next (Lightning's ``should_stop`` lesson).
+* ``request_save`` -- read after each optimizer step; cleared when the core has saved.
+* ``skip_optimizer_step`` -- read right before the optimizer step (after ``GradsReady``); cleared after that
+  step. The gradients are dropped and the scheduler still advances, so the schedule stays a function of the step.
+* ``set_lr`` -- per parameter group (by name); applied right before the next optimizer step, then cleared, so it
+  overrides the scheduler for that one step. An observer that wants to hold an LR sets it at every step.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define
+class Control:
+    """Requests raised by observers. Read by the core only."""
+
+    _stop_reason: str | None = None
+    _save_reason: str | None = None
+    _skip_reason: str | None = None
+    _lr_requests: dict[str, float] = attrs.field(factory=dict)
+
+    # -- stop (sticky) -----------------------------------------------------------------------------------------
+    def request_stop(self, reason: str) -> None:
+        """Ask the core to end the run after the current micro-step. Cannot be withdrawn."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    # -- save now ----------------------------------------------------------------------------------------------
+    def request_save(self, reason: str) -> None:
+        """Ask for a LoRA save after the current optimizer step."""
+        self._save_reason = self._save_reason or reason
+
+    def take_save_request(self) -> str | None:
+        reason, self._save_reason = self._save_reason, None
+        return reason
+
+    # -- skip this optimizer step ------------------------------------------------------------------------------
+    def skip_optimizer_step(self, reason: str) -> None:
+        """Ask the core not to apply the current optimizer step (valid until that step is taken)."""
+        self._skip_reason = self._skip_reason or reason
+
+    def take_skip_request(self) -> str | None:
+        reason, self._skip_reason = self._skip_reason, None
+        return reason
+
+    # -- learning rate per parameter group ---------------------------------------------------------------------
+    def set_lr(self, group: str, lr: float) -> None:
+        """Ask for learning rate ``lr`` on parameter group ``group`` at the next optimizer step."""
+        if not lr >= 0.0:
+            raise ValueError(f"learning rate must be a non-negative number, got {lr!r}")
+        self._lr_requests[group] = float(lr)
+
+    def take_lr_requests(self) -> dict[str, float]:
+        requests, self._lr_requests = self._lr_requests, {}
+        return requests

@@ -1,0 +1,69 @@
+"""Config sections the core itself reads: the run, the loop, the optimizer, the observers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from wantrain.core.config import above, at_least, between, section, setting
+
+
+@section
+class RunSection:
+    """Where and how the run is written."""
+
+    output_dir: Path = setting(Path("runs"), doc="Folder that receives one run directory per run.")
+    run_id: str | None = setting(
+        None, doc="Suffix of the run directory (`<time>__<run_id>`); letters, digits and `._-` only."
+    )
+    name: str = setting("lora", doc="Base name of the LoRA files (`<name>_high_noise.safetensors`, ...).")
+    seed: int = setting(0, doc="Seed of every random number in the run (model init, noise, timesteps, data order).")
+
+
+@section
+class TrainConfig:
+    """The training loop."""
+
+    max_steps: int = setting(100, doc="Optimizer steps to train.", range=at_least(1))
+    grad_accum: int = setting(1, doc="Micro-batches accumulated per optimizer step.", range=at_least(1))
+    batch_size: int = setting(1, doc="Samples per micro-batch.", range=at_least(1))
+    clip_grad_norm: float | None = setting(
+        1.0, doc="Clip the global gradient L2 norm to this value before the optimizer step; unset disables.",
+        range=above(0.0),
+    )
+    log_every: int = setting(10, doc="Log metrics every N optimizer steps (and at the last step).", range=at_least(1))
+    save_every: int | None = setting(
+        None, doc="Save the LoRA every N optimizer steps; unset saves at the end only.", range=at_least(1)
+    )
+    device: str = setting("auto", doc="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.")
+    max_consecutive_oom: int = setting(
+        3, doc="Out-of-memory errors in a row after which the run stops (each one skips its batch).",
+        range=at_least(1),
+    )
+
+
+@section
+class OptimizerConfig:
+    """The optimizer (AdamW) over the LoRA parameters."""
+
+    type: Literal["adamw"] = setting("adamw", doc="Optimizer type.")
+    lr: float = setting(1e-4, doc="Base learning rate of every parameter group.", range=above(0.0))
+    weight_decay: float = setting(0.0, doc="Decoupled weight decay.", range=at_least(0.0))
+    beta1: float = setting(0.9, doc="Adam beta1.", range=between(0.0, 1.0))
+    beta2: float = setting(0.999, doc="Adam beta2.", range=between(0.0, 1.0))
+    eps: float = setting(1e-8, doc="Adam epsilon.", range=above(0.0))
+
+
+@section
+class ObserversConfig:
+    """Built-in observers and users' own."""
+
+    tensorboard: bool = setting(True, doc="Write TensorBoard event files into `<run_dir>/tensorboard`.")
+    jsonl: bool = setting(True, doc="Write `<run_dir>/metrics.jsonl`, one JSON object per logged step.")
+    progress: bool = setting(True, doc="Show a progress line (step/total, it/s, ETA, loss).")
+    record_events: bool = setting(
+        False, doc="Record every event to `<run_dir>/events.jsonl` (for `wantrain replay`)."
+    )
+    extra: list[str] = setting(
+        factory=list, doc="Users' observer classes as `package.module:ClassName`, built with no arguments."
+    )

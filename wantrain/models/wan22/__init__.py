@@ -1,0 +1,1 @@
+"""wantrain.models.wan22"""

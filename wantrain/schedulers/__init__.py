@@ -1,0 +1,1 @@
+"""wantrain.schedulers"""
