@@ -1,0 +1,21 @@
+"""Shared CLI pieces. Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
+``wantrain.cli.main`` wires them and turns a ``UserError`` into one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The CONFIG positional and repeated ``--set section.key=value`` overrides."""
+    parser.add_argument("config", help="run config (.toml)")
+    parser.add_argument(
+        "--set", dest="set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override a config key (value read as TOML; repeatable)",
+    )
+
+
+def load_run_config(args: argparse.Namespace):  # -> wantrain.config.RunConfig
+    from wantrain.config import load_config
+
+    return load_config(args.config, list(getattr(args, "set", []) or []))
