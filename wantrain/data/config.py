@@ -1,16 +1,156 @@
-"""Config section ``[data]`` (stub: the data helper owns it)."""
+"""Config section ``[data]``: where the media are and how they become training clips (``docs/data.md``).
+
+Two forms, which may not be mixed:
+
+* simple: ``[data] path = "demo_data"`` is one dataset with the ``[data]`` defaults;
+* full: one ``[[data.datasets]]`` table per folder; each may override ``repeats``, ``caption_extension``,
+  ``resolutions``, ``frames`` and ``clip_mode``; every other key is read from ``[data]``.
+
+Unset ``resolutions``, ``frames`` and ``fps`` come from the model variant (``VariantSpec``) when the dataset is
+built, so one config trains any variant.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from wantrain.core.config import at_least, section, setting
+import attrs
+
+from wantrain.core.config import above, at_least, section, setting
+from wantrain.core.errors import ConfigError
+
+ClipMode = Literal["head", "uniform", "slide"]
+
+DEFAULT_ASPECT_RATIOS = (0.5, 0.5625, 2 / 3, 0.75, 1.0, 4 / 3, 1.5, 16 / 9, 2.0)
+
+
+def _check_frames(where: str, frames: list[int] | None) -> None:
+    if frames is None:
+        return
+    if not frames:
+        raise ConfigError(f"config key '{where}' is empty; give frame counts of the form 4k+1 (1, 5, 9, ..., 81)")
+    bad = [f for f in frames if f < 1 or (f - 1) % 4]
+    if bad:
+        raise ConfigError(
+            f"config key '{where}' = {frames!r}: {bad[0]} is not of the form 4k+1; valid counts are 1, 5, 9, 13, ..., 81"
+        )
+
+
+def _check_resolutions(where: str, resolutions: list[int] | None) -> None:
+    if resolutions is None:
+        return
+    if not resolutions or any(r < 16 for r in resolutions):
+        raise ConfigError(
+            f"config key '{where}' = {resolutions!r}: give one or more square sides of at least 16 pixels "
+            "(each is an area budget: 512 means 512*512 pixels per frame)"
+        )
+
+
+@section
+class DatasetConfig:
+    """One folder of media (``[[data.datasets]]``). Unset keys are taken from ``[data]``."""
+
+    path: Path = setting(doc="Folder of images and videos; each has a same-named caption file (searched recursively).")
+    repeats: int | None = setting(None, doc="Times each clip of this folder appears per epoch.", range=at_least(1))
+    caption_extension: str | None = setting(None, doc="Caption file extension, for example `.txt`.")
+    resolutions: list[int] | None = setting(
+        None, doc="Area budgets of this folder's buckets, as square sides in pixels (`[256, 512]`)."
+    )
+    frames: list[int] | None = setting(None, doc="Frame-count buckets of this folder's videos (each 4k+1).")
+    clip_mode: ClipMode | None = setting(None, doc="How clips are cut from this folder's videos.")
+
+    def __attrs_post_init__(self) -> None:
+        _check_frames(f"data.datasets (path = {str(self.path)!r}).frames", self.frames)
+        _check_resolutions(f"data.datasets (path = {str(self.path)!r}).resolutions", self.resolutions)
 
 
 @section
 class DataConfig:
-    """Training data."""
+    """Training data: folders of images and videos with captions, cut into clips and grouped into buckets."""
 
-    path: Path | None = setting(None, doc="Folder of images and videos with same-named .txt captions.")
-    resolution: list[int] = setting(factory=lambda: [64, 64], doc="Training width and height in pixels.")
-    frames: int = setting(5, doc="Frames per clip (4k+1).", range=at_least(1))
+    path: Path | None = setting(
+        None, doc="Simple form: one folder of images and videos with same-named caption files. "
+        "Use either this or `[[data.datasets]]`."
+    )
+    datasets: list[DatasetConfig] = setting(factory=list, doc="One table per folder (full form).")
+    repeats: int = setting(1, doc="Times each clip appears per epoch (default for every dataset).", range=at_least(1))
+    caption_extension: str = setting(".txt", doc="Caption file extension (default for every dataset).")
+    missing_caption: Literal["skip", "empty"] = setting(
+        "skip", doc="A medium without a caption file is skipped (`skip`, reported) or trained with an empty caption."
+    )
+    resolutions: list[int] | None = setting(
+        None, doc="Area budgets of the buckets as square sides in pixels (`[512]` = 512*512 pixels per frame); "
+        "unset: the variant's default resolution."
+    )
+    aspect_ratios: list[float] = setting(
+        factory=lambda: list(DEFAULT_ASPECT_RATIOS),
+        doc="Width/height ratios of the buckets; each medium goes to the nearest (in log ratio).",
+    )
+    frames: list[int] | None = setting(
+        None, doc="Frame-count buckets for videos (each 4k+1); a clip takes the longest that fits. "
+        "Unset: the variant's default frame count. Images are always 1-frame clips."
+    )
+    fps: float | None = setting(
+        None, doc="Frame rate clips are retimed to; unset: the variant's (16 for A14B, 24 for TI2V-5B).",
+        range=above(0.0),
+    )
+    retime: Literal["resample", "off"] = setting(
+        "resample", doc="`resample` drops or repeats frames to reach `fps`; `off` uses every source frame (motion "
+        "plays faster or slower than in the source)."
+    )
+    clip_mode: ClipMode = setting(
+        "head", doc="`head`: one clip from the start; `uniform`: `clips_per_video` clips spread over the video; "
+        "`slide`: a clip every `clip_stride` frames."
+    )
+    clips_per_video: int = setting(3, doc="Clips per video in `uniform` mode.", range=at_least(1))
+    clip_stride: int | None = setting(
+        None, doc="Frames between clip starts in `slide` mode (after retiming); unset: the clip length "
+        "(clips do not overlap).", range=at_least(1)
+    )
+    remainder: Literal["carry", "smaller_batch"] = setting(
+        "carry", doc="Samples of a bucket that do not fill a batch: `carry` them into the next epoch's first batch "
+        "of that bucket, or train them as a `smaller_batch`."
+    )
+    shuffle: bool = setting(True, doc="Shuffle clips within buckets and the order of batches, from the run seed.")
+    cache_dir: Path | None = setting(
+        None, doc="Folder for cached latents and text embeddings; unset: `.wantrain_cache` inside each dataset folder."
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.path is not None and self.datasets:
+            raise ConfigError(
+                "config keys 'data.path' and '[[data.datasets]]' are both set; use 'data.path' for one folder "
+                "or one [[data.datasets]] table per folder, not both"
+            )
+        _check_frames("data.frames", self.frames)
+        _check_resolutions("data.resolutions", self.resolutions)
+        if not self.aspect_ratios or any(r <= 0 for r in self.aspect_ratios):
+            raise ConfigError(f"config key 'data.aspect_ratios' = {self.aspect_ratios!r}: give positive width/height ratios")
+
+    def dataset_list(self) -> list[DatasetConfig]:
+        """The datasets of either form; empty when neither ``path`` nor ``datasets`` is set."""
+        if self.path is not None:
+            return [DatasetConfig(path=self.path)]
+        return list(self.datasets)
+
+    def resolved(self, ds: DatasetConfig) -> "ResolvedDataset":
+        """``ds`` with every unset key taken from ``[data]`` (variant defaults are applied later)."""
+        return ResolvedDataset(
+            path=ds.path,
+            repeats=ds.repeats if ds.repeats is not None else self.repeats,
+            caption_extension=ds.caption_extension if ds.caption_extension is not None else self.caption_extension,
+            resolutions=ds.resolutions if ds.resolutions is not None else self.resolutions,
+            frames=ds.frames if ds.frames is not None else self.frames,
+            clip_mode=ds.clip_mode if ds.clip_mode is not None else self.clip_mode,
+        )
+
+
+@attrs.frozen
+class ResolvedDataset:
+    path: Path
+    repeats: int
+    caption_extension: str
+    resolutions: list[int] | None
+    frames: list[int] | None
+    clip_mode: str

@@ -28,6 +28,8 @@ class VariantSpec:
     lora_params_per_rank: float  # per expert, with the default 10 targets per block
     default_resolution: tuple[int, int]  # (width, height)
     default_frames: int
+    text_len: int = 512  # tokens of the UMT5 prompt embedding (zero-padded past the prompt's length)
+    num_layers: int = 40  # transformer blocks per expert (LoRA keys name blocks 0..num_layers-1)
 
 
 def _spec(**kw: object) -> VariantSpec:
@@ -39,10 +41,10 @@ _A14B = dict(
     transformer_params=14.3e9, lora_params_per_rank=4.79e6, default_resolution=(832, 480), default_frames=81,
 )
 _5B = dict(
-    target_fps=24.0, spatial_multiple=32, frame_multiple=4, vae="wan2.2", latent_channels=48,
+    num_layers=30, target_fps=24.0, spatial_multiple=32, frame_multiple=4, vae="wan2.2", latent_channels=48,
     transformer_params=5.0e9, lora_params_per_rank=2.52e6, default_resolution=(1280, 704), default_frames=121,
 )
-_TINY = dict(transformer_params=2.0e5, default_resolution=(64, 64), default_frames=9)
+_TINY = dict(transformer_params=2.0e5, default_resolution=(64, 64), default_frames=9, text_len=16, num_layers=2)
 
 VARIANTS: dict[str, VariantSpec] = {
     "t2v-a14b": _spec(name="t2v-a14b", tiny=False, experts=("high_noise", "low_noise"), boundary_ratio=0.875,

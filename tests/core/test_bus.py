@@ -1,0 +1,180 @@
+"""Each guarantee of wantrain.core.bus, tested by name."""
+
+from __future__ import annotations
+
+import gc
+
+import blinker
+import pytest
+
+from wantrain.core.bus import Bus, Observer, Priority, on
+from wantrain.core.errors import CriticalObserverError
+from wantrain.core.events import Event, ObserverFailed, RunEnded, StepStarted, register_event_type
+
+import attrs
+
+
+def ended(step: int = 0) -> RunEnded:
+    return RunEnded(step=step, status="completed", reason=None)
+
+
+def test_dispatch_order_is_controllers_then_sinks_then_recorder_then_subscription_order():
+    bus = Bus(ctx=None)
+    order: list[str] = []
+    bus.subscribe(RunEnded, lambda e, c: order.append("sink-a"))
+    bus.subscribe(RunEnded, lambda e, c: order.append("recorder"), priority=Priority.RECORDER)
+    bus.subscribe(RunEnded, lambda e, c: order.append("controller"), priority=Priority.CONTROLLER)
+    bus.subscribe(RunEnded, lambda e, c: order.append("sink-b"))
+    for i in range(20):  # blinker alone would iterate a set of ids in arbitrary order
+        bus.subscribe(RunEnded, lambda e, c, i=i: order.append(f"n{i}"))
+    bus.emit(ended())
+    assert order == ["controller", "sink-a", "sink-b", *[f"n{i}" for i in range(20)], "recorder"]
+
+
+def test_strong_references_keep_a_lambda_observer_firing():
+    bus = Bus(ctx=None)
+    seen = []
+    bus.subscribe(RunEnded, lambda e, c: seen.append(e.step))
+
+    class Temp(Observer):
+        @on(RunEnded)
+        def handle(self, event, ctx):
+            seen.append("temp")
+
+    bus.attach(Temp())  # no other reference to the observer exists
+    gc.collect()
+    bus.emit(ended(7))
+    assert seen == [7, "temp"]
+
+
+def test_each_bus_has_its_own_namespace_not_the_global_one():
+    a, b = Bus(ctx=None), Bus(ctx=None)
+    seen = []
+    a.subscribe(RunEnded, lambda e, c: seen.append("a"))
+    b.emit(ended())
+    assert seen == []
+    assert "RunEnded" not in blinker.default_namespace
+
+
+def test_passive_failure_emits_observer_failed_and_training_goes_on_then_disables():
+    bus = Bus(ctx=None, max_failures=2)
+    failures: list[ObserverFailed] = []
+    after = []
+
+    def broken(event, ctx):
+        raise ValueError("disk full")
+
+    bus.subscribe(RunEnded, broken, name="broken")
+    bus.subscribe(RunEnded, lambda e, c: after.append(e.step))
+    bus.subscribe(ObserverFailed, lambda e, c: failures.append(e))
+    for step in range(4):
+        bus.emit(ended(step))
+    assert after == [0, 1, 2, 3]  # later handlers still ran every time
+    assert [(f.observer, f.failures, f.disabled) for f in failures] == [("broken", 1, False), ("broken", 2, True)]
+    assert "disk full" in failures[0].error
+
+
+def test_critical_failure_raises_critical_observer_error():
+    class Guard(Observer):
+        critical = True
+        priority = Priority.CONTROLLER
+
+        @on(RunEnded)
+        def handle(self, event, ctx):
+            raise RuntimeError("nan loss")
+
+    bus = Bus(ctx=None)
+    bus.attach(Guard())
+    with pytest.raises(CriticalObserverError, match="Guard") as info:
+        bus.emit(ended())
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_close_runs_for_every_observer_even_when_one_close_fails():
+    closed = []
+
+    class A(Observer):
+        @on(RunEnded)
+        def handle(self, event, ctx): ...
+
+        def close(self):
+            closed.append("a")
+            raise OSError("flush failed")
+
+    class B(A):
+        def close(self):
+            closed.append("b")
+
+    bus = Bus(ctx=None)
+    bus.attach(A())
+    bus.attach(B())
+    bus.close()
+    bus.close()  # idempotent
+    assert closed == ["a", "b"]
+
+
+def test_subscription_to_unknown_event_type_is_refused():
+    bus = Bus(ctx=None)
+
+    @attrs.frozen(kw_only=True)
+    class NotRegistered(Event):
+        pass
+
+    with pytest.raises(TypeError, match="not a registered event type"):
+        bus.subscribe(NotRegistered, lambda e, c: None)
+    with pytest.raises(TypeError, match="not a registered event type"):
+        bus.subscribe(dict, lambda e, c: None)  # type: ignore[arg-type]
+
+
+def test_subscription_with_wrong_handler_signature_is_refused():
+    bus = Bus(ctx=None)
+    with pytest.raises(TypeError, match=r"must accept \(event, ctx\)"):
+        bus.subscribe(RunEnded, lambda event: None)
+
+    class Bad(Observer):
+        @on(RunEnded)
+        def handle(self, event): ...
+
+    with pytest.raises(TypeError, match=r"must accept \(event, ctx\)"):
+        bus.attach(Bad())
+
+
+def test_observer_with_no_handlers_is_refused():
+    with pytest.raises(TypeError, match="no handlers"):
+        Bus(ctx=None).attach(Observer())
+
+
+def test_events_emitted_inside_a_handler_are_dispatched_after_the_current_event():
+    @register_event_type
+    @attrs.frozen(kw_only=True)
+    class Custom(Event):
+        note: str
+
+    bus = Bus(ctx=None)
+    order = []
+
+    def first(event, ctx):
+        order.append("first")
+        bus.emit(Custom(step=event.step, note="x"))
+
+    bus.subscribe(RunEnded, first)
+    bus.subscribe(RunEnded, lambda e, c: order.append("second"))
+    bus.subscribe(Custom, lambda e, c: order.append(f"custom-{e.note}"))
+    bus.emit(ended())
+    assert order == ["first", "second", "custom-x"]
+
+
+def test_journal_sees_the_event_before_a_crashing_critical_handler():
+    bus = Bus(ctx=None)
+    records = []
+    bus.add_journal(records.append)
+
+    def crash(event, ctx):
+        raise RuntimeError("boom")
+
+    bus.subscribe(StepStarted, crash, critical=True)
+    with pytest.raises(CriticalObserverError):
+        bus.emit(StepStarted(step=1, micro_step=1, accumulation_index=1, ends_optimizer_step=True,
+                             is_log_step=False, expert=None))
+    assert [r["_type"] for r in records] == ["StepStarted"]
+    assert records[0]["seq"] == 1 and records[0]["schema"] == 1

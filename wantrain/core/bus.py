@@ -1,0 +1,322 @@
+"""The event bus: typed events to observers, in a documented order, with a per-observer error policy.
+
+Guarantees (each one has a test named after it in ``tests/core/test_bus.py``):
+
+* **One namespace per bus.** Every bus owns a ``blinker.Namespace`` with one signal per event class; nothing is
+  connected to blinker's process-global ``signal()``, so buses (and tests) never leak receivers into each other.
+* **Strong references.** The bus holds every handler strongly (blinker ``weak=False``): a lambda, a closure or a
+  bound method of an otherwise unreferenced object keeps firing until the bus is closed.
+* **Deterministic order.** Handlers of an event run by priority, highest first -- ``Priority.CONTROLLER`` (observers
+  that change the run through the control object), then ``Priority.SINK`` (writers, probes), then
+  ``Priority.RECORDER`` -- and in subscription order within one priority. Journals (:meth:`Bus.add_journal`) see
+  each event before any handler (write-ahead: a crashing handler still leaves its triggering event on record).
+* **Checked subscriptions.** Subscribing to a class that is not a registered event type, or with a handler that
+  cannot be called as ``handler(event, ctx)``, raises ``TypeError`` at subscription time, not inside the loop.
+* **Error policy.** A *critical* observer's exception stops the dispatch and reaches the trainer as
+  :class:`CriticalObserverError`; the trainer ends the run cleanly (``RunEnded(status="failed")``, every observer
+  closed) and re-raises. A *passive* observer's exception is logged, an ``ObserverFailed`` event is emitted once the
+  current event has reached every other handler, and after ``max_failures`` failures the observer is disabled
+  (it receives nothing more) while training goes on.
+* **Re-entrancy.** An event emitted from inside a handler is queued and dispatched after the current event has
+  reached every handler, so each handler sees events in the order they were emitted.
+* **close() always runs.** :meth:`Bus.close` calls ``close()`` of every observer (disabled ones too), logs and
+  swallows their errors, and is idempotent; the trainer calls it in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import blinker
+import structlog
+
+from wantrain.core.errors import CriticalObserverError
+from wantrain.core.events import Event, ObserverFailed, known_event_types, to_record
+
+log = structlog.get_logger("wantrain.bus")
+
+Handler = Callable[[Any, Any], Any]
+
+
+class Priority(enum.IntEnum):
+    """Dispatch order of handlers for one event: higher runs first."""
+
+    CONTROLLER = 100
+    SINK = 0
+    RECORDER = -100
+
+
+def on(*event_types: type[Event]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark an :class:`Observer` method as the handler of ``event_types``: ``def handle(self, event, ctx)``."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        existing = getattr(fn, "_wantrain_events", ())
+        fn._wantrain_events = (*existing, *event_types)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+class Observer:
+    """Base class of observers: mark handler methods with :func:`on`; override :meth:`close` to flush.
+
+    Class attributes: ``priority`` (a :class:`Priority`), ``critical`` (True: an exception stops the run).
+    Observers reach live objects only through the ``ctx`` handed to each handler and request changes through
+    ``ctx.control``; they never touch the trainer.
+    """
+
+    priority: int = Priority.SINK
+    critical: bool = False
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def handlers(self) -> Iterator[tuple[type[Event], Handler]]:
+        for attr in dir(type(self)):
+            fn = getattr(type(self), attr, None)
+            for event_type in getattr(fn, "_wantrain_events", ()):
+                yield event_type, getattr(self, attr)
+
+    def close(self) -> None:
+        """Release resources. Runs exactly once, at the end of the run, also after a crash."""
+
+
+class _OrderedSet:
+    """The receiver-id set blinker keeps per sender, iterating in insertion order (blinker's ``set_class``)."""
+
+    def __init__(self, items: Any = ()) -> None:
+        self._d: dict[Any, None] = dict.fromkeys(items)
+
+    def add(self, item: Any) -> None:
+        self._d[item] = None
+
+    def discard(self, item: Any) -> None:
+        self._d.pop(item, None)
+
+    def copy(self) -> _OrderedSet:
+        return _OrderedSet(self._d)
+
+    def __or__(self, other: Any) -> _OrderedSet:
+        return _OrderedSet(itertools.chain(self._d, other))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(list(self._d))
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self._d
+
+
+class _OrderedSignal(blinker.NamedSignal):
+    set_class = _OrderedSet  # type: ignore[assignment]
+
+
+class _Namespace(blinker.Namespace):
+    def signal(self, name: str, doc: str | None = None) -> blinker.NamedSignal:
+        if name not in self:
+            self[name] = _OrderedSignal(name, doc)
+        return self[name]
+
+
+class _Subscription:
+    __slots__ = ("handler", "owner", "name", "priority", "critical", "seq", "receiver")
+
+    def __init__(self, handler: Handler, owner: Any, name: str, priority: int, critical: bool, seq: int) -> None:
+        self.handler = handler
+        self.owner = owner
+        self.name = name
+        self.priority = priority
+        self.critical = critical
+        self.seq = seq
+        self.receiver: Callable[..., Any] | None = None
+
+
+def _check_handler(event_type: Any, handler: Any, name: str) -> None:
+    if not (isinstance(event_type, type) and issubclass(event_type, Event) and event_type in known_event_types()):
+        known = ", ".join(t.__name__ for t in known_event_types())
+        raise TypeError(
+            f"{name}: cannot subscribe to {event_type!r}: not a registered event type (known: {known}; "
+            "register your own with wantrain.core.events.register_event_type)"
+        )
+    if not callable(handler):
+        raise TypeError(f"{name}: handler for {event_type.__name__} is not callable: {handler!r}")
+    try:
+        inspect.signature(handler).bind(object(), object())
+    except TypeError:
+        raise TypeError(
+            f"{name}: handler for {event_type.__name__} must accept (event, ctx); its signature is "
+            f"{inspect.signature(handler)}"
+        ) from None
+    except ValueError:
+        pass  # builtins without a signature: trust them
+
+
+class Bus:
+    """Dispatches events to handlers. See the module docstring for the guarantees."""
+
+    def __init__(self, ctx: Any = None, *, max_failures: int = 3) -> None:
+        self.ctx = ctx
+        self.max_failures = max_failures
+        self._ns = _Namespace()
+        self._subs: dict[type[Event], list[_Subscription]] = {}
+        self._observers: list[Any] = []  # strong references, attachment order
+        self._failures: dict[int, int] = {}
+        self._disabled: set[int] = set()
+        self._journals: list[Callable[[dict[str, Any]], None]] = []
+        self._seq = itertools.count(1)
+        self._sub_seq = itertools.count()
+        self._queue: deque[Event] = deque()
+        self._dispatching = False
+        self._pending_failures: list[ObserverFailed] = []
+        self._closed = False
+        self.emitted = 0
+
+    # -- subscription ------------------------------------------------------------------------------------------
+    def attach(self, observer: Any) -> Any:
+        """Subscribe every ``@on`` handler of ``observer``; returns it. Its ``close()`` runs at :meth:`close`."""
+        name = getattr(observer, "name", type(observer).__name__)
+        priority = int(getattr(observer, "priority", Priority.SINK))
+        critical = bool(getattr(observer, "critical", False))
+        handlers = list(observer.handlers()) if hasattr(observer, "handlers") else []
+        if not handlers:
+            raise TypeError(f"{name}: observer has no handlers (mark methods with @on(EventType))")
+        for event_type, handler in handlers:
+            _check_handler(event_type, handler, name)
+        for event_type, handler in handlers:
+            self._add(event_type, handler, observer, name, priority, critical)
+        self._observers.append(observer)
+        return observer
+
+    def subscribe(
+        self,
+        event_type: type[Event],
+        handler: Handler,
+        *,
+        name: str | None = None,
+        priority: int = Priority.SINK,
+        critical: bool = False,
+    ) -> Handler:
+        """Subscribe a plain callable ``handler(event, ctx)`` (a lambda is fine: it is held strongly)."""
+        name = name or getattr(handler, "__qualname__", repr(handler))
+        _check_handler(event_type, handler, name)
+        self._add(event_type, handler, handler, name, int(priority), critical)
+        return handler
+
+    def add_journal(self, journal: Callable[[dict[str, Any]], None]) -> None:
+        """``journal(record)`` sees the JSON record of every event before any handler (write-ahead)."""
+        self._journals.append(journal)
+
+    def _add(self, event_type: type[Event], handler: Handler, owner: Any, name: str, prio: int, crit: bool) -> None:
+        sub = _Subscription(handler, owner, name, prio, crit, next(self._sub_seq))
+        sub.receiver = self._make_receiver(sub, event_type)
+        subs = self._subs.setdefault(event_type, [])
+        subs.append(sub)
+        subs.sort(key=lambda s: (-s.priority, s.seq))
+        # Reconnect in dispatch order: blinker iterates the (ordered) receiver set in connection order.
+        signal = self._ns.signal(event_type.__name__)
+        for s in subs:
+            signal.disconnect(s.receiver)
+        for s in subs:
+            signal.connect(s.receiver, weak=False)
+
+    def _make_receiver(self, sub: _Subscription, event_type: type[Event]) -> Callable[..., Any]:
+        owner_id = id(sub.owner)
+
+        def receiver(_sender: Any, *, event: Event) -> None:
+            if owner_id in self._disabled:
+                return
+            try:
+                sub.handler(event, self.ctx)
+            except Exception as exc:  # noqa: BLE001 - the policy decides what happens next
+                if sub.critical:
+                    raise CriticalObserverError(sub.name, event_type.__name__, exc) from exc
+                self._passive_failure(sub, owner_id, event, exc)
+
+        return receiver
+
+    def _passive_failure(self, sub: _Subscription, owner_id: int, event: Event, exc: Exception) -> None:
+        count = self._failures.get(owner_id, 0) + 1
+        self._failures[owner_id] = count
+        disabled = count >= self.max_failures
+        if disabled:
+            self._disabled.add(owner_id)
+        log.warning(
+            "observer_failed", observer=sub.name, event_type=type(event).__name__, error=repr(exc),
+            failures=count, disabled=disabled, exc_info=exc,
+        )
+        self._pending_failures.append(
+            ObserverFailed(
+                step=event.step, observer=sub.name, event_type=type(event).__name__, error=repr(exc),
+                failures=count, disabled=disabled,
+            )
+        )
+
+    # -- dispatch ----------------------------------------------------------------------------------------------
+    def has_handlers(self, event_type: type[Event]) -> bool:
+        return bool(self._subs.get(event_type)) or bool(self._journals)
+
+    def emit(self, event: Event) -> None:
+        """Dispatch ``event`` to its handlers (queued if called from inside a handler)."""
+        self._queue.append(event)
+        if self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            while self._queue:
+                current = self._queue.popleft()
+                self._dispatch(current)
+                if self._pending_failures:
+                    failures, self._pending_failures = self._pending_failures, []
+                    self._queue.extend(failures)
+        finally:
+            self._dispatching = False
+            self._queue.clear()
+
+    def _dispatch(self, event: Event) -> None:
+        self.emitted += 1
+        if self._journals:
+            record = to_record(event, next(self._seq), time.time())
+            for journal in self._journals:
+                journal(record)
+        subs = self._subs.get(type(event))
+        if subs:
+            self._ns.signal(type(event).__name__).send(self, event=event)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+    def is_disabled(self, observer: Any) -> bool:
+        return id(observer) in self._disabled
+
+    @property
+    def observers(self) -> tuple[Any, ...]:
+        return tuple(self._observers)
+
+    def close(self) -> None:
+        """Run every observer's ``close()`` once (errors are logged, not raised), then drop all receivers."""
+        if self._closed:
+            return
+        self._closed = True
+        for observer in self._observers:
+            close = getattr(observer, "close", None)
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - one failing close must not stop the others
+                log.warning("observer_close_failed", observer=getattr(observer, "name", repr(observer)),
+                            error=repr(exc), exc_info=exc)
+        for event_type, subs in self._subs.items():
+            signal = self._ns.signal(event_type.__name__)
+            for s in subs:
+                signal.disconnect(s.receiver)
+        self._subs.clear()
+        self._journals.clear()
+        self.ctx = None
