@@ -211,9 +211,12 @@ class Bus:
         self._add(event_type, handler, handler, name, int(priority), critical)
         return handler
 
-    def add_journal(self, journal: Callable[[dict[str, Any]], None]) -> None:
-        """``journal(record)`` sees the JSON record of every event before any handler (write-ahead)."""
+    def add_journal(self, journal: Callable[[dict[str, Any]], None], *, owner: Any = None) -> None:
+        """``journal(record)`` sees the JSON record of every event before any handler (write-ahead). An
+        ``owner`` with a ``close()`` method is closed with the observers."""
         self._journals.append(journal)
+        if owner is not None:
+            self._observers.append(owner)
 
     def _add(self, event_type: type[Event], handler: Handler, owner: Any, name: str, prio: int, crit: bool) -> None:
         sub = _Subscription(handler, owner, name, prio, crit, next(self._sub_seq))

@@ -61,6 +61,8 @@ class ObserversConfig:
     tensorboard: bool = setting(True, doc="Write TensorBoard event files into `<run_dir>/tensorboard`.")
     jsonl: bool = setting(True, doc="Write `<run_dir>/metrics.jsonl`, one JSON object per logged step.")
     progress: bool = setting(True, doc="Show a progress line (step/total, it/s, ETA, loss).")
+    memory_probe: bool = setting(True, doc="Log RAM (and VRAM on CUDA) at each log step (`memory/*`).")
+    norms: bool = setting(True, doc="Log the global parameter and gradient L2 norms at each log step.")
     record_events: bool = setting(
         False, doc="Record every event to `<run_dir>/events.jsonl` (for `wantrain replay`)."
     )

@@ -1,1 +1,81 @@
-"""wantrain.observers"""
+"""Observers: independent features that subscribe to the bus.
+
+Users write their own by subclassing :class:`Observer` and marking handlers with :func:`on`; list them in the
+config as ``[observers] extra = ["package.module:ClassName"]``. See the README for a complete example.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+from wantrain.core.bus import Observer, Priority, on
+from wantrain.core.errors import UserError
+
+__all__ = ["Observer", "Priority", "build_observers", "load_observer_class", "on"]
+
+
+def load_observer_class(spec: str, *, key: str = "observers.extra", search_dirs: tuple[Path, ...] = ()) -> type:
+    """Import ``package.module:ClassName``. ``search_dirs`` (the config file's folder, the working directory) are
+    tried before the installed packages. Errors are one line naming the config key."""
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        raise UserError(f"{key} = {spec!r} is not of the form 'package.module:ClassName'")
+    module_name, class_name = spec.split(":")
+    added = [str(d) for d in search_dirs if str(d) not in sys.path]
+    sys.path[:0] = added
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"{key} = {spec!r}: cannot import module {module_name!r} ({exc})") from None
+    finally:
+        for d in added:
+            sys.path.remove(d)
+    cls = getattr(module, class_name, None)
+    if not inspect.isclass(cls):
+        raise UserError(f"{key} = {spec!r}: module {module_name!r} has no class {class_name!r}")
+    if not callable(getattr(cls, "handlers", None)):
+        raise UserError(
+            f"{key} = {spec!r}: {class_name} is not an observer (subclass wantrain.observers.Observer and mark "
+            "handlers with @on(EventType))"
+        )
+    return cls
+
+
+def build_observers(cfg: Any, run_dir: Path, *, config_dir: Path | None = None,
+                    hparams: dict[str, Any] | None = None) -> list[Any]:
+    """The observers a run config asks for, in attachment order. Users' classes are built with no arguments."""
+    from wantrain.observers.run_log import RunLog
+
+    obs_cfg = cfg.observers
+    observers: list[Any] = [RunLog()]
+    if obs_cfg.memory_probe:
+        from wantrain.observers.memory_probe import MemoryProbe
+
+        observers.append(MemoryProbe())
+    if obs_cfg.norms:
+        from wantrain.observers.norms import Norms
+
+        observers.append(Norms())
+    if obs_cfg.tensorboard:
+        from wantrain.observers.tensorboard import TensorBoardWriter
+
+        observers.append(TensorBoardWriter(run_dir / "tensorboard", hparams=hparams))
+    if obs_cfg.jsonl:
+        from wantrain.observers.jsonl_metrics import JsonlMetrics
+
+        observers.append(JsonlMetrics(run_dir / "metrics.jsonl"))
+    if obs_cfg.progress:
+        from wantrain.observers.progress import ProgressLine
+
+        observers.append(ProgressLine())
+    search = tuple(d for d in (config_dir, Path.cwd()) if d is not None)
+    for i, spec in enumerate(obs_cfg.extra):
+        cls = load_observer_class(spec, key=f"observers.extra[{i}]", search_dirs=search)
+        try:
+            observers.append(cls())
+        except TypeError as exc:
+            raise UserError(f"observers.extra[{i}] = {spec!r}: cannot build it with no arguments ({exc})") from None
+    return observers

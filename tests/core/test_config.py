@@ -1,0 +1,99 @@
+"""Config errors reach the user as one line naming the key, with exit code 2 and no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wantrain.cli.main import main
+from wantrain.config import RunConfig, load_config, reference_markdown
+from wantrain.core.config import structure
+from wantrain.core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(tmp_path: Path, toml: str, capsys, *extra: str) -> tuple[int, str]:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml)
+    code = main(["run", str(cfg), *extra])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [
+        ("[train]\nlr = 0.001\n", "unknown config key 'train.lr': this key belongs at 'optimizer.lr'"),
+        ("[train]\nmax_step = 5\n", "unknown config key 'train.max_step': did you mean 'train.max_steps'?"),
+        ("[train]\nmax_steps = 'ten'\n", "config key 'train.max_steps' = 'ten' has the wrong type; expected an integer"),
+        ("[optimizer]\nlr = -1.0\n", "config key 'optimizer.lr' = -1.0 is out of range; expected > 0"),
+        ("[nonsense]\nx = 1\n", "unknown config key 'nonsense'"),
+    ],
+    ids=["misplaced", "unknown", "wrong-type", "out-of-range", "unknown-table"],
+)
+def test_bad_config_gives_one_line_naming_the_key_and_exit_code_2(tmp_path, capsys, toml, expected):
+    code, err = run_cli(tmp_path, toml, capsys)
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert expected in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs").exists()  # nothing was created
+
+
+def test_bad_set_override_is_checked_like_the_file(tmp_path, capsys):
+    code, err = run_cli(tmp_path, "", capsys, "--set", "train.grad_accum=0")
+    assert code == 2 and "'train.grad_accum' = 0 is out of range; expected >= 1" in err
+
+
+def test_missing_config_file_is_one_line(tmp_path, capsys):
+    code = main(["run", str(tmp_path / "nope.toml")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "does not exist" in err and len(err.splitlines()) == 1
+
+
+def test_invalid_toml_is_one_line(tmp_path, capsys):
+    code, err = run_cli(tmp_path, "[train\nmax_steps = 3", capsys)
+    assert code == 2 and "is not valid TOML" in err and len(err.splitlines()) == 1
+
+
+def test_cli_process_prints_no_traceback_for_a_config_error(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[model]\nvariant = 'tiny-tv2'\n")
+    proc = subprocess.run([sys.executable, "-m", "wantrain.cli.main", "run", str(cfg)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "wantrain run: error: config key 'model.variant' = 'tiny-tv2' is not valid; expected one of 't2v-a14b', "
+        "'i2v-a14b', 'ti2v-5b', 'tiny-t2v', 'tiny-i2v', 'tiny-ti2v' (did you mean 'tiny-t2v'?)"
+    ]
+
+
+def test_set_overrides_parse_toml_values_and_bare_strings(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\nmax_steps = 3\n")
+    loaded = load_config(cfg, ["train.max_steps=7", "train.device=cpu", "optimizer.lr=2e-4"])
+    assert loaded.train.max_steps == 7 and loaded.train.device == "cpu" and loaded.optimizer.lr == 2e-4
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+    cfg = tmp_path / "sub" / "c.toml"
+    cfg.parent.mkdir()
+    cfg.write_text("[run]\noutput_dir = 'out'\n")
+    assert load_config(cfg).run.output_dir == (tmp_path / "sub" / "out").resolve()
+
+
+def test_seed_table_name_lr_scheduler_config_is_accepted():
+    cfg = structure(RunConfig, {"lr_scheduler_config": {"type": "constant"}})
+    assert cfg.lr_scheduler.type == "constant"
+    with pytest.raises(ConfigError, match="given twice"):
+        structure(RunConfig, {"lr_scheduler_config": {"type": "constant"}, "lr_scheduler": {"type": "constant"}})
+
+
+def test_docs_config_md_is_generated_from_the_schema():
+    assert (ROOT / "docs" / "config.md").read_text(encoding="utf-8") == reference_markdown(), (
+        "docs/config.md is stale: run `python -m wantrain.config > docs/config.md`"
+    )

@@ -1,0 +1,71 @@
+"""structlog configuration for a run: a human-readable console and a JSON-lines file in the run directory.
+
+Both go through stdlib ``logging`` handlers on the ``wantrain`` logger (two renderers for one event stream);
+wantrain logs a handful of lines per run, so the cost of the stdlib route does not matter here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import structlog
+
+_SHARED = [
+    structlog.contextvars.merge_contextvars,
+    structlog.stdlib.add_log_level,
+    structlog.stdlib.add_logger_name,
+    structlog.processors.TimeStamper(fmt="iso", utc=True),
+]
+
+
+def configure_logging(log_file: Path | None = None, *, level: int = logging.INFO) -> logging.Handler | None:
+    """Send wantrain's logs to stderr (readable) and, if given, ``log_file`` (one JSON object per line).
+
+    Returns the file handler so the caller can close it at the end of the run (:func:`close_log_file`).
+    """
+    structlog.configure(
+        processors=[*_SHARED, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    root = logging.getLogger("wantrain")
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
+    root.propagate = False
+
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=_SHARED,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.dev.ConsoleRenderer(
+                colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
+            ),
+        ],
+    ))
+    root.addHandler(console)
+
+    file_handler = None
+    if log_file is not None:
+        file_handler = logging.FileHandler(log_file, encoding="utf-8")
+        file_handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=_SHARED,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.dict_tracebacks,
+                structlog.processors.JSONRenderer(),
+            ],
+        ))
+        root.addHandler(file_handler)
+    return file_handler
+
+
+def close_log_file(handler: logging.Handler | None) -> None:
+    if handler is not None:
+        logging.getLogger("wantrain").removeHandler(handler)
+        handler.close()

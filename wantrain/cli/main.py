@@ -1,0 +1,56 @@
+"""``wantrain`` command line. Only the chosen subcommand's module is imported (``wantrain check`` stays fast).
+
+A ``UserError`` (bad config key or value, missing file, unreadable media or checkpoint) prints one line and
+exits with code 2, without a traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from wantrain import __version__
+from wantrain.core.errors import UserError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("wantrain.cli.run", "train a LoRA from a config"),
+    "check": ("wantrain.cli.check", "pre-flight report: buckets, skipped files, steps per epoch, VRAM estimate"),
+    "cache": ("wantrain.cli.cache", "precompute VAE latents and text embeddings"),
+    "schedule": ("wantrain.cli.schedule", "preview the learning-rate schedule (plot and key points)"),
+    "report": ("wantrain.cli.report", "draw a PNG dashboard and a summary of a run directory"),
+    "inspect-lora": ("wantrain.cli.inspect_lora", "show and validate a LoRA .safetensors file"),
+}
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wantrain", description="LoRA trainer for Wan 2.2 video models.")
+    parser.add_argument("--version", action="version", version=f"wantrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+    except UserError as exc:
+        print(f"wantrain {args.command}: error: {exc}", file=sys.stderr)
+        return UserError.exit_code
+    except KeyboardInterrupt:
+        print(f"wantrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

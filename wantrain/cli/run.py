@@ -1,0 +1,154 @@
+"""``wantrain run CONFIG``: assemble the parts a config describes and hand them to the core's Trainer.
+
+Order matters for the user: everything that can fail on bad input (config, data, model files, observers) is
+checked before the run directory is created, so a typo never leaves an empty run behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wantrain.cli.common import add_config_arguments
+from wantrain.core.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--run-id", help="suffix of the run directory: letters, digits, '.', '_' or '-'")
+    parser.add_argument("--max-steps", type=int, help="optimizer steps to train (overrides train.max_steps)")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("config key 'train.device' asks for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
+    return device
+
+
+def flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            flatten(f"{prefix}.{k}" if prefix else k, v, out)
+    elif isinstance(value, list):
+        out[prefix] = json.dumps(value)
+    else:
+        out[prefix] = value
+    return out
+
+
+@contextmanager
+def stop_on_signals(control: Any) -> Iterator[None]:
+    """First Ctrl-C / SIGTERM asks for a clean stop (the LoRA is saved); a second Ctrl-C interrupts at once."""
+    previous = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        if control.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        control.request_stop(f"signal {signal.Signals(signum).name}")
+        print(f"\nwantrain: {signal.Signals(signum).name} received; stopping after this step "
+              "(Ctrl-C again to abort without saving)", file=sys.stderr)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread (tests)
+            pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wantrain.config import load_config
+
+    overrides = list(args.set or [])
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    if args.run_id is not None:
+        overrides.append(f"run.run_id={json.dumps(args.run_id)}")
+    cfg = load_config(args.config, overrides)
+    result = train(cfg, config_dir=Path(args.config).resolve().parent)
+    print(f"wantrain: run {result['status']} after {result['steps']} steps; run directory: {result['run_dir']}",
+          file=sys.stderr)
+    for path in result["saved"]:
+        print(f"  {path}", file=sys.stderr)
+    return 0 if result["status"] in ("completed", "stopped") else 1
+
+
+def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
+    """Run the training a validated config describes. Returns status, steps, run_dir and saved paths."""
+    import tomli_w
+
+    from wantrain.cli.logs import close_log_file, configure_logging
+    from wantrain.config import to_plain
+    from wantrain.core.bus import Bus
+    from wantrain.core.loop import LoopSettings, Trainer
+    from wantrain.core.rundir import create_run_dir, sanitize_run_id
+    from wantrain.data import build_dataset
+    from wantrain.models.wan22 import build_adapter
+    from wantrain.models.wan22.variants import variant_spec
+    from wantrain.observers import build_observers
+    from wantrain.observers.event_recorder import EventRecorder
+    from wantrain.schedulers import build_scheduler
+
+    if cfg.run.run_id is not None:
+        sanitize_run_id(cfg.run.run_id)
+    torch.manual_seed(cfg.run.seed)
+    device = resolve_device(cfg.train.device)
+    spec = variant_spec(cfg.model.variant)
+    data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
+    adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
+    plain = to_plain(cfg)
+    hparams = flatten("", plain, {})
+    # Build observers before the run directory exists would need the directory; validate users' classes first.
+    from wantrain.observers import load_observer_class
+
+    for i, spec_str in enumerate(cfg.observers.extra):
+        load_observer_class(spec_str, key=f"observers.extra[{i}]",
+                            search_dirs=tuple(d for d in (config_dir, Path.cwd()) if d is not None))
+
+    run_dir = create_run_dir(cfg.run.output_dir, cfg.run.run_id)
+    (run_dir / "config.toml").write_text(tomli_w.dumps(plain), encoding="utf-8")
+    (run_dir / "preflight.json").write_text(json.dumps(data.report.to_json(), indent=2), encoding="utf-8")
+    log_handler = configure_logging(run_dir / "log.jsonl")
+    try:
+        optimizer = torch.optim.AdamW(
+            adapter.param_groups(), lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
+            eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay,
+            foreach=True,
+        )
+        scheduler = build_scheduler(cfg.lr_scheduler, optimizer, total_steps=cfg.train.max_steps)
+        bus = Bus()
+        for observer in build_observers(cfg, run_dir, config_dir=config_dir, hparams=hparams):
+            bus.attach(observer)
+        if cfg.observers.record_events:
+            EventRecorder(run_dir / "events.jsonl").attach_to(bus)
+        trainer = Trainer(
+            adapter=adapter, batches=data.batches(adapter), optimizer=optimizer, scheduler=scheduler,
+            saver=adapter.saver(run_dir, cfg.run.name), settings=LoopSettings.from_config(cfg.train), bus=bus,
+            run_dir=run_dir, config=cfg, seed=cfg.run.seed,
+        )
+        with stop_on_signals(trainer.control):
+            result = trainer.run()
+    finally:
+        close_log_file(log_handler)
+    return {"status": result.status, "reason": result.reason, "steps": result.steps, "run_dir": str(run_dir),
+            "saved": list(result.saved)}
+
+

@@ -1,0 +1,53 @@
+"""Logs the run's milestones (start, expert switches, saves, out-of-memory, observer failures, end) with structlog.
+
+Per-step numbers go to the metrics writers, not to the log.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from wantrain.core.bus import Observer, Priority, on
+from wantrain.core.events import (
+    CheckpointSaved,
+    ExpertSwitched,
+    ObserverFailed,
+    OutOfMemory,
+    RunEnded,
+    RunStarted,
+)
+
+log = structlog.get_logger("wantrain.run")
+
+
+class RunLog(Observer):
+    priority = Priority.SINK
+
+    @on(RunStarted)
+    def started(self, event: RunStarted, ctx) -> None:
+        log.info("run_started", run_dir=event.run_dir, total_steps=event.total_steps, start_step=event.step,
+                 grad_accum=event.grad_accum, experts=[e or "single" for e in event.experts])
+
+    @on(ExpertSwitched)
+    def switched(self, event: ExpertSwitched, ctx) -> None:
+        log.info("expert_switched", step=event.step, previous=event.previous, expert=event.expert)
+
+    @on(CheckpointSaved)
+    def saved(self, event: CheckpointSaved, ctx) -> None:
+        log.info("lora_saved", step=event.step, final=event.final, reason=event.reason, paths=list(event.paths))
+
+    @on(OutOfMemory)
+    def out_of_memory(self, event: OutOfMemory, ctx) -> None:
+        log.error("out_of_memory", step=event.step, phase=event.phase, expert=event.expert,
+                  consecutive=event.consecutive, message=event.message,
+                  action="batch skipped; the run stops after train.max_consecutive_oom in a row")
+
+    @on(ObserverFailed)
+    def observer_failed(self, event: ObserverFailed, ctx) -> None:
+        log.warning("observer_disabled" if event.disabled else "observer_error", observer=event.observer,
+                    event_type=event.event_type, error=event.error, failures=event.failures)
+
+    @on(RunEnded)
+    def ended(self, event: RunEnded, ctx) -> None:
+        method = log.info if event.status != "failed" else log.error
+        method("run_ended", step=event.step, status=event.status, reason=event.reason)
