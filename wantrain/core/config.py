@@ -213,7 +213,7 @@ class _Structurer:
                 raise ConfigError(f"config key '{key_path}' is given twice (once under another accepted name)")
             kwargs[f.name] = self.value(hints[f.name], value, key_path, f)
         if extra_field is not None:
-            kwargs[extra_field] = extras
+            kwargs[extra_field] = {**kwargs.get(extra_field, {}), **extras}
         try:
             return cls(**kwargs)
         except ConfigError:
@@ -313,9 +313,12 @@ def unstructure(obj: Any) -> Any:
     """The plain-data form of a section tree (for writing the resolved config); ``None`` values are dropped."""
     if attrs.has(type(obj)):
         out = {}
+        extra_field = getattr(type(obj), "__wantrain_extra__", None)
         for f in attrs.fields(type(obj)):
             v = unstructure(getattr(obj, f.name))
-            if v is not None:
+            if f.name == extra_field:
+                out.update(v or {})  # written back as the user wrote them: keys of the table itself
+            elif v is not None:
                 out[f.name] = v
         return out
     if isinstance(obj, list | tuple):
