@@ -91,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["status"] in ("completed", "stopped") else 1
 
 
+def write_preflight(run_dir: Path, data: Any) -> None:
+    tmp = run_dir / "preflight.json.tmp"
+    tmp.write_text(json.dumps(data.report.to_json(), indent=2), encoding="utf-8")
+    tmp.replace(run_dir / "preflight.json")
+
+
 def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
     """Run the training a validated config describes. Returns status, steps, run_dir and saved paths."""
     import tomli_w
@@ -125,7 +131,9 @@ def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
 
     run_dir = create_run_dir(cfg.run.output_dir, cfg.run.run_id)
     (run_dir / "config.toml").write_text(tomli_w.dumps(plain), encoding="utf-8")
-    (run_dir / "preflight.json").write_text(json.dumps(data.report.to_json(), indent=2), encoding="utf-8")
+    data.set_vram_estimate(rank=cfg.lora.rank, base_dtype=cfg.model.base_dtype,
+                           gradient_checkpointing=cfg.model.gradient_checkpointing)
+    write_preflight(run_dir, data)
     log_handler = configure_logging(run_dir / "log.jsonl")
     try:
         optimizer = torch.optim.AdamW(
@@ -147,6 +155,7 @@ def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
         with stop_on_signals(trainer.control):
             result = trainer.run()
     finally:
+        write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
         close_log_file(log_handler)
     return {"status": result.status, "reason": result.reason, "steps": result.steps, "run_dir": str(run_dir),
             "saved": list(result.saved)}

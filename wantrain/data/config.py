@@ -22,7 +22,7 @@ from wantrain.core.errors import ConfigError
 
 ClipMode = Literal["head", "uniform", "slide"]
 
-DEFAULT_ASPECT_RATIOS = (0.5, 0.5625, 2 / 3, 0.75, 1.0, 4 / 3, 1.5, 16 / 9, 2.0)
+DEFAULT_ASPECT_RATIOS = (0.5, 0.5625, 0.6667, 0.75, 1.0, 1.3333, 1.5, 1.7778, 2.0)  # 1:2 ... 9:16, 3:4, 1:1 ... 2:1
 
 
 def _check_frames(where: str, frames: list[int] | None) -> None:
@@ -33,7 +33,8 @@ def _check_frames(where: str, frames: list[int] | None) -> None:
     bad = [f for f in frames if f < 1 or (f - 1) % 4]
     if bad:
         raise ConfigError(
-            f"config key '{where}' = {frames!r}: {bad[0]} is not of the form 4k+1; valid counts are 1, 5, 9, 13, ..., 81"
+            f"config key '{where}' = {frames!r}: {bad[0]} is not of the form 4k+1; "
+            "valid counts are 1, 5, 9, 13, ..., 81"
         )
 
 
@@ -49,7 +50,7 @@ def _check_resolutions(where: str, resolutions: list[int] | None) -> None:
 
 @section
 class DatasetConfig:
-    """One folder of media (``[[data.datasets]]``). Unset keys are taken from ``[data]``."""
+    """One folder of media. Unset keys are taken from `[data]`."""
 
     path: Path = setting(doc="Folder of images and videos; each has a same-named caption file (searched recursively).")
     repeats: int | None = setting(None, doc="Times each clip of this folder appears per epoch.", range=at_least(1))
@@ -126,7 +127,9 @@ class DataConfig:
         _check_frames("data.frames", self.frames)
         _check_resolutions("data.resolutions", self.resolutions)
         if not self.aspect_ratios or any(r <= 0 for r in self.aspect_ratios):
-            raise ConfigError(f"config key 'data.aspect_ratios' = {self.aspect_ratios!r}: give positive width/height ratios")
+            raise ConfigError(
+                f"config key 'data.aspect_ratios' = {self.aspect_ratios!r}: give positive width/height ratios"
+            )
 
     def dataset_list(self) -> list[DatasetConfig]:
         """The datasets of either form; empty when neither ``path`` nor ``datasets`` is set."""

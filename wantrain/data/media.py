@@ -17,11 +17,12 @@ from pathlib import Path
 
 import attrs
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 VIDEO_EXTENSIONS = frozenset({".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"})
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 
+_EXIF_ORIENTATION = 0x0112
 RESIZE_VERSION = "cover-centre-crop/pil-bicubic-antialias/v1"  # part of every latent cache key
 
 
@@ -81,8 +82,11 @@ def probe(path: Path) -> MediaInfo:
 def _probe_image(path: Path) -> MediaInfo:
     try:
         with Image.open(path) as im:
+            im.verify()  # checks structure (PNG CRCs, ...) without a full decode; must come right after open
+        with Image.open(path) as im:
             width, height = im.size
-            im.verify()  # checks structure (PNG CRCs, ...) without a full decode
+            if im.getexif().get(_EXIF_ORIENTATION) in (5, 6, 7, 8):  # shown rotated by 90 degrees
+                width, height = height, width
     except Exception as exc:  # Pillow raises many types for bad files
         raise MediaError(f"unreadable image: {_one_line(exc)}") from None
     return MediaInfo(kind="image", width=width, height=height, frames=1, fps=None, container_frames=1)
@@ -94,7 +98,7 @@ def _probe_video(path: Path) -> MediaInfo:
     try:
         with av.open(str(path)) as container:
             if not container.streams.video:
-                raise MediaError("no video stream")
+                raise MediaError("no video stream found (truncated, or not a video)")
             stream = container.streams.video[0]
             width, height = stream.codec_context.width, stream.codec_context.height
             rate = stream.average_rate or stream.guessed_rate or stream.base_rate
@@ -154,6 +158,7 @@ def load_image(path: Path, dst_w: int, dst_h: int) -> np.ndarray:
     try:
         with Image.open(path) as im:
             im.load()
+            im = ImageOps.exif_transpose(im)  # camera orientation, as viewers show it
             if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
                 rgba = im.convert("RGBA")
                 im = Image.new("RGB", rgba.size, (255, 255, 255))

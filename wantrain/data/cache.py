@@ -1,0 +1,150 @@
+"""On-disk cache of VAE latents and text embeddings (safetensors, one file per clip / per caption).
+
+Layout, per cache folder (``[data] cache_dir``, else ``<dataset>/.wantrain_cache``)::
+
+    latents/<key>.safetensors   every tensor ``encode_media`` returned for one clip (batch dim removed)
+    text/<key>.safetensors      every tensor ``encode_text`` returned for one caption (batch dim removed)
+    verified.json               real frame counts found by decoding, by content fingerprint
+
+A latent key hashes the file's content fingerprint (size, mtime, sampled blocks), everything that shapes the
+clip's pixels (start, frames, source and target fps, bucket size, resize version) and ``encoder_identity``. A text
+key hashes the caption and ``encoder_identity``. Changing one processing parameter therefore misses exactly the
+entries it affects. Writes go to a temporary file in the same folder and are renamed into place, so a killed run
+never leaves a half-written entry. :func:`ensure_cache` deletes entries no current clip or caption uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+if TYPE_CHECKING:
+    from wantrain.data.training import TrainingData
+
+FORMAT_VERSION = 1
+CACHE_DIRNAME = ".wantrain_cache"
+
+
+def _digest(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:40]
+
+
+def latent_key(params: dict[str, Any], encoder_identity: str) -> str:
+    return _digest({"format": FORMAT_VERSION, "kind": "latents", "encoder": encoder_identity, **params})
+
+
+def text_key(caption: str, encoder_identity: str) -> str:
+    return _digest({"format": FORMAT_VERSION, "kind": "text", "encoder": encoder_identity, "caption": caption})
+
+
+def entry_path(cache_dir: Path, kind: str, key: str) -> Path:
+    return cache_dir / kind / f"{key}.safetensors"
+
+
+def save_entry(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write atomically: a temporary file in the same folder, then ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_entry(path: Path) -> dict[str, torch.Tensor] | None:
+    """The tensors of one entry, or None when it is missing or unreadable (then it is re-encoded)."""
+    if not path.is_file():
+        return None
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError):
+        return None
+
+
+def split_batch(out: dict[str, torch.Tensor], n: int, who: str) -> list[dict[str, torch.Tensor]]:
+    """Per-sample dicts from an encoder's batched output (every tensor's dim 0 must be ``n``)."""
+    for k, v in out.items():
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise TypeError(f"{who} returned {k!r} with shape {shape}; every value must be a tensor with dim 0 = {n}")
+    return [{k: v[i] for k, v in out.items()} for i in range(n)]
+
+
+def read_verified(cache_dir: Path) -> dict[str, int]:
+    try:
+        data = json.loads((cache_dir / "verified.json").read_text())
+        return {str(k): int(v) for k, v in data.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def write_verified(cache_dir: Path, fingerprint: str, frames: int) -> None:
+    data = read_verified(cache_dir)
+    data[fingerprint] = frames
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="verified.", suffix=".tmp", dir=cache_dir)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, sort_keys=True)
+    os.replace(tmp, cache_dir / "verified.json")
+
+
+@attrs.frozen
+class CacheStats:
+    """What :func:`ensure_cache` did."""
+
+    latents_hit: int
+    latents_encoded: int
+    texts_hit: int
+    texts_encoded: int
+    orphans_removed: int
+    clips_failed: int  # clips that could not be decoded (now in the report's verification list)
+
+    @property
+    def hits(self) -> int:
+        return self.latents_hit + self.texts_hit
+
+    @property
+    def encoded(self) -> int:
+        return self.latents_encoded + self.texts_encoded
+
+    def format(self) -> str:
+        return (f"cache: {self.latents_hit} latents and {self.texts_hit} text embeddings already cached, "
+                f"{self.latents_encoded} latents and {self.texts_encoded} text embeddings encoded, "
+                f"{self.orphans_removed} orphaned entries removed, {self.clips_failed} clips failed to decode")
+
+
+def remove_orphans(expected: dict[Path, set[Path]]) -> int:
+    """Delete entries (and stale temporary files) in the ``latents``/``text`` folders of each cache folder that
+    are not in ``expected[cache_dir]``."""
+    removed = 0
+    for cache_dir, keep in expected.items():
+        for kind in ("latents", "text"):
+            folder = cache_dir / kind
+            if not folder.is_dir():
+                continue
+            for f in folder.iterdir():
+                if f.is_file() and f not in keep and (f.suffix in (".safetensors", ".tmp")):
+                    f.unlink(missing_ok=True)
+                    removed += 1
+    return removed
+
+
+def ensure_cache(data: TrainingData, encoders: Any) -> CacheStats:
+    """Encode and cache every clip and caption that is not cached yet, then remove orphaned entries.
+
+    For ``wantrain cache``. Decodes only the clips whose latents are missing; calls the encoders only when something
+    is missing. Clips that fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).
+    """
+    return data.fill_cache(encoders)

@@ -1,0 +1,176 @@
+"""Scan, probe and plan: from folders of media to bucketed :class:`Clip` s and the pre-flight report.
+
+:func:`build_dataset` decodes nothing: every usable medium becomes one or more clips (one per clip cut and per area
+budget), each in a bucket ``(width, height, frames)``; unusable files are skipped with a reason in the report.
+:class:`~wantrain.data.training.TrainingData` then yields the batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from wantrain.core.errors import UserError
+from wantrain.data import cache as cachelib
+from wantrain.data.clips import Clip
+from wantrain.data.config import DataConfig
+from wantrain.data.media import MediaError, cropped_fraction, fingerprint, kind_of, probe, read_caption
+from wantrain.data.plan import (
+    clip_starts,
+    covered_frames,
+    nearest_bucket,
+    pick_frame_bucket,
+    retimed_count,
+    size_buckets,
+)
+from wantrain.data.report import PreflightReport
+from wantrain.data.training import TrainingData
+
+log = structlog.get_logger("wantrain.data")
+
+
+def _normalise_ext(ext: str) -> str:
+    return ext if ext.startswith(".") else "." + ext
+
+
+def _media_files(root: Path, caption_ext: str) -> tuple[list[Path], list[Path]]:
+    """Media files under ``root`` (recursively) and the other files that are not captions; hidden files and
+    folders (the cache) excluded; both sorted."""
+    media, other = [], []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        if kind_of(p) is not None:
+            media.append(p)
+        elif p.suffix.lower() != caption_ext.lower():
+            other.append(p)
+    return sorted(media), sorted(other)
+
+
+def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> TrainingData:
+    """Scan, probe and bucket every dataset of ``cfg`` for the variant ``spec`` (a ``VariantSpec``).
+
+    Decodes nothing. Raises :class:`UserError` when a dataset folder is missing, a frame bucket does not suit the
+    variant, or no usable sample is left.
+    """
+    datasets = cfg.dataset_list()
+    if not datasets:
+        raise UserError("no training data: set 'data.path' to a folder of media, or add [[data.datasets]] tables")
+    target_fps = None if cfg.retime == "off" else float(cfg.fps or spec.target_fps)
+    report = PreflightReport(variant=spec.name, target_fps=target_fps, retime=cfg.retime, batch_size=batch_size,
+                             remainder_policy=cfg.remainder)
+    clips: list[Clip] = []
+    cropped: list[float] = []
+    for ds in datasets:
+        r = cfg.resolved(ds)
+        if not r.path.is_dir():
+            raise UserError(f"data path '{r.path}' is not a folder (set 'data.path' or 'path' in [[data.datasets]])")
+        default_side = round(math.sqrt(spec.default_resolution[0] * spec.default_resolution[1]))
+        sides = sorted(set(r.resolutions or [default_side]))
+        frame_buckets = sorted(set(r.frames or [spec.default_frames]))
+        bad = [f for f in frame_buckets if (f - 1) % spec.frame_multiple]
+        if bad:
+            raise UserError(f"frame bucket {bad[0]} in 'data.frames' does not suit {spec.name}: frame counts must be "
+                            f"{spec.frame_multiple}k+1")
+        sizes = {s: size_buckets(s, cfg.aspect_ratios, spec.spatial_multiple) for s in sides}
+        cache_dir = (cfg.cache_dir or (r.path / cachelib.CACHE_DIRNAME)).resolve()
+        verified = cachelib.read_verified(cache_dir)
+        ext = _normalise_ext(r.caption_extension)
+        if r.clip_mode not in report.clip_modes:
+            report.clip_modes.append(r.clip_mode)
+        counts = Counter()
+        skipped_here = 0
+
+        def skip(path: Path, reason: str) -> None:
+            nonlocal skipped_here
+            report.skipped.append({"path": str(path), "reason": reason})
+            skipped_here += 1
+
+        media, other = _media_files(r.path, ext)
+        report.ignored_files.extend(str(p) for p in other)
+        for path in media:
+            kind = kind_of(path)
+            counts[kind] += 1
+            caption_path = path.with_suffix(ext)
+            if caption_path.is_file():
+                try:
+                    caption = read_caption(caption_path)
+                except MediaError as exc:
+                    skip(path, str(exc))
+                    continue
+            elif cfg.missing_caption == "empty":
+                caption = ""
+            else:
+                skip(path, f"no caption file {caption_path.name} (set data.missing_caption = \"empty\" to train "
+                           "it with an empty caption)")
+                continue
+            try:
+                info = probe(path)
+                content = _fingerprint(path)
+            except MediaError as exc:
+                skip(path, str(exc))
+                continue
+            frames_real = info.frames
+            if content in verified:
+                frames_real = min(frames_real, verified[content])
+            if info.kind == "video":
+                if info.container_frames and info.container_frames != frames_real:
+                    report.frame_count_mismatches.append(
+                        {"path": str(path), "container_frames": info.container_frames, "frames": frames_real})
+                available = retimed_count(frames_real, info.fps, target_fps)
+                report.retimed.append({"path": str(path), "source_fps": info.fps, "source_frames": frames_real,
+                                       "target_fps": target_fps or info.fps, "frames": available})
+                length = pick_frame_bucket(available, frame_buckets)
+                if length is None:
+                    via = "" if available == frames_real else f" ({frames_real} at {info.fps:g} fps)"
+                    skip(path, f"too short: {available} frames at {target_fps or info.fps:g} fps{via}; "
+                               f"the shortest frame bucket is {frame_buckets[0]}")
+                    continue
+                starts = clip_starts(available, length, r.clip_mode, clips_per_video=cfg.clips_per_video,
+                                     stride=cfg.clip_stride)
+                report.source_frames_total += available
+                report.frames_left_over += available - covered_frames(starts, length)
+            else:
+                length, starts = 1, [0]
+            for side in sides:
+                sb = nearest_bucket(info.width, info.height, sizes[side])
+                for start in starts:
+                    clips.append(Clip(
+                        path=path, kind=info.kind, caption=caption, width=sb.width, height=sb.height, frames=length,
+                        start=start, source_fps=info.fps, target_fps=target_fps if info.kind == "video" else None,
+                        source_frames=frames_real, source_width=info.width, source_height=info.height,
+                        fingerprint=content, cache_dir=cache_dir, repeats=r.repeats,
+                        frame_buckets=tuple(frame_buckets),
+                    ))
+                    cropped.append(cropped_fraction(info.width, info.height, sb.width, sb.height))
+        n_clips = sum(1 for c in clips if c.path.is_relative_to(r.path))
+        report.datasets.append({"path": str(r.path), "videos": counts["video"], "images": counts["image"],
+                                "clips": n_clips, "repeats": r.repeats, "skipped": skipped_here,
+                                "resolutions": sides, "frames": frame_buckets, "clip_mode": r.clip_mode,
+                                "cache_dir": str(cache_dir)})
+    if report.skipped:
+        reasons = Counter(s["reason"].split(":")[0] for s in report.skipped)
+        log.warning("data.files_skipped", count=len(report.skipped), reasons=dict(reasons))
+    if not clips:
+        first = report.skipped[0] if report.skipped else None
+        detail = f"; first: {first['path']}: {first['reason']}" if first else "; no media files found"
+        raise UserError(f"no usable sample in {', '.join(d['path'] for d in report.datasets)}: "
+                        f"{len(report.skipped)} files skipped{detail} (run 'wantrain check' for the full list)")
+    report.pixels_cropped_pct = 100.0 * float(np.mean(cropped))
+    report.frames_left_over_pct = (100.0 * report.frames_left_over / report.source_frames_total
+                                   if report.source_frames_total else 0.0)
+    return TrainingData(clips, report, batch_size=batch_size, remainder=cfg.remainder, shuffle=cfg.shuffle,
+                        seed=seed, spec=spec)
+
+
+def _fingerprint(path: Path) -> str:
+    try:
+        return fingerprint(path)
+    except OSError as exc:
+        raise MediaError(f"cannot read file: {exc.strerror or exc}") from None

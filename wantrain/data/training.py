@@ -1,0 +1,365 @@
+"""An endless, seeded stream of bucketed batches, decoded, encoded and cached on first use.
+
+Decode-time verification: when a video yields fewer frames than planned, the clip is re-bucketed to the longest
+frame bucket that still fits (from the next epoch on) or skipped; either way it is logged and appended to
+``report.verification``, the real count is remembered in the cache folder's ``verified.json``, and training goes
+on. A batch whose clips all fail is simply not yielded.
+
+Performance: decoding and encoding happen in the caller's thread when a batch is first needed (uncached); run
+``wantrain cache`` first to keep them out of the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from wantrain.core.errors import UserError
+from wantrain.data import cache as cachelib
+from wantrain.data.clips import Bucket, Clip, MediaEncoders
+from wantrain.data.media import MediaError, decode_video, load_image
+from wantrain.data.plan import pick_frame_bucket, retimed_count
+from wantrain.data.report import BucketRow, PreflightReport, estimate_peak_vram_gb
+
+log = structlog.get_logger("wantrain.data")
+
+
+class TrainingData:
+    """Bucketed clips and the batches they make. Built by :func:`build_dataset`.
+
+    ``steps_per_epoch`` counts the micro-batches of the first epoch; with ``remainder = "carry"`` a later epoch may
+    hold one more batch per bucket (the carried samples), so epochs average ``samples / batch_size`` per bucket.
+    """
+
+    def __init__(self, clips: list[Clip], report: PreflightReport, *, batch_size: int, remainder: str,
+                 shuffle: bool, seed: int, spec: Any) -> None:
+        self.clips = clips
+        self.report = report
+        self.batch_size = batch_size
+        self.remainder = remainder
+        self.shuffle = shuffle
+        self.seed = seed
+        self.spec = spec
+        self.steps_per_epoch = 0
+        self._dirs: list[Path] | None = None
+        self._caption_dirs: dict[str, Path] | None = None
+        self._refresh_report()
+
+    # ---- planning -------------------------------------------------------------------------------------------
+    def _members(self) -> dict[Bucket, list[int]]:
+        """Clip indices per bucket, each repeated ``repeats`` times; active clips only; buckets sorted."""
+        members: dict[Bucket, list[int]] = {}
+        for i, c in enumerate(self.clips):
+            if c.active:
+                members.setdefault(c.bucket, []).extend([i] * c.repeats)
+        return dict(sorted(members.items()))
+
+    def _carries(self, n: int) -> bool:
+        return self.remainder == "carry" and n >= self.batch_size
+
+    def _refresh_report(self) -> None:
+        rows = []
+        steps = 0
+        for key, entries in self._members().items():
+            n = len(entries)
+            batches = n // self.batch_size if self._carries(n) else math.ceil(n / self.batch_size)
+            rows.append(BucketRow(width=key[0], height=key[1], frames=key[2], clips=len(set(entries)), samples=n,
+                                  batches=batches, remainder=n % self.batch_size))
+            steps += batches
+        self.report.buckets = rows
+        self.report.steps_per_epoch = self.steps_per_epoch = steps
+
+    def set_vram_estimate(self, *, rank: int, base_dtype: str = "bf16", gradient_checkpointing: bool = True) -> None:
+        """Fill ``report.vram`` for the bucket with the most pixels x frames."""
+        if not self.report.buckets:
+            return
+        if base_dtype == "auto":
+            base_dtype = "fp32" if self.spec.tiny else "bf16"
+        b = max(self.report.buckets, key=lambda r: (r.width * r.height * r.frames, r.frames))
+        gb = estimate_peak_vram_gb(self.spec, b.width, b.height, b.frames, rank, self.batch_size, base_dtype,
+                                   gradient_checkpointing)
+        self.report.vram = {"gb": round(gb, 2), "width": b.width, "height": b.height, "frames": b.frames,
+                            "rank": rank, "batch_size": self.batch_size, "base_dtype": base_dtype,
+                            "gradient_checkpointing": gradient_checkpointing, "variant": self.spec.name}
+
+    def _epoch(self, epoch: int, carry: dict[Bucket, list[int]]) -> tuple[list[tuple[Bucket, list[int]]], dict]:
+        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch])
+        bs = self.batch_size
+        out: list[tuple[Bucket, list[int]]] = []
+        new_carry: dict[Bucket, list[int]] = {}
+        for key, entries in self._members().items():
+            fresh = [entries[j] for j in rng.permutation(len(entries))] if self.shuffle else list(entries)
+            if not self._carries(len(entries)):
+                out.extend((key, fresh[i:i + bs]) for i in range(0, len(fresh), bs))
+                continue
+            prev = [i for i in carry.get(key, []) if self.clips[i].active and self.clips[i].bucket == key]
+            queue = prev + _avoid_repeats(prev, fresh, bs)
+            full = len(queue) // bs
+            out.extend((key, queue[k * bs:(k + 1) * bs]) for k in range(full))
+            new_carry[key] = queue[full * bs:]
+        if self.shuffle:
+            out = [out[j] for j in rng.permutation(len(out))]
+        return out, new_carry
+
+    def plan(self) -> Iterator[tuple[int, Bucket, list[int]]]:
+        """Endless ``(epoch, bucket, clip indices)``; reflects re-bucketing from the next epoch on."""
+        carry: dict[Bucket, list[int]] = {}
+        epoch = 0
+        while True:
+            batches, carry = self._epoch(epoch, carry)
+            if not batches:
+                raise UserError(
+                    "no usable sample left: every clip failed to decode (see the report's verification list)")
+            for key, idx in batches:
+                yield epoch, key, idx
+            epoch += 1
+
+    # ---- batches ----------------------------------------------------------------------------------------------
+    def batches(self, encoders: MediaEncoders | None = None, *, cache: bool = True,
+                start_batch: int = 0) -> Iterator[dict[str, Any]]:
+        """Endless batches, deterministic from the seed; ``start_batch`` skips that many without decoding (resume).
+
+        ``encoders`` None: ``{"pixels": float32 [B, 3, F, H, W] in [-1, 1], "captions": [...]}``. Otherwise the
+        encoders' outputs stacked on dim 0 (from the cache when ``cache``; missing entries are encoded and written
+        on first use). Every batch also has ``"bucket": (w, h, frames)``, ``"paths"`` and ``"captions"``.
+        """
+        empty_in_a_row = 0
+        for n, (_, key, idx) in enumerate(self.plan()):
+            if n < start_batch:
+                continue
+            members = [i for i in idx if self.clips[i].active and self.clips[i].bucket == key]
+            batch = None
+            if members:
+                if encoders is None:
+                    batch = self._pixel_batch(members, key, cache)
+                else:
+                    batch = self._encoded_batch(members, key, encoders, cache, None)
+            if batch is None:
+                empty_in_a_row += 1
+                if empty_in_a_row > max(1, 2 * self.steps_per_epoch) + 1:
+                    raise UserError("no usable sample left: every clip failed to decode (see the report)")
+                continue
+            empty_in_a_row = 0
+            yield batch
+
+    def _pixel_batch(self, members: list[int], key: Bucket, cache: bool) -> dict[str, Any] | None:
+        loaded = [(i, self._load_pixels(i, remember=False)) for i in members]
+        loaded = [(i, px) for i, px in loaded if px is not None]
+        if not loaded:
+            return None
+        return {"pixels": torch.stack([px for _, px in loaded]), "captions": [self.clips[i].caption for i, _ in loaded],
+                "bucket": key, "paths": [str(self.clips[i].path) for i, _ in loaded]}
+
+    def _encoded_batch(self, members: list[int], key: Bucket, encoders: MediaEncoders, cache: bool,
+                       stats: Counter | None) -> dict[str, Any] | None:
+        media = self._media_entries(members, encoders, cache, stats)
+        kept = [(i, m) for i, m in zip(members, media, strict=True) if m is not None]
+        if not kept:
+            return None
+        captions = [self.clips[i].caption for i, _ in kept]
+        texts = self._text_entries(captions, encoders, cache, stats)
+        batch: dict[str, Any] = {}
+        for part in ([m for _, m in kept], texts):
+            for k in part[0]:
+                if k in batch:
+                    raise TypeError(f"encode_media and encode_text both returned {k!r}; keys must differ")
+                batch[k] = torch.stack([p[k] for p in part])
+        batch.update({"captions": captions, "bucket": key, "paths": [str(self.clips[i].path) for i, _ in kept]})
+        return batch
+
+    def _media_entries(self, members: list[int], encoders: MediaEncoders, cache: bool,
+                       stats: Counter | None) -> list[dict[str, torch.Tensor] | None]:
+        ident = encoders.encoder_identity
+        out: list[dict[str, torch.Tensor] | None] = [None] * len(members)
+        paths = [cachelib.entry_path(self.clips[i].cache_dir, "latents",
+                                     cachelib.latent_key(self.clips[i].latent_params(), ident)) for i in members]
+        if cache:
+            out = [cachelib.load_entry(p) for p in paths]
+        missing = [j for j, e in enumerate(out) if e is None]
+        if stats is not None:
+            stats["latents_hit"] += len(members) - len(missing)
+        if not missing:
+            return out
+        key = self.clips[members[missing[0]]].bucket
+        pixels = []
+        decoded = []
+        for j in missing:
+            px = self._load_pixels(members[j], remember=cache)
+            if px is not None and self.clips[members[j]].bucket == key:  # re-bucketed clips wait for their bucket
+                pixels.append(px)
+                decoded.append(j)
+            elif stats is not None and px is None:
+                stats["clips_failed"] += 1
+        if not decoded:
+            return out
+        encoded = cachelib.split_batch(encoders.encode_media(torch.stack(pixels)), len(decoded), "encode_media")
+        for j, entry in zip(decoded, encoded, strict=True):
+            entry = {k: v.detach().to("cpu").clone() for k, v in entry.items()}
+            c = self.clips[members[j]]
+            if cache:
+                cachelib.save_entry(paths[j], entry, {"path": str(c.path), "bucket": "x".join(map(str, c.bucket)),
+                                                      "start": str(c.start), "encoder": ident})
+            out[j] = entry
+        if stats is not None:
+            stats["latents_encoded"] += len(decoded)
+        return out
+
+    def _text_entries(self, captions: list[str], encoders: MediaEncoders, cache: bool,
+                      stats: Counter | None) -> list[dict[str, torch.Tensor]]:
+        ident = encoders.encoder_identity
+        unique = list(dict.fromkeys(captions))
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        if cache:
+            for cap in unique:
+                entry = cachelib.load_entry(
+                    cachelib.entry_path(self._caption_dir(cap), "text", cachelib.text_key(cap, ident)))
+                if entry is not None:
+                    found[cap] = entry
+        missing = [cap for cap in unique if cap not in found]
+        if stats is not None:
+            stats["texts_hit"] += len(unique) - len(missing)
+            stats["texts_encoded"] += len(missing)
+        if missing:
+            encoded = cachelib.split_batch(encoders.encode_text(missing), len(missing), "encode_text")
+            for cap, entry in zip(missing, encoded, strict=True):
+                entry = {k: v.detach().to("cpu").clone() for k, v in entry.items()}
+                if cache:
+                    cache_dir = self._caption_dir(cap)
+                    cachelib.save_entry(cachelib.entry_path(cache_dir, "text", cachelib.text_key(cap, ident)), entry,
+                                        {"caption": cap[:500], "encoder": ident})
+                found[cap] = entry
+        return [found[cap] for cap in captions]
+
+    def _cache_dirs(self) -> list[Path]:
+        if self._dirs is None:
+            self._dirs = list(dict.fromkeys(c.cache_dir for c in self.clips))
+        return self._dirs
+
+    def _caption_dir(self, caption: str) -> Path:
+        """Text entries live in the cache folder of the first clip with that caption."""
+        if self._caption_dirs is None:
+            self._caption_dirs = {}
+            for c in self.clips:
+                self._caption_dirs.setdefault(c.caption, c.cache_dir)
+        return self._caption_dirs.get(caption, self.clips[0].cache_dir)
+
+    # ---- decoding and verification -------------------------------------------------------------------------
+    def _load_pixels(self, i: int, *, remember: bool) -> torch.Tensor | None:
+        """Clip ``i`` as float32 ``[3, F, H, W]`` in [-1, 1]; None (after re-bucketing or skipping it) on failure."""
+        c = self.clips[i]
+        if c.kind == "image":
+            try:
+                arr = load_image(c.path, c.width, c.height)
+            except MediaError as exc:
+                self._disable(i, "skipped", str(exc))
+                return None
+        else:
+            try:
+                decoded = decode_video(c.path, c.source_indices(), c.width, c.height)
+            except OSError as exc:  # the file vanished since the probe
+                self._disable(i, "skipped", f"cannot read file: {exc}")
+                return None
+            if not decoded.complete:
+                self._verification_failed(i, decoded.available, decoded.error, remember)
+                return None
+            arr = decoded.frames
+        px = torch.from_numpy(np.require(arr, requirements=["C", "W"])).permute(3, 0, 1, 2).float()
+        return px.div_(127.5).sub_(1.0)
+
+    def _disable(self, i: int, action: str, reason: str) -> None:
+        c = self.clips[i]
+        c.active = False
+        self.report.verification.append({"path": str(c.path), "bucket": list(c.bucket), "start": c.start,
+                                         "action": action, "reason": reason})
+        log.warning("data.clip_skipped", path=str(c.path), reason=reason)
+        self._refresh_report()
+
+    def _verification_failed(self, i: int, available_source: int, error: str | None, remember: bool) -> None:
+        c = self.clips[i]
+        why = f"decoding stopped after {available_source} of {c.source_frames} frames"
+        if error:
+            why += f": {error}"
+        if remember:
+            cachelib.write_verified(c.cache_dir, c.fingerprint, available_source)
+        available = retimed_count(available_source, c.source_fps or 0.0, c.target_fps) - c.start
+        length = pick_frame_bucket(available, [b for b in c.frame_buckets if b < c.frames])
+        if length is None:
+            self._disable(i, "skipped", why + "; too short for any frame bucket")
+            return
+        old = c.bucket
+        c.frames = length
+        self.report.verification.append({"path": str(c.path), "bucket": list(old), "start": c.start,
+                                         "action": f"re-bucketed to {c.width}x{c.height}x{length}", "reason": why})
+        log.warning("data.clip_rebucketed", path=str(c.path), frames_from=old[2], frames_to=length, reason=why)
+        self._refresh_report()
+
+    def verify_all(self) -> int:
+        """Decode every clip once (``wantrain check --verify``); returns how many failed verification."""
+        before = len(self.report.verification)
+        for i in range(len(self.clips)):
+            while self.clips[i].active and self._load_pixels(i, remember=False) is None:
+                pass  # re-bucketed: verify the shorter clip too
+        return len(self.report.verification) - before
+
+    # ---- cache filling (wantrain cache) ------------------------------------------------------------------------
+    def fill_cache(self, encoders: MediaEncoders) -> cachelib.CacheStats:
+        stats: Counter = Counter()
+        done: set[int] = set()
+        while True:
+            pending: dict[Bucket, list[int]] = {}
+            for i, c in enumerate(self.clips):
+                if c.active and (i, c.bucket) not in done:
+                    pending.setdefault(c.bucket, []).append(i)
+            if not pending:
+                break
+            for key, idx in sorted(pending.items()):
+                for s in range(0, len(idx), self.batch_size):
+                    chunk = idx[s:s + self.batch_size]
+                    done.update((i, key) for i in chunk)
+                    media = self._media_entries(chunk, encoders, True, stats)
+                    ok = [self.clips[i].caption for i, m in zip(chunk, media, strict=True) if m is not None]
+                    if ok:
+                        self._text_entries(ok, encoders, True, stats)
+        # a caption shared by many clips is one entry: count each once
+        ident = encoders.encoder_identity
+        expected: dict[Path, set[Path]] = {d: set() for d in self._cache_dirs()}
+        for c in self.clips:
+            if c.active:
+                expected[c.cache_dir].add(cachelib.entry_path(
+                    c.cache_dir, "latents", cachelib.latent_key(c.latent_params(), ident)))
+        for cap in {c.caption for c in self.clips if c.active}:
+            d = self._caption_dir(cap)
+            expected[d].add(cachelib.entry_path(d, "text", cachelib.text_key(cap, ident)))
+        removed = cachelib.remove_orphans(expected)
+        texts_total = len({c.caption for c in self.clips if c.active})
+        return cachelib.CacheStats(
+            latents_hit=stats["latents_hit"], latents_encoded=stats["latents_encoded"],
+            texts_hit=texts_total - stats["texts_encoded"], texts_encoded=stats["texts_encoded"],
+            orphans_removed=removed, clips_failed=stats["clips_failed"],
+        )
+
+
+def _avoid_repeats(prev: list[int], fresh: list[int], batch_size: int) -> list[int]:
+    """Reorder ``fresh`` so that the batch completing the carried ``prev`` does not repeat a carried sample."""
+    head = batch_size - len(prev)
+    if not prev or head <= 0:
+        return fresh
+    fresh = list(fresh)
+    carried = set(prev)
+    swap_from = head
+    for k in range(min(head, len(fresh))):
+        if fresh[k] in carried:
+            while swap_from < len(fresh) and fresh[swap_from] in carried:
+                swap_from += 1
+            if swap_from >= len(fresh):
+                break
+            fresh[k], fresh[swap_from] = fresh[swap_from], fresh[k]
+            swap_from += 1
+    return fresh
