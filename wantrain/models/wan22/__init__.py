@@ -1,1 +1,28 @@
-"""wantrain.models.wan22"""
+"""The Wan 2.2 model family: T2V-A14B, I2V-A14B, TI2V-5B and their tiny random twins (docs/models.md).
+
+Public API used by the core, the data code and the CLI::
+
+    build_adapter(model, lora, *, seed, device, base_lr) -> Wan22Adapter
+    Wan22Adapter, VariantSpec, VARIANTS, variant_spec, ModelConfig, LoraConfig
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wantrain.models.wan22.adapter import Wan22Adapter
+from wantrain.models.wan22.config import LoraConfig, ModelConfig
+from wantrain.models.wan22.variants import VARIANTS, VariantSpec, variant_spec
+
+__all__ = ["VARIANTS", "LoraConfig", "ModelConfig", "VariantSpec", "Wan22Adapter", "build_adapter", "variant_spec"]
+
+
+def build_adapter(
+    model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float
+) -> Wan22Adapter:
+    """Load (or, for tiny variants without a path, randomly build from ``seed``) the trained transformers, add one
+    LoRA per trained expert, and return the adapter. The VAE and text encoder are not loaded until first used.
+
+    Raises ``UserError`` (one line) for a missing/incomplete model directory, a bad single file, or fp8 on CPU.
+    """
+    return Wan22Adapter(model, lora, seed=seed, device=torch.device(device), base_lr=base_lr)

@@ -1,28 +1,166 @@
-"""Config sections of the Wan 2.2 model family: ``[model]`` and ``[lora]``. (Stub: the models helper owns it.)"""
+"""Config sections of the Wan 2.2 model family: ``[model]`` and ``[lora]`` (documented in docs/models.md).
+
+Cross-key rules (an expert the variant lacks, a ``min_t`` outside the trained expert's range, a single-file key
+for the wrong variant) are checked when the section is built, so a bad config fails at load time with one line.
+Whether files exist is checked later, by :func:`wantrain.models.wan22.build_adapter`.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from wantrain.core.config import at_least, above, section, setting
+import torch
+
+from wantrain.core.config import above, at_least, between, section, setting
+from wantrain.core.errors import ConfigError
+from wantrain.models.wan22.variants import VARIANTS
 
 
 @section
 class ModelConfig:
-    """The Wan 2.2 model to train."""
+    """The Wan 2.2 model to train: variant, weights, experts, timestep sampling and memory options."""
 
     variant: str = setting(
         "tiny-t2v",
-        doc="Model variant.",
-        choices=("t2v-a14b", "i2v-a14b", "ti2v-5b", "tiny-t2v", "tiny-i2v", "tiny-ti2v"),
+        doc="Model variant; the `tiny-*` twins are random toy models with the same structure (no weights needed).",
+        choices=tuple(VARIANTS),
     )
-    path: Path | None = setting(None, doc="Local diffusers-format model directory (required for real variants).")
+    path: Path | None = setting(
+        None,
+        doc="Local diffusers-format model directory (`transformer/`, `transformer_2/`, `vae/`, `text_encoder/`, "
+        "`tokenizer/`). Required for real variants; a tiny variant with a path loads it instead of random weights.",
+    )
+    high_noise_file: Path | None = setting(
+        None, doc="Single-file (original Wan or ComfyUI keys) .safetensors of the A14B high-noise expert; "
+        "replaces `transformer/`.",
+    )
+    low_noise_file: Path | None = setting(
+        None, doc="Single-file .safetensors of the A14B low-noise expert; replaces `transformer_2/`.",
+    )
+    transformer_file: Path | None = setting(
+        None, doc="Single-file .safetensors of the TI2V-5B transformer; replaces `transformer/`.",
+    )
+    experts: Literal["both", "high_noise", "low_noise"] = setting(
+        "both", doc="A14B experts to train (single-transformer variants accept only `both`)."
+    )
+    switch_every: int = setting(
+        10, doc="With `experts = \"both\"`, the trained expert alternates every N optimizer steps.",
+        range=at_least(1),
+    )
+    lr_high_noise: float | None = setting(
+        None, doc="Learning rate of the high-noise LoRA; unset uses `optimizer.lr`.", range=above(0.0)
+    )
+    lr_low_noise: float | None = setting(
+        None, doc="Learning rate of the low-noise LoRA; unset uses `optimizer.lr`.", range=above(0.0)
+    )
+    timestep_sampling: Literal["uniform", "logit_normal", "sigmoid"] = setting(
+        "logit_normal",
+        doc="Distribution of t before the shift: uniform, sigmoid(N(logit_mean, logit_std)), or "
+        "sigmoid(sigmoid_scale * N(0, 1)).",
+    )
+    logit_mean: float = setting(0.0, doc="Mean of the normal in `logit_normal` sampling.")
+    logit_std: float = setting(1.0, doc="Standard deviation of the normal in `logit_normal` sampling.",
+                               range=above(0.0))
+    sigmoid_scale: float = setting(1.0, doc="Scale of the normal in `sigmoid` sampling.", range=above(0.0))
     shift: float = setting(1.0, doc="Timestep shift s: t' = s*t / (1 + (s-1)*t).", range=above(0.0))
+    min_t: float | None = setting(
+        None, doc="Lowest t trained (0-1 units, after the shift); must lie in the trained expert's range.",
+        range=between(0.0, 1.0),
+    )
+    max_t: float | None = setting(
+        None, doc="Highest t trained (0-1 units, after the shift); must lie in the trained expert's range.",
+        range=between(0.0, 1.0),
+    )
+    i2v_probability: float = setting(
+        0.5, doc="TI2V only: chance that a sample trains image-to-video (clean first latent frame, excluded "
+        "from the loss) instead of text-to-video. Single-frame samples always train text-to-video.",
+        range=between(0.0, 1.0),
+    )
+    gradient_checkpointing: bool = setting(True, doc="Recompute transformer activations in the backward pass.")
+    base_dtype: Literal["auto", "fp32", "bf16", "fp8"] = setting(
+        "auto",
+        doc="Storage dtype of the frozen base transformer: `auto` is fp32 for tiny variants and bf16 for real "
+        "ones; `fp8` stores float8_e4m3fn and computes in bf16 (CUDA only).",
+    )
+    offload_device: str = setting(
+        "cpu", doc="Where the inactive expert and its optimizer state wait while the other one trains."
+    )
+
+    def __attrs_post_init__(self) -> None:
+        spec = VARIANTS[self.variant]
+        try:
+            offload = torch.device(self.offload_device)
+        except (RuntimeError, ValueError):
+            offload = None
+        if offload is None or offload.type == "meta":
+            raise ConfigError(
+                f"model.offload_device = {self.offload_device!r} is not a usable device; use 'cpu' or 'cuda:N'"
+            )
+        if spec.boundary_ratio is None:
+            if self.experts != "both":
+                raise ConfigError(
+                    f"model.experts = {self.experts!r} is not valid for {self.variant}: it has one transformer; "
+                    "leave model.experts at 'both'"
+                )
+            for key in ("high_noise_file", "low_noise_file", "lr_high_noise", "lr_low_noise"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"model.{key} applies to the two-expert A14B variants, not to {self.variant}")
+        elif self.transformer_file is not None:
+            raise ConfigError(
+                f"model.transformer_file is for ti2v variants; for {self.variant} use model.high_noise_file / "
+                "model.low_noise_file"
+            )
+        if self.min_t is not None and self.max_t is not None and self.min_t >= self.max_t:
+            raise ConfigError(f"model.min_t = {self.min_t:g} must be below model.max_t = {self.max_t:g}")
+        low, high = _trained_range(spec.boundary_ratio, self.experts)
+        for key in ("min_t", "max_t"):
+            value = getattr(self, key)
+            if value is not None and not (low <= value <= high):
+                raise ConfigError(
+                    f"model.{key} = {value:g} lies outside the range of the trained expert(s) "
+                    f"({self.experts}: {low:g}..{high:g}); use a value in that range"
+                )
+        if self.experts == "both" and spec.boundary_ratio is not None:
+            b = spec.boundary_ratio
+            if self.min_t is not None and self.min_t >= b:
+                raise ConfigError(
+                    f"model.min_t = {self.min_t:g} leaves the low-noise expert nothing to train (its range ends "
+                    f"at the boundary {b:g}); with experts = 'both' min_t bounds the low-noise band"
+                )
+            if self.max_t is not None and self.max_t <= b:
+                raise ConfigError(
+                    f"model.max_t = {self.max_t:g} leaves the high-noise expert nothing to train (its range "
+                    f"starts at the boundary {b:g}); with experts = 'both' max_t bounds the high-noise band"
+                )
+
+    @property
+    def trained_experts(self) -> tuple[str | None, ...]:
+        """The experts this config trains, in the fixed order high_noise, low_noise (or ``(None,)``)."""
+        spec = VARIANTS[self.variant]
+        if spec.boundary_ratio is None:
+            return (None,)
+        return spec.experts if self.experts == "both" else (self.experts,)
+
+
+def _trained_range(boundary: float | None, experts: str) -> tuple[float, float]:
+    if boundary is None or experts == "both":
+        return 0.0, 1.0
+    return (boundary, 1.0) if experts == "high_noise" else (0.0, boundary)
 
 
 @section
 class LoraConfig:
-    """The LoRA adapters."""
+    """The LoRA adapters: one per trained expert on the 10 Linears of every block (see docs/models.md)."""
 
     rank: int = setting(16, doc="LoRA rank.", range=at_least(1))
-    alpha: float = setting(16.0, doc="LoRA alpha; the LoRA output is scaled by alpha/rank.", range=above(0.0))
+    alpha: float | None = setting(
+        None, doc="LoRA alpha; the LoRA output is scaled by alpha/rank. Unset means alpha = rank (scale 1).",
+        range=above(0.0),
+    )
+    dropout: float = setting(0.0, doc="Dropout on the LoRA input during training.", range=between(0.0, 0.99))
+    save_dtype: Literal["bf16", "fp32"] = setting("bf16", doc="dtype of the LoRA matrices in the saved files.")
+
+    @property
+    def effective_alpha(self) -> float:
+        return float(self.rank) if self.alpha is None else float(self.alpha)

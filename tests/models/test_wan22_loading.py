@@ -1,0 +1,129 @@
+"""Loading: diffusers-format directories, single-file (ComfyUI-keyed) checkpoints, and one-line errors."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from wan22_helpers import make_adapter
+
+from wantrain.core.errors import UserError
+
+
+def _base_state(transformer):
+    return {k.replace("base_layer.", ""): v for k, v in transformer.state_dict().items() if "lora_" not in k}
+
+
+def _link_dir(src, dst, skip=()):
+    dst.mkdir()
+    for entry in os.listdir(src):
+        if entry not in skip:
+            os.symlink(src / entry, dst / entry)
+    return dst
+
+
+def test_adapter_loads_the_weights_of_a_diffusers_directory(tiny_dir):
+    from diffusers import WanTransformer3DModel
+
+    path = tiny_dir("tiny-t2v")
+    adapter = make_adapter("tiny-t2v", path=str(path))
+    for expert, folder in (("high_noise", "transformer"), ("low_noise", "transformer_2")):
+        saved = WanTransformer3DModel.from_pretrained(str(path), subfolder=folder).state_dict()
+        loaded = _base_state(adapter.transformer_for(expert))
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert str(path.resolve()) in adapter.encoder_identity
+
+
+def test_directory_without_transformer_2_fails_in_one_line_when_both_experts_train(tiny_dir, tmp_path):
+    partial = _link_dir(tiny_dir("tiny-t2v"), tmp_path / "partial", skip=("transformer_2",))
+    with pytest.raises(UserError) as err:
+        make_adapter("tiny-t2v", path=str(partial), experts="both")
+    message = str(err.value)
+    assert "missing transformer_2/" in message and "low-noise expert" in message and "'both'" in message
+    assert "\n" not in message
+    # Training only the high-noise expert does not need it.
+    assert make_adapter("tiny-t2v", path=str(partial), experts="high_noise").experts == ("high_noise",)
+
+
+@pytest.mark.parametrize("missing", ["vae", "text_encoder", "tokenizer"])
+def test_directory_without_an_encoder_part_names_it(tiny_dir, tmp_path, missing):
+    partial = _link_dir(tiny_dir("tiny-t2v"), tmp_path / "partial", skip=(missing,))
+    with pytest.raises(UserError, match=f"{missing}/"):
+        make_adapter("tiny-t2v", path=str(partial))
+
+
+def test_directory_of_another_variant_is_rejected_by_its_channels(tiny_dir):
+    with pytest.raises(UserError, match="in_channels = 16, but tiny-i2v needs 36"):
+        make_adapter("tiny-i2v", path=str(tiny_dir("tiny-t2v")))
+    with pytest.raises(UserError, match="is not a directory"):
+        make_adapter("tiny-t2v", path="/nonexistent/wan")
+
+
+# diffusers name -> original Wan name, the inverse of diffusers' single-file conversion (facts of the format).
+_TO_ORIGINAL = [
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn1", "self_attn"), ("attn2", "cross_attn"), (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."),
+    (".to_v.", ".v."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), ("proj_out", "head.head"),
+    ("norm2", "norm__tmp"), ("norm3", "norm2"), ("norm__tmp", "norm3"),
+]
+
+
+def _to_comfyui_keys(state):
+    out = {}
+    for key, value in state.items():
+        new = key
+        for ours, theirs in _TO_ORIGINAL:
+            new = new.replace(ours, theirs)
+        new = re.sub(r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation", new)
+        new = "head.modulation" if new == "scale_shift_table" else new
+        out["model.diffusion_model." + new] = value.contiguous()
+    return out
+
+
+def test_single_file_comfyui_checkpoint_loads_with_the_variants_explicit_config(tiny_dir, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    path = tiny_dir("tiny-i2v")  # 36 input channels: diffusers' Wan 2.1 auto-detection would get it wrong
+    original = WanTransformer3DModel.from_pretrained(str(path), subfolder="transformer_2").state_dict()
+    single = tmp_path / "wan2.2_i2v_low_noise_tiny.safetensors"
+    save_file(_to_comfyui_keys(original), str(single))
+    partial = _link_dir(path, tmp_path / "no_transformer_2", skip=("transformer_2",))
+    adapter = make_adapter("tiny-i2v", path=str(partial), low_noise_file=str(single))
+    loaded = _base_state(adapter.transformer_for("low_noise"))
+    assert loaded.keys() == original.keys()
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
+
+
+def test_single_file_of_the_wrong_model_is_a_one_line_error(tiny_dir, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    t2v = WanTransformer3DModel.from_pretrained(str(tiny_dir("tiny-t2v")), subfolder="transformer").state_dict()
+    single = tmp_path / "t2v_high.safetensors"
+    save_file(_to_comfyui_keys(t2v), str(single))
+    with pytest.raises(UserError, match="high_noise_file .* does not fit the tiny-i2v transformer") as err:
+        make_adapter("tiny-i2v", path=str(tiny_dir("tiny-i2v")), high_noise_file=str(single), experts="high_noise")
+    assert "\n" not in str(err.value)
+
+
+def test_tiny_encoder_identity_depends_on_seed_and_variant_only():
+    a = make_adapter("tiny-t2v", seed=1).encoder_identity
+    assert a == make_adapter("tiny-t2v", seed=1, experts="low_noise").encoder_identity
+    assert a != make_adapter("tiny-t2v", seed=2).encoder_identity
+    assert a != make_adapter("tiny-i2v", seed=1).encoder_identity
+
+
+def test_encoders_load_lazily_and_are_released():
+    adapter = make_adapter("tiny-t2v")
+    assert not adapter.encoders_loaded
+    adapter.encode_text(["a cat"])
+    assert adapter.encoders_loaded
+    adapter.release_encoders()
+    assert not adapter.encoders_loaded

@@ -1,0 +1,91 @@
+"""``wantrain inspect-lora FILE``: what a LoRA file holds, and whether every key is a Wan 2.2 module name.
+
+Prints the variant, expert, step and wantrain version from the metadata, then rank and alpha per module group
+(self_attn, cross_attn, ffn). Every key must be ``diffusion_model.blocks.N.<module>.<part>`` with module one of
+``self_attn.{q,k,v,o}``, ``cross_attn.{q,k,v,o}``, ``ffn.{0,2}`` and part ``lora_A.weight``, ``lora_B.weight``
+(or ``lora_down``/``lora_up``) or ``alpha``; N must be below the variant's block count when the metadata names
+the variant. The first bad key stops the check with a ``UserError`` (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+from wantrain.core.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="LoRA file (.safetensors) written by wantrain or another Wan 2.2 trainer")
+
+
+def _group(module: str) -> str:
+    return module.split(".")[0]
+
+
+def inspect(path: Path) -> list[str]:
+    """The report lines for ``path``; raises ``UserError`` for a missing/unreadable file or a bad key."""
+    from safetensors import SafetensorError, safe_open
+
+    from wantrain.models.wan22.export import WAN_KEY
+    from wantrain.models.wan22.variants import VARIANTS
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"LoRA file '{path}' does not exist or is not a file")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            keys = list(handle.keys())
+            shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in keys}
+            alphas = {k: float(handle.get_tensor(k).float().item()) for k in keys if k.endswith(".alpha")}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserError(f"'{path}' is not a readable safetensors file ({exc})") from None
+    if not keys:
+        raise UserError(f"'{path}' holds no tensors; it is not a LoRA")
+    variant = metadata.get("variant")
+    num_layers = VARIANTS[variant].num_layers if variant in VARIANTS else None
+    ranks: dict[str, set[int]] = defaultdict(set)
+    group_alphas: dict[str, set[float]] = defaultdict(set)
+    modules: set[str] = set()
+    for key in sorted(keys):
+        match = WAN_KEY.match(key)
+        if match is None:
+            raise UserError(
+                f"'{path}': key '{key}' is not a Wan 2.2 LoRA key (expected diffusion_model.blocks.N."
+                "{self_attn,cross_attn}.{q,k,v,o} or ffn.{0,2} with .lora_A.weight/.lora_B.weight/.alpha)"
+            )
+        block = int(match.group("block"))
+        if num_layers is not None and block >= num_layers:
+            raise UserError(f"'{path}': key '{key}' names block {block}, but {variant} has blocks 0..{num_layers - 1}")
+        module = f"{match.group('module')}"
+        modules.add(f"{block}.{module}")
+        part = match.group("part")
+        if part in ("lora_A.weight", "lora_down.weight"):
+            ranks[_group(module)].add(shapes[key][0])
+        elif part == "alpha":
+            group_alphas[_group(module)].add(alphas[key])
+    lines = [
+        f"file: {path}",
+        f"variant: {metadata.get('variant', 'unknown')}",
+        f"expert: {metadata.get('expert', 'unknown')}",
+        f"step: {metadata.get('step', 'unknown')}",
+        f"wantrain version: {metadata.get('wantrain_version', 'unknown')}",
+        f"modules: {len(modules)} ({len(keys)} tensors)",
+    ]
+
+    def fmt(values: set) -> str:
+        return ", ".join(f"{v:g}" for v in sorted(values)) if values else "none (loaders use alpha = rank)"
+
+    for group in ("self_attn", "cross_attn", "ffn"):
+        if group in ranks or group in group_alphas:
+            lines.append(f"{group}: rank {fmt(ranks[group])}, alpha {fmt(group_alphas[group])}")
+    lines.append("keys: all valid Wan 2.2 module names")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    for line in inspect(Path(args.file)):
+        print(line)
+    return 0

@@ -1,0 +1,275 @@
+"""``Wan22Adapter``: the Wan 2.2 side of the ``wantrain.core.adapter.ModelAdapter`` contract.
+
+Each trained expert is its own diffusers ``WanTransformer3DModel`` with its own peft LoRA (adapter name
+``wantrain``) and its own optimizer parameter group. The high-noise expert (``transformer``) owns t >= boundary,
+the low-noise one (``transformer_2``) the rest; with both trained they alternate every ``switch_every`` optimizer
+steps and the inactive one waits on ``model.offload_device`` with its optimizer state.
+
+Objective (flow matching, as diffusers' ``flow_prediction`` and the peer trainers):
+``x_t = (1 - t) * x0 + t * eps``, target ``eps - x0``, model timestep ``t * 1000``, MSE.
+"""
+
+from __future__ import annotations
+
+import gc
+import html
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from wantrain.core.errors import UserError
+from wantrain.models.wan22.config import LoraConfig, ModelConfig
+from wantrain.models.wan22.export import (
+    ADAPTER_NAME,
+    LORA_TARGET_REGEX,
+    Wan22Saver,
+    live_alpha,
+    lora_layers,
+    set_live_alpha,
+)
+from wantrain.models.wan22.loading import WeightSource
+from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
+from wantrain.models.wan22.variants import VARIANTS, VariantSpec
+
+GROUP_NAME = {"high_noise": "high_noise", "low_noise": "low_noise", None: "lora"}
+# fp8 storage works functionally on the CPU too (tests use that), but it is only worth its cost on CUDA.
+FP8_DEVICE_TYPES = ("cuda",)
+
+
+def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype the base weights are loaded in, dtype the transformer computes in)."""
+    choice = model.base_dtype
+    if choice == "auto":
+        choice = "fp32" if spec.tiny else "bf16"
+    if choice == "fp8":
+        if device.type not in FP8_DEVICE_TYPES:
+            raise UserError(
+                f"model.base_dtype = 'fp8' needs a CUDA device (training device is {device.type}); use 'bf16' or 'fp32'"
+            )
+        return torch.bfloat16, torch.bfloat16
+    dtype = torch.float32 if choice == "fp32" else torch.bfloat16
+    return dtype, dtype
+
+
+class Wan22Adapter:
+    """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
+
+    def __init__(self, model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float):
+        self.spec: VariantSpec = VARIANTS[model.variant]
+        self.model_config = model
+        self.lora_config = lora
+        self.device = torch.device(device)
+        self.offload_device = torch.device(model.offload_device)
+        self.experts: tuple[str | None, ...] = model.trained_experts
+        self.base_lr = base_lr
+        self.source = WeightSource(model, seed)
+        self.encoder_identity: str = self.source.encoder_identity
+        load_dtype, self.compute_dtype = _storage_dtype(model, self.spec, self.device)
+        self.sampler = TimestepSampler(
+            method=model.timestep_sampling, shift=model.shift,
+            mean=model.logit_mean if model.timestep_sampling == "logit_normal" else 0.0,
+            std={"logit_normal": model.logit_std, "sigmoid": model.sigmoid_scale}.get(model.timestep_sampling, 1.0),
+        )
+        self.bands = {e: expert_band(self.spec.boundary_ratio, e, model.min_t, model.max_t) for e in self.experts}
+        self._transformers: dict[str | None, nn.Module] = {}
+        self.placement: dict[str | None, torch.device] = {}
+        for i, expert in enumerate(self.experts):
+            transformer = self.source.transformer(expert, load_dtype)
+            self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8")
+            # The first expert starts on the training device, the others wait off it (activate() swaps them).
+            target = self.device if i == 0 else self.offload_device
+            self._transformers[expert].to(target)
+            self.placement[expert] = target
+        self.active: str | None = self.experts[0]
+        self._vae = None
+        self._tokenizer = None
+        self._text_encoder = None
+
+    def _prepare(self, transformer: nn.Module, fp8: bool) -> nn.Module:
+        from peft import LoraConfig as PeftLoraConfig
+
+        transformer.requires_grad_(False)
+        if fp8:  # before the LoRA is added, so that only base Linears are stored in fp8
+            transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        if self.model_config.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        lora = self.lora_config
+        transformer.add_adapter(
+            PeftLoraConfig(r=lora.rank, lora_alpha=lora.effective_alpha, lora_dropout=lora.dropout,
+                           target_modules=LORA_TARGET_REGEX, init_lora_weights=True),
+            adapter_name=ADAPTER_NAME,
+        )
+        for name, param in transformer.named_parameters():
+            if f".{ADAPTER_NAME}." in name:
+                param.data = param.data.float()  # LoRA weights train in fp32 whatever the base dtype
+                param.requires_grad_(True)
+        return transformer.train()
+
+    # -- the ModelAdapter contract -------------------------------------------------------------------------
+    def transformer_for(self, expert: str | None) -> nn.Module:
+        """The peft-wrapped diffusers transformer of ``expert`` (``None`` for the 5B model)."""
+        return self._transformers[expert]
+
+    def trainable_parameters(self, expert: str | None = None) -> list[nn.Parameter]:
+        experts = self.experts if expert is None or self.experts == (None,) else (expert,)
+        return [p for e in experts for p in self._transformers[e].parameters() if p.requires_grad]
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        lrs = {"high_noise": self.model_config.lr_high_noise, "low_noise": self.model_config.lr_low_noise}
+        return [
+            {"params": self.trainable_parameters(e), "lr": lrs.get(e) or self.base_lr, "name": GROUP_NAME[e]}
+            for e in self.experts
+        ]
+
+    def expert_for_step(self, step: int) -> str | None:
+        """Step 1..switch_every trains ``experts[0]``, the next ``switch_every`` steps ``experts[1]``, ..."""
+        if len(self.experts) == 1:
+            return self.experts[0]
+        return self.experts[((step - 1) // self.model_config.switch_every) % len(self.experts)]
+
+    def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
+        """Move ``expert`` (weights, LoRA, optimizer state) to the training device and every other trained expert
+        to ``offload_device``. A no-op for experts already in place. Synchronous transfers."""
+        for e in self.experts:
+            target = self.device if e == expert else self.offload_device
+            if self.placement[e] != target:
+                self._move(e, target, optimizer)
+        self.active = expert
+
+    def _move(self, expert: str | None, target: torch.device, optimizer: torch.optim.Optimizer | None) -> None:
+        before = self.trainable_parameters(expert)
+        states = [optimizer.state.pop(p, None) if optimizer is not None else None for p in before]
+        grads = [p.grad for p in before]
+        self._transformers[expert].to(target)
+        # CPU<->CUDA moves keep Parameter identity; moves between tensor kinds (e.g. to ``meta``) create new
+        # Parameters, so the optimizer's references are remapped by position either way.
+        after = self.trainable_parameters(expert)
+        remap = {id(old): new for old, new in zip(before, after, strict=True) if old is not new}
+        if optimizer is not None and remap:
+            for group in optimizer.param_groups:
+                group["params"] = [remap.get(id(p), p) for p in group["params"]]
+        for param, state, grad in zip(after, states, grads, strict=True):
+            if grad is not None:
+                param.grad = grad.to(target)
+            if state is None:
+                continue
+            # Scalar state (Adam's ``step``) stays where the optimizer keeps it (on the CPU unless capturable).
+            optimizer.state[param] = {
+                k: v.to(target) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in state.items()
+            }
+        self.placement[expert] = target
+
+    def loss(self, batch: Mapping[str, Any], expert: str | None, generator: torch.Generator) -> torch.Tensor:
+        """Mean flow-matching MSE of ``batch`` for ``expert``. ``batch`` is raw (``pixels``, ``captions``; encoded
+        here without grad) or cached (``latents``, ``text_embeds`` and, for i2v-a14b, ``cond_latents``).
+
+        Random draws, in order, all from ``generator``: t [B], noise, and for ti2v the i2v coin [B]. No host
+        sync. TI2V i2v samples keep latent frame 0 clean (timestep 0 for its tokens) and weight it 0 in the loss.
+        """
+        if "latents" not in batch:
+            batch = self.encode_batch(batch)
+        x0 = batch["latents"].to(self.device, torch.float32)
+        text = batch["text_embeds"].to(self.device, self.compute_dtype)
+        b, _, frames, height, width = x0.shape
+        t = self.sampler.sample(b, self.bands[expert], generator, self.device)  # float64
+        noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(self.device)
+        t_mix = t.to(torch.float32).view(b, 1, 1, 1, 1)
+        x_t = (1 - t_mix) * x0 + t_mix * noise
+        target = noise - x0
+        timestep = (t * 1000).to(torch.float32)
+        weight = None
+        if self.spec.conditioning == "i2v":
+            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32)], dim=1)
+        elif self.spec.conditioning == "ti2v":
+            coin = torch.rand(b, generator=generator, device=generator.device).to(self.device)
+            i2v = coin < self.model_config.i2v_probability if frames > 1 else torch.zeros_like(coin, dtype=torch.bool)
+            weight = torch.ones(b, 1, frames, 1, 1, device=self.device)
+            weight[:, :, 0] = (~i2v).to(torch.float32).view(b, 1, 1, 1)
+            x_t = weight * x_t + (1 - weight) * x0  # clean first latent frame for i2v samples
+            tokens = (height // 2) * (width // 2)
+            timestep = (weight[:, 0, :, 0, 0] * timestep[:, None]).repeat_interleave(tokens, dim=1)  # [B, seq]
+        pred = self._transformers[expert](
+            hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text, return_dict=False
+        )[0].to(torch.float32)
+        err = (pred - target) ** 2
+        if weight is None:
+            return err.mean()
+        weight = weight.expand_as(err)
+        return (err * weight).sum() / weight.sum().clamp_min(1.0)
+
+    # -- encoders ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_batch(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """A raw batch (``pixels``, ``captions``) in cached form."""
+        return {**self.encode_media(batch["pixels"]), **self.encode_text(list(batch["captions"]))}
+
+    def _vae_model(self):
+        if self._vae is None:
+            self._vae = self.source.vae().to(self.device).requires_grad_(False)
+        return self._vae
+
+    def _encode_normalized(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        z = vae.encode(pixels).latent_dist.mode()  # the mean, like the pipelines' sample_mode="argmax"
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
+        return (z - mean) / std
+
+    @torch.no_grad()
+    def encode_media(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``pixels`` [B, 3, F, H, W] in [-1, 1] (F = 4k+1) -> ``latents`` [B, C, 1+(F-1)//4, h, w], normalized,
+        float32 on the adapter's device. For i2v-a14b also ``cond_latents`` [B, 20, f, h, w]: channels 0-3 are
+        the mask (1 on latent frame 0, 0 elsewhere), channels 4-19 the normalized latents of the clip
+        ``[first frame, zeros...]`` encoded as a whole (encoding zeros does not give zero latents)."""
+        vae = self._vae_model()
+        x = pixels.to(self.device, vae.dtype)
+        out = {"latents": self._encode_normalized(vae, x).float()}
+        if self.spec.conditioning == "i2v":
+            first = torch.cat([x[:, :, :1], torch.zeros_like(x[:, :, 1:])], dim=2)
+            y = self._encode_normalized(vae, first).float()
+            mask = torch.zeros(y.shape[0], 4, *y.shape[2:], device=y.device, dtype=y.dtype)
+            mask[:, :, 0] = 1.0
+            out["cond_latents"] = torch.cat([mask, y], dim=1)
+        return out
+
+    @torch.no_grad()
+    def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """``text_embeds`` [B, text_len, D] in the compute dtype: UMT5 outputs, zeros past each prompt's length
+        (like the pipelines), prompts cleaned of HTML entities and repeated whitespace."""
+        if self._text_encoder is None:
+            self._tokenizer, encoder = self.source.text_encoder(self.compute_dtype)
+            self._text_encoder = encoder.to(self.device).requires_grad_(False)
+        clean = [" ".join(html.unescape(html.unescape(c)).split()) for c in captions]
+        ids = self._tokenizer(clean, padding="max_length", max_length=self.spec.text_len, truncation=True,
+                              add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        mask = ids.attention_mask.to(self.device)
+        hidden = self._text_encoder(ids.input_ids.to(self.device), mask).last_hidden_state
+        return {"text_embeds": (hidden * mask[..., None].to(hidden.dtype)).to(self.compute_dtype)}
+
+    def release_encoders(self) -> None:
+        """Drop the VAE, text encoder and tokenizer (they reload lazily if needed again)."""
+        self._vae = self._text_encoder = self._tokenizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def encoders_loaded(self) -> bool:
+        return self._vae is not None or self._text_encoder is not None
+
+    # -- LoRA alpha (for the alpha controller) and saving --------------------------------------------------
+    def lora_alpha(self, expert: str | None) -> float:
+        """The alpha in force on ``expert``'s LoRA (the first layer's; all layers share it unless set apart)."""
+        return live_alpha(next(layer for _, layer in lora_layers(self._transformers[expert])))
+
+    def set_lora_alpha(self, alpha: float, expert: str | None = None) -> None:
+        """Set alpha on every LoRA layer of ``expert`` (all trained experts when ``None``); the export follows."""
+        for e in self.experts if expert is None else (expert,):
+            for _, layer in lora_layers(self._transformers[e]):
+                set_live_alpha(layer, float(alpha))
+
+    def saver(self, run_dir: Path, name: str) -> Wan22Saver:
+        return Wan22Saver(self, run_dir, name)

@@ -1,0 +1,132 @@
+"""LoRA files in the original Wan naming that ComfyUI and diffusers both read.
+
+One file per trained expert (``<name>_high_noise.safetensors`` / ``<name>_low_noise.safetensors``, or
+``<name>.safetensors`` for the 5B). For every adapted Linear of block N the file holds::
+
+    diffusion_model.blocks.N.self_attn.q.lora_A.weight   [rank, in]     (also k, v, o; cross_attn q, k, v, o;
+    diffusion_model.blocks.N.self_attn.q.lora_B.weight   [out, rank]     ffn.0 and ffn.2)
+    diffusion_model.blocks.N.self_attn.q.alpha           scalar float32
+
+``alpha`` is the alpha in force when the file is written, read from the live peft layer (``scaling * r``), so a
+controller that changes alpha during training is exported as it stands; both ComfyUI and diffusers scale by
+alpha/rank. Metadata (ignored by the loaders, shown by ``wantrain inspect-lora``) records variant, expert, rank,
+alpha, step and the wantrain version. No Wan 2.1-only keys (``k_img``/``v_img``) exist in Wan 2.2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import wantrain
+
+# diffusers module path inside a block -> original Wan name
+DIFFUSERS_TO_WAN = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+    "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
+    "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+}
+# peft target regex (full match against module names): the 10 Linears of every block, nothing else.
+LORA_TARGET_REGEX = (
+    r"blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))"
+)
+_BLOCK_MODULE = re.compile(r"^blocks\.(\d+)\.(.+)$")
+WAN_KEY = re.compile(
+    r"^diffusion_model\.blocks\.(?P<block>\d+)\.(?P<module>(self_attn|cross_attn)\.[qkvo]|ffn\.[02])"
+    r"\.(?P<part>lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha)$"
+)
+ADAPTER_NAME = "wantrain"
+
+
+def wan_module_name(diffusers_name: str) -> str:
+    """``blocks.3.attn2.to_out.0`` -> ``diffusion_model.blocks.3.cross_attn.o``."""
+    match = _BLOCK_MODULE.match(diffusers_name)
+    if match is None or match.group(2) not in DIFFUSERS_TO_WAN:
+        raise ValueError(f"not a Wan 2.2 LoRA target: {diffusers_name}")
+    return f"diffusion_model.blocks.{match.group(1)}.{DIFFUSERS_TO_WAN[match.group(2)]}"
+
+
+def lora_layers(transformer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(diffusers module name, peft LoRA layer) of every adapted module, in module order."""
+    for name, module in transformer.named_modules():
+        if hasattr(module, "lora_A") and ADAPTER_NAME in getattr(module, "lora_A", {}):
+            yield name, module
+
+
+def live_alpha(layer: nn.Module) -> float:
+    """The alpha in force now: ``scaling * r`` (covers both ``lora_alpha`` edits and ``set_scale``)."""
+    return float(layer.scaling[ADAPTER_NAME]) * float(layer.r[ADAPTER_NAME])
+
+
+def set_live_alpha(layer: nn.Module, alpha: float) -> None:
+    layer.lora_alpha[ADAPTER_NAME] = alpha
+    layer.scaling[ADAPTER_NAME] = alpha / layer.r[ADAPTER_NAME]
+
+
+def wan_state_dict(transformer: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The LoRA of ``transformer`` in original Wan naming, on the CPU, with per-module ``.alpha`` scalars."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in lora_layers(transformer):
+        key = wan_module_name(name)
+        out[f"{key}.lora_A.weight"] = layer.lora_A[ADAPTER_NAME].weight.detach().to("cpu", dtype).contiguous()
+        out[f"{key}.lora_B.weight"] = layer.lora_B[ADAPTER_NAME].weight.detach().to("cpu", dtype).contiguous()
+        out[f"{key}.alpha"] = torch.tensor(live_alpha(layer), dtype=torch.float32)
+    return out
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write a safetensors file through a temp file in the same folder and ``os.replace`` (never half-written)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        # safetensors creates the file owner-only (0600); give it the permissions any other file would get
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class Wan22Saver:
+    """Writes one file per trained expert into ``run_dir``. Called by the core on the training thread."""
+
+    def __init__(self, adapter, run_dir: Path, name: str) -> None:
+        self.adapter = adapter
+        self.run_dir = Path(run_dir)
+        self.name = name
+
+    def file_name(self, expert: str | None, step: int, final: bool) -> str:
+        stem = self.name if final else f"{self.name}_step{step:06d}"
+        return f"{stem}.safetensors" if expert is None else f"{stem}_{expert}.safetensors"
+
+    def save(self, step: int, final: bool) -> list[str]:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dtype = torch.float32 if self.adapter.lora_config.save_dtype == "fp32" else torch.bfloat16
+        written = []
+        for expert in self.adapter.experts:
+            tensors = wan_state_dict(self.adapter.transformer_for(expert), dtype)
+            alphas = sorted({float(v) for k, v in tensors.items() if k.endswith(".alpha")})
+            metadata = {
+                "format": "pt",
+                "wantrain_version": wantrain.__version__,
+                "variant": self.adapter.spec.name,
+                "expert": expert or "single",
+                "rank": str(self.adapter.lora_config.rank),
+                "alpha": f"{alphas[0]:g}" if len(alphas) == 1 else ",".join(f"{a:g}" for a in alphas),
+                "step": str(step),
+                "boundary_ratio": str(self.adapter.spec.boundary_ratio),
+            }
+            path = self.run_dir / self.file_name(expert, step, final)
+            atomic_save(tensors, path, metadata)
+            written.append(str(path))
+        return written

@@ -1,0 +1,174 @@
+"""Where the weights come from: a local diffusers-format directory, single-file transformer checkpoints, or the
+tiny random twins. Nothing here touches the network (every ``from_pretrained`` is ``local_files_only``).
+
+A :class:`WeightSource` checks up front that every part the run will need exists (one-line ``UserError`` naming
+the missing part), and can compute the encoders' identity from file sizes and times without loading anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from wantrain.core.errors import UserError
+from wantrain.models.wan22 import architecture
+from wantrain.models.wan22.config import ModelConfig
+from wantrain.models.wan22.variants import VARIANTS, VariantSpec
+
+# diffusers folder of each expert; the high-noise expert is ``transformer`` (it also holds the 5B model).
+EXPERT_FOLDER = {"high_noise": "transformer", None: "transformer", "low_noise": "transformer_2"}
+_EXPERT_FILE_KEY = {"high_noise": "high_noise_file", "low_noise": "low_noise_file", None: "transformer_file"}
+_ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
+
+
+class WeightSource:
+    """Loads the components of one variant. ``experts`` are the transformers the run trains."""
+
+    def __init__(self, model: ModelConfig, seed: int) -> None:
+        self.spec: VariantSpec = VARIANTS[model.variant]
+        self.model = model
+        self.seed = seed
+        self.experts = model.trained_experts
+        self.path = Path(model.path).expanduser() if model.path is not None else None
+        self.random = self.spec.tiny and self.path is None and not any(
+            getattr(model, _EXPERT_FILE_KEY[e]) is not None for e in self.experts
+        )
+        if not self.random:
+            self._check()
+
+    # -- checks --------------------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.path is None:
+            raise UserError(
+                f"model.path is required for {self.spec.name}: point it at a local diffusers-format directory "
+                "with vae/, text_encoder/ and tokenizer/ (and the transformer folders)"
+            )
+        if not self.path.is_dir():
+            raise UserError(f"model.path '{self.path}' is not a directory (expected a diffusers-format model folder)")
+        for expert in self.experts:
+            file = self._expert_file(expert)
+            if file is not None:
+                if not file.is_file():
+                    raise UserError(f"model.{_EXPERT_FILE_KEY[expert]} '{file}' does not exist")
+                if file.suffix != ".safetensors":
+                    raise UserError(
+                        f"model.{_EXPERT_FILE_KEY[expert]} '{file}' is not a .safetensors file (only safetensors "
+                        "single files are read; convert .pt/.ckpt first)"
+                    )
+                continue
+            folder = EXPERT_FOLDER[expert]
+            role = {"high_noise": "the high-noise expert", "low_noise": "the low-noise expert"}.get(
+                expert, "the transformer"
+            )
+            why = f"needed with model.experts = '{self.model.experts}'" if expert else "needed to train"
+            self._require(folder, f"{role}, {why}; or set model.{_EXPERT_FILE_KEY[expert]}")
+            config = self._read_config(folder)
+            if config.get("in_channels") != self.spec.transformer_in_channels:
+                raise UserError(
+                    f"model.path '{self.path}': {folder}/config.json has in_channels = {config.get('in_channels')}, "
+                    f"but {self.spec.name} needs {self.spec.transformer_in_channels}; is this the right model?"
+                )
+        self._require("vae", "the VAE")
+        vae_z = self._read_config("vae").get("z_dim")
+        if vae_z != self.spec.latent_channels:
+            raise UserError(
+                f"model.path '{self.path}': vae/config.json has z_dim = {vae_z}, but {self.spec.name} uses the "
+                f"{self.spec.vae} VAE with {self.spec.latent_channels} latent channels"
+            )
+        self._require("text_encoder", "the UMT5 text encoder")
+        if not any((self.path / "tokenizer" / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
+                                                                      "spiece.model")):
+            raise UserError(
+                f"model.path '{self.path}' has no tokenizer/ folder with tokenizer files (the UMT5 tokenizer)"
+            )
+
+    def _require(self, folder: str, what: str) -> None:
+        assert self.path is not None
+        if not (self.path / folder / "config.json").is_file():
+            missing = f"{folder}/" if not (self.path / folder).is_dir() else f"{folder}/config.json"
+            raise UserError(f"model.path '{self.path}' is missing {missing} ({what})")
+
+    def _read_config(self, folder: str) -> dict:
+        assert self.path is not None
+        try:
+            return json.loads((self.path / folder / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"model.path '{self.path}': {folder}/config.json is not readable JSON ({exc})") from None
+
+    def _expert_file(self, expert: str | None) -> Path | None:
+        value = getattr(self.model, _EXPERT_FILE_KEY[expert])
+        return Path(value).expanduser() if value is not None else None
+
+    # -- identity ------------------------------------------------------------------------------------------
+    @property
+    def encoder_identity(self) -> str:
+        """Identity of the VAE + text encoder + tokenizer, computed without loading them: the variant plus the
+        seed and architecture hash (tiny random) or every file's relative path, size and mtime (directory)."""
+        if self.random or self.path is None:
+            arch = architecture.tiny_config_hash(self.spec)
+            return f"wan22:{self.spec.name}:tiny-random:seed={self.seed}:arch={arch}"
+        digest = hashlib.sha256()
+        for part in _ENCODER_PARTS:
+            for file in sorted(p for p in (self.path / part).rglob("*") if p.is_file()):
+                stat = file.stat()
+                digest.update(f"{file.relative_to(self.path)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+        return f"wan22:{self.spec.name}:{self.path.resolve()}:{digest.hexdigest()[:16]}"
+
+    # -- loading -------------------------------------------------------------------------------------------
+    def transformer(self, expert: str | None, dtype: torch.dtype):
+        """A fresh base transformer of ``expert`` in ``dtype`` on the CPU (call again for an identical copy)."""
+        from diffusers import WanTransformer3DModel
+
+        if self.random:
+            transformer = architecture.tiny_transformer(self.spec, self.seed, expert)
+            return architecture.cast_keeping_fp32_modules(transformer, dtype)
+        file = self._expert_file(expert)
+        if file is not None:
+            return self._single_file(file, expert, dtype)
+        return WanTransformer3DModel.from_pretrained(
+            str(self.path), subfolder=EXPERT_FOLDER[expert], torch_dtype=dtype, local_files_only=True
+        )
+
+    def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
+        """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
+        only knows Wan 2.1 and would build I2V/5B files with the wrong config)."""
+        from diffusers import WanTransformer3DModel
+        from safetensors import SafetensorError
+
+        key = _EXPERT_FILE_KEY[expert]
+        with tempfile.TemporaryDirectory() as tmp:
+            config = {"_class_name": "WanTransformer3DModel", **architecture.transformer_kwargs(self.spec)}
+            config["patch_size"] = list(config["patch_size"])
+            Path(tmp, "config.json").write_text(json.dumps(config))
+            try:
+                return WanTransformer3DModel.from_single_file(
+                    str(file), config=tmp, torch_dtype=dtype, local_files_only=True
+                )
+            except (ValueError, RuntimeError, KeyError, OSError, SafetensorError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UserError(
+                    f"model.{key} '{file}' does not fit the {self.spec.name} transformer ({first[:200]})"
+                ) from None
+
+    def vae(self):
+        from diffusers import AutoencoderKLWan
+
+        if self.random or self.path is None:
+            return architecture.tiny_vae(self.spec, self.seed)
+        return AutoencoderKLWan.from_pretrained(str(self.path), subfolder="vae", torch_dtype=torch.float32,
+                                                local_files_only=True).eval()
+
+    def text_encoder(self, dtype: torch.dtype):
+        """(tokenizer, encoder)."""
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        if self.random or self.path is None:
+            return architecture.tiny_tokenizer(self.spec), architecture.tiny_text_encoder(self.spec, self.seed)
+        tokenizer = AutoTokenizer.from_pretrained(str(self.path / "tokenizer"), local_files_only=True)
+        encoder = UMT5EncoderModel.from_pretrained(str(self.path / "text_encoder"), torch_dtype=dtype,
+                                                   local_files_only=True)
+        return tokenizer, encoder.eval()
