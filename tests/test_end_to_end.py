@@ -1,0 +1,93 @@
+"""End to end on the tiny real Wan model and the committed demo data: `wantrain run examples/quickstart.toml`,
+shortened, then what the run directory holds, that the model learned, and the README's observer example."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from wantrain.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.toml"
+
+pytestmark = pytest.mark.slow
+
+
+def copy_examples(tmp: Path) -> Path:
+    """The quickstart config and demo data in a scratch folder, so caches and runs stay out of the repo."""
+    shutil.copytree(ROOT / "examples" / "demo_data", tmp / "demo_data")
+    config = tmp / "quickstart.toml"
+    config.write_text(QUICKSTART.read_text(encoding="utf-8").replace('"../runs"', '"runs"'), encoding="utf-8")
+    return config
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("quickstart")
+    config = copy_examples(tmp)
+    code = main(["run", str(config), "--max-steps", "160", "--run-id", "e2e",
+                 "--set", "optimizer.lr=3e-3", "--set", "train.save_every=80", "--set", "observers.progress=false"])
+    assert code == 0
+    (run_dir,) = (tmp / "runs").iterdir()
+    return run_dir
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_quickstart_run_dir_holds_config_tensorboard_metrics_logs_and_loras(quickstart_run):
+    assert quickstart_run.name.endswith("__e2e")
+    resolved = tomllib.loads((quickstart_run / "config.toml").read_text())
+    assert resolved["train"]["max_steps"] == 160 and resolved["model"]["variant"] == "tiny-t2v"
+    assert list((quickstart_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert metrics(quickstart_run)[-1]["step"] == 160
+    log_lines = [json.loads(x) for x in (quickstart_run / "log.jsonl").read_text().splitlines()]
+    assert {"run_started", "lora_saved", "run_ended"} <= {x["event"] for x in log_lines}
+    for expert in ("high_noise", "low_noise"):
+        assert (quickstart_run / f"quickstart_{expert}.safetensors").stat().st_size > 0
+        assert (quickstart_run / f"quickstart_step000080_{expert}.safetensors").exists()
+    assert json.loads((quickstart_run / "preflight.json").read_text())["steps_per_epoch"] > 0
+
+
+def test_tiny_model_learns_the_demo_data(quickstart_run):
+    losses = [row["train/loss"] for row in metrics(quickstart_run)]
+    fifth = len(losses) // 5
+    first, last = sum(losses[:fifth]) / fifth, sum(losses[-fifth:]) / fifth
+    assert last < first * 0.95, (first, last)
+
+
+def test_report_draws_the_quickstart_run(quickstart_run, capsys):
+    out = quickstart_run / "report.png"
+    assert main(["report", str(quickstart_run), "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+    assert "160" in capsys.readouterr().out
+
+
+def test_readme_observer_example_runs_and_receives_events(tmp_path, capsys):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- observer-example:start -->\s*```python\n(.*?)```", readme, re.S)
+    assert block, "README lost its observer example"
+    config = copy_examples(tmp_path)
+    (tmp_path / "my_observers.py").write_text(block.group(1), encoding="utf-8")
+    toml_snippet = re.search(r"```toml\n(\[observers\]\nextra = .*?)```", readme, re.S).group(1)
+    config.write_text(config.read_text().replace("[train]", toml_snippet + "\n[train]"), encoding="utf-8")
+    code = main(["run", str(config), "--max-steps", "10", "--set", "train.log_every=5",
+                 "--set", "observers.progress=false"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "step 5: loss" in out and "step 10: loss" in out
+    assert "LossWatch saw 2 log steps; run completed" in out
+
+
+def test_check_prints_the_preflight_report_for_the_quickstart(tmp_path, capsys):
+    config = copy_examples(tmp_path)
+    assert main(["check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "steps per epoch" in out.lower()
