@@ -81,13 +81,14 @@ class Norms(Observer):
     def on_grads_ready(self, event: GradsReady, ctx) -> None:
         if not event.is_log_step or ctx.adapter is None:
             return
+        experts = _named_experts(ctx.adapter)
         partials = []
-        for expert in _named_experts(ctx.adapter):
+        for expert in experts:
             sq = sum_of_squares(p.grad for p in ctx.adapter.trainable_parameters(expert) if p.grad is not None)
             if sq is not None:
                 ctx.metrics.put(f"train/grad_norm/{expert}", sq.sqrt())
                 partials.append(sq)
-        if not _named_experts(ctx.adapter):
+        if not experts:
             sq = sum_of_squares(p.grad for p in ctx.adapter.trainable_parameters(None) if p.grad is not None)
             if sq is not None:
                 partials.append(sq)

@@ -1,0 +1,102 @@
+"""``wantrain report``: a PNG dashboard with named panels and a short text summary, from metrics.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from wantrain.cli import report
+from wantrain.core.errors import UserError
+
+
+def write_metrics(run_dir, n: int = 30, experts: bool = True, phases: bool = True) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w", encoding="utf-8") as f:
+        for i in range(1, n + 1):
+            step = 10 * i
+            expert = ("high_noise" if (i - 1) // 5 % 2 == 0 else "low_noise") if experts else None
+            loss = 1.0 / i + (0.2 if expert == "high_noise" else 0.0)
+            record = {"step": step, "time": 1.7e9 + step, "elapsed_s": 2.0 * step, "expert": expert,
+                      "train/loss": loss, "train/lr": 1e-4, "train/grad_norm": 0.5 / i,
+                      "train/total_param_norm": 10 + i / 10, "memory/ram_main_process_gb": 3.0,
+                      "memory/ram_total_gb": 4.5, "train/skipped_steps": float(i >= 20)}
+            if expert:
+                record[f"train/loss/{expert}"] = loss if i != 7 else None  # a NaN loss, written as null
+                record[f"train/lr/{expert}"] = 1e-4
+                record[f"train/grad_norm/{expert}"] = 0.5 / i
+            if phases:
+                record["alpha/phase"] = float(min(i // 10, 2))
+            f.write(json.dumps(record) + "\n")
+        f.write('{"step": 310, "train/lo')  # a truncated last line (the run was killed)
+
+
+def args_for(run_dir, out=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    report.add_arguments(parser)
+    return parser.parse_args([str(run_dir), *(["--out", str(out)] if out else [])])
+
+
+def test_report_writes_a_png_dashboard_into_the_run_dir(tmp_path, capsys):
+    write_metrics(tmp_path / "run")
+    assert report.run(args_for(tmp_path / "run")) == 0
+    png = tmp_path / "run" / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    assert f"report: {png}" in capsys.readouterr().out
+
+
+def test_report_panels_are_loss_lr_grad_norm_param_norm_memory_and_speed(tmp_path):
+    write_metrics(tmp_path)
+    _, records = report.load_records(tmp_path)
+    fig = report.build_report(records)
+    assert report.panel_titles(fig) == ["Loss", "Learning rate", "Gradient norm", "Parameter norm",
+                                        "Memory (GiB)", "Speed (steps/s)"]
+    loss_labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert {"high_noise (raw)", "high_noise (EMA 0.9)", "low_noise (raw)", "low_noise (EMA 0.9)"} <= set(loss_labels)
+
+
+def test_report_shades_alpha_phases_when_the_metrics_have_them(tmp_path):
+    write_metrics(tmp_path)
+    _, records = report.load_records(tmp_path)
+    assert report.phase_spans(records) == [(0.0, 10, 90), (1.0, 100, 190), (2.0, 200, 300)]
+    fig = report.build_report(records)
+    assert {"alpha phase 0", "alpha phase 1", "alpha phase 2"} <= set(fig.axes[0].get_legend_handles_labels()[1])
+    assert all(len(ax.patches) == 3 for ax in fig.axes)
+
+
+def test_report_without_experts_or_phases_plots_the_overall_loss(tmp_path):
+    write_metrics(tmp_path, experts=False, phases=False)
+    _, records = report.load_records(tmp_path)
+    fig = report.build_report(records)
+    assert fig.axes[0].get_legend_handles_labels()[1] == ["loss (raw)", "loss (EMA 0.9)"]
+    assert all(not ax.patches for ax in fig.axes)
+
+
+def test_report_summary_names_steps_time_best_and_last_loss_per_expert_and_skipped_steps(tmp_path, capsys):
+    write_metrics(tmp_path)
+    report.run(args_for(tmp_path, out=tmp_path / "elsewhere" / "r.png"))
+    out = capsys.readouterr().out
+    assert "steps: 300 (first logged 10, 30 log lines)" in out
+    assert "time: 0:10:00 (600.0 s)" in out
+    assert "loss high_noise: best 0.24 at step 250, last 0.24 at step 250" in out
+    assert "loss low_noise: best 0.033333 at step 300, last 0.033333 at step 300" in out
+    assert "skipped steps: 1" in out
+    assert (tmp_path / "elsewhere" / "r.png").is_file()
+
+
+def test_report_on_a_missing_run_dir_is_a_one_line_user_error(tmp_path):
+    with pytest.raises(UserError, match="run directory not found") as err:
+        report.run(args_for(tmp_path / "nope"))
+    assert "\n" not in str(err.value) and err.value.exit_code == 2
+
+
+def test_report_on_a_run_dir_without_metrics_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="no metrics.jsonl in"):
+        report.run(args_for(tmp_path))
+
+
+def test_report_on_an_empty_metrics_file_is_a_user_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("", encoding="utf-8")
+    with pytest.raises(UserError, match="holds no metrics lines"):
+        report.run(args_for(tmp_path))

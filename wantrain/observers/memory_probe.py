@@ -1,0 +1,81 @@
+"""Host RAM and device VRAM, sampled once per log step with host calls only (no device sync).
+
+Metrics (host floats, GiB = 2**30 bytes; the ``_gb`` names are the seed's, kept for compatibility):
+
+* ``memory/ram_main_process_gb`` -- resident set size (RSS) of the training process.
+* ``memory/ram_total_gb`` -- RSS of the training process plus all its descendants (data-loader workers).
+  Forked workers share copy-on-write pages with the parent, so this sum is an upper bound on real use.
+* ``memory/vram_allocated_gb`` -- ``torch.cuda.memory_allocated``: memory held by live tensors.
+* ``memory/vram_reserved_gb`` -- ``torch.cuda.memory_reserved``: held by the caching allocator.
+* ``memory/vram_peak_gb`` -- ``torch.cuda.max_memory_allocated`` since the previous log step (or the run start);
+  the peak counters are reset after each reading (the seed's peak was since process start and never reset).
+
+The VRAM series exist only when the run trains on a CUDA device; without CUDA they are absent, not zero. The
+``torch.cuda`` calls read the caching allocator's host-side counters: they do not synchronise the device.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from wantrain.core.bus import Observer, Priority, on
+from wantrain.core.events import OptimizerStepped, RunStarted
+
+GIB = float(1 << 30)
+
+
+def _cuda_device(ctx) -> torch.device | None:
+    """The CUDA device the run trains on, or None (CPU run, or no CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    device = getattr(getattr(ctx, "adapter", None), "device", None)
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    return device if device.type == "cuda" else None
+
+
+class MemoryProbe(Observer):
+    """Puts RAM (and, on CUDA, VRAM) gauges into ``ctx.metrics`` at ``OptimizerStepped`` of log steps."""
+
+    priority = Priority.SINK
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+
+    @on(RunStarted)
+    def on_run_started(self, event: RunStarted, ctx) -> None:
+        device = _cuda_device(ctx)
+        if device is not None:
+            torch.cuda.reset_peak_memory_stats(device)  # the first interval's peak starts with the run
+
+    @on(OptimizerStepped)
+    def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
+        if not event.is_log_step:
+            return
+        for name, value in self.sample(_cuda_device(ctx)).items():
+            ctx.metrics.put(name, value)
+
+    def sample(self, device: torch.device | None) -> dict[str, float]:
+        """One reading of every gauge (host floats, GiB); resets the CUDA peak counters of ``device``."""
+        main = self._process.memory_info().rss
+        total = main
+        for child in self._children():
+            try:
+                total += child.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue  # a worker that exited between listing and reading
+        values = {"memory/ram_main_process_gb": main / GIB, "memory/ram_total_gb": total / GIB}
+        if device is not None:
+            values["memory/vram_allocated_gb"] = torch.cuda.memory_allocated(device) / GIB
+            values["memory/vram_reserved_gb"] = torch.cuda.memory_reserved(device) / GIB
+            values["memory/vram_peak_gb"] = torch.cuda.max_memory_allocated(device) / GIB
+            torch.cuda.reset_peak_memory_stats(device)
+        return values
+
+    def _children(self) -> list[psutil.Process]:
+        try:
+            return self._process.children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return []

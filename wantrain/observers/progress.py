@@ -1,0 +1,190 @@
+"""A one-line progress display: step/total, it/s, ETA, loss (EMA), LR, active expert, alpha phase.
+
+It updates at every ``OptimizerStepped`` from host-side counters only (the step number, a monotonic clock and the
+LRs the event carries); it never touches a tensor. Loss, alpha phase and skipped steps come from the latest
+``MetricsLogged`` (host floats), so they change once per log interval.
+
+On a terminal the line is redrawn in place with a carriage return, at most every ``refresh_s`` seconds (and always
+on log steps and the last step). When the stream is not a TTY (CI, a file, a pipe) nothing is redrawn: one plain
+line is printed per log step (the last one with the run's status), so logs stay readable.
+
+* it/s: optimizer steps per second over the last ``window`` steps (a moving window, so it follows slowdowns).
+* ETA: remaining steps / it/s.
+* loss: exponential moving average (``beta`` 0.9) of the logged interval means, per expert (``train/loss/<expert>``)
+  when the model has experts, else of ``train/loss``; the active expert's is shown.
+* LR: the LR the step used, of the parameter group named after the active expert if there is one, else the first.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TextIO
+
+from wantrain.core.bus import Observer, Priority, on
+from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded, RunStarted
+
+
+def format_duration(seconds: float) -> str:
+    """``3725`` -> ``"1:02:05"``; unknown or infinite -> ``"?"``."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressLine(Observer):
+    """Progress on ``stream`` (default: ``sys.stderr`` at write time). ``enabled=False`` makes it silent."""
+
+    priority = Priority.SINK
+
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        *,
+        refresh_s: float = 0.1,
+        window: int = 50,
+        beta: float = 0.9,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.enabled = enabled
+        self._stream = stream
+        self.refresh_s = refresh_s
+        self.beta = beta
+        self._clock = clock
+        self._times: deque[tuple[float, int]] = deque(maxlen=max(2, window))
+        self.total_steps = 0
+        self.step = 0
+        self.expert: str | None = None
+        self.lr: float | None = None
+        self.loss_ema: dict[str | None, float] = {}
+        self.alpha_phase: float | None = None
+        self.skipped_steps = 0
+        self._last_draw = -math.inf
+        self._drawn_width = 0  # characters of the line currently on a terminal (0: none)
+
+    # -- events ------------------------------------------------------------------------------------------------
+    @on(RunStarted)
+    def on_run_started(self, event: RunStarted, ctx) -> None:
+        self.total_steps = event.total_steps
+        self.step = event.step
+        self._times.clear()
+        self._times.append((self._clock(), event.step))
+
+    @on(OptimizerStepped)
+    def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
+        self.step = event.step
+        self.expert = event.expert
+        self._times.append((self._clock(), event.step))
+        if event.lrs:
+            names = tuple(event.group_names)
+            index = names.index(event.expert) if event.expert in names else 0
+            self.lr = event.lrs[index] if index < len(event.lrs) else event.lrs[0]
+        if self._is_tty() and not event.is_log_step and event.step != self.total_steps:
+            self._draw(force=False)
+
+    @on(MetricsLogged)
+    def on_metrics_logged(self, event: MetricsLogged, ctx) -> None:
+        values = event.values
+        self.total_steps = event.total_steps or self.total_steps
+        keyed = {k.removeprefix("train/loss/"): v for k, v in values.items() if k.startswith("train/loss/")}
+        if not keyed and "train/loss" in values:
+            keyed = {None: values["train/loss"]}
+        for expert, loss in keyed.items():
+            if not math.isfinite(loss):
+                continue  # a NaN would poison the average forever; the sinks still record it
+            previous = self.loss_ema.get(expert)
+            self.loss_ema[expert] = loss if previous is None else self.beta * previous + (1 - self.beta) * loss
+        if "alpha/phase" in values:
+            self.alpha_phase = values["alpha/phase"]
+        if "train/skipped_steps" in values and math.isfinite(values["train/skipped_steps"]):
+            self.skipped_steps = int(values["train/skipped_steps"])
+        if self._is_tty():
+            self._draw(force=True)
+        elif event.step != self.total_steps:  # the last step's line is printed by RunEnded, with the status
+            self._print_line(self.render())
+
+    @on(RunEnded)
+    def on_run_ended(self, event: RunEnded, ctx) -> None:
+        line = f"{self.render()} | {event.status}"
+        if self._is_tty():
+            self._write("\r" + line.ljust(self._drawn_width) + "\n")
+            self._drawn_width = 0
+        else:
+            self._print_line(line)
+
+    def close(self) -> None:
+        if self._drawn_width:
+            self._write("\n")
+            self._drawn_width = 0
+
+    # -- rendering ---------------------------------------------------------------------------------------------
+    def steps_per_second(self) -> float | None:
+        """Optimizer steps per second over the recent window; None before two steps were seen."""
+        if len(self._times) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._times[0], self._times[-1]
+        if t1 <= t0 or s1 <= s0:
+            return None
+        return (s1 - s0) / (t1 - t0)
+
+    def render(self) -> str:
+        """The progress line as text (no carriage return)."""
+        total = self.total_steps
+        pct = f" ({100 * self.step / total:.0f}%)" if total else ""
+        rate = self.steps_per_second()
+        parts = [f"step {self.step}/{total or '?'}{pct}"]
+        if rate is None:
+            parts += ["? it/s", "ETA ?"]
+        else:
+            parts.append(f"{rate:.2f} it/s" if rate >= 1 else f"{1 / rate:.2f} s/it")
+            parts.append(f"ETA {format_duration(max(total - self.step, 0) / rate) if total else '?'}")
+        loss = self.loss_ema.get(self.expert, self.loss_ema.get(None))
+        parts.append(f"loss {loss:.4g}" if loss is not None else "loss ?")
+        parts.append(f"lr {self.lr:.3g}" if self.lr is not None else "lr ?")
+        if self.expert is not None:
+            parts.append(f"expert {self.expert}")
+        if self.alpha_phase is not None and math.isfinite(self.alpha_phase):
+            phase = self.alpha_phase
+            parts.append(f"alpha phase {int(phase) if phase == int(phase) else phase}")
+        if self.skipped_steps:
+            parts.append(f"skipped {self.skipped_steps}")
+        return " | ".join(parts)
+
+    def _draw(self, force: bool) -> None:
+        now = self._clock()
+        if not force and now - self._last_draw < self.refresh_s:
+            return
+        self._last_draw = now
+        line = self.render()
+        self._write("\r" + line.ljust(self._drawn_width))
+        self._drawn_width = max(len(line), 1)
+
+    def _print_line(self, line: str) -> None:
+        self._write(line + "\n")
+
+    def _stream_now(self) -> TextIO:
+        return self._stream if self._stream is not None else sys.stderr
+
+    def _is_tty(self) -> bool:
+        if not self.enabled:
+            return False
+        isatty = getattr(self._stream_now(), "isatty", None)
+        try:
+            return bool(isatty()) if callable(isatty) else False
+        except (ValueError, OSError):  # a closed stream
+            return False
+
+    def _write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        stream = self._stream_now()
+        try:
+            stream.write(text)
+            stream.flush()
+        except (ValueError, OSError):  # closed or broken stream: progress is not worth failing a run for
+            self.enabled = False
