@@ -33,7 +33,7 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'")
+        raise UserError(f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("config key 'train.device' asks for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
     return device

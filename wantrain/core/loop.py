@@ -122,6 +122,7 @@ class Trainer:
         state, control, s = self.state, self.ctx.control, self.settings
         status, reason = "completed", None
         started = time.perf_counter()
+        self._last_log_step, self._last_log_time = state.step, started
         try:
             self.bus.emit(RunStarted(
                 step=state.step, run_dir=str(self.ctx.run_dir or ""), total_steps=s.max_steps,
@@ -271,6 +272,12 @@ class Trainer:
                 metrics.put(f"train/lr/{name}", lr)
         metrics.put("train/skipped_steps", float(self.state.skipped_steps))
         values = metrics.gather()  # the one device->host transfer of this log interval
+        # Timed after the sync above, so queued device work is included: the mean over the interval is honest.
+        now = time.perf_counter()
+        steps = step - self._last_log_step
+        if steps > 0:
+            values["train/step_time_s"] = (now - self._last_log_time) / steps
+        self._last_log_step, self._last_log_time = step, now
         self.bus.emit(MetricsLogged(
             step=step, expert=expert, values=values, elapsed_s=time.perf_counter() - started,
             total_steps=self.settings.max_steps,

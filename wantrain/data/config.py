@@ -137,7 +137,7 @@ class DataConfig:
             return [DatasetConfig(path=self.path)]
         return list(self.datasets)
 
-    def resolved(self, ds: DatasetConfig) -> "ResolvedDataset":
+    def resolved(self, ds: DatasetConfig) -> ResolvedDataset:
         """``ds`` with every unset key taken from ``[data]`` (variant defaults are applied later)."""
         return ResolvedDataset(
             path=ds.path,
