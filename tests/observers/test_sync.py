@@ -106,3 +106,36 @@ def _sync_debug_mode(mode: str):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.mark.slow
+def test_whole_loop_on_the_tiny_wan_model_converts_one_tensor_per_log_step_and_none_otherwise():
+    """The core's promise end to end: real tiny Wan forward/backward, gradient accumulation, clipping, the
+    scheduler and every metric observer. SGD keeps no step counter; AdamW's `.item()` on its step counter is a
+    CPU tensor (no device sync on a GPU), which this CPU-only counter could not tell apart."""
+    import itertools
+    from pathlib import Path
+
+    from wantrain.config import load_config
+    from wantrain.core.bus import Bus
+    from wantrain.core.events import StepStarted
+    from wantrain.core.loop import LoopSettings, Trainer
+    from wantrain.models.wan22 import build_adapter
+    from wantrain.schedulers import build_scheduler
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml")
+    adapter = build_adapter(cfg.model, cfg.lora, seed=0, device=torch.device("cpu"), base_lr=1e-3)
+    pixels = torch.rand(1, 3, 9, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    batch = {**adapter.encode_media(pixels), **adapter.encode_text(["a red circle moving left"])}
+    counter = SyncCounter()
+    bus = Bus()
+    bus.subscribe(StepStarted, lambda e, c: setattr(counter, "step", e.step))
+    for observer in (Norms(), MemoryProbe(), ProgressLine(stream=io.StringIO())):
+        bus.attach(observer)
+    optimizer = torch.optim.SGD(adapter.param_groups(), lr=1e-3, foreach=True)
+    trainer = Trainer(adapter=adapter, batches=itertools.repeat(batch), optimizer=optimizer, bus=bus,
+                      scheduler=build_scheduler(cfg.lr_scheduler, optimizer, total_steps=6),
+                      settings=LoopSettings(max_steps=6, grad_accum=2, log_every=3, clip_grad_norm=1.0))
+    with counter:
+        assert trainer.run().status == "completed"
+    assert counter.calls == [(3, "tolist"), (6, "tolist")]
