@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import gc
 
+import attrs
 import blinker
 import pytest
 
 from wantrain.core.bus import Bus, Observer, Priority, on
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import Event, ObserverFailed, RunEnded, StepStarted, register_event_type
-
-import attrs
 
 
 def ended(step: int = 0) -> RunEnded:

@@ -7,6 +7,7 @@ checked before the run directory is created, so a typo never leaves an empty run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -33,7 +34,9 @@ def resolve_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UserError(f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'") from None
+        raise UserError(
+            f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("config key 'train.device' asks for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
     return device
@@ -63,10 +66,8 @@ def stop_on_signals(control: Any) -> Iterator[None]:
               "(Ctrl-C again to abort without saving)", file=sys.stderr)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
+        with contextlib.suppress(ValueError):  # not the main thread (tests): no handler
             previous[sig] = signal.signal(sig, handler)
-        except ValueError:  # not the main thread (tests)
-            pass
     try:
         yield
     finally:

@@ -128,7 +128,7 @@ class _Namespace(blinker.Namespace):
 
 
 class _Subscription:
-    __slots__ = ("handler", "owner", "name", "priority", "critical", "seq", "receiver")
+    __slots__ = ("critical", "handler", "name", "owner", "priority", "receiver", "seq")
 
     def __init__(self, handler: Handler, owner: Any, name: str, priority: int, critical: bool, seq: int) -> None:
         self.handler = handler
@@ -239,7 +239,7 @@ class Bus:
                 return
             try:
                 sub.handler(event, self.ctx)
-            except Exception as exc:  # noqa: BLE001 - the policy decides what happens next
+            except Exception as exc:
                 if sub.critical:
                     raise CriticalObserverError(sub.name, event_type.__name__, exc) from exc
                 self._passive_failure(sub, owner_id, event, exc)
@@ -313,7 +313,7 @@ class Bus:
                 continue
             try:
                 close()
-            except Exception as exc:  # noqa: BLE001 - one failing close must not stop the others
+            except Exception as exc:
                 log.warning("observer_close_failed", observer=getattr(observer, "name", repr(observer)),
                             error=repr(exc), exc_info=exc)
         for event_type, subs in self._subs.items():

@@ -47,9 +47,9 @@ class Range:
     def contains(self, value: float) -> bool:
         if self.low is not None and (value < self.low or (value == self.low and not self.low_inclusive)):
             return False
-        if self.high is not None and (value > self.high or (value == self.high and not self.high_inclusive)):
-            return False
-        return True
+        return not (
+            self.high is not None and (value > self.high or (value == self.high and not self.high_inclusive))
+        )
 
     def describe(self) -> str:
         parts = []
@@ -76,7 +76,7 @@ def setting(
     default: Any = NOTHING,
     *,
     doc: str,
-    range: Range | None = None,  # noqa: A002 - reads naturally at the call site
+    range: Range | None = None,
     choices: typing.Sequence[Any] | None = None,
     factory: typing.Callable[[], Any] | None = None,
     aliases: typing.Sequence[str] = (),

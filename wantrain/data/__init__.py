@@ -13,11 +13,11 @@ See docs/data.md.
 """
 
 from wantrain.data.cache import CacheStats, ensure_cache
-from wantrain.data.config import DataConfig, DatasetConfig
 from wantrain.data.clips import Clip, MediaEncoders
+from wantrain.data.config import DataConfig, DatasetConfig
 from wantrain.data.dataset import build_dataset
-from wantrain.data.training import TrainingData
 from wantrain.data.report import PreflightReport, estimate_peak_vram_gb
+from wantrain.data.training import TrainingData
 
 __all__ = [
     "CacheStats", "Clip", "DataConfig", "DatasetConfig", "MediaEncoders", "PreflightReport", "TrainingData",

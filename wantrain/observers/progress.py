@@ -32,7 +32,7 @@ def format_duration(seconds: float) -> str:
     """``3725`` -> ``"1:02:05"``; unknown or infinite -> ``"?"``."""
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 

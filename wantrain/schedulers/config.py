@@ -169,7 +169,7 @@ def _validate(cfg: SchedulerConfig) -> None:
         _validate_external(cfg)
         return
     allowed = set(COMMON_KEYS) | set(TYPE_KEYS[cfg.type])
-    for field in PASS_THROUGH_KEYS + ("class_path",):
+    for field in (*PASS_THROUGH_KEYS, "class_path"):
         if getattr(cfg, field) is not None and field not in allowed:
             where = " or ".join(repr(t) for t in _types_reading(field))
             raise ConfigError(
