@@ -91,3 +91,19 @@ def test_check_prints_the_preflight_report_for_the_quickstart(tmp_path, capsys):
     assert main(["check", str(config)]) == 0
     out = capsys.readouterr().out
     assert "steps per epoch" in out.lower()
+
+
+def test_second_run_reads_every_latent_and_embedding_from_the_cache(quickstart_run):
+    def cache_ready(run_dir: Path) -> dict:
+        lines = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+        return next(x for x in lines if x["event"] == "cache_ready")
+
+    first = cache_ready(quickstart_run)
+    assert first["latents_encoded"] == 20 and first["texts_encoded"] == 20 and first["latents_hit"] == 0
+    config = quickstart_run.parent.parent / "quickstart.toml"
+    assert main(["run", str(config), "--max-steps", "2", "--run-id", "again",
+                 "--set", "observers.progress=false"]) == 0
+    (again,) = quickstart_run.parent.glob("*__again")
+    second = cache_ready(again)
+    assert (second["latents_encoded"], second["texts_encoded"]) == (0, 0)
+    assert (second["latents_hit"], second["texts_hit"]) == (20, 20)

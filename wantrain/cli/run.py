@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from wantrain.cli.common import add_config_arguments
@@ -107,7 +108,7 @@ def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
     from wantrain.core.bus import Bus
     from wantrain.core.loop import LoopSettings, Trainer
     from wantrain.core.rundir import create_run_dir, sanitize_run_id
-    from wantrain.data import build_dataset
+    from wantrain.data import build_dataset, ensure_cache
     from wantrain.models.wan22 import build_adapter
     from wantrain.models.wan22.variants import variant_spec
     from wantrain.observers import build_observers
@@ -137,6 +138,14 @@ def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
     write_preflight(run_dir, data)
     log_handler = configure_logging(run_dir / "log.jsonl")
     try:
+        # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
+        # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
+        stats = ensure_cache(data, adapter, remove_orphans=False)
+        adapter.release_encoders()
+        structlog.get_logger("wantrain.run").info(
+            "cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded,
+            texts_hit=stats.texts_hit, texts_encoded=stats.texts_encoded, clips_failed=stats.clips_failed,
+        )
         optimizer = torch.optim.AdamW(
             adapter.param_groups(), lr=cfg.optimizer.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
             eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay,

@@ -141,10 +141,11 @@ def remove_orphans(expected: dict[Path, set[Path]]) -> int:
     return removed
 
 
-def ensure_cache(data: TrainingData, encoders: Any) -> CacheStats:
-    """Encode and cache every clip and caption that is not cached yet, then remove orphaned entries.
+def ensure_cache(data: TrainingData, encoders: Any, *, remove_orphans: bool = True) -> CacheStats:
+    """Encode and cache every clip and caption that is not cached yet, then (``wantrain cache``) remove orphaned
+    entries; ``wantrain run`` calls it with ``remove_orphans=False`` and never deletes anything.
 
-    For ``wantrain cache``. Decodes only the clips whose latents are missing; calls the encoders only when something
-    is missing. Clips that fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).
+    Decodes only the clips whose latents are missing; calls the encoders only when something is missing. Clips that
+    fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).
     """
-    return data.fill_cache(encoders)
+    return data.fill_cache(encoders, remove_orphans=remove_orphans)

@@ -309,7 +309,7 @@ class TrainingData:
         return len(self.report.verification) - before
 
     # ---- cache filling (wantrain cache) ------------------------------------------------------------------------
-    def fill_cache(self, encoders: MediaEncoders) -> cachelib.CacheStats:
+    def fill_cache(self, encoders: MediaEncoders, *, remove_orphans: bool = True) -> cachelib.CacheStats:
         stats: Counter = Counter()
         done: set[int] = set()
         while True:
@@ -337,7 +337,7 @@ class TrainingData:
         for cap in {c.caption for c in self.clips if c.active}:
             d = self._caption_dir(cap)
             expected[d].add(cachelib.entry_path(d, "text", cachelib.text_key(cap, ident)))
-        removed = cachelib.remove_orphans(expected)
+        removed = cachelib.remove_orphans(expected) if remove_orphans else 0
         texts_total = len({c.caption for c in self.clips if c.active})
         return cachelib.CacheStats(
             latents_hit=stats["latents_hit"], latents_encoded=stats["latents_encoded"],
