@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 def copy_examples(tmp: Path) -> Path:
     """The quickstart config and demo data in a scratch folder, so caches and runs stay out of the repo."""
-    shutil.copytree(ROOT / "examples" / "demo_data", tmp / "demo_data", ignore=shutil.ignore_patterns(".wantrain_cache"))
+    shutil.copytree(ROOT / "examples" / "demo_data", tmp / "demo_data",
+                    ignore=shutil.ignore_patterns(".wantrain_cache"))
     config = tmp / "quickstart.toml"
     config.write_text(QUICKSTART.read_text(encoding="utf-8").replace('"../runs"', '"runs"'), encoding="utf-8")
     return config
