@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import blinker
 import structlog
 
@@ -127,17 +128,15 @@ class _Namespace(blinker.Namespace):
         return self[name]
 
 
+@attrs.define(eq=False)
 class _Subscription:
-    __slots__ = ("critical", "handler", "name", "owner", "priority", "receiver", "seq")
-
-    def __init__(self, handler: Handler, owner: Any, name: str, priority: int, critical: bool, seq: int) -> None:
-        self.handler = handler
-        self.owner = owner
-        self.name = name
-        self.priority = priority
-        self.critical = critical
-        self.seq = seq
-        self.receiver: Callable[..., Any] | None = None
+    handler: Handler
+    owner: Any
+    name: str
+    priority: int
+    critical: bool
+    seq: int
+    receiver: Callable[..., Any] | None = None
 
 
 def _check_handler(event_type: Any, handler: Any, name: str) -> None:
