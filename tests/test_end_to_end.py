@@ -108,3 +108,39 @@ def test_second_run_reads_every_latent_and_embedding_from_the_cache(quickstart_r
     second = cache_ready(again)
     assert (second["latents_encoded"], second["texts_encoded"]) == (0, 0)
     assert (second["latents_hit"], second["texts_hit"]) == (20, 20)
+
+
+SEED_SCHEDULER_TABLES = {
+    "decay": """[lr_scheduler_config]
+type = 'cosine_annealing_warm_restarts_decay'
+T_0 = 1000
+T_mult = 1
+eta_min = 1e-7
+gamma = 0.9  # Decay factor for restarts
+""",
+    "external": """[lr_scheduler_config]
+type = 'external'
+class = 'torch.optim.lr_scheduler.StepLR'
+step_size = 30
+gamma = 0.1
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEED_SCHEDULER_TABLES))
+def test_the_seeds_scheduler_config_examples_train(tmp_path, name):
+    """The two [lr_scheduler_config] examples of the seed PR, verbatim, drive a real run."""
+    config = copy_examples(tmp_path)
+    text = config.read_text()
+    start = text.index("[lr_scheduler]")
+    assert "\n[" not in text[start:], "quickstart.toml: [lr_scheduler] is expected to be the last table"
+    config.write_text(text[:start] + SEED_SCHEDULER_TABLES[name], encoding="utf-8")
+    assert main(["run", str(config), "--max-steps", "4", "--set", "train.log_every=1",
+                 "--set", "observers.progress=false"]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    lrs = [row["train/lr"] for row in metrics(run_dir)]
+    base = 2e-3  # optimizer.lr of the quickstart
+    if name == "external":
+        assert lrs == [base] * 4  # StepLR(step_size=30): no decay within 4 steps
+    else:
+        assert lrs[0] == pytest.approx(base) and lrs == sorted(lrs, reverse=True) and lrs[-1] < base
