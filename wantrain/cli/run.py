@@ -43,17 +43,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            flatten(f"{prefix}.{k}" if prefix else k, v, out)
-    elif isinstance(value, list):
-        out[prefix] = json.dumps(value)
-    else:
-        out[prefix] = value
-    return out
-
-
 @contextmanager
 def stop_on_signals(control: Any) -> Iterator[None]:
     """First Ctrl-C / SIGTERM asks for a clean stop (the LoRA is saved); a second Ctrl-C interrupts at once."""
@@ -111,7 +100,7 @@ def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
     from wantrain.data import build_dataset, ensure_cache
     from wantrain.models.wan22 import build_adapter
     from wantrain.models.wan22.variants import variant_spec
-    from wantrain.observers import build_observers
+    from wantrain.observers import build_observers, resolve_extra_observers
     from wantrain.observers.event_recorder import EventRecorder
     from wantrain.schedulers import build_scheduler
 
@@ -123,13 +112,7 @@ def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
     adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
     plain = to_plain(cfg)
-    hparams = flatten("", plain, {})
-    # Build observers before the run directory exists would need the directory; validate users' classes first.
-    from wantrain.observers import load_observer_class
-
-    for i, spec_str in enumerate(cfg.observers.extra):
-        load_observer_class(spec_str, key=f"observers.extra[{i}]",
-                            search_dirs=tuple(d for d in (config_dir, Path.cwd()) if d is not None))
+    extra_observers = resolve_extra_observers(cfg, config_dir)
 
     run_dir = create_run_dir(cfg.run.output_dir, cfg.run.run_id)
     (run_dir / "config.toml").write_text(tomli_w.dumps(plain), encoding="utf-8")
@@ -153,7 +136,7 @@ def train(cfg: Any, *, config_dir: Path | None = None) -> dict[str, Any]:
         )
         scheduler = build_scheduler(cfg.lr_scheduler, optimizer, total_steps=cfg.train.max_steps)
         bus = Bus()
-        for observer in build_observers(cfg, run_dir, config_dir=config_dir, hparams=hparams):
+        for observer in build_observers(cfg, run_dir, extra=extra_observers, hparams=plain):
             bus.attach(observer)
         if cfg.observers.record_events:
             EventRecorder(run_dir / "events.jsonl").attach_to(bus)

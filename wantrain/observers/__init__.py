@@ -9,13 +9,14 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.errors import UserError
 
-__all__ = ["Observer", "Priority", "build_observers", "load_observer_class", "on"]
+__all__ = ["Observer", "Priority", "build_observers", "load_observer_class", "on", "resolve_extra_observers"]
 
 
 def load_observer_class(spec: str, *, key: str = "observers.extra", search_dirs: tuple[Path, ...] = ()) -> type:
@@ -44,9 +45,18 @@ def load_observer_class(spec: str, *, key: str = "observers.extra", search_dirs:
     return cls
 
 
-def build_observers(cfg: Any, run_dir: Path, *, config_dir: Path | None = None,
+def resolve_extra_observers(cfg: Any, config_dir: Path | None = None) -> list[type]:
+    """Import the classes of ``[observers] extra`` (one-line errors). Done before the run directory exists, so a
+    typo there leaves nothing behind."""
+    search = tuple(d for d in (config_dir, Path.cwd()) if d is not None)
+    return [load_observer_class(spec, key=f"observers.extra[{i}]", search_dirs=search)
+            for i, spec in enumerate(cfg.observers.extra)]
+
+
+def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
                     hparams: dict[str, Any] | None = None) -> list[Any]:
-    """The observers a run config asks for, in attachment order. Users' classes are built with no arguments."""
+    """The observers a run config asks for, in attachment order. ``extra`` are the users' classes from
+    :func:`resolve_extra_observers`, built here with no arguments."""
     from wantrain.observers.run_log import RunLog
 
     obs_cfg = cfg.observers
@@ -71,9 +81,7 @@ def build_observers(cfg: Any, run_dir: Path, *, config_dir: Path | None = None,
         from wantrain.observers.progress import ProgressLine
 
         observers.append(ProgressLine())
-    search = tuple(d for d in (config_dir, Path.cwd()) if d is not None)
-    for i, spec in enumerate(obs_cfg.extra):
-        cls = load_observer_class(spec, key=f"observers.extra[{i}]", search_dirs=search)
+    for i, (spec, cls) in enumerate(zip(obs_cfg.extra, extra, strict=True)):
         try:
             observers.append(cls())
         except TypeError as exc:
