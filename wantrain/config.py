@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from wantrain.core.config import ConfigError, config_reference, section, setting, structure, unstructure
-from wantrain.core.settings import ObserversConfig, OptimizerConfig, RunSection, TrainConfig
+from wantrain.core.settings import (
+    CheckpointConfig,
+    FaultsConfig,
+    ObserversConfig,
+    OptimizerConfig,
+    RunSection,
+    TrainConfig,
+)
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.schedulers.config import SchedulerConfig
@@ -32,6 +39,8 @@ class RunConfig:
         factory=SchedulerConfig, doc="Learning-rate schedule.", aliases=("lr_scheduler_config",)
     )
     observers: ObserversConfig = setting(factory=ObserversConfig, doc="Observers.")
+    checkpoint: CheckpointConfig = setting(factory=CheckpointConfig, doc="Resumable checkpoints.")
+    faults: FaultsConfig = setting(factory=FaultsConfig, doc="Fault injection (a testing aid).")
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:

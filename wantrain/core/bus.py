@@ -70,6 +70,11 @@ class Observer:
     Class attributes: ``priority`` (a :class:`Priority`), ``critical`` (True: an exception stops the run).
     Observers reach live objects only through the ``ctx`` handed to each handler and request changes through
     ``ctx.control``; they never touch the trainer.
+
+    State (optional): an observer that defines ``state_dict() -> dict`` and ``load_state_dict(dict)`` has its state
+    saved in every checkpoint, keyed by its ``name``, and restored before ``RunStarted`` on resume (values: tensors,
+    dicts, lists, str, int, float, bool, None). ``write_sidecars(directory, stem)`` may write extra files into a
+    checkpoint's directory while it is being written (they are removed with it by retention).
     """
 
     priority: int = Priority.SINK
