@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,34 @@ def test_docs_config_md_is_generated_from_the_schema():
     assert (ROOT / "docs" / "config.md").read_text(encoding="utf-8") == reference_markdown(), (
         "docs/config.md is stale: run `python -m wantrain.config > docs/config.md`"
     )
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "x/y", "", "..", "lora\n", "with space"])
+def test_run_name_is_checked_with_the_run_id_rule_when_the_config_is_loaded(tmp_path, capsys, name):
+    code, err = run_cli(tmp_path, f"[run]\nname = {json.dumps(name)}\n", capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"config key 'run.name' = {name!r} is not valid; expected 1-100 letters, digits" in err
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.parent.glob("escaped*"))
+
+
+def test_run_id_is_checked_when_the_config_is_loaded(tmp_path):
+    with pytest.raises(ConfigError, match=r"config key 'run.run_id' = 'a/b' is not valid; expected 1-100 letters"):
+        structure(RunConfig, {"run": {"run_id": "a/b"}})
+    assert structure(RunConfig, {"run": {"run_id": "exp_v1.2-a", "name": "my.lora"}}).run.name == "my.lora"
+
+
+@pytest.mark.parametrize(
+    ("table", "key"),
+    [
+        ({"run": {"output_dir": ""}}, "run.output_dir"),
+        ({"data": {"path": " "}}, "data.path"),
+        ({"data": {"cache_dir": ""}}, "data.cache_dir"),
+        ({"data": {"datasets": [{"path": ""}]}}, "data.datasets[0].path"),
+        ({"model": {"path": ""}}, "model.path"),
+    ],
+)
+def test_empty_path_keys_are_refused_naming_the_key(table, key):
+    with pytest.raises(ConfigError) as info:
+        structure(RunConfig, table)
+    assert str(info.value).startswith(f"config key '{key}' = ")
+    assert "is empty; expected a file or folder path" in str(info.value)

@@ -10,7 +10,7 @@ from wantrain.core.errors import UserError
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
-SAFE_NAME_RULE = "1-100 letters, digits, '.', '_' or '-' (no path separators, no '..')"
+SAFE_NAME_RULE = "1-100 letters, digits, '.', '_' or '-', without '..'"
 
 
 def is_safe_name(name: str) -> bool:
