@@ -130,3 +130,27 @@ def test_empty_path_keys_are_refused_naming_the_key(table, key):
         structure(RunConfig, table)
     assert str(info.value).startswith(f"config key '{key}' = ")
     assert "is empty; expected a file or folder path" in str(info.value)
+
+
+def test_tilde_in_config_paths_is_the_home_folder_not_a_folder_named_tilde(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    cfg = tmp_path / "project" / "c.toml"
+    cfg.parent.mkdir()
+    cfg.write_text(
+        "[run]\noutput_dir = '~/runs'\n[model]\npath = '~/models/wan'\n"
+        "[data]\ncache_dir = '~/cache'\n[[data.datasets]]\npath = '~/mydata'\n"
+    )
+    loaded = load_config(cfg, ["model.high_noise_file='~/high.safetensors'"])
+    assert loaded.run.output_dir == home / "runs"
+    assert loaded.model.path == home / "models" / "wan"
+    assert loaded.model.high_noise_file == home / "high.safetensors"
+    assert loaded.data.cache_dir == home / "cache"
+    assert loaded.data.datasets[0].path == home / "mydata"
+    assert load_config(cfg, ["data.datasets=[]", "data.path='~/other'"]).data.path == home / "other"
+
+
+def test_tilde_of_an_unknown_user_is_one_line_naming_the_key():
+    message = r"config key 'data.path' = '~no_such_user_wt17/x': cannot expand '~no_such_user_wt17' \(no such user"
+    with pytest.raises(ConfigError, match=message):
+        structure(RunConfig, {"data": {"path": "~no_such_user_wt17/x"}})

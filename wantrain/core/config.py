@@ -310,7 +310,14 @@ class _Structurer:
             if not value.strip():
                 # Path("") is ".", the current folder: never what an empty value meant
                 raise ConfigError(f"config key '{path}' = {value!r} is empty; expected a file or folder path")
-            return Path(value)
+            try:
+                # before anything treats "~/data" as relative (resolve_paths would make it <config folder>/~/data)
+                return Path(value).expanduser()
+            except RuntimeError:
+                raise ConfigError(
+                    f"config key '{path}' = {value!r}: cannot expand '{value.split('/')[0]}' (no such user or no "
+                    "home folder); write the full path"
+                ) from None
         raise TypeError(f"unsupported config type {tp!r} at {path}")  # a schema bug, not a user error
 
     @staticmethod
