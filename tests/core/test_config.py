@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from wantrain.cli.main import main
 from wantrain.config import RunConfig, load_config, reference_markdown
@@ -154,3 +155,16 @@ def test_tilde_of_an_unknown_user_is_one_line_naming_the_key():
     message = r"config key 'data.path' = '~no_such_user_wt17/x': cannot expand '~no_such_user_wt17' \(no such user"
     with pytest.raises(ConfigError, match=message):
         structure(RunConfig, {"data": {"path": "~no_such_user_wt17/x"}})
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -1])
+def test_run_seed_outside_what_torch_generators_take_is_one_line(tmp_path, capsys, seed):
+    code, err = run_cli(tmp_path, f"[run]\nseed = {seed}\n", capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"config key 'run.seed' = {seed} is out of range; expected >= 0 and <= 9223372036854775807" in err
+
+
+def test_largest_accepted_seed_seeds_torch():
+    seed = structure(RunConfig, {"run": {"seed": 2**63 - 1}}).run.seed
+    torch.manual_seed(seed)
+    assert torch.Generator().manual_seed(seed).initial_seed() == seed

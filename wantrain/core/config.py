@@ -59,9 +59,9 @@ class Range:
     def describe(self) -> str:
         parts = []
         if self.low is not None:
-            parts.append(f"{'>=' if self.low_inclusive else '>'} {self.low:g}")
+            parts.append(f"{'>=' if self.low_inclusive else '>'} {_number(self.low)}")
         if self.high is not None:
-            parts.append(f"{'<=' if self.high_inclusive else '<'} {self.high:g}")
+            parts.append(f"{'<=' if self.high_inclusive else '<'} {_number(self.high)}")
         return " and ".join(parts) if parts else "any number"
 
 
@@ -71,6 +71,11 @@ class Rule:
 
     test: typing.Callable[[str], bool]
     describe: str
+
+
+def _number(x: float) -> str:
+    # integers exactly (a seed bound of 2**63 - 1 must not read 9.22337e+18), other numbers short
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def at_least(low: float) -> Range:

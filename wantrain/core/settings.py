@@ -23,7 +23,10 @@ class RunSection:
     name: str = setting(
         "lora", doc="Base name of the LoRA files (`<name>_high_noise.safetensors`, ...).", rule=_SAFE_NAME
     )
-    seed: int = setting(0, doc="Seed of every random number in the run (model init, noise, timesteps, data order).")
+    seed: int = setting(
+        0, doc="Seed of every random number in the run (model init, noise, timesteps, data order).",
+        range=between(0, 2**63 - 1),  # what torch.manual_seed and torch.Generator.manual_seed accept
+    )
 
 
 @section
