@@ -111,6 +111,7 @@ class Trainer:
         self.bus.ctx = self.ctx
         self.generator = torch.Generator(device=adapter.device).manual_seed(seed)
         self._group_names = tuple(g.get("name", str(i)) for i, g in enumerate(optimizer.param_groups))
+        self.ctx.control.group_names = self._group_names
         self._saved: list[str] = []
 
     @property
@@ -216,10 +217,13 @@ class Trainer:
         return True
 
     def _optimizer_step(self, skip_reason: str | None) -> tuple[float, ...]:
-        """Clip, apply LR requests, step (unless skipped), zero grads, step the scheduler. Returns the LRs used."""
+        """Clip, apply LR requests, step (unless skipped), zero grads, restore the scheduled LRs, step the scheduler.
+        Returns the LRs used."""
         requests = self.ctx.control.take_lr_requests()
-        for group, name in zip(self.optimizer.param_groups, self._group_names, strict=True):
+        scheduled: dict[int, float] = {}  # group index -> its LR before the one-step override
+        for index, (group, name) in enumerate(zip(self.optimizer.param_groups, self._group_names, strict=True)):
             if name in requests:
+                scheduled[index] = group["lr"]
                 group["lr"] = requests[name]
         lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
         if skip_reason is None:
@@ -233,6 +237,9 @@ class Trainer:
                     raise
                 self._out_of_memory(self.state.step + 1, self.state.expert, "optimizer", exc)
         self.optimizer.zero_grad(set_to_none=True)
+        for index, lr in scheduled.items():
+            # before scheduler.step(): chainable schedulers (ExponentialLR, StepLR) compute the next LR from this one
+            self.optimizer.param_groups[index]["lr"] = lr
         if self.scheduler is not None:
             with warnings.catch_warnings():
                 # a skipped step still advances the schedule (it is a function of the step count)
