@@ -266,15 +266,6 @@ def build_optimizer(cfg: Any, param_groups: list[dict[str, Any]], device: torch.
                              weight_decay=o.weight_decay, fused=fused, foreach=None if fused else True)
 
 
-def _check_scheduler(cfg: Any) -> None:
-    """Build the LR schedule on a throwaway optimizer: any refusal (a warmup as long as the run, an external class
-    that rejects its arguments) happens before the run directory exists."""
-    from wantrain.schedulers import build_scheduler
-
-    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": cfg.optimizer.lr}]
-    build_scheduler(cfg.lr_scheduler, torch.optim.SGD(groups, lr=cfg.optimizer.lr), total_steps=cfg.train.max_steps)
-
-
 @attrs.define
 class PreparedRun:
     """A validated run, nothing written yet. :meth:`execute` trains."""
@@ -422,11 +413,12 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     from wantrain.models.wan22 import build_adapter
     from wantrain.models.wan22.variants import variant_spec
     from wantrain.observers import resolve_extra_observers
+    from wantrain.schedulers import check_scheduler
 
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
     plain = to_plain(cfg)
-    _check_scheduler(cfg)
+    check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
     point = load_resume_point(resume, cfg, plain) if resume is not None else None
     device = resolve_device(cfg.train.device)

@@ -139,6 +139,7 @@ class Trainer:
         self.bus.ctx = self.ctx
         self.generator = torch.Generator(device=adapter.device).manual_seed(seed)
         self._group_names = tuple(g.get("name", str(i)) for i, g in enumerate(optimizer.param_groups))
+        self.ctx.control.group_names = self._group_names
         self._saved: list[str] = []
         self._resumed_from: str | None = None
         # Non-finite guard, on the device (no sync per step): the current streak of non-finite steps, its maximum
@@ -277,11 +278,14 @@ class Trainer:
 
     def _optimizer_step(self, step: int, expert: str | None, skip_reason: str | None
                         ) -> tuple[tuple[float, ...], str | None]:
-        """Clip, apply LR requests, step (unless skipped or non-finite), zero grads, step the scheduler. Returns
-        the LRs used and the skip reason (an out-of-memory error inside ``optimizer.step()`` skips the step)."""
+        """Apply LR requests, clip, step (unless skipped or non-finite), zero grads, restore the scheduled LRs, step
+        the scheduler. Returns the LRs used and the skip reason (an out-of-memory error inside ``optimizer.step()``
+        skips the step)."""
         requests = self.ctx.control.take_lr_requests()
-        for group, name in zip(self.optimizer.param_groups, self._group_names, strict=True):
+        scheduled: dict[int, float] = {}  # group index -> its LR before the one-step override
+        for index, (group, name) in enumerate(zip(self.optimizer.param_groups, self._group_names, strict=True)):
             if name in requests:
+                scheduled[index] = group["lr"]
                 group["lr"] = requests[name]
         lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
         if skip_reason is None:
@@ -310,6 +314,9 @@ class Trainer:
                 self._out_of_memory(step, expert, "optimizer", exc)
                 skip_reason = "out of memory"
         self.optimizer.zero_grad(set_to_none=True)
+        for index, lr in scheduled.items():
+            # before scheduler.step(): chainable schedulers (ExponentialLR, StepLR) compute the next LR from this one
+            self.optimizer.param_groups[index]["lr"] = lr
         if self.scheduler is not None:
             with warnings.catch_warnings():
                 # a skipped step still advances the schedule (it is a function of the step count)

@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from wantrain.core.config import above, at_least, between, section, setting
+from wantrain.core.config import Rule, above, at_least, between, section, setting
+from wantrain.core.rundir import SAFE_NAME_RULE, is_safe_name
+
+# run.name and run.run_id become parts of file and folder names: the same rule keeps both inside the output folder.
+_SAFE_NAME = Rule(is_safe_name, SAFE_NAME_RULE)
 
 
 @section
@@ -14,10 +18,15 @@ class RunSection:
 
     output_dir: Path = setting(Path("runs"), doc="Folder that receives one run directory per run.")
     run_id: str | None = setting(
-        None, doc="Suffix of the run directory (`<time>__<run_id>`); letters, digits and `._-` only."
+        None, doc="Suffix of the run directory (`<time>__<run_id>`).", rule=_SAFE_NAME
     )
-    name: str = setting("lora", doc="Base name of the LoRA files (`<name>_high_noise.safetensors`, ...).")
-    seed: int = setting(0, doc="Seed of every random number in the run (model init, noise, timesteps, data order).")
+    name: str = setting(
+        "lora", doc="Base name of the LoRA files (`<name>_high_noise.safetensors`, ...).", rule=_SAFE_NAME
+    )
+    seed: int = setting(
+        0, doc="Seed of every random number in the run (model init, noise, timesteps, data order).",
+        range=between(0, 2**63 - 1),  # what torch.manual_seed and torch.Generator.manual_seed accept
+    )
 
 
 @section

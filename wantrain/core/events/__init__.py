@@ -42,7 +42,8 @@ Python)::
     every observer's close() runs              # also after a crash
 
 Whenever a passive observer raises: the error is logged, ObserverFailed is emitted after the current event has
-reached every other observer, and the observer is disabled after ``Bus.max_failures`` failures.
+reached every other observer, and the observer is disabled after ``Bus.max_failures`` failures. Nothing follows
+RunEnded: a failure while handling it is only logged.
 
 Rules for payloads: events are frozen, slotted attrs classes holding Python scalars and small host objects only.
 Live objects (adapter, optimizer, the current loss tensor) are reached through the ``ctx`` handed to every
