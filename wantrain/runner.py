@@ -361,6 +361,8 @@ class PreparedRun:
         )
         if resume is not None:
             remove_stale_temporaries(run_dir / "checkpoints")
+            for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
+                leftover.unlink(missing_ok=True)
             _set_aside_later_checkpoints(run_dir / "checkpoints", resume.step)
             for note in trainer.load_state_dict(resume.tree, source=str(resume.checkpoint)):
                 log.warning("resume_note", note=note)
