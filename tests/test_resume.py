@@ -293,3 +293,44 @@ def test_resume_with_nothing_to_resume_from_is_one_line(workspace, tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no complete checkpoint of a run named 'quickstart'" in err
     assert not list(tmp_path.glob("2*"))
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(workspace, tmp_path, monkeypatch,
+                                                                                 capsys):
+    import errno
+
+    import safetensors.torch
+
+    original, calls = safetensors.torch.save_file, []
+
+    def full_disk(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:  # call 1: step 4's checkpoint; call 2: step 8's first LoRA file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return original(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    config = fresh_copy(workspace, tmp_path)
+    capsys.readouterr()
+    assert run_in_process(config) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("wantrain run: error: cannot write LoRA file") and "No space left on device" in err[-1]
+    run_dir = only_run_dir(tmp_path)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000004"]
+    assert not list(run_dir.glob(".*tmp-*"))  # the partial file is gone
+    monkeypatch.undo()
+    assert run_in_process(config, "--resume", "auto") == 0
+
+
+def test_the_faults_example_in_docs_resume_md_is_a_valid_config(tmp_path):
+    import re
+
+    from wantrain.config import load_config
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "resume.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", docs, re.S)
+    assert len(blocks) == 2
+    config = tmp_path / "c.toml"
+    config.write_text("[data]\npath = '.'\n" + "\n".join(blocks))
+    cfg = load_config(config)
+    assert cfg.faults.oom_at_steps == [13, 14, 15] and cfg.checkpoint.keep_every == 500

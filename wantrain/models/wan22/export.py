@@ -94,6 +94,8 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk, no permission: name the file the user knows, not the temporary one
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     finally:
         if tmp.exists():
             tmp.unlink()
