@@ -91,14 +91,15 @@ def tiny_transformer(spec: VariantSpec, seed: int, expert: str | None):
 
 
 def cast_keeping_fp32_modules(transformer, dtype: torch.dtype):
-    """Cast a transformer to ``dtype`` except the modules diffusers keeps in float32 (what ``from_pretrained``
-    with ``torch_dtype`` does)."""
-    if dtype == torch.float32:
-        return transformer
+    """Give every floating parameter and buffer the dtype ``from_pretrained(torch_dtype=dtype)`` gives it: float32
+    in the modules diffusers keeps in float32 (``_keep_in_fp32_modules``: RoPE, time embedder, modulation tables,
+    norm1-3), ``dtype`` everywhere else, whatever dtype each tensor had before (an fp16 single file included)."""
     keep = set(getattr(transformer, "_keep_in_fp32_modules", None) or ())
     for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]:
-        if tensor.is_floating_point() and not keep.intersection(name.split(".")):
-            tensor.data = tensor.data.to(dtype)
+        if tensor.is_floating_point():
+            target = torch.float32 if keep.intersection(name.split(".")) else dtype
+            if tensor.dtype != target:
+                tensor.data = tensor.data.to(target)
     return transformer
 
 
