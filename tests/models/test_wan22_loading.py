@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -56,10 +57,24 @@ def test_directory_without_an_encoder_part_names_it(tiny_dir, tmp_path, missing)
 
 
 def test_directory_of_another_variant_is_rejected_by_its_channels(tiny_dir):
-    with pytest.raises(UserError, match="in_channels = 16, but tiny-i2v needs 36"):
+    with pytest.raises(UserError, match=r"does not match tiny-i2v: in_channels = 16 \(needs 36\)"):
         make_adapter("tiny-i2v", path=str(tiny_dir("tiny-t2v")))
     with pytest.raises(UserError, match="is not a directory"):
         make_adapter("tiny-t2v", path="/nonexistent/wan")
+
+
+def test_wan21_image_to_video_folder_is_not_taken_for_i2v_a14b(tiny_dir, tmp_path):
+    """Wan 2.1 I2V-14B has I2V-A14B's 36 input channels but a CLIP image branch (image_dim, added_kv_proj_dim)."""
+    wan21 = _link_dir(tiny_dir("tiny-i2v"), tmp_path / "wan21", skip=("transformer",))
+    (wan21 / "transformer").mkdir()
+    config = json.loads((tiny_dir("tiny-i2v") / "transformer" / "config.json").read_text())
+    (wan21 / "transformer" / "config.json").write_text(json.dumps({**config, "image_dim": 4, "added_kv_proj_dim": 24}))
+    with pytest.raises(UserError) as err:
+        make_adapter("tiny-i2v", path=str(wan21), experts="high_noise")
+    message = str(err.value)
+    assert "transformer/config.json does not match tiny-i2v" in message and "Wan 2.1" in message
+    assert "image_dim = 4 (needs None)" in message and "added_kv_proj_dim = 24 (needs None)" in message
+    assert "\n" not in message
 
 
 def test_single_file_comfyui_checkpoint_loads_with_the_variants_explicit_config(tiny_dir, tmp_path):
@@ -83,6 +98,19 @@ def test_single_file_of_the_wrong_model_is_a_one_line_error(tiny_dir, tmp_path):
     single = tmp_path / "t2v_high.safetensors"
     save_file(to_comfyui_keys(t2v), str(single))
     with pytest.raises(UserError, match="high_noise_file .* does not fit the tiny-i2v transformer") as err:
+        make_adapter("tiny-i2v", path=str(tiny_dir("tiny-i2v")), high_noise_file=str(single), experts="high_noise")
+    assert "\n" not in str(err.value)
+
+
+def test_single_file_with_a_wan21_image_branch_is_refused(tiny_dir, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    i2v = WanTransformer3DModel.from_pretrained(str(tiny_dir("tiny-i2v")), subfolder="transformer").state_dict()
+    wan21 = {**to_comfyui_keys(i2v), "model.diffusion_model.img_emb.proj.1.weight": torch.zeros(24, 4),
+             "model.diffusion_model.blocks.0.cross_attn.k_img.weight": torch.zeros(24, 24)}
+    single = tmp_path / "wan2.1_i2v_480p_tiny.safetensors"
+    save_file(wan21, str(single))
+    with pytest.raises(UserError, match=r"high_noise_file .* holds a Wan 2\.1 CLIP image branch") as err:
         make_adapter("tiny-i2v", path=str(tiny_dir("tiny-i2v")), high_noise_file=str(single), experts="high_noise")
     assert "\n" not in str(err.value)
 
