@@ -8,9 +8,10 @@ Layout, per cache folder (``[data] cache_dir``, else ``<dataset>/.wantrain_cache
 
 A latent key hashes the file's content fingerprint (size, mtime, sampled blocks), everything that shapes the
 clip's pixels (start, frames, source and target fps, bucket size, resize version) and ``encoder_identity``. A text
-key hashes the caption and ``encoder_identity``. Changing one processing parameter therefore misses exactly the
-entries it affects. Writes go to a temporary file in the same folder and are renamed into place, so a killed run
-never leaves a half-written entry. :func:`ensure_cache` deletes entries no current clip or caption uses.
+key hashes the caption and :func:`text_identity` (which adds the text encoder's dtype, text length and prompt
+cleaning). Changing one processing parameter therefore misses exactly the entries it affects. Writes go to a
+temporary file in the same folder and are renamed into place, so a killed run never leaves a half-written entry.
+:func:`ensure_cache` deletes entries no current clip or caption uses.
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ def latent_key(params: dict[str, Any], encoder_identity: str) -> str:
     return _digest({"format": FORMAT_VERSION, "kind": "latents", "encoder": encoder_identity, **params})
 
 
-def text_key(caption: str, encoder_identity: str) -> str:
-    return _digest({"format": FORMAT_VERSION, "kind": "text", "encoder": encoder_identity, "caption": caption})
+def text_key(caption: str, text_identity: str) -> str:
+    return _digest({"format": FORMAT_VERSION, "kind": "text", "encoder": text_identity, "caption": caption})
+
+
+def text_identity(encoders: Any) -> str:
+    """What text entries are keyed on: ``encoders.text_identity`` (the text encoder with everything that changes
+    its output: dtype, text length, prompt cleaning) when the encoders have one, else ``encoder_identity``."""
+    return getattr(encoders, "text_identity", None) or encoders.encoder_identity
 
 
 def entry_path(cache_dir: Path, kind: str, key: str) -> Path:

@@ -19,8 +19,10 @@ Bucket = tuple[int, int, int]  # (width, height, frames)
 class MediaEncoders(Protocol):
     """The VAE and text encoder as the data side sees them (the model adapter implements this, lazily loading).
 
-    ``encoder_identity`` names the exact weights and settings (it is part of every cache key). Both methods return
-    a dict of tensors whose dim 0 is the batch.
+    ``encoder_identity`` names the exact weights and settings (it is part of every cache key). An implementation
+    whose text embeddings depend on more than that (the adapter's: dtype, text length, prompt cleaning) also has a
+    ``text_identity`` string, which then keys the text entries instead. Both methods return a dict of tensors whose
+    dim 0 is the batch.
     """
 
     encoder_identity: str

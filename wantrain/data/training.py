@@ -213,7 +213,7 @@ class TrainingData:
 
     def _text_entries(self, captions: list[str], encoders: MediaEncoders, cache: bool,
                       stats: Counter | None) -> list[dict[str, torch.Tensor]]:
-        ident = encoders.encoder_identity
+        ident = cachelib.text_identity(encoders)
         unique = list(dict.fromkeys(captions))
         found: dict[str, dict[str, torch.Tensor]] = {}
         if cache:
@@ -336,7 +336,7 @@ class TrainingData:
                     c.cache_dir, "latents", cachelib.latent_key(c.latent_params(), ident)))
         for cap in {c.caption for c in self.clips if c.active}:
             d = self._caption_dir(cap)
-            expected[d].add(cachelib.entry_path(d, "text", cachelib.text_key(cap, ident)))
+            expected[d].add(cachelib.entry_path(d, "text", cachelib.text_key(cap, cachelib.text_identity(encoders))))
         removed = cachelib.remove_orphans(expected) if remove_orphans else 0
         texts_total = len({c.caption for c in self.clips if c.active})
         return cachelib.CacheStats(
