@@ -11,7 +11,10 @@ clip's pixels (start, frames, source and target fps, bucket size, resize version
 key hashes the caption and :func:`text_identity` (which adds the text encoder's dtype, text length and prompt
 cleaning). Changing one processing parameter therefore misses exactly the entries it affects. Writes go to a
 temporary file in the same folder and are renamed into place, so a killed run never leaves a half-written entry.
-:func:`ensure_cache` deletes entries no current clip or caption uses.
+:func:`remove_orphans` deletes entries no current clip or caption uses.
+
+This module owns the storage (keys, files, orphans) and knows nothing of datasets; ``training.py`` fills it
+(``TrainingData.fill_cache``, :func:`wantrain.data.training.ensure_cache`).
 """
 
 from __future__ import annotations
@@ -21,15 +24,12 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-
-if TYPE_CHECKING:
-    from wantrain.data.training import TrainingData
 
 FORMAT_VERSION = 1
 CACHE_DIRNAME = ".wantrain_cache"
@@ -109,7 +109,7 @@ def write_verified(cache_dir: Path, fingerprint: str, frames: int) -> None:
 
 @attrs.frozen
 class CacheStats:
-    """What :func:`ensure_cache` did."""
+    """What :func:`wantrain.data.ensure_cache` did."""
 
     latents_hit: int
     latents_encoded: int
@@ -146,13 +146,3 @@ def remove_orphans(expected: dict[Path, set[Path]]) -> int:
                     f.unlink(missing_ok=True)
                     removed += 1
     return removed
-
-
-def ensure_cache(data: TrainingData, encoders: Any, *, remove_orphans: bool = True) -> CacheStats:
-    """Encode and cache every clip and caption that is not cached yet, then (``wantrain cache``) remove orphaned
-    entries; ``wantrain run`` calls it with ``remove_orphans=False`` and never deletes anything.
-
-    Decodes only the clips whose latents are missing; calls the encoders only when something is missing. Clips that
-    fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).
-    """
-    return data.fill_cache(encoders, remove_orphans=remove_orphans)

@@ -346,6 +346,16 @@ class TrainingData:
         )
 
 
+def ensure_cache(data: TrainingData, encoders: Any, *, remove_orphans: bool = True) -> cachelib.CacheStats:
+    """Encode and cache every clip and caption that is not cached yet, then (``wantrain cache``) remove orphaned
+    entries; ``wantrain run`` calls it with ``remove_orphans=False`` and never deletes anything.
+
+    Decodes only the clips whose latents are missing; calls the encoders only when something is missing. Clips that
+    fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).
+    """
+    return data.fill_cache(encoders, remove_orphans=remove_orphans)
+
+
 def _avoid_repeats(prev: list[int], fresh: list[int], batch_size: int) -> list[int]:
     """Reorder ``fresh`` so that the batch completing the carried ``prev`` does not repeat a carried sample."""
     head = batch_size - len(prev)
