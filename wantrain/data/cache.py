@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
 CACHE_DIRNAME = ".wantrain_cache"
+# A temporary file untouched this long is a killed writer's; younger ones may be another process's write in flight.
+STALE_TMP_SECONDS = 24 * 3600
 
 
 def _digest(obj: dict[str, Any]) -> str:
@@ -132,9 +135,12 @@ class CacheStats:
                 f"{self.orphans_removed} orphaned entries removed, {self.clips_failed} clips failed to decode")
 
 
-def remove_orphans(expected: dict[Path, set[Path]]) -> int:
-    """Delete entries (and stale temporary files) in the ``latents``/``text`` folders of each cache folder that
-    are not in ``expected[cache_dir]``."""
+def remove_orphans(expected: dict[Path, set[Path]], *, now: float | None = None) -> int:
+    """Delete entries in the ``latents``/``text`` folders of each cache folder that are not in
+    ``expected[cache_dir]``, and temporary files older than :data:`STALE_TMP_SECONDS` (a killed writer's). Younger
+    temporary files may belong to a run writing right now (``wantrain run`` encodes on first use): deleting one
+    would fail that writer's rename."""
+    now = time.time() if now is None else now
     removed = 0
     for cache_dir, keep in expected.items():
         for kind in ("latents", "text"):
@@ -142,7 +148,14 @@ def remove_orphans(expected: dict[Path, set[Path]]) -> int:
             if not folder.is_dir():
                 continue
             for f in folder.iterdir():
-                if f.is_file() and f not in keep and (f.suffix in (".safetensors", ".tmp")):
+                if not f.is_file() or f in keep:
+                    continue
+                try:
+                    orphan = f.suffix == ".safetensors" or (
+                        f.suffix == ".tmp" and now - f.stat().st_mtime > STALE_TMP_SECONDS)
+                except FileNotFoundError:  # renamed into place by its writer meanwhile
+                    continue
+                if orphan:
                     f.unlink(missing_ok=True)
                     removed += 1
     return removed
