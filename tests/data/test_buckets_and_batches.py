@@ -89,6 +89,16 @@ def test_batches_are_deterministic_from_the_seed(tmp_path, tiny_spec):
     assert first != _epochs(build_dataset(cfg, spec=tiny_spec, seed=2, batch_size=2), 6)
 
 
+def test_data_order_depends_on_every_bit_of_the_seed(tmp_path, tiny_spec):
+    for k in range(8):
+        make_image(tmp_path, f"i{k}")
+    cfg = data_config(tmp_path)
+    orders = {seed: _epochs(build_dataset(cfg, spec=tiny_spec, seed=seed, batch_size=1), 16)
+              for seed in (0, 2**32, 2**63 - 1)}
+    assert orders[0] != orders[2**32]  # the low 32 bits alone would make these equal
+    assert len({tuple(map(tuple, o)) for o in orders.values()}) == 3
+
+
 def test_start_batch_resumes_the_same_stream(tmp_path, tiny_spec):
     for k in range(4):
         make_image(tmp_path, f"i{k}")

@@ -90,7 +90,7 @@ class TrainingData:
                             "gradient_checkpointing": gradient_checkpointing, "variant": self.spec.name}
 
     def _epoch(self, epoch: int, carry: dict[Bucket, list[int]]) -> tuple[list[tuple[Bucket, list[int]]], dict]:
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch])
+        rng = np.random.default_rng(_epoch_seed(self.seed, epoch))
         bs = self.batch_size
         out: list[tuple[Bucket, list[int]]] = []
         new_carry: dict[Bucket, list[int]] = {}
@@ -354,6 +354,12 @@ def ensure_cache(data: TrainingData, encoders: Any, *, remove_orphans: bool = Tr
     fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).
     """
     return data.fill_cache(encoders, remove_orphans=remove_orphans)
+
+
+def _epoch_seed(seed: int, epoch: int) -> np.random.SeedSequence:
+    """The data-order stream of ``epoch``, from every bit of ``seed`` (a negative seed is read as its 64-bit two's
+    complement, so every seed from -2**63 to 2**64-1 has its own order)."""
+    return np.random.SeedSequence(seed % 2**64, spawn_key=(epoch,))
 
 
 def _avoid_repeats(prev: list[int], fresh: list[int], batch_size: int) -> list[int]:
