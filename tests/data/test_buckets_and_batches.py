@@ -3,6 +3,7 @@
 from collections import Counter
 
 import numpy as np
+import pytest
 from conftest import data_config, datasets_config, make_image, make_video
 from PIL import Image
 
@@ -106,6 +107,18 @@ def test_start_batch_resumes_the_same_stream(tmp_path, tiny_spec):
     full = _epochs(data, 7)
     it = data.batches(None, start_batch=4)
     assert [next(it)["paths"] for _ in range(3)] == full[4:]
+
+
+@pytest.mark.parametrize(("remainder", "repeats", "n_batches", "each"),
+                         [("carry", 4, 30, 24), ("carry", 3, 15, 12), ("smaller_batch", 3, 24, 18)])
+def test_repeats_never_put_one_clip_twice_in_a_batch(tmp_path, tiny_spec, remainder, repeats, n_batches, each):
+    for k in range(5):
+        make_image(tmp_path, f"i{k}")
+    cfg = datasets_config({"path": tmp_path, "repeats": repeats}, resolutions=[32], frames=[9], remainder=remainder)
+    batches = _epochs(build_dataset(cfg, spec=tiny_spec, seed=0, batch_size=4), n_batches)
+    assert [b for b in batches if len(set(b)) < len(b)] == []
+    # whole epochs of 5 clips x repeats: every clip still trained equally often
+    assert set(Counter(p for b in batches for p in b).values()) == {each}
 
 
 def test_repeats_multiply_samples_per_epoch(tmp_path, tiny_spec):

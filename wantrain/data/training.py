@@ -97,10 +97,11 @@ class TrainingData:
         for key, entries in self._members().items():
             fresh = [entries[j] for j in rng.permutation(len(entries))] if self.shuffle else list(entries)
             if not self._carries(len(entries)):
+                fresh = _separate_repeats(fresh, bs)
                 out.extend((key, fresh[i:i + bs]) for i in range(0, len(fresh), bs))
                 continue
             prev = [i for i in carry.get(key, []) if self.clips[i].active and self.clips[i].bucket == key]
-            queue = prev + _avoid_repeats(prev, fresh, bs)
+            queue = _separate_repeats(prev + fresh, bs, fixed=len(prev))
             full = len(queue) // bs
             out.extend((key, queue[k * bs:(k + 1) * bs]) for k in range(full))
             new_carry[key] = queue[full * bs:]
@@ -362,20 +363,27 @@ def _epoch_seed(seed: int, epoch: int) -> np.random.SeedSequence:
     return np.random.SeedSequence(seed % 2**64, spawn_key=(epoch,))
 
 
-def _avoid_repeats(prev: list[int], fresh: list[int], batch_size: int) -> list[int]:
-    """Reorder ``fresh`` so that the batch completing the carried ``prev`` does not repeat a carried sample."""
-    head = batch_size - len(prev)
-    if not prev or head <= 0:
-        return fresh
-    fresh = list(fresh)
-    carried = set(prev)
-    swap_from = head
-    for k in range(min(head, len(fresh))):
-        if fresh[k] in carried:
-            while swap_from < len(fresh) and fresh[swap_from] in carried:
-                swap_from += 1
-            if swap_from >= len(fresh):
+def _separate_repeats(queue: list[int], batch_size: int, fixed: int = 0) -> list[int]:
+    """``queue`` (cut into batches of ``batch_size`` in order) with no clip twice in one batch, as far as the clips
+    allow: each entry that repeats one earlier in its batch is swapped with the first entry of another batch (later
+    batches first) such that neither batch then repeats a clip. The first ``fixed`` entries (carried from the
+    previous epoch) stay where they are. Keeps the multiset; deterministic. A clip with more entries than there are
+    batches must repeat somewhere, and does."""
+    q = list(queue)
+    n = len(q)
+    counts = [Counter(q[s:s + batch_size]) for s in range(0, n, batch_size)]
+    for pos in range(fixed, n):
+        here, x = pos // batch_size, q[pos]
+        if counts[here][x] < 2:
+            continue
+        after = min(n, (here + 1) * batch_size)
+        for j in (*range(after, n), *range(fixed, here * batch_size)):
+            there, y = j // batch_size, q[j]
+            if counts[here][y] == 0 and counts[there][x] == 0:
+                q[pos], q[j] = y, x
+                counts[here][x] -= 1
+                counts[here][y] += 1
+                counts[there][y] -= 1
+                counts[there][x] += 1
                 break
-            fresh[k], fresh[swap_from] = fresh[swap_from], fresh[k]
-            swap_from += 1
-    return fresh
+    return q
