@@ -57,6 +57,7 @@ class Clip:
     repeats: int
     frame_buckets: tuple[int, ...] = (1,)  # of its dataset, for re-bucketing
     active: bool = True
+    rotation: int = 0  # display rotation of a video, degrees counter-clockwise (``MediaInfo.rotation``)
 
     @property
     def bucket(self) -> Bucket:
@@ -68,6 +69,9 @@ class Clip:
 
     def latent_params(self) -> dict[str, Any]:
         """Everything that shapes this clip's pixels (part of its cache key)."""
-        return {"content": self.fingerprint, "kind": self.kind, "start": self.start, "frames": self.frames,
-                "source_fps": self.source_fps, "target_fps": self.target_fps, "width": self.width,
-                "height": self.height, "resize": RESIZE_VERSION}
+        params = {"content": self.fingerprint, "kind": self.kind, "start": self.start, "frames": self.frames,
+                  "source_fps": self.source_fps, "target_fps": self.target_fps, "width": self.width,
+                  "height": self.height, "resize": RESIZE_VERSION}
+        if self.rotation:  # only then: the keys of every unrotated clip stay what they were
+            params["rotation"] = self.rotation
+        return params

@@ -153,7 +153,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
                         start=start, source_fps=info.fps, target_fps=target_fps if info.kind == "video" else None,
                         source_frames=frames_real, source_width=info.width, source_height=info.height,
                         fingerprint=content, cache_dir=cache_dir, repeats=r.repeats,
-                        frame_buckets=tuple(frame_buckets),
+                        frame_buckets=tuple(frame_buckets), rotation=info.rotation,
                     ))
                     cropped.append(cropped_fraction(info.width, info.height, sb.width, sb.height))
         n_clips = sum(1 for c in clips if c.path.is_relative_to(r.path))

@@ -263,7 +263,7 @@ class TrainingData:
                 return None
         else:
             try:
-                decoded = decode_video(c.path, c.source_indices(), c.width, c.height)
+                decoded = decode_video(c.path, c.source_indices(), c.width, c.height, c.rotation)
             except OSError as exc:  # the file vanished since the probe
                 self._disable(i, "skipped", f"cannot read file: {exc}")
                 return None
