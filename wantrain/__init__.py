@@ -1,3 +1,18 @@
-"""wantrain: a LoRA trainer for the Wan 2.2 video diffusion models, built on an event-driven core."""
+"""wantrain: a LoRA trainer for the Wan 2.2 video diffusion models, built on an event-driven core.
+
+``wantrain.train(config, overrides=(), resume=None)`` trains from a config file or a loaded ``RunConfig`` and
+returns a ``wantrain.runner.RunOutcome`` (see ``wantrain.runner``). Heavy libraries load only when it is called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+
+def train(config: Any, **kwargs: Any) -> Any:
+    """Train a LoRA; see :func:`wantrain.runner.train` for the arguments."""
+    from wantrain.runner import train as _train
+
+    return _train(config, **kwargs)

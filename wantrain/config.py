@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from wantrain.core.config import ConfigError, config_reference, section, setting, structure, unstructure
-from wantrain.core.settings import ObserversConfig, OptimizerConfig, RunSection, TrainConfig
+from wantrain.core.settings import (
+    CheckpointConfig,
+    FaultsConfig,
+    ObserversConfig,
+    OptimizerConfig,
+    RunSection,
+    TrainConfig,
+)
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.schedulers.config import SchedulerConfig
@@ -32,6 +39,8 @@ class RunConfig:
         factory=SchedulerConfig, doc="Learning-rate schedule.", aliases=("lr_scheduler_config",)
     )
     observers: ObserversConfig = setting(factory=ObserversConfig, doc="Observers.")
+    checkpoint: CheckpointConfig = setting(factory=CheckpointConfig, doc="Resumable checkpoints.")
+    faults: FaultsConfig = setting(factory=FaultsConfig, doc="Fault injection (a testing aid).")
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -75,7 +84,8 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read, override and validate a run config. Relative paths in it are resolved against the file's folder."""
+    """Read, override and validate a run config. Paths in it may start with ``~`` (the home folder, expanded
+    when the key is read); relative paths are resolved against the file's folder."""
     path = Path(path)
     data = apply_overrides(read_toml(path), list(overrides))
     cfg = structure(RunConfig, data)
@@ -83,7 +93,8 @@ def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def resolve_paths(cfg: RunConfig, base: Path) -> RunConfig:
-    """Make relative paths of the config relative to ``base`` (the config file's folder)."""
+    """Make relative paths of the config relative to ``base`` (the config file's folder). ``~`` was expanded
+    when the config was structured, so a home-relative path is absolute here."""
     import attrs
 
     def fix(obj: Any) -> Any:
@@ -115,7 +126,8 @@ def reference_markdown() -> str:
         "Generated from the schema by `python -m wantrain.config > docs/config.md`; a test keeps it in sync.\n"
         "Every key is checked: an unknown or misplaced key, a wrong type or an out-of-range value stops wantrain\n"
         "with one line naming the key and what would be valid (exit code 2). `--set section.key=value` overrides\n"
-        "any key from the command line (the value is read as TOML; a bare word is a string).\n\n"
+        "any key from the command line (the value is read as TOML; a bare word is a string). A relative path is\n"
+        "relative to the config file's folder; a path may start with `~` (your home folder).\n\n"
     )
     return header + config_reference(RunConfig) + "\n"
 

@@ -52,3 +52,25 @@ def linear_batches(seed: int = 0) -> Iterator[dict]:
     for _ in itertools.count():
         x = torch.randn(8, 4, generator=g)
         yield {"x": x, "y": x @ w + 0.1}
+
+
+class LinearBatches:
+    """``linear_batches`` with a resumable position (``state_dict``/``load_state_dict``), like the data stream."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+    def __iter__(self) -> Iterator[dict]:
+        source = linear_batches(self.seed)
+        for _ in range(self.position):
+            next(source)
+        for batch in source:
+            self.position += 1
+            yield batch

@@ -7,14 +7,30 @@ import gc
 import attrs
 import blinker
 import pytest
+import torch
 
 from wantrain.core.bus import Bus, Observer, Priority, on
 from wantrain.core.errors import CriticalObserverError
-from wantrain.core.events import Event, ObserverFailed, RunEnded, StepStarted, register_event_type
+from wantrain.core.events import (
+    CATALOGUE,
+    Event,
+    GradsReady,
+    ObserverFailed,
+    RunEnded,
+    StepStarted,
+    register_event_type,
+)
+from wantrain.core.loop import LoopSettings, Trainer
+
+from .fakes import LinearAdapter, linear_batches
 
 
 def ended(step: int = 0) -> RunEnded:
     return RunEnded(step=step, status="completed", reason=None)
+
+
+def grads_ready(step: int = 1) -> GradsReady:
+    return GradsReady(step=step, is_log_step=False, expert=None)
 
 
 def test_dispatch_order_is_controllers_then_sinks_then_recorder_then_subscription_order():
@@ -63,11 +79,11 @@ def test_passive_failure_emits_observer_failed_and_training_goes_on_then_disable
     def broken(event, ctx):
         raise ValueError("disk full")
 
-    bus.subscribe(RunEnded, broken, name="broken")
-    bus.subscribe(RunEnded, lambda e, c: after.append(e.step))
+    bus.subscribe(GradsReady, broken, name="broken")
+    bus.subscribe(GradsReady, lambda e, c: after.append(e.step))
     bus.subscribe(ObserverFailed, lambda e, c: failures.append(e))
     for step in range(4):
-        bus.emit(ended(step))
+        bus.emit(grads_ready(step))
     assert after == [0, 1, 2, 3]  # later handlers still ran every time
     assert [(f.observer, f.failures, f.disabled) for f in failures] == [("broken", 1, False), ("broken", 2, True)]
     assert "disk full" in failures[0].error
@@ -156,10 +172,10 @@ def test_events_emitted_inside_a_handler_are_dispatched_after_the_current_event(
         order.append("first")
         bus.emit(Custom(step=event.step, note="x"))
 
-    bus.subscribe(RunEnded, first)
-    bus.subscribe(RunEnded, lambda e, c: order.append("second"))
+    bus.subscribe(GradsReady, first)
+    bus.subscribe(GradsReady, lambda e, c: order.append("second"))
     bus.subscribe(Custom, lambda e, c: order.append(f"custom-{e.note}"))
-    bus.emit(ended())
+    bus.emit(grads_ready())
     assert order == ["first", "second", "custom-x"]
 
 
@@ -177,3 +193,59 @@ def test_journal_sees_the_event_before_a_crashing_critical_handler():
                              is_log_step=False, expert=None))
     assert [r["_type"] for r in records] == ["StepStarted"]
     assert records[0]["seq"] == 1 and records[0]["schema"] == 1
+
+
+def _recording_bus() -> tuple[Bus, list[Event]]:
+    bus = Bus(ctx=None)
+    seen: list[Event] = []
+    for event_type in CATALOGUE:
+        bus.subscribe(event_type, lambda e, c: seen.append(e), priority=Priority.RECORDER)
+    return bus, seen
+
+
+def _raise(exc: BaseException):
+    def handler(event, ctx):
+        raise exc
+
+    return handler
+
+
+@pytest.mark.parametrize("abort", [RuntimeError("nan loss"), KeyboardInterrupt()], ids=["critical", "interrupt"])
+def test_nothing_after_run_ended_a_failure_left_by_an_aborted_dispatch_comes_before_it(abort):
+    bus, seen = _recording_bus()
+    bus.subscribe(GradsReady, _raise(ValueError("disk full")), name="passive")
+    bus.subscribe(GradsReady, _raise(abort), name="guard", critical=True)
+    with pytest.raises(CriticalObserverError if isinstance(abort, Exception) else KeyboardInterrupt):
+        bus.emit(grads_ready(3))
+    bus.emit(ended(3))
+    assert [type(e).__name__ for e in seen] == ["ObserverFailed", "RunEnded"]
+    assert (seen[0].observer, seen[0].event_type, seen[0].step) == ("passive", "GradsReady", 3)
+
+
+def test_nothing_after_run_ended_neither_a_failure_on_it_nor_an_event_emitted_from_it():
+    @register_event_type
+    @attrs.frozen(kw_only=True)
+    class LateNote(Event):
+        note: str
+
+    bus, seen = _recording_bus()
+    bus.subscribe(LateNote, lambda e, c: seen.append(e))
+    bus.subscribe(RunEnded, _raise(OSError("flush failed")), name="writer")
+    bus.subscribe(RunEnded, lambda e, c: bus.emit(LateNote(step=e.step, note="too late")))
+    bus.emit(ended(5))
+    bus.emit(grads_ready(6))
+    assert [type(e).__name__ for e in seen] == ["RunEnded"]
+
+
+def test_nothing_after_run_ended_in_a_run_a_critical_observer_aborts():
+    """The issue's case: a passive observer fails on GradsReady and a critical one aborts the same dispatch."""
+    bus, seen = _recording_bus()
+    bus.subscribe(GradsReady, _raise(ValueError("disk full")), name="passive")
+    bus.subscribe(GradsReady, _raise(RuntimeError("nan loss")), name="guard", critical=True)
+    adapter = LinearAdapter()
+    trainer = Trainer(adapter=adapter, batches=linear_batches(), optimizer=torch.optim.SGD(adapter.param_groups()),
+                      settings=LoopSettings(max_steps=3), bus=bus)
+    with pytest.raises(CriticalObserverError):
+        trainer.run()
+    assert [type(e).__name__ for e in seen[-3:]] == ["LossComputed", "ObserverFailed", "RunEnded"]
+    assert seen[-2].event_type == "GradsReady" and seen[-1].status == "failed"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from wantrain.cli.main import main
 from wantrain.config import RunConfig, load_config, reference_markdown
@@ -98,3 +100,71 @@ def test_docs_config_md_is_generated_from_the_schema():
     assert (ROOT / "docs" / "config.md").read_text(encoding="utf-8") == reference_markdown(), (
         "docs/config.md is stale: run `python -m wantrain.config > docs/config.md`"
     )
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "x/y", "", "..", "lora\n", "with space"])
+def test_run_name_is_checked_with_the_run_id_rule_when_the_config_is_loaded(tmp_path, capsys, name):
+    code, err = run_cli(tmp_path, f"[run]\nname = {json.dumps(name)}\n", capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"config key 'run.name' = {name!r} is not valid; expected 1-100 letters, digits" in err
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.parent.glob("escaped*"))
+
+
+def test_run_id_is_checked_when_the_config_is_loaded(tmp_path):
+    with pytest.raises(ConfigError, match=r"config key 'run.run_id' = 'a/b' is not valid; expected 1-100 letters"):
+        structure(RunConfig, {"run": {"run_id": "a/b"}})
+    assert structure(RunConfig, {"run": {"run_id": "exp_v1.2-a", "name": "my.lora"}}).run.name == "my.lora"
+
+
+@pytest.mark.parametrize(
+    ("table", "key"),
+    [
+        ({"run": {"output_dir": ""}}, "run.output_dir"),
+        ({"data": {"path": " "}}, "data.path"),
+        ({"data": {"cache_dir": ""}}, "data.cache_dir"),
+        ({"data": {"datasets": [{"path": ""}]}}, "data.datasets[0].path"),
+        ({"model": {"path": ""}}, "model.path"),
+    ],
+)
+def test_empty_path_keys_are_refused_naming_the_key(table, key):
+    with pytest.raises(ConfigError) as info:
+        structure(RunConfig, table)
+    assert str(info.value).startswith(f"config key '{key}' = ")
+    assert "is empty; expected a file or folder path" in str(info.value)
+
+
+def test_tilde_in_config_paths_is_the_home_folder_not_a_folder_named_tilde(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    cfg = tmp_path / "project" / "c.toml"
+    cfg.parent.mkdir()
+    cfg.write_text(
+        "[run]\noutput_dir = '~/runs'\n[model]\npath = '~/models/wan'\n"
+        "[data]\ncache_dir = '~/cache'\n[[data.datasets]]\npath = '~/mydata'\n"
+    )
+    loaded = load_config(cfg, ["model.high_noise_file='~/high.safetensors'"])
+    assert loaded.run.output_dir == home / "runs"
+    assert loaded.model.path == home / "models" / "wan"
+    assert loaded.model.high_noise_file == home / "high.safetensors"
+    assert loaded.data.cache_dir == home / "cache"
+    assert loaded.data.datasets[0].path == home / "mydata"
+    assert load_config(cfg, ["data.datasets=[]", "data.path='~/other'"]).data.path == home / "other"
+
+
+def test_tilde_of_an_unknown_user_is_one_line_naming_the_key():
+    message = r"config key 'data.path' = '~no_such_user_wt17/x': cannot expand '~no_such_user_wt17' \(no such user"
+    with pytest.raises(ConfigError, match=message):
+        structure(RunConfig, {"data": {"path": "~no_such_user_wt17/x"}})
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -1])
+def test_run_seed_outside_what_torch_generators_take_is_one_line(tmp_path, capsys, seed):
+    code, err = run_cli(tmp_path, f"[run]\nseed = {seed}\n", capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"config key 'run.seed' = {seed} is out of range; expected >= 0 and <= 9223372036854775807" in err
+
+
+def test_largest_accepted_seed_seeds_torch():
+    seed = structure(RunConfig, {"run": {"seed": 2**63 - 1}}).run.seed
+    torch.manual_seed(seed)
+    assert torch.Generator().manual_seed(seed).initial_seed() == seed

@@ -169,7 +169,7 @@ def test_out_of_memory_skips_the_step_and_stops_after_the_limit():
     ooms = [e for e in rec.events if type(e).__name__ == "OutOfMemory"]
     assert [(e.step, e.consecutive, e.phase) for e in ooms] == [(2, 1, "forward"), (3, 2, "forward"),
                                                                 (4, 3, "forward")]
-    assert result.status == "failed" and "out of memory 3 times in a row" in result.reason
+    assert result.status == "failed" and "out of memory on 3 optimizer steps in a row" in result.reason
     assert saver.saves == []  # a failed run keeps what was saved before and writes nothing new
     stepped = [(e.step, e.skipped, e.skip_reason) for e in rec.events if isinstance(e, OptimizerStepped)]
     assert stepped[1:] == [(2, True, "out of memory"), (3, True, "out of memory"), (4, True, "out of memory")]

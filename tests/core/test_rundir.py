@@ -12,7 +12,9 @@ def test_run_dir_is_timestamp_plus_run_id(tmp_path):
     assert run_dir.name.endswith("__exp_v1.2-a") and len(run_dir.name.split("__")[0]) == 15
 
 
-@pytest.mark.parametrize("bad", ["../escape", "a/b", "..", "...", "a..b", "with space", "", "ü", "a\\b"])
+@pytest.mark.parametrize(
+    "bad", ["../escape", "a/b", "..", "...", "a..b", "with space", "", "ü", "a\\b", "ok\n", "ok\r\n", "\nok"]
+)
 def test_unsafe_run_ids_are_refused(bad):
     with pytest.raises(UserError, match="run id"):
         sanitize_run_id(bad)

@@ -111,8 +111,8 @@ def _sync_debug_mode(mode: str):
 @pytest.mark.slow
 def test_whole_loop_on_the_tiny_wan_model_converts_one_tensor_per_log_step_and_none_otherwise():
     """The core's promise end to end: real tiny Wan forward/backward, gradient accumulation, clipping, the
-    scheduler and every metric observer. SGD keeps no step counter; AdamW's `.item()` on its step counter is a
-    CPU tensor (no device sync on a GPU), which this CPU-only counter could not tell apart."""
+    scheduler, the non-finite guard and every metric observer, with the fused AdamW `wantrain run` builds (its step
+    counter lives on the device and the guard hands it `found_inf`, so nothing is read back per step)."""
     import itertools
     from pathlib import Path
 
@@ -132,7 +132,7 @@ def test_whole_loop_on_the_tiny_wan_model_converts_one_tensor_per_log_step_and_n
     bus.subscribe(StepStarted, lambda e, c: setattr(counter, "step", e.step))
     for observer in (Norms(), MemoryProbe(), ProgressLine(stream=io.StringIO())):
         bus.attach(observer)
-    optimizer = torch.optim.SGD(adapter.param_groups(), lr=1e-3, foreach=True)
+    optimizer = torch.optim.AdamW(adapter.param_groups(), lr=1e-3, fused=True)  # as wantrain run builds it
     trainer = Trainer(adapter=adapter, batches=itertools.repeat(batch), optimizer=optimizer, bus=bus,
                       scheduler=build_scheduler(cfg.lr_scheduler, optimizer, total_steps=6),
                       settings=LoopSettings(max_steps=6, grad_accum=2, log_every=3, clip_grad_norm=1.0))

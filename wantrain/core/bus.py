@@ -16,9 +16,14 @@ Guarantees (each one has a test named after it in ``tests/core/test_bus.py``):
   :class:`CriticalObserverError`; the trainer ends the run cleanly (``RunEnded(status="failed")``, every observer
   closed) and re-raises. A *passive* observer's exception is logged, an ``ObserverFailed`` event is emitted once the
   current event has reached every other handler, and after ``max_failures`` failures the observer is disabled
-  (it receives nothing more) while training goes on.
+  (it receives nothing more) while training goes on. When a critical observer or an exception that is not an
+  ``Exception`` (``KeyboardInterrupt``) aborts a dispatch, the ``ObserverFailed`` events it left pending are
+  delivered before the next event.
 * **Re-entrancy.** An event emitted from inside a handler is queued and dispatched after the current event has
   reached every handler, so each handler sees events in the order they were emitted.
+* **Nothing after RunEnded.** ``RunEnded`` is the last event the bus dispatches. A passive failure while
+  handling it is logged but not emitted, and an event emitted during or after it (from a handler or anyone else)
+  is dropped with a logged warning.
 * **close() always runs.** :meth:`Bus.close` calls ``close()`` of every observer (disabled ones too), logs and
   swallows their errors, and is idempotent; the trainer calls it in a ``finally``.
 """
@@ -38,7 +43,7 @@ import blinker
 import structlog
 
 from wantrain.core.errors import CriticalObserverError
-from wantrain.core.events import Event, ObserverFailed, known_event_types, to_record
+from wantrain.core.events import Event, ObserverFailed, RunEnded, known_event_types, to_record
 
 log = structlog.get_logger("wantrain.bus")
 
@@ -70,6 +75,11 @@ class Observer:
     Class attributes: ``priority`` (a :class:`Priority`), ``critical`` (True: an exception stops the run).
     Observers reach live objects only through the ``ctx`` handed to each handler and request changes through
     ``ctx.control``; they never touch the trainer.
+
+    State (optional): an observer that defines ``state_dict() -> dict`` and ``load_state_dict(dict)`` has its state
+    saved in every checkpoint, keyed by its ``name``, and restored before ``RunStarted`` on resume (values: tensors,
+    dicts, lists, str, int, float, bool, None). ``write_sidecars(directory, stem)`` may write extra files into a
+    checkpoint's directory while it is being written (they are removed with it by retention).
     """
 
     priority: int = Priority.SINK
@@ -176,6 +186,7 @@ class Bus:
         self._queue: deque[Event] = deque()
         self._dispatching = False
         self._pending_failures: list[ObserverFailed] = []
+        self._ended = False  # RunEnded has been dispatched
         self._closed = False
         self.emitted = 0
 
@@ -268,6 +279,12 @@ class Bus:
 
     def emit(self, event: Event) -> None:
         """Dispatch ``event`` to its handlers (queued if called from inside a handler)."""
+        if self._ended:
+            log.warning("event_after_run_ended_dropped", event_type=type(event).__name__, step=event.step)
+            return
+        if not self._dispatching and self._pending_failures:
+            # left by a dispatch that a critical observer or a KeyboardInterrupt aborted: report them first
+            self._queue.extend(self._take_pending_failures())
         self._queue.append(event)
         if self._dispatching:
             return
@@ -276,12 +293,25 @@ class Bus:
             while self._queue:
                 current = self._queue.popleft()
                 self._dispatch(current)
-                if self._pending_failures:
-                    failures, self._pending_failures = self._pending_failures, []
-                    self._queue.extend(failures)
+                if isinstance(current, RunEnded):
+                    self._end()
+                    break
+                self._queue.extend(self._take_pending_failures())
         finally:
             self._dispatching = False
             self._queue.clear()
+
+    def _take_pending_failures(self) -> list[ObserverFailed]:
+        failures, self._pending_failures = self._pending_failures, []
+        return failures
+
+    def _end(self) -> None:
+        """RunEnded has reached every handler: nothing more is dispatched (failures on it were logged already)."""
+        self._ended = True
+        self._pending_failures.clear()
+        for late in self._queue:
+            log.warning("event_after_run_ended_dropped", event_type=type(late).__name__, step=late.step)
+        self._queue.clear()
 
     def _dispatch(self, event: Event) -> None:
         self.emitted += 1

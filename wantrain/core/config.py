@@ -8,7 +8,11 @@ names the full key path and what would be valid:
 * unknown keys, with a did-you-mean from the same table, or the table where the key belongs when it was put in
   the wrong one (peer trainers silently ignore such keys and lose whole runs to them);
 * wrong types (``train.max_steps = "ten"``: expected an integer);
-* out-of-range values and unknown choices, naming the range or the choices.
+* out-of-range values and unknown choices, naming the range or the choices;
+* strings that break a key's :class:`Rule` (``run.name = "../x"``), and empty paths (``data.path = ""``).
+
+A path may start with ``~`` (the user's home folder); it is expanded here, when the key is read, so that nothing
+later mistakes it for a relative path.
 
 :func:`config_reference` renders the documentation of every key (``docs/config.md`` is generated from it, and a
 test keeps the two in sync).
@@ -31,6 +35,7 @@ _DOC = "wantrain_doc"
 _RANGE = "wantrain_range"
 _CHOICES = "wantrain_choices"
 _ALIASES = "wantrain_aliases"
+_RULE = "wantrain_rule"
 
 NOTHING = attrs.NOTHING
 
@@ -54,10 +59,23 @@ class Range:
     def describe(self) -> str:
         parts = []
         if self.low is not None:
-            parts.append(f"{'>=' if self.low_inclusive else '>'} {self.low:g}")
+            parts.append(f"{'>=' if self.low_inclusive else '>'} {_number(self.low)}")
         if self.high is not None:
-            parts.append(f"{'<=' if self.high_inclusive else '<'} {self.high:g}")
+            parts.append(f"{'<=' if self.high_inclusive else '<'} {_number(self.high)}")
         return " and ".join(parts) if parts else "any number"
+
+
+@attrs.frozen
+class Rule:
+    """A check on a string key: ``test(value)`` is True for valid values; ``describe`` says what is valid."""
+
+    test: typing.Callable[[str], bool]
+    describe: str
+
+
+def _number(x: float) -> str:
+    # integers exactly (a seed bound of 2**63 - 1 must not read 9.22337e+18), other numbers short
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def at_least(low: float) -> Range:
@@ -80,14 +98,18 @@ def setting(
     choices: typing.Sequence[Any] | None = None,
     factory: typing.Callable[[], Any] | None = None,
     aliases: typing.Sequence[str] = (),
+    rule: Rule | None = None,
 ) -> Any:
     """Declare one config key of a section.
 
     ``doc`` is the one-line meaning shown in ``docs/config.md``; ``range`` bounds numbers; ``choices`` lists the
     accepted values (for ``Literal`` types the choices are taken from the type); ``aliases`` are other key names
-    accepted for this key (the seeds' spellings).
+    accepted for this key (the seeds' spellings); ``rule`` checks a string key (e.g. a file name).
     """
-    metadata = {_DOC: doc, _RANGE: range, _CHOICES: tuple(choices) if choices else None, _ALIASES: tuple(aliases)}
+    metadata = {
+        _DOC: doc, _RANGE: range, _CHOICES: tuple(choices) if choices else None, _ALIASES: tuple(aliases),
+        _RULE: rule,
+    }
     if factory is not None:
         return attrs.field(factory=factory, metadata=metadata)
     return attrs.field(default=default, metadata=metadata)
@@ -283,11 +305,24 @@ class _Structurer:
                     f"config key '{path}' = {value!r} is not valid; expected one of "
                     f"{', '.join(repr(c) for c in choices)}{hint}"
                 )
+            rule = f.metadata.get(_RULE) if f is not None else None
+            if rule is not None and not rule.test(value):
+                raise ConfigError(f"config key '{path}' = {value!r} is not valid; expected {rule.describe}")
             return value
         if tp is Path:
             if not isinstance(value, str):
                 raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a path string")
-            return Path(value)
+            if not value.strip():
+                # Path("") is ".", the current folder: never what an empty value meant
+                raise ConfigError(f"config key '{path}' = {value!r} is empty; expected a file or folder path")
+            try:
+                # before anything treats "~/data" as relative (resolve_paths would make it <config folder>/~/data)
+                return Path(value).expanduser()
+            except RuntimeError:
+                raise ConfigError(
+                    f"config key '{path}' = {value!r}: cannot expand '{value.split('/')[0]}' (no such user or no "
+                    "home folder); write the full path"
+                ) from None
         raise TypeError(f"unsupported config type {tp!r} at {path}")  # a schema bug, not a user error
 
     @staticmethod
@@ -359,6 +394,8 @@ def config_reference(root: type, title_prefix: str = "") -> str:
                 extra.append(f"range: {f.metadata[_RANGE].describe()}")
             if f.metadata.get(_CHOICES):
                 extra.append("one of " + ", ".join(f"`{c}`" for c in f.metadata[_CHOICES]))
+            if f.metadata.get(_RULE) is not None:
+                extra.append(f"valid: {f.metadata[_RULE].describe}")
             if f.metadata.get(_ALIASES):
                 extra.append("also accepted as " + ", ".join(f"`{a}`" for a in f.metadata[_ALIASES]))
             doc = f.metadata.get(_DOC, "")

@@ -38,7 +38,7 @@ class DeviceMetrics:
 
     def __init__(self) -> None:
         self._tensors: dict[str, torch.Tensor] = {}
-        self._sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self._sums: dict[str, tuple[torch.Tensor, torch.Tensor | int]] = {}
         self._floats: dict[str, float] = {}
 
     def put(self, name: str, value: torch.Tensor | float) -> None:
@@ -48,14 +48,20 @@ class DeviceMetrics:
         else:
             self._floats[name] = float(value)
 
-    def accumulate(self, name: str, value: torch.Tensor) -> None:
-        """Add ``value`` to the running mean of ``name`` over the interval (device-side)."""
+    def accumulate(self, name: str, value: torch.Tensor, *, finite_only: bool = False) -> None:
+        """Add ``value`` to the running mean of ``name`` over the interval (device-side). ``finite_only``: a
+        non-finite value is left out of the mean (also decided on the device); an interval with none is NaN."""
         v = value.detach().reshape(()).float()
+        if finite_only:
+            ok = torch.isfinite(v)
+            v, n = torch.where(ok, v, torch.zeros_like(v)), ok.float()
+        else:
+            n = 1
         if name in self._sums:
             total, count = self._sums[name]
-            self._sums[name] = (total + v, count + 1)
+            self._sums[name] = (total + v, count + n)
         else:
-            self._sums[name] = (v, 1)
+            self._sums[name] = (v, n)
 
     def pending(self) -> tuple[str, ...]:
         return (*self._tensors, *self._sums, *self._floats)
@@ -82,6 +88,14 @@ class DeviceMetrics:
         self._sums.clear()
         self._floats.clear()
         return out
+
+    def state_dict(self) -> dict[str, object]:
+        """The interval's pending sums (for a checkpoint taken between log steps; values put for this step only
+        are not kept)."""
+        return {"sums": {name: {"total": total, "count": count} for name, (total, count) in self._sums.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._sums = {name: (s["total"], s["count"]) for name, s in state.get("sums", {}).items()}
 
 
 @attrs.define(eq=False)

@@ -9,10 +9,16 @@ them at fixed points (see the pseudocode in ``wantrain.core.events``):
 * ``skip_optimizer_step`` -- read right before the optimizer step (after ``GradsReady``); cleared after that
   step. The gradients are dropped and the scheduler still advances, so the schedule stays a function of the step.
 * ``set_lr`` -- per parameter group (by name); applied right before the next optimizer step, then cleared, so it
-  overrides the scheduler for that one step. An observer that wants to hold an LR sets it at every step.
+  overrides the scheduler for that one step: after ``optimizer.step()`` and before ``scheduler.step()`` the core
+  puts the group's scheduled LR back, so schedulers that compute the next LR from the current one (ExponentialLR,
+  StepLR) continue as if there had been no override. An observer that wants to hold an LR sets it at every step.
+  Refused at the call (``ValueError``): an LR that is not a finite number >= 0, and a group name not in
+  ``group_names``, which the trainer fills in when it is built (until then any name is accepted).
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 
@@ -25,6 +31,7 @@ class Control:
     _save_reason: str | None = None
     _skip_reason: str | None = None
     _lr_requests: dict[str, float] = attrs.field(factory=dict)
+    group_names: tuple[str, ...] | None = None  # the optimizer's parameter groups, set by the trainer
 
     # -- stop (sticky) -----------------------------------------------------------------------------------------
     def request_stop(self, reason: str) -> None:
@@ -60,10 +67,19 @@ class Control:
 
     # -- learning rate per parameter group ---------------------------------------------------------------------
     def set_lr(self, group: str, lr: float) -> None:
-        """Ask for learning rate ``lr`` on parameter group ``group`` at the next optimizer step."""
-        if not lr >= 0.0:
-            raise ValueError(f"learning rate must be a non-negative number, got {lr!r}")
-        self._lr_requests[group] = float(lr)
+        """Ask for learning rate ``lr`` on parameter group ``group`` at the next optimizer step only."""
+        try:
+            value = float(lr)  # numpy and 0-d torch scalars too
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"set_lr({group!r}, {lr!r}): learning rate must be a finite number >= 0")
+        if self.group_names is not None and group not in self.group_names:
+            raise ValueError(
+                f"set_lr({group!r}, {lr!r}): no parameter group {group!r}; the groups are "
+                + ", ".join(repr(name) for name in self.group_names)
+            )
+        self._lr_requests[group] = value
 
     def take_lr_requests(self) -> dict[str, float]:
         requests, self._lr_requests = self._lr_requests, {}

@@ -8,20 +8,26 @@ from pathlib import Path
 
 from wantrain.core.errors import UserError
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9._-]+$")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+SAFE_NAME_RULE = "1-100 letters, digits, '.', '_' or '-', without '..'"
+
+
+def is_safe_name(name: str) -> bool:
+    """Whether ``name`` is safe as one path component written by wantrain (a run id, the LoRA files' base name).
+
+    Allowed: letters, digits, ``.``, ``_`` and ``-``; at most 100 characters; not empty, no ``..``. The whole
+    string must match (``fullmatch``: a trailing newline is refused too).
+    """
+    return bool(_SAFE_NAME.fullmatch(name)) and ".." not in name and name != "." and len(name) <= 100
 
 
 def sanitize_run_id(run_id: str) -> str:
-    """Return ``run_id`` if it is a safe directory-name suffix, else raise a one-line :class:`UserError`.
-
-    Allowed: letters, digits, ``.``, ``_`` and ``-``; at most 100 characters; not ``.``/``..`` or made of dots only.
-    Path separators and ``..`` are refused rather than rewritten, so the user sees exactly which id was used.
+    """Return ``run_id`` if it is a safe directory-name suffix (:func:`is_safe_name`), else raise a one-line
+    :class:`UserError`. Unsafe ids are refused rather than rewritten, so the user sees exactly which id was used.
     """
-    if not run_id or not _RUN_ID.match(run_id) or set(run_id) == {"."} or ".." in run_id or len(run_id) > 100:
-        raise UserError(
-            f"run id {run_id!r} is not valid: use 1-100 letters, digits, '.', '_' or '-' "
-            "(no path separators, no '..')"
-        )
+    if not is_safe_name(run_id):
+        raise UserError(f"run id {run_id!r} is not valid: use {SAFE_NAME_RULE}")
     return run_id
 
 

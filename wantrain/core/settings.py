@@ -5,7 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from wantrain.core.config import above, at_least, between, section, setting
+from wantrain.core.config import Rule, above, at_least, between, section, setting
+from wantrain.core.rundir import SAFE_NAME_RULE, is_safe_name
+
+# run.name and run.run_id become parts of file and folder names: the same rule keeps both inside the output folder.
+_SAFE_NAME = Rule(is_safe_name, SAFE_NAME_RULE)
 
 
 @section
@@ -14,10 +18,15 @@ class RunSection:
 
     output_dir: Path = setting(Path("runs"), doc="Folder that receives one run directory per run.")
     run_id: str | None = setting(
-        None, doc="Suffix of the run directory (`<time>__<run_id>`); letters, digits and `._-` only."
+        None, doc="Suffix of the run directory (`<time>__<run_id>`).", rule=_SAFE_NAME
     )
-    name: str = setting("lora", doc="Base name of the LoRA files (`<name>_high_noise.safetensors`, ...).")
-    seed: int = setting(0, doc="Seed of every random number in the run (model init, noise, timesteps, data order).")
+    name: str = setting(
+        "lora", doc="Base name of the LoRA files (`<name>_high_noise.safetensors`, ...).", rule=_SAFE_NAME
+    )
+    seed: int = setting(
+        0, doc="Seed of every random number in the run (model init, noise, timesteps, data order).",
+        range=between(0, 2**63 - 1),  # what torch.manual_seed and torch.Generator.manual_seed accept
+    )
 
 
 @section
@@ -37,7 +46,13 @@ class TrainConfig:
     )
     device: str = setting("auto", doc="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.")
     max_consecutive_oom: int = setting(
-        3, doc="Out-of-memory errors in a row after which the run stops (each one skips its batch).",
+        3, doc="Optimizer steps in a row skipped by out-of-memory errors after which the run stops with an "
+        "emergency checkpoint (exit code 1).",
+        range=at_least(1),
+    )
+    max_consecutive_nan: int = setting(
+        5, doc="Optimizer steps in a row with a non-finite loss or gradient norm (each one is skipped) after which "
+        "the run stops, keeping the last good checkpoint; checked at log steps.",
         range=at_least(1),
     )
 
@@ -69,3 +84,41 @@ class ObserversConfig:
     extra: list[str] = setting(
         factory=list, doc="Users' observer classes as `package.module:ClassName`, built with no arguments."
     )
+
+
+@section
+class CheckpointConfig:
+    """Resumable checkpoints (`<run_dir>/checkpoints/step_NNNNNN/`; see docs/resume.md)."""
+
+    enabled: bool = setting(True, doc="Write a checkpoint with every LoRA save, at a stop and at the end.")
+    every: int | None = setting(
+        None, doc="Also write a checkpoint every N optimizer steps (without LoRA files); unset: only with saves.",
+        range=at_least(1),
+    )
+    keep_last: int | None = setting(
+        2, doc="Keep the newest N checkpoints; unset keeps all. LoRA files are never removed.", range=at_least(1)
+    )
+    keep_every: int | None = setting(
+        None, doc="Also keep every checkpoint whose step is a multiple of N.", range=at_least(1)
+    )
+
+
+@section
+class FaultsConfig:
+    """Fault injection, a testing aid: makes out-of-memory errors and NaN losses happen on purpose to exercise the
+    guards and resume. Not part of the config hash that resume compares."""
+
+    oom_at_steps: list[int] = setting(factory=list, doc="Optimizer steps whose first micro-step runs out of memory.")
+    oom_probability: float = setting(
+        0.0, doc="Probability that any micro-step runs out of memory (seeded by `faults.seed` and the micro-step).",
+        range=between(0.0, 1.0),
+    )
+    oom_phase: Literal["forward", "backward", "optimizer"] = setting(
+        "forward", doc="Where the injected out-of-memory error is raised."
+    )
+    nan_at_steps: list[int] = setting(factory=list, doc="Optimizer steps whose loss is NaN.")
+    seed: int = setting(0, doc="Seed of `oom_probability`.", range=at_least(0))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.oom_at_steps or self.oom_probability > 0 or self.nan_at_steps)

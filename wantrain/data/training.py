@@ -11,6 +11,7 @@ Performance: decoding and encoding happen in the caller's thread when a batch is
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -109,15 +110,18 @@ class TrainingData:
             out = [out[j] for j in rng.permutation(len(out))]
         return out, new_carry
 
+    def _usable_epoch(self, epoch: int, carry: dict[Bucket, list[int]]) -> tuple[list[tuple[Bucket, list[int]]], dict]:
+        batches, next_carry = self._epoch(epoch, carry)
+        if not batches:
+            raise UserError("no usable sample left: every clip failed to decode (see the report's verification list)")
+        return batches, next_carry
+
     def plan(self) -> Iterator[tuple[int, Bucket, list[int]]]:
         """Endless ``(epoch, bucket, clip indices)``; reflects re-bucketing from the next epoch on."""
         carry: dict[Bucket, list[int]] = {}
         epoch = 0
         while True:
-            batches, carry = self._epoch(epoch, carry)
-            if not batches:
-                raise UserError(
-                    "no usable sample left: every clip failed to decode (see the report's verification list)")
+            batches, carry = self._usable_epoch(epoch, carry)
             for key, idx in batches:
                 yield epoch, key, idx
             epoch += 1
@@ -131,24 +135,30 @@ class TrainingData:
         encoders' outputs stacked on dim 0 (from the cache when ``cache``; missing entries are encoded and written
         on first use). Every batch also has ``"bucket": (w, h, frames)``, ``"paths"`` and ``"captions"``.
         """
-        empty_in_a_row = 0
-        for n, (_, key, idx) in enumerate(self.plan()):
-            if n < start_batch:
-                continue
-            members = [i for i in idx if self.clips[i].active and self.clips[i].bucket == key]
-            batch = None
-            if members:
-                if encoders is None:
-                    batch = self._pixel_batch(members, key, cache)
-                else:
-                    batch = self._encoded_batch(members, key, encoders, cache, None)
-            if batch is None:
-                empty_in_a_row += 1
-                if empty_in_a_row > max(1, 2 * self.steps_per_epoch) + 1:
-                    raise UserError("no usable sample left: every clip failed to decode (see the report)")
-                continue
-            empty_in_a_row = 0
-            yield batch
+        stream = self.stream(encoders, cache=cache)
+        stream.seek(start_batch)
+        yield from stream
+
+    def stream(self, encoders: MediaEncoders | None = None, *, cache: bool = True) -> BatchStream:
+        """Endless batches with a resumable position (what ``wantrain run`` trains on)."""
+        return BatchStream(self, encoders, cache=cache)
+
+    def _batch_for(self, key: Bucket, idx: list[int], encoders: MediaEncoders | None,
+                   cache: bool) -> dict[str, Any] | None:
+        members = [i for i in idx if self.clips[i].active and self.clips[i].bucket == key]
+        if not members:
+            return None
+        if encoders is None:
+            return self._pixel_batch(members, key, cache)
+        return self._encoded_batch(members, key, encoders, cache, None)
+
+    def fingerprint(self) -> str:
+        """A hash of the clip list (paths and start frames, in order): the data position of a checkpoint refers to
+        clips by index, so it is only valid for the same list."""
+        h = hashlib.sha256()
+        for c in self.clips:
+            h.update(f"{c.path}\0{c.start}\0{c.repeats}\n".encode())
+        return h.hexdigest()[:16]
 
     def _pixel_batch(self, members: list[int], key: Bucket, cache: bool) -> dict[str, Any] | None:
         loaded = [(i, self._load_pixels(i, remember=False)) for i in members]
@@ -387,3 +397,73 @@ def _separate_repeats(queue: list[int], batch_size: int, fixed: int = 0) -> list
                 counts[there][x] += 1
                 break
     return q
+
+
+class BatchStream:
+    """Endless, seeded batches of a :class:`TrainingData` whose position can be saved and restored exactly.
+
+    The position is that of the next plan entry: ``epoch``, ``index`` within the epoch's plan, and the samples
+    ``carry`` into that epoch (``remainder = "carry"``); the epoch's plan is a pure function of the seed, the epoch
+    and the carry, so resuming regenerates it and skips ``index`` entries without decoding anything. Iterate once.
+    """
+
+    def __init__(self, data: TrainingData, encoders: MediaEncoders | None, *, cache: bool = True) -> None:
+        self.data = data
+        self.encoders = encoders
+        self.cache = cache
+        self.epoch = 0
+        self.index = 0
+        self.carry: dict[Bucket, list[int]] = {}
+        self.consumed = 0  # batches yielded (informative)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed,
+                "carry": [[list(key), list(idx)] for key, idx in sorted(self.carry.items())],
+                "seed": self.data.seed, "fingerprint": self.data.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("fingerprint") != self.data.fingerprint():
+            raise UserError("the checkpoint's data position refers to another clip list (files were added, removed "
+                            "or renamed in the dataset folders since it was saved); restore the data or start a "
+                            "new run")
+        self.epoch, self.index, self.consumed = int(state["epoch"]), int(state["index"]), int(state["consumed"])
+        self.carry = {tuple(key): list(idx) for key, idx in state["carry"]}  # type: ignore[misc]
+
+    def seek(self, entries: int) -> None:
+        """Advance the position by ``entries`` plan entries without decoding anything."""
+        while entries > 0:
+            batches, next_carry = self.data._usable_epoch(self.epoch, self.carry)
+            step = min(entries, len(batches) - self.index)
+            self.index += step
+            entries -= step
+            if self.index >= len(batches):
+                self.epoch, self.index, self.carry = self.epoch + 1, 0, next_carry
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.plan_entries():
+            if batch is not None:
+                yield batch
+
+    def plan_entries(self) -> Iterator[dict[str, Any] | None]:
+        """One item per plan entry from the current position: its batch, or None when none of its clips is usable
+        (the position advances either way)."""
+        data = self.data
+        epoch, skip, carry = self.epoch, self.index, self.carry
+        empty_in_a_row = 0
+        while True:
+            batches, next_carry = data._usable_epoch(epoch, carry)
+            for index in range(skip, len(batches)):
+                key, idx = batches[index]
+                self.epoch, self.index, self.carry = epoch, index + 1, carry
+                batch = data._batch_for(key, idx, self.encoders, self.cache)
+                if batch is None:
+                    empty_in_a_row += 1
+                    if empty_in_a_row > max(1, 2 * data.steps_per_epoch) + 1:
+                        raise UserError("no usable sample left: every clip failed to decode (see the report)")
+                    yield None
+                    continue
+                empty_in_a_row = 0
+                self.consumed += 1
+                yield batch
+            epoch, skip, carry = epoch + 1, 0, next_carry
+            self.epoch, self.index, self.carry = epoch, 0, carry

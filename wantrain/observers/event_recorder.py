@@ -7,6 +7,7 @@ is still on record. Records are flushed at every optimizer step and at the end o
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,12 @@ from wantrain.core.events import from_record
 
 
 class EventRecorder:
-    def __init__(self, path: Path) -> None:
+    """``keep_through_step``: on resume, records of later steps (the lost continuation of a killed run) and a
+    torn last line are cut away before recording goes on; 0 (a fresh run) starts an empty file."""
+
+    def __init__(self, path: Path, *, keep_through_step: int = 0) -> None:
         self.path = Path(path)
+        _cut_back(self.path, keep_through_step)
         self._fh = self.path.open("a", encoding="utf-8")
 
     @property
@@ -33,6 +38,23 @@ class EventRecorder:
     def close(self) -> None:
         if not self._fh.closed:
             self._fh.close()
+
+
+def _cut_back(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    kept = []
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn line of a killed run
+            if line.endswith("\n") and isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def read_events(path: Path) -> list[Any]:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from wantrain.schedulers.closed_form import ClosedFormScheduler, lr_at
 from wantrain.schedulers.config import SchedulerConfig, warmup_steps_for
 
-__all__ = ["Scheduler", "SchedulerConfig", "build_scheduler", "lr_at", "warmup_steps_for"]
+__all__ = ["Scheduler", "SchedulerConfig", "build_scheduler", "check_scheduler", "lr_at", "warmup_steps_for"]
 
 
 class Scheduler(Protocol):
@@ -33,13 +33,28 @@ class Scheduler(Protocol):
         """Current LR of each parameter group, in the optimizer's group order."""
 
 
+def check_scheduler(cfg: SchedulerConfig, total_steps: int) -> None:
+    """Check that the configured schedule applies to a run of ``total_steps`` optimizer steps, without an
+    optimizer (the run assembly calls it before anything is created).
+
+    Raises the ``ConfigError`` (one line) that :func:`build_scheduler` would raise for this config and length.
+    What does not depend on the length (types, keys, an external class and its arguments) was checked when the
+    config was loaded; what does is the warmup (:func:`warmup_steps_for`).
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")  # train.max_steps is >= 1: a bug
+    if cfg.type != "external":
+        warmup_steps_for(cfg, total_steps)
+
+
 def build_scheduler(cfg: SchedulerConfig, optimizer: Any, *, total_steps: int) -> Scheduler:
     """Bind the configured schedule to ``optimizer`` for a run of ``total_steps`` optimizer steps.
 
     Each group's base LR is its ``initial_lr`` (or ``lr``) at this call. Raises ``ConfigError`` (one line) when
     the config cannot apply to this run (a warmup as long as the run, an external class that rejects its
-    arguments).
+    arguments); :func:`check_scheduler` raises the same without an optimizer.
     """
+    check_scheduler(cfg, total_steps)
     if cfg.type == "external":
         from wantrain.schedulers.external import ExternalScheduler
 

@@ -71,9 +71,11 @@ class SchedulerConfig:
     )
     warmup_steps: int | float = setting(
         0,
-        doc="Linear warmup before the schedule: an integer is a number of optimizer steps, a number strictly "
-        "between 0 and 1 a fraction of the run (`0.05` = 5 %); `1.0` and other non-integral numbers >= 1 are "
-        "rejected as ambiguous. The schedule itself runs over the steps that remain (>= 0).",
+        doc="Linear warmup before the schedule: an integer is a number of optimizer steps (fewer than "
+        "`train.max_steps`), a number strictly between 0 and 1 a fraction of the run (`0.05` = 5 %, rounded to the "
+        "nearest step, at least 1 and at most `train.max_steps - 1`, so it fits a run of any length); `1.0` and "
+        "other non-integral numbers >= 1 are rejected as ambiguous. The schedule itself runs over the steps that "
+        "remain (>= 1).",
     )
     warmup_start_factor: float | None = setting(
         None,
@@ -233,17 +235,30 @@ def _validate_external(cfg: SchedulerConfig) -> None:
     check_external(cfg.class_path, cfg.external_arguments(), allow_external_code=cfg.allow_external_code)
 
 
+def _fraction_of_run(fraction: float, total_steps: int) -> int:
+    """A fractional warmup in steps: the nearest step (halves up), at least 1 and at most ``total_steps - 1``, so
+    the schedule keeps at least one step and a fraction fits a run of any length (a one-step run has no warmup)."""
+    if fraction == 0.0:
+        return 0
+    return min(max(1, int(fraction * total_steps + 0.5)), total_steps - 1)
+
+
 def warmup_steps_for(cfg: SchedulerConfig, total_steps: int) -> int:
-    """Warmup length in optimizer steps for a run of ``total_steps``: an integer as given, a fraction of the run
-    rounded to the nearest step (at least 1). Raises ``ConfigError`` if no step would be left for the schedule."""
+    """Warmup length in optimizer steps for a run of ``total_steps >= 1``: an integer as given, a fraction of the run
+    as :func:`_fraction_of_run` rounds it. Raises ``ConfigError`` when an integer leaves no step for the schedule,
+    suggesting an integer and a fraction that fit."""
     w = cfg.warmup_steps
     if isinstance(w, float):
-        steps = 0 if w == 0.0 else max(1, int(w * total_steps + 0.5))
-    else:
-        steps = w
-    if steps and steps >= total_steps:
-        raise ConfigError(
-            f"{TABLE}.warmup_steps = {w!r} ({steps} steps) leaves no step for the schedule in a run of {total_steps} "
-            "optimizer steps (train.max_steps); use fewer steps or a fraction such as 0.05"
+        return _fraction_of_run(w, total_steps)
+    if w and w >= total_steps:
+        example = _fraction_of_run(0.05, total_steps)
+        fits = (
+            "use warmup_steps = 0" if total_steps == 1
+            else f"use fewer than {total_steps} steps (warmup_steps = {example}, for example)"
         )
-    return steps
+        raise ConfigError(
+            f"{TABLE}.warmup_steps = {w!r} leaves no step for the schedule in a run of {total_steps} optimizer "
+            f"step{'s' if total_steps != 1 else ''} (train.max_steps); {fits} or a fraction of the run, which fits "
+            f"any length (warmup_steps = 0.05 is {example} step{'s' if example != 1 else ''} here)"
+        )
+    return w

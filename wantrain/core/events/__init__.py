@@ -3,6 +3,7 @@
 The loop, written as pseudocode with each event where it fires (``Trainer.run`` in ``core/loop.py`` is this, in
 Python)::
 
+    restore the checkpoint (resume)           # observers' load_state_dict() runs here, before RunStarted
     emit RunStarted                            # observers may: read ctx, request stop
     for step in start_step+1 .. total_steps:   # `step` counts optimizer steps, 1-based
         expert = adapter.expert_for_step(step) # None for single-transformer models
@@ -16,27 +17,33 @@ Python)::
                                                #   on the device; must NOT call .item()/float()/bool() on it
             (loss / grad_accum).backward()
             on OutOfMemory: zero grads, emit OutOfMemory, skip the rest of this step
-                                               # may: request stop (else the core skips, and stops after
-                                               #   train.max_consecutive_oom in a row)
+                                               # may: request stop (else the core skips the step, and after
+                                               #   train.max_consecutive_oom skipped steps in a row writes an
+                                               #   emergency checkpoint and ends the run `failed`)
         emit GradsReady                        # grads accumulated, BEFORE clipping and the optimizer step.
                                                # may: read grads (device ops only), request skip of this step
-        clip grads (if train.clip_grad_norm)
-        if not control.skip_step: apply LR requests; optimizer.step()
+        apply LR requests; clip grads (if train.clip_grad_norm)
+        if not control.skip_step: optimizer.step(found_inf=non-finite loss or grad norm)
+                                               # a non-finite step is skipped on the device, without a sync
         optimizer.zero_grad(); scheduler.step()
-        emit OptimizerStepped                  # says whether the step was skipped and the LRs used
+        emit OptimizerStepped                  # says whether the step was skipped (host-known reasons) and the LRs
         if step is a log step:                 # every train.log_every steps, and the last step
             values = ctx.metrics.gather()      # THE one device->host transfer of the interval
             emit MetricsLogged                 # host floats only: sinks write them (TensorBoard, JSONL, bar)
+            non-finite guard: stop `failed` after train.max_consecutive_nan non-finite steps in a row
         if step % save_every == 0 or control.save_now:
-            saver.save(...); emit CheckpointSaved
+            saver.save(...); write checkpoint; emit CheckpointSaved
+        elif step % checkpoint.every == 0: write checkpoint; emit CheckpointSaved
         if control.stop_requested: break
-    saver.save(final)                          # unless the run failed
+    emit MetricsLogged                         # the partial interval, if the run stopped between log steps
+    saver.save(final); write checkpoint        # unless the run failed
     emit CheckpointSaved
     emit RunEnded                              # always, also after a failure (status says which)
     every observer's close() runs              # also after a crash
 
 Whenever a passive observer raises: the error is logged, ObserverFailed is emitted after the current event has
-reached every other observer, and the observer is disabled after ``Bus.max_failures`` failures.
+reached every other observer, and the observer is disabled after ``Bus.max_failures`` failures. Nothing follows
+RunEnded: a failure while handling it is only logged.
 
 Rules for payloads: events are frozen, slotted attrs classes holding Python scalars and small host objects only.
 Live objects (adapter, optimizer, the current loss tensor) are reached through the ``ctx`` handed to every
@@ -78,6 +85,7 @@ class RunStarted(Event):
     grad_accum: int
     experts: tuple[str | None, ...]
     log_every: int
+    resumed_from: str | None = None  # the checkpoint a resumed run continues from
 
 
 @attrs.frozen(slots=True, kw_only=True)
@@ -146,11 +154,14 @@ class MetricsLogged(Event):
 
 @attrs.frozen(slots=True, kw_only=True)
 class CheckpointSaved(Event):
-    """Files were written: ``paths`` are the LoRA files (one per trained expert) of this save."""
+    """Files were written: ``paths`` are the LoRA files (one per trained expert) of this save, ``checkpoint`` the
+    resumable checkpoint directory written with them (None when checkpoints are off). An emergency or a
+    checkpoint-only save has no LoRA paths."""
 
     paths: tuple[str, ...]
     final: bool
     reason: str
+    checkpoint: str | None = None
 
 
 @attrs.frozen(slots=True, kw_only=True)

@@ -276,3 +276,35 @@ class Wan22Adapter:
 
     def saver(self, run_dir: Path, name: str) -> Wan22Saver:
         return Wan22Saver(self, run_dir, name)
+
+    # -- checkpoint state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The trainable (LoRA) weights of every trained expert, fp32, by parameter name, and the live alpha of
+        each: what a checkpoint needs to restore the model exactly (live references; the writer copies)."""
+        weights = {}
+        for e in self.experts:
+            for name, param in self._transformers[e].named_parameters():
+                if param.requires_grad:
+                    weights[f"{e or 'single'}/{name}"] = param
+        return {"weights": weights, "alpha": {e or "single": self.lora_alpha(e) for e in self.experts}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output in place (parameter identity is kept: the optimizer's references stay
+        valid). A checkpoint of another LoRA layout is refused with one line."""
+        mine = self.state_dict()
+        saved = state["weights"]
+        missing, extra = sorted(set(mine["weights"]) - set(saved)), sorted(set(saved) - set(mine["weights"]))
+        if missing or extra:
+            example = (missing or extra)[0]
+            raise UserError(f"the checkpoint's LoRA does not match this model ({len(missing)} tensors missing, "
+                            f"{len(extra)} unexpected, e.g. {example!r}); resume with the model and LoRA settings "
+                            "the run was started with")
+        with torch.no_grad():
+            for key, param in mine["weights"].items():
+                value = saved[key]
+                if value.shape != param.shape:
+                    raise UserError(f"the checkpoint's LoRA tensor {key!r} has shape {tuple(value.shape)}, this model "
+                                    f"has {tuple(param.shape)}; resume with the LoRA rank the run was started with")
+                param.copy_(value)
+        for e in self.experts:
+            self.set_lora_alpha(float(state["alpha"][e or "single"]), e)

@@ -1,0 +1,456 @@
+"""One place that assembles a run from a config: ``wantrain run``, resume, and (later) the LR finder, replay and
+torchrun all go through :func:`prepare` and :meth:`PreparedRun.execute`.
+
+Python users call :func:`wantrain.train`::
+
+    import wantrain
+    outcome = wantrain.train("examples/quickstart.toml", overrides=["train.max_steps=50"])
+    outcome = wantrain.train("examples/quickstart.toml", resume="auto")
+    print(outcome.status, outcome.run_dir, outcome.exit_code)
+
+Two phases, so that bad input never leaves anything behind:
+
+* :func:`prepare` validates everything that can refuse the config (data folders, the model, observers, the LR
+  schedule, the checkpoint to resume from and its compatibility) and writes nothing.
+* :meth:`PreparedRun.execute` creates (or, on resume, reuses) the run directory, fills the cache, builds the
+  optimizer, scheduler, observers and trainer, restores the checkpoint, and trains.
+
+Exit codes (:data:`EXIT_CODES`): 0 completed, 1 failed, 2 bad input, 3 stopped (a signal or an observer's request;
+a checkpoint was written and ``--resume auto`` continues), 130 aborted by a second Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import signal
+import sys
+import time
+import tomllib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from wantrain.core.errors import UserError
+
+log = structlog.get_logger("wantrain.run")
+
+EXIT_CODES = {"completed": 0, "failed": 1, "stopped": 3}
+"""Process exit code of ``wantrain run`` per run status (bad input is 2, an abort 130)."""
+
+# -- resume compatibility -----------------------------------------------------------------------------------------
+# What a checkpoint may continue under. The longest matching prefix decides; keys not listed warn.
+RESUME_RULES: dict[str, str] = {
+    # refused: the checkpoint's state would not mean the same thing (layout, data order, expert phase)
+    "model.variant": "refuse", "model.experts": "refuse", "model.switch_every": "refuse",
+    "lora.rank": "refuse", "lora.alpha": "refuse", "data.": "refuse", "train.batch_size": "refuse",
+    "train.grad_accum": "refuse", "run.seed": "refuse", "optimizer.type": "refuse",
+    # free: how the run is written, watched or placed in memory, not what it computes
+    "run.output_dir": "free", "run.run_id": "free", "train.log_every": "free", "train.save_every": "free",
+    "train.device": "free", "train.max_consecutive_oom": "free", "train.max_consecutive_nan": "free",
+    "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
+    "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
+}
+"""Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``
+(silent); every other key (LR, schedule, step budget, model paths, timestep sampling, ...) is allowed with a
+warning. ``faults.*`` is a testing aid and never part of the config hash."""
+
+
+def resume_rule(key: str) -> str:
+    best = ""
+    for prefix in RESUME_RULES:
+        if (key == prefix or (prefix.endswith(".") and key.startswith(prefix))) and len(prefix) > len(best):
+            best = prefix
+    return RESUME_RULES[best] if best else "warn"
+
+
+def flatten_config(plain: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``; lists (``data.datasets``) stay one value."""
+    out: dict[str, Any] = {}
+    for key, value in plain.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten_config(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_hash(plain: dict[str, Any]) -> str:
+    """sha256 (16 hex digits) of the keys a checkpoint depends on (the ``refuse`` class of :data:`RESUME_RULES`)."""
+    relevant = {k: v for k, v in sorted(flatten_config(plain).items()) if resume_rule(k) == "refuse"}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(refused differences, warned differences) between a checkpoint's config and the current one, as
+    ``key: old -> new`` strings."""
+    a, b = flatten_config(saved), flatten_config(current)
+    refused, warned = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        rule = resume_rule(key)
+        text = f"{key}: {_short(a.get(key))} -> {_short(b.get(key))}"
+        if rule == "refuse":
+            refused.append(text)
+        elif rule == "warn":
+            warned.append(text)
+    return refused, warned
+
+
+def _short(value: Any) -> str:
+    text = "unset" if value is None else json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- finding the checkpoint to resume from --------------------------------------------------------------------------
+@attrs.frozen
+class ResumePoint:
+    checkpoint: Path
+    run_dir: Path
+    step: int
+    tree: Any
+    meta: dict[str, Any]
+    warnings: tuple[str, ...] = ()
+
+
+def _run_name(run_dir: Path) -> str | None:
+    try:
+        with (run_dir / "config.toml").open("rb") as fh:
+            return tomllib.load(fh).get("run", {}).get("name")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+
+
+def find_resume_checkpoint(spec: str | Path, cfg: Any) -> tuple[Path, list[str]]:
+    """The checkpoint directory ``--resume`` means, and warnings about torn checkpoints passed over.
+
+    ``auto``: the newest run directory under ``run.output_dir`` whose ``run.name`` matches and that holds a complete
+    checkpoint; its latest complete one. A path: a checkpoint directory, or a run directory (its latest complete
+    checkpoint).
+    """
+    from wantrain.core.checkpoint import inspect_checkpoint, latest_complete
+
+    warnings: list[str] = []
+
+    def torn_note(torn: Sequence[Any]) -> None:
+        warnings.extend(f"skipped torn checkpoint '{c.path}': {c.problem}" for c in torn)
+
+    if str(spec) == "auto":
+        root = Path(cfg.run.output_dir)
+        runs = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name, reverse=True) \
+            if root.is_dir() else []
+        for run_dir in runs:
+            if _run_name(run_dir) != cfg.run.name:
+                continue
+            best, torn = latest_complete(run_dir / "checkpoints")
+            torn_note(torn)
+            if best is not None:
+                return best.path, warnings
+            warnings.append(f"run '{run_dir.name}' has no complete checkpoint; looked at older runs")
+        raise UserError(
+            f"--resume auto: no complete checkpoint of a run named {cfg.run.name!r} under '{root}'; start without "
+            "--resume, or pass --resume PATH (a run directory or a checkpoint directory)"
+        )
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"--resume {str(spec)!r}: no such file or directory; pass 'auto', a run directory or a "
+                        "checkpoint directory (run_dir/checkpoints/step_NNNNNN)")
+    if (path / "checkpoints").is_dir():
+        best, torn = latest_complete(path / "checkpoints")
+        torn_note(torn)
+        if best is None:
+            raise UserError(f"--resume '{path}': the run directory holds no complete checkpoint")
+        return best.path, warnings
+    info = inspect_checkpoint(path)
+    if info.step < 0:
+        raise UserError(f"--resume '{path}' is neither a run directory nor a checkpoint directory (step_NNNNNN)")
+    if not info.complete:
+        raise UserError(f"--resume '{path}': the checkpoint is torn ({info.problem}); pass an earlier one or 'auto'")
+    return path, warnings
+
+
+def load_resume_point(spec: str | Path, cfg: Any, plain: dict[str, Any]) -> ResumePoint:
+    """Find, read and check a checkpoint against the config; refuses with one line naming the differing keys."""
+    from wantrain.core.checkpoint import read_checkpoint
+
+    path, warnings = find_resume_checkpoint(spec, cfg)
+    loaded = read_checkpoint(path)
+    saved_config = loaded.meta.get("config")
+    if not isinstance(saved_config, dict):
+        raise UserError(f"checkpoint '{path}' holds no config; it was not written by `wantrain run`")
+    refused, warned = compare_configs(saved_config, plain)
+    if refused:
+        raise UserError(
+            f"checkpoint '{path}' was trained with another config; these keys differ and cannot change on resume: "
+            + "; ".join(refused) + " (restore them, or start a new run)"
+        )
+    warnings.extend(f"resuming with a changed {w}" for w in warned)
+    return ResumePoint(path, path.parent.parent, loaded.step, loaded.tree, loaded.meta, tuple(warnings))
+
+
+# -- signals ----------------------------------------------------------------------------------------------------------
+class RunInterrupted(BaseException):
+    """A signal arrived before the first step (while the cache was filling): the run ends ``stopped``.
+    A BaseException so that no ``except Exception`` in the data code swallows it."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(control_ref: list[Any]) -> Iterator[None]:
+    """SIGINT/SIGTERM: before training (``control_ref`` empty) raise :class:`RunInterrupted`; during training ask
+    the trainer's control for a clean stop (checkpoint and LoRA are saved); a second Ctrl-C aborts at once."""
+    previous = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if not control_ref:
+            raise RunInterrupted(f"signal {name}")
+        control = control_ref[0]
+        if control.stop_requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        control.request_stop(f"signal {name}")
+        print(f"\nwantrain: {name} received; stopping after this step and writing a checkpoint "
+              "(Ctrl-C again to abort without saving)", file=sys.stderr)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread (tests): no handler
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+# -- the assembly -----------------------------------------------------------------------------------------------------
+@attrs.frozen
+class RunOutcome:
+    status: str
+    reason: str | None
+    steps: int
+    run_dir: Path
+    saved: tuple[str, ...]
+    checkpoint: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.status, 1)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(
+            f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("config key 'train.device' asks for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
+    return device
+
+
+def build_optimizer(cfg: Any, param_groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the adapter's groups; fused where torch has a fused kernel for the device (CPU, CUDA), which also
+    lets the non-finite guard skip a step on the device without a sync."""
+    o = cfg.optimizer
+    fused = device.type in ("cpu", "cuda")
+    return torch.optim.AdamW(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, fused=fused, foreach=None if fused else True)
+
+
+@attrs.define
+class PreparedRun:
+    """A validated run, nothing written yet. :meth:`execute` trains."""
+
+    cfg: Any
+    plain: dict[str, Any]
+    config_dir: Path | None
+    device: torch.device
+    data: Any
+    adapter: Any
+    extra_observers: list[type]
+    resume: ResumePoint | None = None
+
+    def execute(self) -> RunOutcome:
+        import tomli_w
+
+        from wantrain.cli.logs import close_log_file, configure_logging
+        from wantrain.core.rundir import create_run_dir
+
+        cfg, data, resume = self.cfg, self.data, self.resume
+        if resume is None:
+            run_dir = create_run_dir(cfg.run.output_dir, cfg.run.run_id)
+        else:
+            run_dir = resume.run_dir
+            _keep_previous_config(run_dir, self.plain, resume.step)
+        (run_dir / "config.toml").write_text(tomli_w.dumps(self.plain), encoding="utf-8")
+        data.set_vram_estimate(rank=cfg.lora.rank, base_dtype=cfg.model.base_dtype,
+                               gradient_checkpointing=cfg.model.gradient_checkpointing)
+        _write_preflight(run_dir, data)
+        log_handler = configure_logging(run_dir / "log.jsonl")
+        for note in resume.warnings if resume is not None else ():
+            log.warning("resume_note", note=note)
+        control_ref: list[Any] = []
+        try:
+            with stop_on_signals(control_ref):
+                try:
+                    trainer = self._assemble(run_dir, control_ref)
+                except RunInterrupted as exc:
+                    log.warning("run_ended", step=resume.step if resume else 0, status="stopped",
+                                reason=f"{exc} before the first step (while preparing the cache)")
+                    return RunOutcome("stopped", f"{exc} before the first step", resume.step if resume else 0,
+                                      run_dir, ())
+                result = trainer.run()
+        finally:
+            _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
+            close_log_file(log_handler)
+        checkpoint = None
+        if trainer.checkpoints is not None:
+            from wantrain.core.checkpoint import latest_complete
+
+            best, _ = latest_complete(trainer.checkpoints.directory)
+            checkpoint = str(best.path) if best is not None else None
+        return RunOutcome(result.status, result.reason, result.steps, run_dir, tuple(result.saved), checkpoint)
+
+    def _assemble(self, run_dir: Path, control_ref: list[Any]) -> Any:
+        from wantrain.core.bus import Bus
+        from wantrain.core.checkpoint import remove_stale_temporaries
+        from wantrain.core.faults import inject_faults
+        from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
+        from wantrain.core.state import TrainState
+        from wantrain.data import ensure_cache
+        from wantrain.observers import build_observers
+        from wantrain.observers.event_recorder import EventRecorder
+        from wantrain.schedulers import build_scheduler
+
+        cfg, data, adapter, resume = self.cfg, self.data, self.adapter, self.resume
+        # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
+        # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
+        stats = ensure_cache(data, adapter, remove_orphans=False)
+        adapter.release_encoders()
+        log.info("cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded,
+                 texts_hit=stats.texts_hit, texts_encoded=stats.texts_encoded, clips_failed=stats.clips_failed)
+        optimizer = build_optimizer(cfg, adapter.param_groups(), self.device)
+        scheduler = build_scheduler(cfg.lr_scheduler, optimizer, total_steps=cfg.train.max_steps)
+        bus = Bus()
+        for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain):
+            bus.attach(observer)
+        if cfg.observers.record_events:
+            EventRecorder(run_dir / "events.jsonl", keep_through_step=resume.step if resume else 0).attach_to(bus)
+        state = TrainState()
+        policy = None
+        if cfg.checkpoint.enabled:
+            policy = CheckpointPolicy(
+                directory=run_dir / "checkpoints", every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
+                keep_every=cfg.checkpoint.keep_every,
+                meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain)},
+            )
+        trainer = Trainer(
+            adapter=inject_faults(adapter, optimizer, cfg.faults, state),
+            batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
+            saver=adapter.saver(run_dir, cfg.run.name), settings=LoopSettings.from_config(cfg.train), bus=bus,
+            run_dir=run_dir, config=cfg, seed=cfg.run.seed, state=state, checkpoints=policy,
+        )
+        if resume is not None:
+            remove_stale_temporaries(run_dir / "checkpoints")
+            _set_aside_later_checkpoints(run_dir / "checkpoints", resume.step)
+            for note in trainer.load_state_dict(resume.tree, source=str(resume.checkpoint)):
+                log.warning("resume_note", note=note)
+            log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
+        control_ref.append(trainer.control)
+        return trainer
+
+
+def _without_faults(plain: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in plain.items() if k != "faults"}
+
+
+def _write_preflight(run_dir: Path, data: Any) -> None:
+    tmp = run_dir / "preflight.json.tmp"
+    tmp.write_text(json.dumps(data.report.to_json(), indent=2), encoding="utf-8")
+    tmp.replace(run_dir / "preflight.json")
+
+
+def _keep_previous_config(run_dir: Path, plain: dict[str, Any], step: int) -> None:
+    """On resume with a changed config, keep the one the run had as ``config.until_step_NNNNNN.toml``."""
+    path = run_dir / "config.toml"
+    try:
+        with path.open("rb") as fh:
+            old = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError):
+        return
+    if old != json.loads(json.dumps(plain, default=str)):
+        target = run_dir / f"config.until_step_{step:06d}.toml"
+        if not target.exists():
+            path.replace(target)
+
+
+def _set_aside_later_checkpoints(directory: Path, step: int) -> None:
+    """Checkpoints newer than the one resumed from belong to an abandoned continuation: rename them out of the
+    ``step_*`` namespace (never deleted) so that ``--resume auto`` does not pick them later."""
+    from wantrain.core.checkpoint import list_checkpoints
+
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    for c in list_checkpoints(directory):
+        if c.complete and c.step > step:
+            c.path.replace(c.path.with_name(f"superseded_{c.path.name}_{stamp}"))
+            log.warning("checkpoint_set_aside", path=str(c.path), reason=f"resumed from step {step}")
+
+
+def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None) -> PreparedRun:
+    """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing."""
+    from wantrain.config import to_plain
+    from wantrain.core.rundir import sanitize_run_id
+    from wantrain.data import build_dataset
+    from wantrain.models.wan22 import build_adapter
+    from wantrain.models.wan22.variants import variant_spec
+    from wantrain.observers import resolve_extra_observers
+    from wantrain.schedulers import check_scheduler
+
+    if cfg.run.run_id is not None:
+        sanitize_run_id(cfg.run.run_id)
+    plain = to_plain(cfg)
+    check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
+    extra_observers = resolve_extra_observers(cfg, config_dir)
+    point = load_resume_point(resume, cfg, plain) if resume is not None else None
+    device = resolve_device(cfg.train.device)
+    spec = variant_spec(cfg.model.variant)
+    data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
+    if point is not None:
+        saved_data = point.tree.get("data") or {}
+        if saved_data.get("fingerprint") not in (None, data.fingerprint()):
+            raise UserError(
+                f"checkpoint '{point.checkpoint}' was trained on another clip list (files were added, removed or "
+                "renamed in the dataset folders since); restore the data or start a new run"
+            )
+    torch.manual_seed(cfg.run.seed)
+    adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
+    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point)
+
+
+def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | None = None,
+          config_dir: Path | None = None) -> RunOutcome:
+    """Train from a config file path (with ``section.key=value`` overrides) or a loaded ``RunConfig``.
+
+    ``resume``: ``"auto"`` or a run/checkpoint directory. Raises :class:`wantrain.core.errors.UserError` (one line)
+    for bad input; returns the outcome otherwise (``outcome.exit_code`` is what ``wantrain run`` exits with).
+    """
+    from wantrain.config import load_config
+
+    if isinstance(config, str | Path):
+        path = Path(config)
+        cfg = load_config(path, list(overrides))
+        config_dir = config_dir or path.resolve().parent
+    else:
+        if overrides:
+            raise TypeError("overrides apply to a config file; pass a path, or change the RunConfig yourself")
+        cfg = config
+    return prepare(cfg, config_dir=config_dir, resume=resume).execute()
