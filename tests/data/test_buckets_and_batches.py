@@ -121,6 +121,17 @@ def test_repeats_never_put_one_clip_twice_in_a_batch(tmp_path, tiny_spec, remain
     assert set(Counter(p for b in batches for p in b).values()) == {each}
 
 
+def test_start_batch_resumes_the_same_stream_with_repeats_and_carry(tmp_path, tiny_spec):
+    for k in range(5):
+        make_image(tmp_path, f"i{k}")
+    cfg = datasets_config({"path": tmp_path, "repeats": 3}, resolutions=[32], frames=[9])
+    data = build_dataset(cfg, spec=tiny_spec, seed=5, batch_size=4)
+    full = _epochs(data, 12)  # four epochs of 15 samples, carried remainders included
+    for start in (2, 5, 9):
+        it = build_dataset(cfg, spec=tiny_spec, seed=5, batch_size=4).batches(None, start_batch=start)
+        assert [next(it)["paths"] for _ in range(12 - start)] == full[start:]
+
+
 def test_repeats_multiply_samples_per_epoch(tmp_path, tiny_spec):
     make_image(tmp_path / "a", "i0")
     make_image(tmp_path / "b", "i1")
