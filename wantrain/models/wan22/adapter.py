@@ -12,7 +12,6 @@ Objective (flow matching, as diffusers' ``flow_prediction`` and the peer trainer
 from __future__ import annotations
 
 import gc
-import html
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from wantrain.models.wan22.export import (
     set_live_alpha,
 )
 from wantrain.models.wan22.loading import WeightSource
+from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
 
@@ -68,6 +68,9 @@ class Wan22Adapter:
         self.source = WeightSource(model, seed)
         self.encoder_identity: str = self.source.encoder_identity
         load_dtype, self.compute_dtype = _storage_dtype(model, self.spec, self.device)
+        # UMT5 runs in the compute dtype: an fp32 run and a bf16 run must not share text embeddings.
+        self.text_identity: str = (f"{self.encoder_identity}:text:dtype={str(self.compute_dtype)[6:]}:"
+                                   f"len={self.spec.text_len}:clean={CLEANING}")
         self.sampler = TimestepSampler(
             method=model.timestep_sampling, shift=model.shift,
             mean=model.logit_mean if model.timestep_sampling == "logit_normal" else 0.0,
@@ -238,13 +241,13 @@ class Wan22Adapter:
     @torch.no_grad()
     def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
         """``text_embeds`` [B, text_len, D] in the compute dtype: UMT5 outputs, zeros past each prompt's length
-        (like the pipelines), prompts cleaned of HTML entities and repeated whitespace."""
+        (like the pipelines), prompts cleaned like the pipelines (:func:`~wantrain.models.wan22.text.clean_prompt`)."""
         if self._text_encoder is None:
             self._tokenizer, encoder = self.source.text_encoder(self.compute_dtype)
             self._text_encoder = encoder.to(self.device).requires_grad_(False)
-        clean = [" ".join(html.unescape(html.unescape(c)).split()) for c in captions]
-        ids = self._tokenizer(clean, padding="max_length", max_length=self.spec.text_len, truncation=True,
-                              add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        ids = self._tokenizer([clean_prompt(c) for c in captions], padding="max_length",
+                              max_length=self.spec.text_len, truncation=True, add_special_tokens=True,
+                              return_attention_mask=True, return_tensors="pt")
         mask = ids.attention_mask.to(self.device)
         hidden = self._text_encoder(ids.input_ids.to(self.device), mask).last_hidden_state
         return {"text_embeds": (hidden * mask[..., None].to(hidden.dtype)).to(self.compute_dtype)}
