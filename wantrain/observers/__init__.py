@@ -81,6 +81,12 @@ def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
         from wantrain.observers.progress import ProgressLine
 
         observers.append(ProgressLine())
+    lora = getattr(cfg, "lora", None)
+    if getattr(lora, "schedule_enabled", False):  # absent or disabled: no observer, no file, nothing changes
+        from wantrain.observers.alpha_controller import AlphaController
+
+        observers.append(AlphaController(lora.alpha_schedule, cfg.model.trained_experts,
+                                         metrics_path=run_dir / "alpha_metrics.jsonl"))
     for i, (spec, cls) in enumerate(zip(obs_cfg.extra, extra, strict=True)):
         try:
             observers.append(cls())

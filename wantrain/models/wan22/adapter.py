@@ -54,6 +54,26 @@ def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device) 
     return dtype, dtype
 
 
+_LINEAR_STATE = ("exp_avg", "momentum_buffer")  # scale with the gradient
+_SQUARED_STATE = ("exp_avg_sq", "max_exp_avg_sq")  # scale with the gradient squared
+
+
+def rescale_optimizer_state(state: dict[str, Any], factor: float) -> None:
+    """Scale a parameter's optimizer state as if its gradients had always been ``factor`` times larger (Adam/AdamW,
+    also fused or foreach, and SGD with momentum). Scalars (``step``) are left alone; another tensor of the
+    parameter's size means an optimizer whose state this cannot map: ``TypeError``."""
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if key in _LINEAR_STATE:
+            value.mul_(factor)
+        elif key in _SQUARED_STATE:
+            value.mul_(factor * factor)
+        else:
+            raise TypeError(f"cannot rescale optimizer state {key!r} for an alpha change: supported are Adam/AdamW "
+                            "and SGD states (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer)")
+
+
 class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
@@ -273,6 +293,29 @@ class Wan22Adapter:
         for e in self.experts if expert is None else (expert,):
             for _, layer in lora_layers(self._transformers[e]):
                 set_live_alpha(layer, float(alpha))
+
+    def change_lora_alpha(self, alpha: float, expert: str | None, optimizer: torch.optim.Optimizer | None = None,
+                          *, preserve_output: bool = True) -> None:
+        """Set alpha on ``expert``'s LoRA between optimizer steps (the alpha controller calls this at a log step).
+
+        ``preserve_output``: keep the model's function: each layer's ``B`` becomes ``B * old/new`` so that
+        ``(new/r) * B' A = (old/r) * B A``, and its optimizer state follows the gradients of the new
+        parametrisation (dL/dB' = new/old * dL/dB): Adam's ``exp_avg`` (and SGD's ``momentum_buffer``) times
+        ``c = new/old``, ``exp_avg_sq`` / ``max_exp_avg_sq`` times ``c**2``. A's weights, gradients and state do
+        not change. Optimizer state of another form raises ``TypeError`` (a bug: the optimizer is not supported).
+        Without ``preserve_output`` only alpha changes and the LoRA's output is scaled by new/old (the seed's jump).
+        In place, device ops only (no sync); the expert may sit on the offload device.
+        """
+        alpha = float(alpha)
+        with torch.no_grad():
+            for _, layer in lora_layers(self._transformers[expert]):
+                old = live_alpha(layer)
+                if preserve_output and old != alpha:
+                    weight = layer.lora_B[ADAPTER_NAME].weight
+                    weight.mul_(old / alpha)
+                    if optimizer is not None and optimizer.state.get(weight):
+                        rescale_optimizer_state(optimizer.state[weight], alpha / old)
+                set_live_alpha(layer, alpha)
 
     def saver(self, run_dir: Path, name: str) -> Wan22Saver:
         return Wan22Saver(self, run_dir, name)
