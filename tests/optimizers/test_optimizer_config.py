@@ -35,7 +35,8 @@ def test_a_wrong_keyword_names_the_key_and_the_valid_ones():
 
 def test_a_wrong_keyword_is_exit_code_2_with_one_line_and_no_run_directory(tmp_path, capsys):
     config = tmp_path / "q.toml"
-    text = QUICKSTART.read_text().replace('[optimizer]\n', '[optimizer]\ntype = "adamw_schedulefree"\nwarmup_stepz = 10\n')
+    table = '[optimizer]\ntype = "adamw_schedulefree"\nwarmup_stepz = 10\n'
+    text = QUICKSTART.read_text().replace("[optimizer]\n", table)
     config.write_text(text.replace('"../runs"', f"'{tmp_path / 'runs'}'"), encoding="utf-8")
     assert main(["run", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
