@@ -450,7 +450,8 @@ class Trainer:
 
     def load_state_dict(self, tree: Mapping[str, Any], *, source: str | None = None) -> list[str]:
         """Restore :meth:`state_dict` output before :meth:`run`. The optimizer's hyperparameters (LR, betas, ...)
-        stay those of the current config; everything else is the saved state. Returns warnings (observers whose
+        stay those of the current config, except group keys the optimizer names in ``group_state_keys``;
+        everything else is the saved state. Returns warnings (observers whose
         state was saved but that are not attached now, or attached but without saved state)."""
         for f in attrs.fields(TrainState):
             if f.name != "total_steps" and f.name in tree["train_state"]:
