@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from test_end_to_end import copy_examples
 
 from wantrain.cli.main import main
-
-from test_end_to_end import copy_examples
 
 pytestmark = pytest.mark.slow
 
