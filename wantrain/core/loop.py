@@ -474,6 +474,10 @@ class Trainer:
             group.update(hyper)  # the config's hyperparameters win (a changed LR is allowed on resume)
         if self.scheduler is not None and tree.get("scheduler") is not None:
             self.scheduler.load_state_dict(tree["scheduler"])
+            if callable(getattr(self.scheduler, "get_last_lr", None)):
+                # torch's schedulers restore their counters but not the groups' LR: put back the saved step's LR
+                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                    group["lr"] = lr
         if tree.get("data") is not None and callable(getattr(self.batches, "load_state_dict", None)):
             self.batches.load_state_dict(tree["data"])
         self.ctx.metrics.load_state_dict(tree["metrics"])
