@@ -265,6 +265,9 @@ def test_nan_losses_are_skipped_and_too_many_in_a_row_stop_keeping_the_last_good
                           "--set", "train.max_consecutive_nan=3") == 1
     run_dir = only_run_dir(other)
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == ["step_000012", "step_000016"]
+    # resumed from the last good checkpoint (after the "fix": here, no more injected NaNs), it completes
+    assert run_in_process(config, "--set", "train.max_consecutive_nan=3", "--resume", "auto") == 0
+    assert loss_series(run_dir)[-1][0] == STEPS
 
 
 def test_an_incompatible_checkpoint_is_refused_naming_the_keys_and_a_changed_lr_warns(workspace, tmp_path,
