@@ -326,7 +326,7 @@ class PreparedRun:
         from wantrain.core.state import TrainState
         from wantrain.data import ensure_cache
         from wantrain.observers import build_observers
-        from wantrain.observers.event_recorder import EventRecorder
+        from wantrain.observers.event_recorder import EventRecorder, event_log_path
         from wantrain.schedulers import build_scheduler
 
         cfg, data, adapter, resume = self.cfg, self.data, self.adapter, self.resume
@@ -342,7 +342,8 @@ class PreparedRun:
         for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain):
             bus.attach(observer)
         if cfg.observers.record_events:
-            EventRecorder(run_dir / "events.jsonl", keep_through_step=resume.step if resume else 0).attach_to(bus)
+            EventRecorder(event_log_path(run_dir, cfg.observers.record_compression),
+                          keep_through_step=resume.step if resume else 0).attach_to(bus)
         state = TrainState()
         policy = None
         if cfg.checkpoint.enabled:
