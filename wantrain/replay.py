@@ -152,6 +152,7 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
         raise UserError(f"'{run_dir}' is not a run directory (it has no config.toml); pass a directory that "
                         "`wantrain run` created")
     log_path = _log_path(run_dir)
+    next(read(log_path), None)  # a log of another schema version is refused before anything is written
     wanted = list(observers) if observers is not None else None
     overrides = list(overrides)
     notes = _override_notes(overrides)

@@ -2,8 +2,9 @@
 to ``events.jsonl.gz`` with ``observers.record_compression = "gzip"``.
 
 It is a bus *journal*: it sees each event before any handler (write-ahead), so an event that crashes an observer
-is still on record. Records are flushed at every optimizer step, at each save and at the end of the run, so a
-killed run loses at most the records of the step it was in (a torn last line, which readers skip). A gzip log is
+is still on record. Records are flushed at every optimizer step (``OptimizerStepped``), log step, save and event
+of an observer's own type, and at the end of the run, so a killed run loses at most the records of the step it was
+in (possibly a torn last line, which readers skip). A gzip log is
 flushed with ``Z_SYNC_FLUSH`` at the same points: everything up to the last flush decompresses from a killed
 run's file. On resume the log is cut back to the checkpoint's step (``keep_through_step``) before recording goes
 on; a gzip log is rewritten as one member and later records are appended as further members.
@@ -26,7 +27,9 @@ from typing import IO, Any
 EVENT_LOG_NAMES = {"none": "events.jsonl", "gzip": "events.jsonl.gz"}
 """The log's file name in the run directory per ``observers.record_compression``."""
 
-_FLUSH_ON = frozenset(("OptimizerStepped", "RunEnded", "CheckpointSaved"))
+# the end of each optimizer step, each log step and each save; events other than the core's (an observer's own,
+# rare: the alpha controller's AlphaChanged) are flushed at once
+_NOT_FLUSHED = frozenset(("StepStarted", "LossComputed", "GradsReady", "ExpertSwitched"))
 
 
 def event_log_path(run_dir: Path, compression: str = "none") -> Path:
@@ -60,7 +63,7 @@ class EventRecorder:
 
     def write(self, record: dict[str, Any]) -> None:
         self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
-        if record["_type"] in _FLUSH_ON:
+        if record["_type"] not in _NOT_FLUSHED:
             self._fh.flush()
 
     def close(self) -> None:
@@ -91,7 +94,7 @@ def iter_log_lines(path: Path) -> Iterator[tuple[int, str, bool]]:
         yield number + 1, pending.decode("utf-8", errors="replace"), False
 
 
-def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
+def _chunks(path: Path, size: int = 1 << 16) -> Iterator[bytes]:
     with path.open("rb") as fh:
         if path.suffix != ".gz":
             while chunk := fh.read(size):
@@ -100,15 +103,27 @@ def _chunks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
         decompressor = zlib.decompressobj(wbits=31)  # gzip members, one after another
         while raw := fh.read(size):
             while raw:
+                before = decompressor.copy()
                 try:
                     yield decompressor.decompress(raw)
-                except zlib.error:
-                    return  # damaged: what decompressed so far is the readable prefix
+                except zlib.error:  # damaged (a block cut mid-write): yield what decodes before the damage
+                    yield _decodable_prefix(before, raw)
+                    return
                 if decompressor.eof:
                     raw = decompressor.unused_data
                     decompressor = zlib.decompressobj(wbits=31)
                 else:
                     raw = b""
+
+
+def _decodable_prefix(decompressor: Any, raw: bytes) -> bytes:
+    out = []
+    for i in range(len(raw)):
+        try:
+            out.append(decompressor.decompress(raw[i:i + 1]))
+        except zlib.error:
+            break
+    return b"".join(out)
 
 
 def _cut_back(path: Path, step: int) -> None:
