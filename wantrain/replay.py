@@ -285,6 +285,8 @@ def alpha_whatif(result: ReplayResult) -> str:
         return ""
     experts = list(dict.fromkeys(expert_key(e.expert) for e in [*recorded, *replayed]))
     lines = ["alpha transitions: recorded | replayed" + (" (identical)" if recorded == replayed else "")]
+    lines.append("  statistics at that step: slope = loss_slope, r2 = loss_r2, cv = loss_cv, rate = "
+                 "loss_improvement_rate, n = loss_samples, stab = gradient_stability")
     if not experts:
         lines.append("  none recorded, none replayed")
     for k in experts:
