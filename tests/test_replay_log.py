@@ -149,3 +149,17 @@ def test_set_indexes_arrays_of_tables_and_refuses_a_bad_index():
     assert data["lora"]["alpha_schedule"]["phases"] == [{"name": "a", "min_steps": 10}, {"name": "b", "min_steps": 5}]
     with pytest.raises(ConfigError, match=r"'2' is not an index of that array \(0 to 1\)"):
         apply_overrides(data, ["lora.alpha_schedule.phases.2.min_steps=5"])
+
+
+def test_every_toml_example_in_the_replay_and_observer_guides_is_valid_config():
+    import re
+    import tomllib
+
+    from wantrain.config import RunConfig
+    from wantrain.core.config import structure
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    configs = [structure(RunConfig, tomllib.loads(block)) for name in ("replay.md", "observers.md")
+               for block in re.findall(r"```toml\n(.*?)```", (docs / name).read_text(), flags=re.S)]
+    assert [c.observers.record_compression for c in configs] == ["gzip", "none"]
+    assert configs[1].observers.extra == ["loss_spikes:LossSpikes"] and configs[0].observers.record_events

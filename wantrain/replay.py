@@ -164,9 +164,11 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
     from wantrain.config import to_plain
 
     plain = to_plain(cfg)
+    cfg, unimported = _importable_extras(cfg, wanted)
     extra = resolve_extra_observers(cfg, None)  # imports users' observers: their event types become readable
     built = build_observers(cfg, out_dir, extra=extra, hparams=plain)
     chosen, skipped = _choose(built, wanted)
+    skipped.extend(unimported)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     ctx = Context(control=Control(), state=TrainState(), metrics=DeviceMetrics(), live=Live(), run_dir=out_dir,
@@ -200,7 +202,8 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
                              "recorded run went on, and so does the replay")
     finally:
         bus.close()
-    (out_dir / "config.toml").write_text(_toml(plain), encoding="utf-8")
+    # not config.toml: the replay folder is no run (`--resume auto` and the tools looking for runs pass it over)
+    (out_dir / "replay_config.toml").write_text(_toml(plain), encoding="utf-8")
     result = ReplayResult(out_dir, tuple(o.name for o in chosen), tuple(skipped), count, last_step,
                           tuple(recorded), tuple(regenerated), tuple(notes))
     summary = {"source": str(run_dir), "event_log": str(log_path), "overrides": overrides, "until": until,
@@ -208,6 +211,25 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
                "last_step": last_step, "notes": list(notes)}
     (out_dir / "replay.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return result
+
+
+def _importable_extras(cfg: Any, wanted: list[str] | None) -> tuple[Any, list[str]]:
+    """Users' observers that cannot be imported here are left out with a note, unless ``--observers`` names them."""
+    from wantrain.observers import load_observer_class
+
+    keep, notes = [], []
+    for i, spec in enumerate(cfg.observers.extra):
+        try:
+            load_observer_class(spec, key=f"observers.extra[{i}]", search_dirs=(Path.cwd(),))
+            keep.append(spec)
+        except UserError as exc:
+            if wanted is not None and spec.rpartition(":")[2] in wanted:
+                raise UserError(f"{exc} (replay imports users' observers from the working directory and the "
+                                "installed packages)") from None
+            notes.append(f"{spec}: not imported ({exc})")
+    if len(keep) == len(cfg.observers.extra):
+        return cfg, notes
+    return attrs.evolve(cfg, observers=attrs.evolve(cfg.observers, extra=keep)), notes
 
 
 def _choose(built: list[Any], wanted: list[str] | None) -> tuple[list[Any], list[str]]:

@@ -165,3 +165,18 @@ def test_replay_refuses_to_write_into_the_run_or_a_used_folder(recorded_run, tmp
     with pytest.raises(UserError, match="'nope' is not an observer of this run"):
         replay(recorded_run, observers=["nope"], out=tmp_path / "n")
     assert _tree_hash(recorded_run) == before and not (tmp_path / "n").exists()
+
+
+def test_a_user_observer_that_cannot_be_imported_is_left_out_with_a_note(recorded_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # loss_spikes.py is not here
+    monkeypatch.delitem(sys.modules, "loss_spikes", raising=False)
+    result = replay(recorded_run, observers=["jsonl"], out=tmp_path / "out")
+    assert result.observers == ("JsonlMetrics",)
+    result = replay(recorded_run, out=tmp_path / "out2")
+    assert any(n.startswith("loss_spikes:LossSpikes: not imported") for n in result.skipped)
+    with pytest.raises(UserError, match="cannot import module 'loss_spikes'.*working directory"):
+        replay(recorded_run, observers=["LossSpikes"], out=tmp_path / "out3")
+    summary = json.loads((tmp_path / "out2" / "replay.json").read_text())
+    assert summary["source"] == str(recorded_run) and summary["skipped"] == list(result.skipped)
+    assert (tmp_path / "out2" / "replay_config.toml").is_file()
+    assert not (tmp_path / "out2" / "config.toml").exists()  # a replay folder is not mistaken for a run
