@@ -163,3 +163,21 @@ def test_every_toml_example_in_the_replay_and_observer_guides_is_valid_config():
                for block in re.findall(r"```toml\n(.*?)```", (docs / name).read_text(), flags=re.S)]
     assert [c.observers.record_compression for c in configs] == ["gzip", "none"]
     assert configs[1].observers.extra == ["loss_spikes:LossSpikes"] and configs[0].observers.record_events
+
+
+def test_a_resumed_runs_log_replays_into_metrics_without_the_lost_steps(tmp_path):
+    from wantrain.replay import replay
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[observers]\ntensorboard = false\n")
+    path = event_log_path(run)
+    _record(path, _events(6))  # killed after step 6; the checkpoint was at step 4
+    resumed = [RunStarted(step=4, run_dir=str(run), total_steps=8, grad_accum=1, experts=(None,), log_every=2,
+                          resumed_from="checkpoints/step_000004"), *[e for e in _events(8) if e.step > 4]]
+    _record(path, resumed, keep_through_step=4)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    result = replay(run, observers=["jsonl"], out=tmp_path / "out")
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["train/loss"]) for x in lines] == [(s, 1.0 / s) for s in (2, 4, 6, 8)]
+    assert result.last_step == 8 and {p.name: p.read_bytes() for p in run.iterdir()} == before

@@ -140,7 +140,7 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
     """Replay ``run_dir``'s event log into the observers its config (with ``overrides``) builds. ``observers``:
     names (:data:`OBSERVER_NAMES` or a user observer's ``name``) to replay, default every replayable one but the
     progress line. Writes into ``out`` (default ``<run_dir>__replay_<time>`` beside the run), never into the run."""
-    from wantrain.config import load_config
+    from wantrain.config import load_config, to_plain
     from wantrain.core.bus import Bus, Priority
     from wantrain.core.context import Context, DeviceMetrics, Live
     from wantrain.core.control import Control
@@ -161,10 +161,8 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
         enable.append("observers.progress=false")
     cfg = load_config(run_dir / "config.toml", [*enable, *overrides])
     out_dir = _out_dir(run_dir, out)
-    from wantrain.config import to_plain
-
-    plain = to_plain(cfg)
     cfg, unimported = _importable_extras(cfg, wanted)
+    plain = to_plain(cfg)
     extra = resolve_extra_observers(cfg, None)  # imports users' observers: their event types become readable
     built = build_observers(cfg, out_dir, extra=extra, hparams=plain)
     chosen, skipped = _choose(built, wanted)

@@ -49,7 +49,9 @@ def recorded_run(tmp_path_factory) -> Path:
     shutil.copytree(ROOT / "examples" / "demo_data", tmp / "demo_data",
                     ignore=shutil.ignore_patterns(".wantrain_cache"))
     (tmp / "loss_spikes.py").write_text(_guide_example(), encoding="utf-8")
-    (tmp / "run.toml").write_text(BASE.format(steps=STEPS) + SCHEDULE.format(enabled="true"), encoding="utf-8")
+    base = BASE.replace("record_events = true\n", "")  # recording is on by default
+    assert base != BASE
+    (tmp / "run.toml").write_text(base.format(steps=STEPS) + SCHEDULE.format(enabled="true"), encoding="utf-8")
     assert main(["run", str(tmp / "run.toml"), "--set", 'observers.extra=["loss_spikes:LossSpikes"]']) == 0
     (run_dir,) = (tmp / "runs").iterdir()
     yield run_dir
