@@ -228,3 +228,15 @@ def test_finder_events_round_trip_through_the_event_record():
     for event in (rung, result):
         assert from_record(to_record(event, 1, 0.0)) == event
     assert attrs.asdict(result)["suggestions"]["steepest"] is None
+
+
+def test_timestep_quantile_places_the_batch_at_evenly_spread_quantiles_of_the_band():
+    from wantrain.models.wan22.timesteps import Band, TimestepSampler
+
+    sampler = TimestepSampler(method="logit_normal", shift=1.0)
+    g = torch.Generator().manual_seed(0)
+    t = sampler.sample(4, Band(low=0.0, high=1.0), g, torch.device("cpu"), quantile=0.5)
+    expected = torch.sigmoid(torch.special.ndtri(torch.tensor([0.5, 0.75, 0.0, 0.25], dtype=torch.float64)))
+    assert torch.allclose(t, expected)
+    high = sampler.sample(2, Band(low=0.9, high=1.0), g, torch.device("cpu"), quantile=0.25)
+    assert (high >= 0.9).all() and high[0] < high[1]  # inside the expert's band, in quantile order

@@ -1,0 +1,105 @@
+"""``wantrain run --lr-finder`` and ``--lr-finder-then-train`` end to end on the tiny Wan model and the demo data,
+with the config example of docs/lr_finder.md."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.test_end_to_end import copy_examples
+from wantrain.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "lr_finder.md"
+
+
+def doc_example() -> str:
+    block = re.search(r"<!-- lr-finder-example:start -->\s*```toml\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
+    assert block, "docs/lr_finder.md lost its config example"
+    return block.group(1)
+
+
+def test_docs_example_is_a_valid_lr_finder_table():
+    from wantrain.config import RunConfig
+    from wantrain.core.config import structure
+
+    cfg = structure(RunConfig, tomllib.loads(doc_example()))
+    assert cfg.lr_finder.enabled and cfg.lr_finder.noise == "fixed"
+
+
+def test_lr_finder_with_resume_is_refused_before_anything_is_written(tmp_path, capsys):
+    config = copy_examples(tmp_path)
+    code = main(["run", str(config), "--lr-finder", "--resume", "auto"])
+    assert code == 2
+    assert "cannot run with --resume" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """The demo data with its cache filled once for the module (the runs below only read it)."""
+    tmp = tmp_path_factory.mktemp("lr_finder")
+    config = copy_examples(tmp)
+    text = config.read_text(encoding="utf-8") + "\n" + doc_example().replace("steps = 100", "steps = 16")
+    config.write_text(text.replace("max_steps = 400", "max_steps = 6").replace("switch_every = 10",
+                                                                               "switch_every = 3"), encoding="utf-8")
+    assert main(["cache", str(config)]) == 0
+    return tmp
+
+
+@pytest.mark.slow
+def test_cli_lr_finder_with_the_seeds_flags_writes_chart_csv_and_no_lora_or_checkpoint(workspace, capsys):
+    config = workspace / "quickstart.toml"
+    code = main(["run", str(config), "--lr_finder", "--lr_finder_steps", "12", "--lr_finder_start", "1e-6",
+                 "--lr_finder_end", "1", "--set", "observers.progress=false", "--run-id", "seedflags"])
+    out = capsys.readouterr().out
+    assert code == 0
+    (run_dir,) = [d for d in (workspace / "runs").iterdir() if d.name.endswith("__seedflags__lr_finder")]
+    assert not list(run_dir.glob("*.safetensors")) and not (run_dir / "checkpoints").exists()
+    assert (run_dir / "lr_finder.png").stat().st_size > 10_000
+    rows = (run_dir / "lr_finder.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 12  # header + one row per rung of each expert
+    summary = json.loads((run_dir / "lr_finder.json").read_text())
+    assert set(summary["experts"]) == {"high_noise", "low_noise"}
+    assert summary["settings"]["start_lr"] == 1e-6 and summary["settings"]["end_lr"] == 1.0
+    assert "lr_finder [high_noise]: suggested LR" in out and "lr_finder [low_noise]: suggested LR" in out
+    assert "<- default" in out
+
+
+@pytest.mark.slow
+def test_then_train_continues_exactly_like_a_run_started_with_the_suggested_lr(workspace, capsys):
+    config = workspace / "quickstart.toml"
+    runs = workspace / "runs"
+    code = main(["run", str(config), "--lr-finder-then-train", "--run-id", "continued",
+                 "--set", "observers.progress=false"])
+    assert code == 0
+    (finder_dir,) = [d for d in runs.iterdir() if d.name.endswith("__continued__lr_finder")]
+    (trained_dir,) = [d for d in runs.iterdir() if d.name.endswith("__continued")]
+    assert not list(finder_dir.glob("*.safetensors"))
+    finder = json.loads((finder_dir / "lr_finder.json").read_text())["experts"]
+    resolved = tomllib.loads((trained_dir / "config.toml").read_text())
+    assert resolved["model"]["lr_high_noise"] == finder["high_noise"]["suggested_lr"]
+    assert resolved["model"]["lr_low_noise"] == finder["low_noise"]["suggested_lr"]
+    assert resolved["lr_finder"]["enabled"] is False and resolved["lr_finder"]["then_train"] is False
+    log = [json.loads(x) for x in (trained_dir / "log.jsonl").read_text().splitlines()]
+    restored = [x for x in log if x["event"] == "lr_finder_state_restored"]
+    assert restored and restored[0]["tensors_compared"] > 0
+
+    # the same config, started directly with those LRs (what the trained run's config.toml says)
+    shutil.copy(trained_dir / "config.toml", workspace / "direct.toml")
+    assert main(["run", str(workspace / "direct.toml"), "--run-id", "direct"]) == 0
+    (direct_dir,) = [d for d in runs.iterdir() if d.name.endswith("__direct")]
+    for expert in ("high_noise", "low_noise"):
+        a = load_file(trained_dir / f"quickstart_{expert}.safetensors")
+        b = load_file(direct_dir / f"quickstart_{expert}.safetensors")
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), expert
+    assert [json.loads(x)["train/loss"] for x in (trained_dir / "metrics.jsonl").read_text().splitlines()] == \
+        [json.loads(x)["train/loss"] for x in (direct_dir / "metrics.jsonl").read_text().splitlines()]
