@@ -62,13 +62,16 @@ def curve_stats(lrs: list[float], raw: list[float]) -> dict[str, float]:
             "roughness": statistics.pstdev(resid) / drop if drop > 0 else math.inf}
 
 
-def run_wantrain(config: Path, noise: str, seed: int, chart_to: Path | None) -> dict:
+BARE = ["observers.tensorboard=false", "observers.memory_probe=false", "observers.norms=false"]
+
+
+def run_wantrain(config: Path, noise: str, seed: int, chart_to: Path | None, bare: bool = False) -> dict:
     from wantrain.runner import train
 
     started = time.perf_counter()
-    outcome = train(config, overrides=[f"lr_finder.enabled=true", f'lr_finder.noise="{noise}"', f"run.seed={seed}",
+    outcome = train(config, overrides=["lr_finder.enabled=true", f'lr_finder.noise="{noise}"', f"run.seed={seed}",
                                        f"lr_finder.steps={N}", f"lr_finder.start_lr={START}",
-                                       f"lr_finder.end_lr={END}"])
+                                       f"lr_finder.end_lr={END}", *(BARE if bare else [])])
     total = time.perf_counter() - started
     run_dir = outcome.run_dir
     log = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
@@ -76,12 +79,15 @@ def run_wantrain(config: Path, noise: str, seed: int, chart_to: Path | None) -> 
     from datetime import datetime
 
     sweep_s = (datetime.fromisoformat(t["run_ended"]) - datetime.fromisoformat(t["run_started"])).total_seconds()
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    loop_s = sum(m.get("train/step_time_s", 0.0) for m in metrics)  # the steps themselves, outputs excluded
     rows = list(csv.DictReader((run_dir / "lr_finder.csv").open()))
     lrs, raw = [float(r["lr"]) for r in rows], [float(r["raw_loss"]) for r in rows]
     result = json.loads((run_dir / "lr_finder.json").read_text())["experts"]["high_noise"]
     if chart_to is not None:
         shutil.copy(run_dir / "lr_finder.png", chart_to)
-    return {"who": f"wantrain noise={noise}", "seed": seed, "rungs": len(rows), "sweep_s": sweep_s,
+    who = f"wantrain noise={noise}" + (" (TensorBoard, norms, memory observers off)" if bare else "")
+    return {"who": who, "seed": seed, "rungs": len(rows), "sweep_s": sweep_s, "loop_s": loop_s,
             "total_s": total, **{k: result["suggestions"][k] for k in ("valley", "steepest", "minimum")},
             "default": result["suggested_lr"], "stop": result["stop_reason"], "warnings": result["warnings"],
             **curve_stats(lrs, raw)}
@@ -131,7 +137,8 @@ def run_torch_lr_finder(config: Path, seed: int) -> dict:
     raw = [smooth[0]] + [(b - 0.95 * a) / 0.05 for a, b in zip(smooth, smooth[1:], strict=False)]
     finder.reset()
     lora_bytes = sum(p.numel() * p.element_size() for p in adapter.trainable_parameters(expert))
-    return {"who": "torch-lr-finder", "seed": seed, "rungs": len(lrs), "sweep_s": sweep_s, "total_s": math.nan,
+    return {"who": "torch-lr-finder", "seed": seed, "rungs": len(lrs), "sweep_s": sweep_s, "loop_s": sweep_s,
+            "total_s": math.nan,
             "valley": None, "steepest": steepest, "minimum": None, "default": steepest, "stop": None, "warnings": [],
             **curve_stats(lrs, raw), "snapshot_mb": snapshot_bytes / 2**20,
             "lora_mb": lora_bytes / 2**20}
@@ -152,6 +159,7 @@ def main() -> None:
     parser.add_argument("--no-torch-lr-finder", action="store_true")
     parser.add_argument("--chart", action="store_true", help="write docs/img/lr_finder_tiny.png (fixed, first seed)")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--bare", action="store_true", help="also run `fixed` with the metric observers off")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -164,21 +172,24 @@ def main() -> None:
                     seed == args.seeds[0] else None
                 rows.append(run_wantrain(config, mode, seed, chart))
                 print(json.dumps(rows[-1]), file=sys.stderr)
+            if args.bare:
+                rows.append(run_wantrain(config, "fixed", seed, None, bare=True))
+                print(json.dumps(rows[-1]), file=sys.stderr)
             if not args.no_torch_lr_finder:
                 rows.append(run_torch_lr_finder(config, seed))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     if args.markdown:
         print("| finder | seed | LRs run | valley | steepest | minimum/10 | stop | plateau CV | roughness | sweep s | "
-              "s per LR |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "steps s | s per LR |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             stop = "diverged" if r["stop"] else "end"
             print(f"| {r['who']} | {r['seed']} | {r['rungs']} | {fmt(r['valley'])} | {fmt(r['steepest'])} | "
                   f"{fmt(r['minimum'])} | {stop} | {fmt(r['plateau_cv'])} | {fmt(r['roughness'])} | "
-                  f"{r['sweep_s']:.1f} | {r['sweep_s'] / r['rungs']:.3f} |")
+                  f"{r['sweep_s']:.1f} | {r['loop_s']:.1f} | {r['sweep_s'] / r['rungs']:.3f} |")
         for r in rows:
             if "snapshot_mb" in r:
-                print(f"\ntorch-lr-finder state copy: {r['snapshot_mb']:.1f} MiB of model state (the LoRA alone is "
+                print(f"\ntorch-lr-finder state copy: {r['snapshot_mb']:.3f} MiB of model state (the LoRA alone is "
                       f"{r['lora_mb']:.2f} MiB)")
                 break
     else:
