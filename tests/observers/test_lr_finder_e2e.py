@@ -107,3 +107,38 @@ def test_then_train_continues_exactly_like_a_run_started_with_the_suggested_lr(w
         assert all(torch.equal(a[k], b[k]) for k in a), expert
     assert [json.loads(x)["train/loss"] for x in (trained_dir / "metrics.jsonl").read_text().splitlines()] == \
         [json.loads(x)["train/loss"] for x in (direct_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cli_flags_and_the_seeds_spellings_set_the_lr_finder_table():
+    import argparse
+
+    from wantrain.cli.run import add_arguments, lr_finder_overrides
+    from wantrain.config import RunConfig, apply_overrides
+    from wantrain.core.config import structure
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    dashed = parser.parse_args(["c.toml", "--lr-finder", "--lr-finder-steps", "30", "--lr-finder-start", "1e-6",
+                                "--lr-finder-end", "0.5", "--lr-finder-mode", "linear"])
+    seed = parser.parse_args(["c.toml", "--lr_finder", "--lr_finder_steps", "30", "--lr_finder_start", "1e-6",
+                              "--lr_finder_end", "0.5", "--lr-finder-mode", "linear"])
+    assert lr_finder_overrides(dashed) == lr_finder_overrides(seed)
+    cfg = structure(RunConfig, apply_overrides({}, lr_finder_overrides(seed)))
+    f = cfg.lr_finder
+    assert (f.enabled, f.then_train, f.steps, f.start_lr, f.end_lr, f.mode) == (True, False, 30, 1e-6, 0.5, "linear")
+    then = parser.parse_args(["c.toml", "--lr-finder-then-train"])
+    assert structure(RunConfig, apply_overrides({}, lr_finder_overrides(then))).lr_finder.active
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    ({"start_lr": 1.0, "end_lr": 0.1}, "lr_finder.start_lr = 1 must be below lr_finder.end_lr = 0.1"),
+    ({"steps": 20, "burn_in": 20}, "lr_finder.burn_in = 20 must be below lr_finder.steps = 20"),
+    ({"smoothing": 1.0}, "lr_finder.smoothing = 1 must be below 1"),
+    ({"noise": "fixd"}, "did you mean 'fixed'"),
+])
+def test_bad_lr_finder_settings_are_refused_in_one_line(table, message):
+    from wantrain.config import RunConfig
+    from wantrain.core.config import ConfigError, structure
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        structure(RunConfig, {"lr_finder": table})
