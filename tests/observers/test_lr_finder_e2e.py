@@ -51,9 +51,11 @@ def workspace(tmp_path_factory) -> Path:
     for path in (tmp / "demo_data").iterdir():  # a few samples are plenty: the cache fill is the slow part
         if path.stem not in keep:
             path.unlink()
-    text = config.read_text(encoding="utf-8") + "\n" + doc_example().replace("steps = 100", "steps = 16")
-    config.write_text(text.replace("max_steps = 400", "max_steps = 6").replace("switch_every = 10",
-                                                                               "switch_every = 3"), encoding="utf-8")
+    example = doc_example().replace("steps = 100", "steps = 8").replace("burn_in = 10", "burn_in = 2")
+    text = config.read_text(encoding="utf-8").replace("max_steps = 400", "max_steps = 4")
+    text = text.replace("switch_every = 10", "switch_every = 2") + "\n" + example
+    config.write_text(text + "\n[observers]\nprogress = false\nnorms = false\nmemory_probe = false\n",
+                      encoding="utf-8")
     assert main(["cache", str(config)]) == 0
     return tmp
 
@@ -61,15 +63,15 @@ def workspace(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_cli_lr_finder_with_the_seeds_flags_writes_chart_csv_and_no_lora_or_checkpoint(workspace, capsys):
     config = workspace / "quickstart.toml"
-    code = main(["run", str(config), "--lr_finder", "--lr_finder_steps", "12", "--lr_finder_start", "1e-6",
-                 "--lr_finder_end", "1", "--set", "observers.progress=false", "--run-id", "seedflags"])
+    code = main(["run", str(config), "--lr_finder", "--lr_finder_steps", "6", "--lr_finder_start", "1e-6",
+                 "--lr_finder_end", "1", "--run-id", "seedflags"])
     out = capsys.readouterr().out
     assert code == 0
     (run_dir,) = [d for d in (workspace / "runs").iterdir() if d.name.endswith("__seedflags__lr_finder")]
     assert not list(run_dir.glob("*.safetensors")) and not (run_dir / "checkpoints").exists()
     assert (run_dir / "lr_finder.png").stat().st_size > 10_000
     rows = (run_dir / "lr_finder.csv").read_text().splitlines()
-    assert len(rows) == 1 + 2 * 12  # header + one row per rung of each expert
+    assert len(rows) == 1 + 2 * 6  # header + one row per rung of each expert
     summary = json.loads((run_dir / "lr_finder.json").read_text())
     assert set(summary["experts"]) == {"high_noise", "low_noise"}
     assert summary["settings"]["start_lr"] == 1e-6 and summary["settings"]["end_lr"] == 1.0
@@ -81,8 +83,7 @@ def test_cli_lr_finder_with_the_seeds_flags_writes_chart_csv_and_no_lora_or_chec
 def test_then_train_continues_exactly_like_a_run_started_with_the_suggested_lr(workspace, capsys):
     config = workspace / "quickstart.toml"
     runs = workspace / "runs"
-    code = main(["run", str(config), "--lr-finder-then-train", "--run-id", "continued",
-                 "--set", "observers.progress=false"])
+    code = main(["run", str(config), "--lr-finder-then-train", "--run-id", "continued"])
     assert code == 0
     (finder_dir,) = [d for d in runs.iterdir() if d.name.endswith("__continued__lr_finder")]
     (trained_dir,) = [d for d in runs.iterdir() if d.name.endswith("__continued")]
