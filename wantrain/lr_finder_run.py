@@ -32,6 +32,22 @@ from wantrain.core.checkpoint import copy_tree
 log = structlog.get_logger("wantrain.lr_finder")
 
 
+def check_lr_finder(cfg: Any, resume: Any) -> None:
+    """Refusals that depend on the config only (``prepare()`` calls this before anything is written)."""
+    from wantrain.core.errors import UserError
+    from wantrain.optimizers import TYPES
+
+    if resume is not None:
+        raise UserError("the LR finder (--lr-finder, lr_finder.enabled / then_train) cannot run with --resume: it "
+                        "starts from a fresh run; resume without it (a then-train run's config.toml holds the "
+                        "suggested LR)")
+    spec = TYPES.get(cfg.optimizer.type)
+    if spec is not None and spec.adaptive_lr:
+        raise UserError(f"the LR finder sweeps the learning rate, but optimizer.type = {cfg.optimizer.type!r} "
+                        "estimates its own step size (its lr is a multiplier); run the finder with "
+                        "optimizer.type = 'adamw', or train without it")
+
+
 class SweepOrder:
     """The model adapter as the finder's run sees it: each trained expert's whole sweep in turn (steps
     ``1..n`` the first expert, ``n+1..2n`` the second), instead of alternating every ``switch_every`` steps.

@@ -448,10 +448,10 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
 
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
-    if cfg.lr_finder.active and resume is not None:
-        raise UserError("the LR finder (--lr-finder, lr_finder.enabled / then_train) cannot run with --resume: it "
-                        "starts from a fresh run; resume without it (a then-train run's config.toml holds the "
-                        "suggested LR)")
+    if cfg.lr_finder.active:
+        from wantrain.lr_finder_run import check_lr_finder
+
+        check_lr_finder(cfg, resume)
     plain = to_plain(cfg)
     check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
