@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ RESUME_RULES: dict[str, str] = {
     "train.device": "free", "train.max_consecutive_oom": "free", "train.max_consecutive_nan": "free",
     "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
     "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
+    "lr_finder.": "free",
 }
 """Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``
 (silent); every other key (LR, schedule, step budget, model paths, timestep sampling, ...) is allowed with a
@@ -237,6 +238,8 @@ class RunOutcome:
     run_dir: Path
     saved: tuple[str, ...]
     checkpoint: str | None = None
+    lr_finder: tuple[str, ...] = ()  # the LR finder's summary lines (suggestions, warnings), when it ran
+    lr_finder_dir: Path | None = None
 
     @property
     def exit_code(self) -> int:
@@ -276,16 +279,27 @@ class PreparedRun:
     adapter: Any
     extra_observers: list[type]
     resume: ResumePoint | None = None
+    # --lr-finder-then-train: the trainer state captured before the sweep, loaded into this run's trainer
+    initial_state: Any = None
 
-    def execute(self) -> RunOutcome:
+    def execute(self, *, finder: Any = None, before_run: Callable[[Any], None] | None = None) -> RunOutcome:
+        """Train (see the module docstring). A config with ``[lr_finder]`` enabled runs the range test instead
+        (``wantrain.lr_finder_run``), which calls back here with ``finder`` (an ``LrFinder``): a run directory
+        suffixed ``__lr_finder``, the sweep's length, no LoRA and no checkpoint. ``before_run(trainer)`` runs after
+        the assembly, right before the first step."""
         import tomli_w
 
         from wantrain.cli.logs import close_log_file, configure_logging
         from wantrain.core.rundir import create_run_dir
 
+        if finder is None and self.cfg.lr_finder.active:
+            from wantrain.lr_finder_run import execute_lr_finder
+
+            return execute_lr_finder(self)
         cfg, data, resume = self.cfg, self.data, self.resume
         if resume is None:
-            run_dir = create_run_dir(cfg.run.output_dir, cfg.run.run_id)
+            run_id = cfg.run.run_id if finder is None else "__".join(x for x in (cfg.run.run_id, "lr_finder") if x)
+            run_dir = create_run_dir(cfg.run.output_dir, run_id)
         else:
             run_dir = resume.run_dir
             _keep_previous_config(run_dir, self.plain, resume.step)
@@ -300,12 +314,14 @@ class PreparedRun:
         try:
             with stop_on_signals(control_ref):
                 try:
-                    trainer = self._assemble(run_dir, control_ref)
+                    trainer = self._assemble(run_dir, control_ref, finder=finder)
                 except RunInterrupted as exc:
                     log.warning("run_ended", step=resume.step if resume else 0, status="stopped",
                                 reason=f"{exc} before the first step (while preparing the cache)")
                     return RunOutcome("stopped", f"{exc} before the first step", resume.step if resume else 0,
                                       run_dir, ())
+                if before_run is not None:
+                    before_run(trainer)
                 result = trainer.run()
         finally:
             _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
@@ -318,7 +334,8 @@ class PreparedRun:
             checkpoint = str(best.path) if best is not None else None
         return RunOutcome(result.status, result.reason, result.steps, run_dir, tuple(result.saved), checkpoint)
 
-    def _assemble(self, run_dir: Path, control_ref: list[Any]) -> Any:
+    def _assemble(self, run_dir: Path, control_ref: list[Any], *, finder: Any = None) -> Any:
+        from wantrain.core.adapter import NullSaver
         from wantrain.core.bus import Bus
         from wantrain.core.checkpoint import remove_stale_temporaries
         from wantrain.core.faults import inject_faults
@@ -330,6 +347,12 @@ class PreparedRun:
         from wantrain.schedulers import build_scheduler
 
         cfg, data, adapter, resume = self.cfg, self.data, self.adapter, self.resume
+        train_cfg, model = cfg.train, adapter
+        if finder is not None:  # the LR finder's run (wantrain.lr_finder_run): its length, every step logged
+            from wantrain.lr_finder_run import SweepOrder
+
+            train_cfg = attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None)
+            model = SweepOrder(adapter, finder.steps_per_expert)
         # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
         # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
         stats = ensure_cache(data, adapter, remove_orphans=False)
@@ -341,23 +364,30 @@ class PreparedRun:
         bus = Bus()
         for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain):
             bus.attach(observer)
+        if finder is not None:
+            finder.attach_to(bus)
         if cfg.observers.record_events:
             EventRecorder(event_log_path(run_dir, cfg.observers.record_compression),
                           keep_through_step=resume.step if resume else 0).attach_to(bus)
         state = TrainState()
         policy = None
-        if cfg.checkpoint.enabled:
+        if cfg.checkpoint.enabled and finder is None:
             policy = CheckpointPolicy(
                 directory=run_dir / "checkpoints", every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                 keep_every=cfg.checkpoint.keep_every,
                 meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain)},
             )
         trainer = Trainer(
-            adapter=inject_faults(adapter, optimizer, cfg.faults, state),
+            adapter=inject_faults(model, optimizer, cfg.faults, state),
             batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
-            saver=adapter.saver(run_dir, cfg.run.name), settings=LoopSettings.from_config(cfg.train), bus=bus,
+            saver=adapter.saver(run_dir, cfg.run.name) if finder is None else NullSaver(),
+            settings=LoopSettings.from_config(train_cfg), bus=bus,
             run_dir=run_dir, config=cfg, seed=cfg.run.seed, state=state, checkpoints=policy,
         )
+        if self.initial_state is not None:
+            from wantrain.lr_finder_run import load_initial_state
+
+            load_initial_state(trainer, self.initial_state)
         if resume is not None:
             remove_stale_temporaries(run_dir / "checkpoints")
             for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
@@ -419,6 +449,10 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
 
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
+    if cfg.lr_finder.active:
+        from wantrain.lr_finder_run import check_lr_finder
+
+        check_lr_finder(cfg, resume)
     plain = to_plain(cfg)
     check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
