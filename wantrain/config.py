@@ -60,16 +60,34 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides. A number indexes an array of tables:
+    ``lora.alpha_schedule.phases.0.min_steps=5``."""
     for item in overrides:
         parts, value = _parse_override(item)
-        table = data
+        table: Any = data
         for part in parts[:-1]:
+            if isinstance(table, list):
+                table = table[_list_index(table, part, item)]
+                if not isinstance(table, dict | list):
+                    raise ConfigError(f"--set {item!r}: item '{part}' is a value, not a table")
+                continue
             nxt = table.setdefault(part, {})
-            if not isinstance(nxt, dict):
+            if not isinstance(nxt, dict | list):
                 raise ConfigError(f"--set {item!r}: '{part}' is a value, not a table")
             table = nxt
-        table[parts[-1]] = value
+        if isinstance(table, list):
+            table[_list_index(table, parts[-1], item)] = value
+        elif isinstance(table, dict):
+            table[parts[-1]] = value
+        else:
+            raise ConfigError(f"--set {item!r}: '{parts[-2]}' is a value, not a table")
     return data
+
+
+def _list_index(items: list[Any], part: str, item: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(f"--set {item!r}: '{part}' is not an index of that array (0 to {len(items) - 1})")
+    return int(part)
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -343,7 +343,7 @@ class PreparedRun:
         from wantrain.core.state import TrainState
         from wantrain.data import ensure_cache
         from wantrain.observers import build_observers
-        from wantrain.observers.event_recorder import EventRecorder
+        from wantrain.observers.event_recorder import EventRecorder, event_log_path
         from wantrain.schedulers import build_scheduler
 
         cfg, data, adapter, resume = self.cfg, self.data, self.adapter, self.resume
@@ -367,7 +367,8 @@ class PreparedRun:
         if finder is not None:
             finder.attach_to(bus)
         if cfg.observers.record_events:
-            EventRecorder(run_dir / "events.jsonl", keep_through_step=resume.step if resume else 0).attach_to(bus)
+            EventRecorder(event_log_path(run_dir, cfg.observers.record_compression),
+                          keep_through_step=resume.step if resume else 0).attach_to(bus)
         state = TrainState()
         policy = None
         if cfg.checkpoint.enabled and finder is None:

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("wantrain.cli.schedule", "preview the learning-rate schedule (plot and key points)"),
     "report": ("wantrain.cli.report", "draw a PNG dashboard and a summary of a run directory"),
     "inspect-lora": ("wantrain.cli.inspect_lora", "show and validate a LoRA .safetensors file"),
+    "replay": ("wantrain.cli.replay", "replay a run's event log into observers (regenerate outputs, alpha what-if)"),
 }
 
 

@@ -83,10 +83,17 @@ class Observer:
 
     Emitting: an observer that emits its own registered event types defines ``bind(bus)``; :meth:`Bus.attach`
     calls it with the bus, and the observer emits there (dispatched after the current event, see Re-entrancy).
+
+    Replay (``wantrain replay``, docs/replay.md): ``replayable = True`` declares that the observer does its work
+    from events alone, with ``ctx.adapter``, ``ctx.optimizer`` and ``ctx.live`` empty; others are skipped in
+    replay. ``emits`` names the registered event types it emits: replay regenerates those instead of resending
+    the recorded ones.
     """
 
     priority: int = Priority.SINK
     critical: bool = False
+    replayable: bool = False
+    emits: tuple[type[Event], ...] = ()
 
     @property
     def name(self) -> str:

@@ -68,7 +68,11 @@ class ObserversConfig:
     memory_probe: bool = setting(True, doc="Log RAM (and VRAM on CUDA) at each log step (`memory/*`).")
     norms: bool = setting(True, doc="Log the global parameter and gradient L2 norms at each log step.")
     record_events: bool = setting(
-        False, doc="Record every event to `<run_dir>/events.jsonl` (for `wantrain replay`)."
+        True, doc="Record every event to `<run_dir>/events.jsonl` (for `wantrain replay`, docs/replay.md); about "
+        "1 kB per optimizer step."
+    )
+    record_compression: Literal["none", "gzip"] = setting(
+        "none", doc="`gzip` writes `events.jsonl.gz` instead (about 7 times smaller, flushed at every step)."
     )
     extra: list[str] = setting(
         factory=list, doc="Users' observer classes as `package.module:ClassName`, built with no arguments."

@@ -183,6 +183,8 @@ class AlphaController(Observer):
 
     priority = Priority.CONTROLLER
     critical = True
+    replayable = True  # the decisions come from MetricsLogged.values; without an adapter no alpha is changed
+    emits = (AlphaChanged,)
 
     def __init__(self, schedule: AlphaScheduleConfig, experts: tuple[str | None, ...],
                  metrics_path: Path | None = None) -> None:

@@ -58,6 +58,7 @@ class JsonlMetrics(Observer):
     """Appends every ``MetricsLogged`` to ``path`` as one JSON line. A passive sink."""
 
     priority = Priority.SINK
+    replayable = True  # from MetricsLogged and the other events alone
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)

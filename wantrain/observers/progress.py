@@ -40,6 +40,7 @@ class ProgressLine(Observer):
     """Progress on ``stream`` (default: ``sys.stderr`` at write time). ``enabled=False`` makes it silent."""
 
     priority = Priority.SINK
+    replayable = True  # from MetricsLogged and the other events alone
 
     def __init__(
         self,

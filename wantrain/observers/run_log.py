@@ -22,6 +22,7 @@ log = structlog.get_logger("wantrain.run")
 
 class RunLog(Observer):
     priority = Priority.SINK
+    replayable = True  # from MetricsLogged and the other events alone
 
     @on(RunStarted)
     def started(self, event: RunStarted, ctx) -> None:

@@ -54,6 +54,7 @@ class TensorBoardWriter(Observer):
     """Writes every logged metric (and ``hparams``) to TensorBoard event files in ``log_dir``. A passive sink."""
 
     priority = Priority.SINK
+    replayable = True  # from MetricsLogged and the other events alone
 
     def __init__(self, log_dir: Path, hparams: dict | None = None) -> None:
         self.log_dir = Path(log_dir)

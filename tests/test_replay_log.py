@@ -1,0 +1,183 @@
+"""Reading event logs (`wantrain.replay.read`): plain and gzip recordings, flushed at each optimizer step, a torn
+tail, an unknown schema version, an unknown event type, the cut-back on resume; `--set` indexing arrays of tables.
+No model: events are made by hand and recorded through a real bus journal."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from wantrain.cli.main import main
+from wantrain.config import apply_overrides
+from wantrain.core.bus import Bus
+from wantrain.core.errors import ConfigError, UserError
+from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded, RunStarted, StepStarted
+from wantrain.observers.event_recorder import EventRecorder, event_log_path, iter_log_lines
+from wantrain.replay import read
+
+
+def _events(steps: int) -> list:
+    out = [RunStarted(step=0, run_dir="x", total_steps=steps, grad_accum=1, experts=(None,), log_every=2)]
+    for s in range(1, steps + 1):
+        out.append(StepStarted(step=s, micro_step=s, accumulation_index=1, ends_optimizer_step=True,
+                               is_log_step=s % 2 == 0, expert=None))
+        out.append(OptimizerStepped(step=s, expert=None, skipped=False, skip_reason=None, lrs=(1e-3,),
+                                    group_names=("lora",), is_log_step=s % 2 == 0))
+        if s % 2 == 0:
+            out.append(MetricsLogged(step=s, expert=None, values={"train/loss": 1.0 / s}, elapsed_s=0.1 * s,
+                                     total_steps=steps))
+    return out
+
+
+def _record(path: Path, events: list, *, keep_through_step: int = 0, close: bool = True) -> EventRecorder:
+    recorder = EventRecorder(path, keep_through_step=keep_through_step)
+    bus = Bus()
+    recorder.attach_to(bus)
+    for e in events:
+        bus.emit(e)
+    if close:
+        bus.close()
+    return recorder
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+def test_recorded_events_read_back_as_equal_typed_events(tmp_path, compression):
+    events = [*_events(6), RunEnded(step=6, status="completed", reason=None)]
+    path = event_log_path(tmp_path, compression)
+    _record(path, events)
+    assert list(read(path)) == events
+    assert list(read(tmp_path)) == events  # a run directory finds its log
+    assert [e.step for e in read(path, until=3)] == [0, 1, 1, 2, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+def test_records_are_readable_after_each_optimizer_step_while_the_run_goes_on(tmp_path, compression):
+    path = event_log_path(tmp_path, compression)
+    recorder = _record(path, _events(3), close=False)  # the writer is still open: nothing closed the stream
+    try:
+        got = list(read(path))
+        assert got[-1] == _events(3)[-1] and len(got) == len(_events(3))
+    finally:
+        recorder.close()
+
+
+def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path):
+    path = tmp_path / "events.jsonl"
+    _record(path, _events(4))
+    complete = path.read_text()
+    path.write_text(complete + '{"step":5,"micro_step":5,"accum')  # a crash mid-write
+    with capture_logs() as logs:
+        assert list(read(path)) == _events(4)
+    assert [x["event"] for x in logs] == ["torn_last_line_skipped"]
+    # valid JSON whose newline never made it counts as torn too: the writer died inside the record
+    path.write_text(complete + json.dumps({"step": 5, "_type": "RunEnded", "status": "completed", "reason": None,
+                                           "seq": 99, "wall_time": 0.0, "schema": 1}))
+    assert list(read(path)) == _events(4)
+
+
+def test_a_damaged_line_before_the_end_is_refused_with_its_line_number(tmp_path):
+    path = tmp_path / "events.jsonl"
+    _record(path, _events(2))
+    lines = path.read_text().splitlines(keepends=True)
+    lines[2] = "garbage\n"
+    path.write_text("".join(lines))
+    with pytest.raises(UserError, match=r"line 3 is not JSON"):
+        list(read(path))
+
+
+def test_a_gzip_log_cut_off_mid_stream_reads_up_to_the_last_flushed_step(tmp_path):
+    path = tmp_path / "events.jsonl.gz"
+    recorder = _record(path, _events(4), close=False)
+    flushed = path.read_bytes()  # what a killed run leaves: no gzip trailer, the last step sync-flushed
+    recorder.close()
+    torn = tmp_path / "torn" / "events.jsonl.gz"
+    torn.parent.mkdir()
+    torn.write_bytes(flushed + b"\x00\x01garbage")
+    assert list(read(torn)) == _events(4)
+
+
+def test_an_unknown_schema_version_is_refused_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("")
+    path = run / "events.jsonl"
+    _record(path, _events(2))
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "schema": 7}) + "\n" for r in records))
+    with pytest.raises(UserError, match=r"schema version 7 .*reads version 1"):
+        list(read(path))
+    assert main(["replay", str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "schema version 7" in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_an_unknown_event_type_is_skipped_with_one_warning(tmp_path):
+    path = tmp_path / "events.jsonl"
+    _record(path, _events(2))
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    own = {"step": 1, "_type": "MyOwnEvent", "detail": 3, "seq": 50, "wall_time": 0.0, "schema": 1}
+    records[2:2] = [own, {**own, "step": 2}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with capture_logs() as logs:
+        assert list(read(path)) == _events(2)
+    warnings = [x for x in logs if x["event"] == "unknown_event_type_skipped"]
+    assert len(warnings) == 1 and warnings[0]["event_type"] == "MyOwnEvent"
+    assert any(x["event"] == "unknown_event_type_skipped_total" and x["records"] == 2 for x in logs)
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+def test_resume_cuts_the_log_back_to_the_checkpoint_step_and_appends(tmp_path, compression):
+    path = event_log_path(tmp_path, compression)
+    _record(path, _events(6))  # the killed run got to step 6; the checkpoint was at step 4
+    later = [RunStarted(step=4, run_dir="x", total_steps=6, grad_accum=1, experts=(None,), log_every=2,
+                        resumed_from="ckpt"), *[e for e in _events(6) if e.step > 4]]
+    _record(path, later, keep_through_step=4)
+    assert list(read(path)) == [*[e for e in _events(6) if e.step <= 4], *later]
+    if compression == "gzip":
+        with gzip.open(path, "rt") as fh:  # still a valid gzip file for zcat and friends
+            assert len(fh.read().splitlines()) == len(list(iter_log_lines(path)))
+
+
+def test_set_indexes_arrays_of_tables_and_refuses_a_bad_index():
+    data = {"lora": {"alpha_schedule": {"phases": [{"name": "a", "min_steps": 10}, {"name": "b"}]}}}
+    apply_overrides(data, ["lora.alpha_schedule.phases.1.min_steps=5"])
+    assert data["lora"]["alpha_schedule"]["phases"] == [{"name": "a", "min_steps": 10}, {"name": "b", "min_steps": 5}]
+    with pytest.raises(ConfigError, match=r"'2' is not an index of that array \(0 to 1\)"):
+        apply_overrides(data, ["lora.alpha_schedule.phases.2.min_steps=5"])
+
+
+def test_every_toml_example_in_the_replay_and_observer_guides_is_valid_config():
+    import re
+    import tomllib
+
+    from wantrain.config import RunConfig
+    from wantrain.core.config import structure
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    configs = [structure(RunConfig, tomllib.loads(block)) for name in ("replay.md", "observers.md")
+               for block in re.findall(r"```toml\n(.*?)```", (docs / name).read_text(), flags=re.S)]
+    assert [c.observers.record_compression for c in configs] == ["gzip", "none"]
+    assert configs[1].observers.extra == ["loss_spikes:LossSpikes"] and configs[0].observers.record_events
+
+
+def test_a_resumed_runs_log_replays_into_metrics_without_the_lost_steps(tmp_path):
+    from wantrain.replay import replay
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[observers]\ntensorboard = false\n")
+    path = event_log_path(run)
+    _record(path, _events(6))  # killed after step 6; the checkpoint was at step 4
+    resumed = [RunStarted(step=4, run_dir=str(run), total_steps=8, grad_accum=1, experts=(None,), log_every=2,
+                          resumed_from="checkpoints/step_000004"), *[e for e in _events(8) if e.step > 4]]
+    _record(path, resumed, keep_through_step=4)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    result = replay(run, observers=["jsonl"], out=tmp_path / "out")
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["train/loss"]) for x in lines] == [(s, 1.0 / s) for s in (2, 4, 6, 8)]
+    assert result.last_step == 8 and {p.name: p.read_bytes() for p in run.iterdir()} == before
