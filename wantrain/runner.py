@@ -55,6 +55,7 @@ RESUME_RULES: dict[str, str] = {
     "train.device": "free", "train.max_consecutive_oom": "free", "train.max_consecutive_nan": "free",
     "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
     "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
+    "validation.": "free", "sample.": "free",
 }
 """Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``
 (silent); every other key (LR, schedule, step budget, model paths, timestep sampling, ...) is allowed with a
@@ -278,6 +279,7 @@ class PreparedRun:
     adapter: Any
     extra_observers: list[type]
     resume: ResumePoint | None = None
+    validation_data: Any = None  # the [validation] clips (wantrain.observers.validation.build_validation_data)
 
     def execute(self) -> RunOutcome:
         import tomli_w
@@ -335,6 +337,7 @@ class PreparedRun:
         # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
         # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
         stats = ensure_cache(data, adapter, remove_orphans=False)
+        watchers = self._validation_observers(run_dir)  # caches the validation clips, encodes the sample prompts
         adapter.release_encoders()
         log.info("cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded,
                  texts_hit=stats.texts_hit, texts_encoded=stats.texts_encoded, clips_failed=stats.clips_failed)
@@ -343,6 +346,11 @@ class PreparedRun:
         bus = Bus()
         for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain):
             bus.attach(observer)
+        for watcher in watchers:
+            if hasattr(watcher, "attach_to"):
+                watcher.attach_to(bus)  # it emits MetricsLogged of its own at step 0
+            else:
+                bus.attach(watcher)
         if cfg.observers.record_events:
             EventRecorder(run_dir / "events.jsonl", keep_through_step=resume.step if resume else 0).attach_to(bus)
         state = TrainState()
@@ -367,6 +375,27 @@ class PreparedRun:
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
         control_ref.append(trainer.control)
         return trainer
+
+
+    def _validation_observers(self, run_dir: Path) -> list[Any]:
+        """The [validation] and [sample] observers, built while the encoders are still loaded."""
+        from wantrain.data import ensure_cache
+        from wantrain.models.wan22.variants import variant_spec
+
+        cfg, adapter, out = self.cfg, self.adapter, []
+        if self.validation_data is not None:
+            from wantrain.observers.validation import Validation, cached_batches
+
+            stats = ensure_cache(self.validation_data, adapter, remove_orphans=False)
+            log.info("validation_cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded)
+            v = cfg.validation
+            out.append(Validation(cached_batches(self.validation_data, adapter), timesteps=v.timesteps, seed=v.seed,
+                                  every=v.every))
+        if cfg.sample.enabled:
+            from wantrain.observers.samples import build_sample_observer
+
+            out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir))
+        return out
 
 
 def _without_faults(plain: dict[str, Any]) -> dict[str, Any]:
@@ -413,6 +442,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     from wantrain.models.wan22 import build_adapter
     from wantrain.models.wan22.variants import variant_spec
     from wantrain.observers import resolve_extra_observers
+    from wantrain.observers.validation import build_validation_data
+    from wantrain.observers.validation_config import check_sections
     from wantrain.schedulers import check_scheduler
 
     if cfg.run.run_id is not None:
@@ -424,6 +455,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     device = resolve_device(cfg.train.device)
     spec = variant_spec(cfg.model.variant)
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
+    check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
+    validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
     if point is not None:
         saved_data = point.tree.get("data") or {}
         if saved_data.get("fingerprint") not in (None, data.fingerprint()):
@@ -433,7 +466,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
             )
     torch.manual_seed(cfg.run.seed)
     adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
-    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point)
+    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point, validation_data)
 
 
 def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | None = None,
