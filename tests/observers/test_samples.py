@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -162,3 +163,19 @@ def test_frame_strip_picks_evenly_spaced_frames():
     strip = samples_module.frame_strip(frames, count=5)
     assert strip.shape == (2, 15, 3)
     assert [int(strip[0, 3 * k, 0]) for k in range(5)] == [0, 4, 8, 12, 16]
+
+
+def test_check_adds_the_sampling_footprint_to_the_vram_estimate(tmp_path, capsys):
+    from tests.test_end_to_end import copy_examples
+    from wantrain.cli.main import main
+
+    config = copy_examples(tmp_path)
+    assert main(["check", str(config), "--set", "model.variant=t2v-a14b", "--set", "sample.width=832",
+                 "--set", "sample.height=480", "--set", "sample.frames=81"]) == 0
+    out = capsys.readouterr().out
+    training = float(re.search(r"estimated peak VRAM: ([\d.]+) GiB", out).group(1))
+    sampling = float(re.search(r"estimated peak VRAM while sampling: ([\d.]+) GiB \(832x480x81", out).group(1))
+    assert 10 < sampling < training  # one 14B expert in bf16 is ~27 GiB; sampling keeps no activations for backward
+    assert f"the run needs {training:.1f} GiB" in out
+    assert main(["check", str(config), "--set", "sample.enabled=false"]) == 0
+    assert "while sampling" not in capsys.readouterr().out
