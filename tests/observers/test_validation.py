@@ -169,6 +169,7 @@ def test_timesteps_of_an_untrained_expert_are_left_out():
     ("[sample]\nenabled = true\nprompts = ['x']\n", "tiny-i2v", "one first-frame image per prompt"),
     ("[sample]\nenabled = true\nprompts = ['x']\nimages = ['a.png']\n", "tiny-t2v", "text-to-video"),
     ("[sample]\nenabled = true\nprompts = ['x']\nimages = ['missing.png']\n", "tiny-ti2v", "does not exist"),
+    ("[sample]\nenabled = true\nprompts = ['x']\nimages = ['run.toml']\n", "tiny-ti2v", "not a readable image"),
 ])
 def test_bad_validation_and_sample_settings_are_refused_before_the_run_directory(tmp_path, extra, variant, expected):
     config = write_run(tmp_path, extra, variant=variant)

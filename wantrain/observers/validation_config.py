@@ -114,6 +114,7 @@ def check_sections(validation: ValidationConfig, sample: SampleConfig, spec: Any
     for i, image in enumerate(sample.images):
         if not Path(image).is_file():
             raise ConfigError(f"config key 'sample.images[{i}]' = '{image}' does not exist (an image file)")
+        _check_image(f"sample.images[{i}]", Path(image))
     if experts != tuple(spec.experts) and spec.boundary_ratio is not None:
         raise ConfigError(f"[sample] needs both experts of {spec.name} (sampling runs the high- and the low-noise "
                           "expert); set model.experts = 'both' or disable [sample]")
@@ -125,3 +126,13 @@ def expert_for_t(t: float, boundary: float | None, experts: tuple) -> str | None
         return experts[0]
     owner = "high_noise" if t >= boundary else "low_noise"
     return owner if owner in experts else "untrained"
+
+
+def _check_image(key: str, path: Path) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise ConfigError(f"config key '{key}' = '{path}' is not a readable image ({exc})") from None
