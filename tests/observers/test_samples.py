@@ -133,12 +133,12 @@ def test_training_sample_equals_diffusers_pipeline_with_the_saved_lora(variant, 
     assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
 
 
-def test_sampling_leaves_the_global_rng_and_train_mode_alone(tmp_path):
+def test_sampling_leaves_the_global_rng_and_train_mode_alone(tmp_path, monkeypatch):
     from tests.models.wan22_helpers import make_adapter
-
-    adapter = make_adapter("tiny-t2v", lora={"dropout": 0.2}, gradient_checkpointing=False)
     from wantrain.observers.samples import SampleVideos
 
+    written = record_videos(monkeypatch)
+    adapter = make_adapter("tiny-t2v", lora={"dropout": 0.2}, gradient_checkpointing=False)
     text = adapter.encode_text(["a red ball"])["text_embeds"]
     observer = SampleVideos(out_dir=tmp_path, prompt_embeds=[text], negative_embeds=text * 0, images=[],
                             width=32, height=32, frames=5, steps=2, guidance_scale=3.0, seed=1, every=1, fps=16)
@@ -147,15 +147,11 @@ def test_sampling_leaves_the_global_rng_and_train_mode_alone(tmp_path):
     (path,) = observer.sample(7, adapter)
     assert torch.equal(torch.get_rng_state(), before)
     assert all(adapter.transformer_for(e).training for e in adapter.experts)
+    assert adapter.active == "high_noise"  # sampling ended on the low-noise expert; the training one is back
     assert path.name == "step_000007_00.mp4" and path.stat().st_size > 0
-    again = observer.sample(8, adapter)[0]
-    import av
-
-    def decoded(p):
-        with av.open(str(p)) as c:
-            return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
-
-    assert np.array_equal(decoded(path), decoded(again)), "same seed, same weights: the same video"
+    observer.sample(8, adapter)
+    # the frames handed to the encoder (H.264 itself need not encode equal frames to equal bytes)
+    assert np.array_equal(written["step_000007_00.mp4"], written["step_000008_00.mp4"])
 
 
 def test_frame_strip_picks_evenly_spaced_frames():
