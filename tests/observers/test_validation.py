@@ -86,13 +86,18 @@ def val_series(lines: list[dict]) -> dict[int, dict[str, float]]:
     return {x["step"]: {k: v for k, v in x.items() if k.startswith("val/")} for x in lines if "val/loss" in x}
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three short runs with the same seed: without the observers, with them, and with them again."""
+    out = {}
+    for name, extra in (("plain", ""), ("watched", WATCHING), ("again", WATCHING)):
+        out[name] = run(write_run(tmp_path_factory.mktemp(name), extra))
+    return out
+
+
 @pytest.mark.slow
-def test_run_with_validation_trains_bitwise_like_a_run_without_it(tmp_path):
-    plain_dir, watched_dir = tmp_path / "plain", tmp_path / "watched"
-    plain_dir.mkdir()
-    watched_dir.mkdir()
-    plain, plain_lines = run(write_run(plain_dir))
-    watched, watched_lines = run(write_run(watched_dir, WATCHING))
+def test_run_with_validation_trains_bitwise_like_a_run_without_it(runs):
+    (plain, plain_lines), (watched, watched_lines) = runs["plain"], runs["watched"]
 
     # the training figures and the LoRA are bitwise the same (LoRA dropout 0.1: eval mode must keep it off)
     def train_losses(lines):
@@ -122,14 +127,9 @@ def test_run_with_validation_trains_bitwise_like_a_run_without_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_validation_loss_is_bitwise_repeatable_across_runs_with_the_same_seed(tmp_path):
-    only_validation = WATCHING.split("[sample]")[0]
-    first, second = tmp_path / "a", tmp_path / "b"
-    first.mkdir()
-    second.mkdir()
-    _, a = run(write_run(first, only_validation))
-    _, b = run(write_run(second, only_validation))
-    assert val_series(a) == val_series(b) and len(val_series(a)) == 4
+def test_validation_loss_is_bitwise_repeatable_across_runs_with_the_same_seed(runs):
+    first, second = val_series(runs["watched"][1]), val_series(runs["again"][1])
+    assert first == second and len(first) == 4
 
 
 def test_validation_leaves_the_global_rng_train_mode_and_active_expert_alone():
