@@ -176,3 +176,22 @@ def test_bad_validation_and_sample_settings_are_refused_before_the_run_directory
     with pytest.raises((ConfigError, UserError), match=expected):
         prepare(load_config(config))
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_run_with_validation_ends_bitwise_like_the_uninterrupted_one(runs, tmp_path):
+    import wantrain
+
+    config = write_run(tmp_path, WATCHING.split("[sample]")[0])
+    first = wantrain.train(config, overrides=["train.max_steps=4"])
+    assert first.status == "completed"
+    resumed = wantrain.train(config, resume="auto")
+    assert resumed.status == "completed" and resumed.run_dir == first.run_dir
+    uninterrupted, lines = runs["watched"]
+    final = [p for p in resumed.saved if "_step" not in Path(p).name]
+    reference = [p for p in uninterrupted.saved if "_step" not in Path(p).name]
+    for a, b in zip(sorted(final), sorted(reference), strict=True):
+        ours, theirs = load_file(a), load_file(b)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    resumed_lines = [json.loads(x) for x in (resumed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert val_series(resumed_lines) == val_series(lines)  # steps 0, 2, 4 from the first part, 6 after resuming
