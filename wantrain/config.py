@@ -16,13 +16,13 @@ from wantrain.core.settings import (
     CheckpointConfig,
     FaultsConfig,
     ObserversConfig,
-    OptimizerConfig,
     RunSection,
     TrainConfig,
 )
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.observers.validation_config import SampleConfig, ValidationConfig
+from wantrain.optimizers.config import OptimizerConfig
 from wantrain.schedulers.config import SchedulerConfig
 
 

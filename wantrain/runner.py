@@ -259,12 +259,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_optimizer(cfg: Any, param_groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the adapter's groups; fused where torch has a fused kernel for the device (CPU, CUDA), which also
-    lets the non-finite guard skip a step on the device without a sync."""
-    o = cfg.optimizer
-    fused = device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                             weight_decay=o.weight_decay, fused=fused, foreach=None if fused else True)
+    """The configured optimizer over the adapter's groups (``wantrain.optimizers``; fused AdamW by default)."""
+    from wantrain.optimizers import build_optimizer as build
+
+    return build(cfg.optimizer, param_groups, device)
 
 
 @attrs.define
@@ -369,6 +367,8 @@ class PreparedRun:
         )
         if resume is not None:
             remove_stale_temporaries(run_dir / "checkpoints")
+            for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
+                leftover.unlink(missing_ok=True)
             _set_aside_later_checkpoints(run_dir / "checkpoints", resume.step)
             for note in trainer.load_state_dict(resume.tree, source=str(resume.checkpoint)):
                 log.warning("resume_note", note=note)
@@ -444,6 +444,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     from wantrain.observers import resolve_extra_observers
     from wantrain.observers.validation import build_validation_data
     from wantrain.observers.validation_config import check_sections
+    from wantrain.optimizers import check_optimizer
     from wantrain.schedulers import check_scheduler
 
     if cfg.run.run_id is not None:
@@ -453,6 +454,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     extra_observers = resolve_extra_observers(cfg, config_dir)
     point = load_resume_point(resume, cfg, plain) if resume is not None else None
     device = resolve_device(cfg.train.device)
+    check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
     spec = variant_spec(cfg.model.variant)
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
     check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)

@@ -135,3 +135,20 @@ def test_disk_full_gives_one_line_removes_partial_files_and_keeps_the_previous_c
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010"]
     assert read_checkpoint(previous).step == 10
+
+
+def test_the_same_tensors_and_metadata_always_give_the_same_bytes(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from wantrain.core.checkpoint import canonicalize_safetensors
+
+    tensors = {f"t{i}": torch.full((i + 1,), float(i)) for i in range(12)}
+    metadata = {f"key{i}": "v" * i for i in range(12)}
+    contents = set()
+    for n in range(6):
+        path = tmp_path / f"{n}.safetensors"
+        save_file(tensors, str(path), metadata=metadata)
+        canonicalize_safetensors(path)
+        contents.add(path.read_bytes())
+    assert len(contents) == 1
+    assert all(torch.equal(load_file(str(path))[k], v) for k, v in tensors.items())

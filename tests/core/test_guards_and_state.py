@@ -73,7 +73,7 @@ def params(adapter):
 
 
 def losses(rec):
-    return [(e.step, e.values["train/loss"]) for e in rec.events if isinstance(e, MetricsLogged)]
+    return [(e.step, e.values.get("train/loss")) for e in rec.events if isinstance(e, MetricsLogged)]
 
 
 def test_out_of_memory_is_counted_per_optimizer_step_and_stops_with_an_emergency_checkpoint(tmp_path):
@@ -174,7 +174,7 @@ def test_a_stop_between_log_steps_logs_the_partial_interval_and_checkpoints(tmp_
 
 
 def test_a_restored_trainer_continues_bitwise_like_the_uninterrupted_run(tmp_path):
-    faults = FaultsConfig(oom_probability=0.2, seed=1, nan_at_steps=[7])
+    faults = FaultsConfig(oom_at_steps=[3, 9], nan_at_steps=[5, 10])  # step 7, the first resumed one, is normal
     full, full_adapter, full_rec = build(tmp_path / "full", faults=faults, observers=[Counter()], log_every=2,
                                          save_every=3)
     assert full.run().status == "completed"

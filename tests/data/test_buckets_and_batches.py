@@ -3,6 +3,7 @@
 from collections import Counter
 
 import numpy as np
+import pytest
 from conftest import data_config, datasets_config, make_image, make_video
 from PIL import Image
 
@@ -89,6 +90,16 @@ def test_batches_are_deterministic_from_the_seed(tmp_path, tiny_spec):
     assert first != _epochs(build_dataset(cfg, spec=tiny_spec, seed=2, batch_size=2), 6)
 
 
+def test_data_order_depends_on_every_bit_of_the_seed(tmp_path, tiny_spec):
+    for k in range(8):
+        make_image(tmp_path, f"i{k}")
+    cfg = data_config(tmp_path)
+    orders = {seed: _epochs(build_dataset(cfg, spec=tiny_spec, seed=seed, batch_size=1), 16)
+              for seed in (0, 2**32, 2**63 - 1)}
+    assert orders[0] != orders[2**32]  # the low 32 bits alone would make these equal
+    assert len({tuple(map(tuple, o)) for o in orders.values()}) == 3
+
+
 def test_start_batch_resumes_the_same_stream(tmp_path, tiny_spec):
     for k in range(4):
         make_image(tmp_path, f"i{k}")
@@ -96,6 +107,29 @@ def test_start_batch_resumes_the_same_stream(tmp_path, tiny_spec):
     full = _epochs(data, 7)
     it = data.batches(None, start_batch=4)
     assert [next(it)["paths"] for _ in range(3)] == full[4:]
+
+
+@pytest.mark.parametrize(("remainder", "repeats", "n_batches", "each"),
+                         [("carry", 4, 30, 24), ("carry", 3, 15, 12), ("smaller_batch", 3, 24, 18)])
+def test_repeats_never_put_one_clip_twice_in_a_batch(tmp_path, tiny_spec, remainder, repeats, n_batches, each):
+    for k in range(5):
+        make_image(tmp_path, f"i{k}")
+    cfg = datasets_config({"path": tmp_path, "repeats": repeats}, resolutions=[32], frames=[9], remainder=remainder)
+    batches = _epochs(build_dataset(cfg, spec=tiny_spec, seed=0, batch_size=4), n_batches)
+    assert [b for b in batches if len(set(b)) < len(b)] == []
+    # whole epochs of 5 clips x repeats: every clip still trained equally often
+    assert set(Counter(p for b in batches for p in b).values()) == {each}
+
+
+def test_start_batch_resumes_the_same_stream_with_repeats_and_carry(tmp_path, tiny_spec):
+    for k in range(5):
+        make_image(tmp_path, f"i{k}")
+    cfg = datasets_config({"path": tmp_path, "repeats": 3}, resolutions=[32], frames=[9])
+    data = build_dataset(cfg, spec=tiny_spec, seed=5, batch_size=4)
+    full = _epochs(data, 12)  # four epochs of 15 samples, carried remainders included
+    for start in (2, 5, 9):
+        it = build_dataset(cfg, spec=tiny_spec, seed=5, batch_size=4).batches(None, start_batch=start)
+        assert [next(it)["paths"] for _ in range(12 - start)] == full[start:]
 
 
 def test_repeats_multiply_samples_per_epoch(tmp_path, tiny_spec):

@@ -1,9 +1,14 @@
 """Latent and text-embedding caches: reuse, exact invalidation, atomic writes, orphan removal."""
 
+import os
+import tempfile
+import time
+
 import torch
 from conftest import CountingEncoders, data_config, make_image, make_video
 
 from wantrain.data import build_dataset, ensure_cache
+from wantrain.data.cache import STALE_TMP_SECONDS
 
 
 def _corpus(root):
@@ -88,11 +93,28 @@ def test_cache_writes_leave_no_temporary_files_and_stale_ones_are_removed(tmp_pa
     _corpus(tmp_path)
     cache = tmp_path / ".wantrain_cache"
     (cache / "latents").mkdir(parents=True)
-    (cache / "latents" / "abc.safetensors.123.tmp").write_bytes(b"half")
+    stale = cache / "latents" / "abc.safetensors.123.tmp"
+    stale.write_bytes(b"half")
+    day_ago = time.time() - STALE_TMP_SECONDS - 60
+    os.utime(stale, (day_ago, day_ago))
     stats = ensure_cache(build_dataset(data_config(tmp_path), spec=tiny_spec, seed=0, batch_size=2), CountingEncoders())
     assert stats.orphans_removed == 1
     assert not list(cache.rglob("*.tmp"))
     assert len(list((cache / "latents").iterdir())) == 4 and len(list((cache / "text").iterdir())) == 3
+
+
+def test_orphan_removal_leaves_another_processs_write_in_flight(tmp_path, tiny_spec):
+    _corpus(tmp_path)
+    cfg = data_config(tmp_path)
+    ensure_cache(build_dataset(cfg, spec=tiny_spec, seed=0, batch_size=2), CountingEncoders())
+    # another run is writing an entry the way save_entry does: a temporary file, then a rename
+    final = tmp_path / ".wantrain_cache" / "text" / "0123abcd.safetensors"
+    fd, tmp = tempfile.mkstemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    stats = ensure_cache(build_dataset(cfg, spec=tiny_spec, seed=0, batch_size=2), CountingEncoders())
+    assert stats.orphans_removed == 0
+    os.replace(tmp, final)  # the writer's rename still succeeds
+    assert final.is_file()
 
 
 def test_a_corrupt_cache_entry_is_re_encoded(tmp_path, tiny_spec):

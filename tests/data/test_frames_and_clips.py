@@ -1,8 +1,10 @@
 """Frame rate retiming and clip extraction (head, uniform, slide) with leftover accounting."""
 
+import pytest
 import torch
-from conftest import data_config, make_video
+from conftest import data_config, make_image, make_video
 
+from wantrain.core.errors import UserError
 from wantrain.data import build_dataset
 from wantrain.data.plan import clip_starts, covered_frames, retimed_count, source_index
 from wantrain.models.wan22.variants import variant_spec
@@ -76,3 +78,24 @@ def test_uniform_clip_pixels_come_from_their_own_window(tmp_path, tiny_spec):
 def test_starts_helpers():
     assert clip_starts(10, 9, "uniform", clips_per_video=5, stride=None) == [0, 1]
     assert covered_frames([0, 4], 9) == 13
+
+
+@pytest.mark.parametrize("variant", ["i2v-a14b", "tiny-i2v"])
+def test_image_to_video_variants_skip_images_with_a_reason(tmp_path, variant):
+    make_video(tmp_path, "v0", frames=9)
+    make_image(tmp_path, "still")
+    data = build_dataset(data_config(tmp_path, resolutions=[64]), spec=variant_spec(variant), seed=0, batch_size=1)
+    assert [c.path.name for c in data.clips] == ["v0.mp4"]
+    (skipped,) = data.report.skipped
+    assert skipped["path"].endswith("still.png") and f"cannot train {variant}" in skipped["reason"]
+    assert "still.png: an image cannot train" in data.report.format()
+    # the other variants train it
+    other = build_dataset(data_config(tmp_path, resolutions=[64]), spec=variant_spec("tiny-ti2v"), seed=0, batch_size=1)
+    assert sorted(c.kind for c in other.clips) == ["image", "video"]
+
+
+def test_a_one_frame_bucket_is_refused_for_image_to_video(tmp_path):
+    make_video(tmp_path, "v0", frames=9)
+    with pytest.raises(UserError, match=r"frame bucket 1 in 'data.frames' does not suit tiny-i2v") as err:
+        build_dataset(data_config(tmp_path, frames=[1, 9]), spec=variant_spec("tiny-i2v"), seed=0, batch_size=1)
+    assert "\n" not in str(err.value)

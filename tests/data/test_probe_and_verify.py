@@ -1,8 +1,41 @@
 """Probe, then verify: real frame counts, lying containers, decode shortfalls."""
 
+import numpy as np
+import pytest
 from conftest import data_config, make_corrupt_tail_video, make_lying_video, make_video
 
 from wantrain.data import build_dataset
+from wantrain.data.demo import write_video
+from wantrain.data.media import probe
+
+RED, BLACK = (230, 20, 20), (0, 0, 0)
+
+
+def _marked_video(path, rotation, width=48, height=32, frames=9):
+    """Landscape frames, black with a red square in the stored top-left corner, written with a display rotation."""
+    pictures = np.zeros((frames, height, width, 3), np.uint8)
+    pictures[:, :8, :8] = RED
+    write_video(path, pictures, 16.0, rotation=rotation)
+    path.with_suffix(".txt").write_text("a red square")
+    return path
+
+
+@pytest.mark.parametrize(("rotation", "corner"), [(-90, "top_right"), (90, "bottom_left"), (180, "bottom_right"),
+                                                  (0, "top_left")])
+def test_video_display_rotation_is_applied_like_exif_on_images(tmp_path, tiny_spec, rotation, corner):
+    path = _marked_video(tmp_path / "phone.mp4", rotation)
+    info = probe(path)
+    assert (info.width, info.height) == ((32, 48) if rotation in (90, -90) else (48, 32))
+    data = build_dataset(data_config(tmp_path, resolutions=[40]), spec=tiny_spec, seed=0, batch_size=1)
+    (clip,) = data.clips
+    assert ("rotation" in clip.latent_params()) == (rotation != 0)  # re-encodes rotated clips cached unrotated
+    pixels = next(data.batches(None))["pixels"][0, :, 0]  # [3, H, W], first frame
+    assert tuple(pixels.shape[1:]) == (clip.height, clip.width)
+    red = (pixels[0] > 0.5) & (pixels[1] < 0)
+    h, w = red.shape
+    corners = {"top_left": red[:4, :4], "top_right": red[:4, w - 4:], "bottom_left": red[h - 4:, :4],
+               "bottom_right": red[h - 4:, w - 4:]}
+    assert {name for name, patch in corners.items() if patch.all()} == {corner}
 
 
 def test_lying_container_frame_count_is_replaced_by_the_demuxed_count(tmp_path, tiny_spec):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
-import re
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from wan22_helpers import make_adapter
+from wan22_helpers import make_adapter, to_comfyui_keys
 
 from wantrain.core.errors import UserError
 
@@ -57,35 +57,24 @@ def test_directory_without_an_encoder_part_names_it(tiny_dir, tmp_path, missing)
 
 
 def test_directory_of_another_variant_is_rejected_by_its_channels(tiny_dir):
-    with pytest.raises(UserError, match="in_channels = 16, but tiny-i2v needs 36"):
+    with pytest.raises(UserError, match=r"does not match tiny-i2v: in_channels = 16 \(needs 36\)"):
         make_adapter("tiny-i2v", path=str(tiny_dir("tiny-t2v")))
     with pytest.raises(UserError, match="is not a directory"):
         make_adapter("tiny-t2v", path="/nonexistent/wan")
 
 
-# diffusers name -> original Wan name, the inverse of diffusers' single-file conversion (facts of the format).
-_TO_ORIGINAL = [
-    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-    ("condition_embedder.time_proj", "time_projection.1"),
-    ("attn1", "self_attn"), ("attn2", "cross_attn"), (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."),
-    (".to_v.", ".v."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), ("proj_out", "head.head"),
-    ("norm2", "norm__tmp"), ("norm3", "norm2"), ("norm__tmp", "norm3"),
-]
-
-
-def _to_comfyui_keys(state):
-    out = {}
-    for key, value in state.items():
-        new = key
-        for ours, theirs in _TO_ORIGINAL:
-            new = new.replace(ours, theirs)
-        new = re.sub(r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation", new)
-        new = "head.modulation" if new == "scale_shift_table" else new
-        out["model.diffusion_model." + new] = value.contiguous()
-    return out
+def test_wan21_image_to_video_folder_is_not_taken_for_i2v_a14b(tiny_dir, tmp_path):
+    """Wan 2.1 I2V-14B has I2V-A14B's 36 input channels but a CLIP image branch (image_dim, added_kv_proj_dim)."""
+    wan21 = _link_dir(tiny_dir("tiny-i2v"), tmp_path / "wan21", skip=("transformer",))
+    (wan21 / "transformer").mkdir()
+    config = json.loads((tiny_dir("tiny-i2v") / "transformer" / "config.json").read_text())
+    (wan21 / "transformer" / "config.json").write_text(json.dumps({**config, "image_dim": 4, "added_kv_proj_dim": 24}))
+    with pytest.raises(UserError) as err:
+        make_adapter("tiny-i2v", path=str(wan21), experts="high_noise")
+    message = str(err.value)
+    assert "transformer/config.json does not match tiny-i2v" in message and "Wan 2.1" in message
+    assert "image_dim = 4 (needs None)" in message and "added_kv_proj_dim = 24 (needs None)" in message
+    assert "\n" not in message
 
 
 def test_single_file_comfyui_checkpoint_loads_with_the_variants_explicit_config(tiny_dir, tmp_path):
@@ -94,7 +83,7 @@ def test_single_file_comfyui_checkpoint_loads_with_the_variants_explicit_config(
     path = tiny_dir("tiny-i2v")  # 36 input channels: diffusers' Wan 2.1 auto-detection would get it wrong
     original = WanTransformer3DModel.from_pretrained(str(path), subfolder="transformer_2").state_dict()
     single = tmp_path / "wan2.2_i2v_low_noise_tiny.safetensors"
-    save_file(_to_comfyui_keys(original), str(single))
+    save_file(to_comfyui_keys(original), str(single))
     partial = _link_dir(path, tmp_path / "no_transformer_2", skip=("transformer_2",))
     adapter = make_adapter("tiny-i2v", path=str(partial), low_noise_file=str(single))
     loaded = _base_state(adapter.transformer_for("low_noise"))
@@ -107,8 +96,21 @@ def test_single_file_of_the_wrong_model_is_a_one_line_error(tiny_dir, tmp_path):
 
     t2v = WanTransformer3DModel.from_pretrained(str(tiny_dir("tiny-t2v")), subfolder="transformer").state_dict()
     single = tmp_path / "t2v_high.safetensors"
-    save_file(_to_comfyui_keys(t2v), str(single))
+    save_file(to_comfyui_keys(t2v), str(single))
     with pytest.raises(UserError, match="high_noise_file .* does not fit the tiny-i2v transformer") as err:
+        make_adapter("tiny-i2v", path=str(tiny_dir("tiny-i2v")), high_noise_file=str(single), experts="high_noise")
+    assert "\n" not in str(err.value)
+
+
+def test_single_file_with_a_wan21_image_branch_is_refused(tiny_dir, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    i2v = WanTransformer3DModel.from_pretrained(str(tiny_dir("tiny-i2v")), subfolder="transformer").state_dict()
+    wan21 = {**to_comfyui_keys(i2v), "model.diffusion_model.img_emb.proj.1.weight": torch.zeros(24, 4),
+             "model.diffusion_model.blocks.0.cross_attn.k_img.weight": torch.zeros(24, 24)}
+    single = tmp_path / "wan2.1_i2v_480p_tiny.safetensors"
+    save_file(wan21, str(single))
+    with pytest.raises(UserError, match=r"high_noise_file .* holds a Wan 2\.1 CLIP image branch") as err:
         make_adapter("tiny-i2v", path=str(tiny_dir("tiny-i2v")), high_noise_file=str(single), experts="high_noise")
     assert "\n" not in str(err.value)
 

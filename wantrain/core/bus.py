@@ -80,6 +80,9 @@ class Observer:
     saved in every checkpoint, keyed by its ``name``, and restored before ``RunStarted`` on resume (values: tensors,
     dicts, lists, str, int, float, bool, None). ``write_sidecars(directory, stem)`` may write extra files into a
     checkpoint's directory while it is being written (they are removed with it by retention).
+
+    Emitting: an observer that emits its own registered event types defines ``bind(bus)``; :meth:`Bus.attach`
+    calls it with the bus, and the observer emits there (dispatched after the current event, see Re-entrancy).
     """
 
     priority: int = Priority.SINK
@@ -204,6 +207,8 @@ class Bus:
         for event_type, handler in handlers:
             self._add(event_type, handler, observer, name, priority, critical)
         self._observers.append(observer)
+        if callable(getattr(observer, "bind", None)):
+            observer.bind(self)  # an observer that emits its own (registered) events keeps the bus it emits on
         return observer
 
     def subscribe(

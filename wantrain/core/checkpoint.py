@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -122,6 +123,29 @@ def copy_tree(tree: Any) -> Any:
 
 
 # -- writing -------------------------------------------------------------------------------------------------------
+def canonicalize_safetensors(path: Path) -> None:
+    """Rewrite the JSON header of the safetensors file ``path`` with sorted keys.
+
+    safetensors writes its header from a hash map whose order changes from process to process, so the same tensors
+    and metadata give different bytes in two runs. Sorted, identical training gives identical files (what the resume
+    tests compare, and what users comparing checksums expect). Loaders do not depend on the order.
+    """
+    with open(path, "r+b") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes
+        if len(text) == length:
+            fh.seek(8)
+            fh.write(text)
+            return
+        fh.seek(8 + length)
+        data = fh.read()
+        fh.seek(0)
+        fh.write(struct.pack("<Q", len(text)) + text + data)
+        fh.truncate()
+
+
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -180,6 +204,7 @@ def write_checkpoint(
         _remove_tree(tmp)
         tmp.mkdir()
         save_file(tensors, str(tmp / TENSOR_FILE), metadata={"format": "pt"})
+        canonicalize_safetensors(tmp / TENSOR_FILE)
         state = {"format": FORMAT_VERSION, "step": step, "meta": meta or {}, "tree": data}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1), encoding="utf-8")
         for write in sidecars:

@@ -50,7 +50,7 @@ class DeviceMetrics:
 
     def accumulate(self, name: str, value: torch.Tensor, *, finite_only: bool = False) -> None:
         """Add ``value`` to the running mean of ``name`` over the interval (device-side). ``finite_only``: a
-        non-finite value is left out of the mean (also decided on the device); an interval with none is NaN."""
+        non-finite value is left out of the mean (also decided on the device); an interval with none has no value."""
         v = value.detach().reshape(()).float()
         if finite_only:
             ok = torch.isfinite(v)
@@ -73,16 +73,25 @@ class DeviceMetrics:
         for name, t in self._tensors.items():
             names.append(name)
             parts.append(t.float())
+        counted: list[str] = []  # finite-only sums: their counts travel too, so empty ones can be left out
         for name, (total, count) in self._sums.items():
             names.append(name)
             parts.append(total / count)
+        for name, (_, count) in self._sums.items():
+            if isinstance(count, torch.Tensor):
+                counted.append(name)
+                parts.append(count)
         out: dict[str, float] = {}
         if parts:
             device = parts[0].device
-            stacked = torch.stack([p.to(device) for p in parts])
+            stacked = torch.stack([p.to(device).float() for p in parts])
             # this is the CPU-GPU sync point of the log interval
-            for name, value in zip(names, stacked.tolist(), strict=True):
+            host = stacked.tolist()
+            for name, value in zip(names, host, strict=False):
                 out[name] = value
+            for name, count in zip(counted, host[len(names):], strict=True):
+                if count == 0:
+                    del out[name]  # no finite value in the interval: not measured, not NaN
         out.update(self._floats)
         self._tensors.clear()
         self._sums.clear()

@@ -167,6 +167,7 @@ class Trainer:
                 resumed_from=self._resumed_from,
             ))
             batches = iter(self.batches)
+            self._optimizer_mode("train")
             active: object = _NO_EXPERT
             while state.step < s.max_steps and not control.stop_requested:
                 step = state.step + 1
@@ -385,7 +386,25 @@ class Trainer:
         c = self.checkpoints
         return c is not None and bool(c.every) and step % c.every == 0 and step < self.settings.max_steps
 
+    def _optimizer_mode(self, mode: str) -> None:
+        """Optimizers with ``train()``/``eval()`` modes (schedule-free ones) hold the training iterate in the
+        parameters in train mode and the weights to use in eval mode: steps run in train mode, LoRA files and
+        checkpoints are written in eval mode. Other optimizers have no such methods: nothing happens."""
+        switch = getattr(self.optimizer, mode, None)
+        if callable(switch):
+            switch()
+
     def _save(self, step: int, *, final: bool, reason: str, lora: bool = True) -> None:
+        # Eval mode while saving; after the final save it stays (the in-memory weights are the saved ones). Every
+        # save switches the same way, so a run resumed from a checkpoint repeats the uninterrupted run's arithmetic.
+        self._optimizer_mode("eval")
+        try:
+            self._write(step, final=final, reason=reason, lora=lora)
+        finally:
+            if not final:
+                self._optimizer_mode("train")
+
+    def _write(self, step: int, *, final: bool, reason: str, lora: bool) -> None:
         paths: tuple[str, ...] = ()
         if lora:
             try:
@@ -431,7 +450,8 @@ class Trainer:
 
     def load_state_dict(self, tree: Mapping[str, Any], *, source: str | None = None) -> list[str]:
         """Restore :meth:`state_dict` output before :meth:`run`. The optimizer's hyperparameters (LR, betas, ...)
-        stay those of the current config; everything else is the saved state. Returns warnings (observers whose
+        stay those of the current config, except group keys the optimizer names in ``group_state_keys``;
+        everything else is the saved state. Returns warnings (observers whose
         state was saved but that are not attached now, or attached but without saved state)."""
         for f in attrs.fields(TrainState):
             if f.name != "total_steps" and f.name in tree["train_state"]:
@@ -445,12 +465,19 @@ class Trainer:
                 for e in adapter.experts:
                     for i, p in enumerate(adapter.trainable_parameters(e)):
                         p.copy_(tree["model"][f"{e}/{i}"])
-        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        # Group keys an optimizer names in ``group_state_keys`` are its state (Prodigy's d, schedule-free's k), not
+        # hyperparameters: they keep their saved values.
+        evolving = {"params", *getattr(self.optimizer, "group_state_keys", ())}
+        fresh = [{k: v for k, v in g.items() if k not in evolving} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(tree["optimizer"])
         for group, hyper in zip(self.optimizer.param_groups, fresh, strict=True):
             group.update(hyper)  # the config's hyperparameters win (a changed LR is allowed on resume)
         if self.scheduler is not None and tree.get("scheduler") is not None:
             self.scheduler.load_state_dict(tree["scheduler"])
+            if callable(getattr(self.scheduler, "get_last_lr", None)):
+                # torch's schedulers restore their counters but not the groups' LR: put back the saved step's LR
+                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+                    group["lr"] = lr
         if tree.get("data") is not None and callable(getattr(self.batches, "load_state_dict", None)):
             self.batches.load_state_dict(tree["data"])
         self.ctx.metrics.load_state_dict(tree["metrics"])

@@ -1,4 +1,5 @@
-"""Config sections the core itself reads: the run, the loop, the optimizer, the observers."""
+"""Config sections the core itself reads: the run, the loop, the observers, checkpoints, faults. (The optimizer's
+section is ``wantrain.optimizers.OptimizerConfig``.)"""
 
 from __future__ import annotations
 
@@ -55,18 +56,6 @@ class TrainConfig:
         "the run stops, keeping the last good checkpoint; checked at log steps.",
         range=at_least(1),
     )
-
-
-@section
-class OptimizerConfig:
-    """The optimizer (AdamW) over the LoRA parameters."""
-
-    type: Literal["adamw"] = setting("adamw", doc="Optimizer type.")
-    lr: float = setting(1e-4, doc="Base learning rate of every parameter group.", range=above(0.0))
-    weight_decay: float = setting(0.0, doc="Decoupled weight decay.", range=at_least(0.0))
-    beta1: float = setting(0.9, doc="Adam beta1.", range=between(0.0, 1.0))
-    beta2: float = setting(0.999, doc="Adam beta2.", range=between(0.0, 1.0))
-    eps: float = setting(1e-8, doc="Adam epsilon.", range=above(0.0))
 
 
 @section

@@ -12,12 +12,12 @@ The lead's entry points::
 See docs/data.md.
 """
 
-from wantrain.data.cache import CacheStats, ensure_cache
+from wantrain.data.cache import CacheStats
 from wantrain.data.clips import Clip, MediaEncoders
 from wantrain.data.config import DataConfig, DatasetConfig
 from wantrain.data.dataset import build_dataset
 from wantrain.data.report import PreflightReport, estimate_peak_vram_gb
-from wantrain.data.training import TrainingData
+from wantrain.data.training import TrainingData, ensure_cache
 
 __all__ = [
     "CacheStats", "Clip", "DataConfig", "DatasetConfig", "MediaEncoders", "PreflightReport", "TrainingData",

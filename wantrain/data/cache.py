@@ -8,9 +8,13 @@ Layout, per cache folder (``[data] cache_dir``, else ``<dataset>/.wantrain_cache
 
 A latent key hashes the file's content fingerprint (size, mtime, sampled blocks), everything that shapes the
 clip's pixels (start, frames, source and target fps, bucket size, resize version) and ``encoder_identity``. A text
-key hashes the caption and ``encoder_identity``. Changing one processing parameter therefore misses exactly the
-entries it affects. Writes go to a temporary file in the same folder and are renamed into place, so a killed run
-never leaves a half-written entry. :func:`ensure_cache` deletes entries no current clip or caption uses.
+key hashes the caption and :func:`text_identity` (which adds the text encoder's dtype, text length and prompt
+cleaning). Changing one processing parameter therefore misses exactly the entries it affects. Writes go to a
+temporary file in the same folder and are renamed into place, so a killed run never leaves a half-written entry.
+:func:`remove_orphans` deletes entries no current clip or caption uses.
+
+This module owns the storage (keys, files, orphans) and knows nothing of datasets; ``training.py`` fills it
+(``TrainingData.fill_cache``, :func:`wantrain.data.training.ensure_cache`).
 """
 
 from __future__ import annotations
@@ -19,19 +23,19 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-if TYPE_CHECKING:
-    from wantrain.data.training import TrainingData
-
 FORMAT_VERSION = 1
 CACHE_DIRNAME = ".wantrain_cache"
+# A temporary file untouched this long is a killed writer's; younger ones may be another process's write in flight.
+STALE_TMP_SECONDS = 24 * 3600
 
 
 def _digest(obj: dict[str, Any]) -> str:
@@ -42,8 +46,14 @@ def latent_key(params: dict[str, Any], encoder_identity: str) -> str:
     return _digest({"format": FORMAT_VERSION, "kind": "latents", "encoder": encoder_identity, **params})
 
 
-def text_key(caption: str, encoder_identity: str) -> str:
-    return _digest({"format": FORMAT_VERSION, "kind": "text", "encoder": encoder_identity, "caption": caption})
+def text_key(caption: str, text_identity: str) -> str:
+    return _digest({"format": FORMAT_VERSION, "kind": "text", "encoder": text_identity, "caption": caption})
+
+
+def text_identity(encoders: Any) -> str:
+    """What text entries are keyed on: ``encoders.text_identity`` (the text encoder with everything that changes
+    its output: dtype, text length, prompt cleaning) when the encoders have one, else ``encoder_identity``."""
+    return getattr(encoders, "text_identity", None) or encoders.encoder_identity
 
 
 def entry_path(cache_dir: Path, kind: str, key: str) -> Path:
@@ -102,7 +112,7 @@ def write_verified(cache_dir: Path, fingerprint: str, frames: int) -> None:
 
 @attrs.frozen
 class CacheStats:
-    """What :func:`ensure_cache` did."""
+    """What :func:`wantrain.data.ensure_cache` did."""
 
     latents_hit: int
     latents_encoded: int
@@ -125,9 +135,12 @@ class CacheStats:
                 f"{self.orphans_removed} orphaned entries removed, {self.clips_failed} clips failed to decode")
 
 
-def remove_orphans(expected: dict[Path, set[Path]]) -> int:
-    """Delete entries (and stale temporary files) in the ``latents``/``text`` folders of each cache folder that
-    are not in ``expected[cache_dir]``."""
+def remove_orphans(expected: dict[Path, set[Path]], *, now: float | None = None) -> int:
+    """Delete entries in the ``latents``/``text`` folders of each cache folder that are not in
+    ``expected[cache_dir]``, and temporary files older than :data:`STALE_TMP_SECONDS` (a killed writer's). Younger
+    temporary files may belong to a run writing right now (``wantrain run`` encodes on first use): deleting one
+    would fail that writer's rename."""
+    now = time.time() if now is None else now
     removed = 0
     for cache_dir, keep in expected.items():
         for kind in ("latents", "text"):
@@ -135,17 +148,14 @@ def remove_orphans(expected: dict[Path, set[Path]]) -> int:
             if not folder.is_dir():
                 continue
             for f in folder.iterdir():
-                if f.is_file() and f not in keep and (f.suffix in (".safetensors", ".tmp")):
+                if not f.is_file() or f in keep:
+                    continue
+                try:
+                    orphan = f.suffix == ".safetensors" or (
+                        f.suffix == ".tmp" and now - f.stat().st_mtime > STALE_TMP_SECONDS)
+                except FileNotFoundError:  # renamed into place by its writer meanwhile
+                    continue
+                if orphan:
                     f.unlink(missing_ok=True)
                     removed += 1
     return removed
-
-
-def ensure_cache(data: TrainingData, encoders: Any, *, remove_orphans: bool = True) -> CacheStats:
-    """Encode and cache every clip and caption that is not cached yet, then (``wantrain cache``) remove orphaned
-    entries; ``wantrain run`` calls it with ``remove_orphans=False`` and never deletes anything.
-
-    Decodes only the clips whose latents are missing; calls the encoders only when something is missing. Clips that
-    fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).
-    """
-    return data.fill_cache(encoders, remove_orphans=remove_orphans)

@@ -19,8 +19,10 @@ Bucket = tuple[int, int, int]  # (width, height, frames)
 class MediaEncoders(Protocol):
     """The VAE and text encoder as the data side sees them (the model adapter implements this, lazily loading).
 
-    ``encoder_identity`` names the exact weights and settings (it is part of every cache key). Both methods return
-    a dict of tensors whose dim 0 is the batch.
+    ``encoder_identity`` names the exact weights and settings (it is part of every cache key). An implementation
+    whose text embeddings depend on more than that (the adapter's: dtype, text length, prompt cleaning) also has a
+    ``text_identity`` string, which then keys the text entries instead. Both methods return a dict of tensors whose
+    dim 0 is the batch.
     """
 
     encoder_identity: str
@@ -55,6 +57,7 @@ class Clip:
     repeats: int
     frame_buckets: tuple[int, ...] = (1,)  # of its dataset, for re-bucketing
     active: bool = True
+    rotation: int = 0  # display rotation of a video, degrees counter-clockwise (``MediaInfo.rotation``)
 
     @property
     def bucket(self) -> Bucket:
@@ -66,6 +69,9 @@ class Clip:
 
     def latent_params(self) -> dict[str, Any]:
         """Everything that shapes this clip's pixels (part of its cache key)."""
-        return {"content": self.fingerprint, "kind": self.kind, "start": self.start, "frames": self.frames,
-                "source_fps": self.source_fps, "target_fps": self.target_fps, "width": self.width,
-                "height": self.height, "resize": RESIZE_VERSION}
+        params = {"content": self.fingerprint, "kind": self.kind, "start": self.start, "frames": self.frames,
+                  "source_fps": self.source_fps, "target_fps": self.target_fps, "width": self.width,
+                  "height": self.height, "resize": RESIZE_VERSION}
+        if self.rotation:  # only then: the keys of every unrotated clip stay what they were
+            params["rotation"] = self.rotation
+        return params

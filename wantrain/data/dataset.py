@@ -78,6 +78,9 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
         if bad:
             raise UserError(f"frame bucket {bad[0]} in 'data.frames' does not suit {spec.name}: frame counts must be "
                             f"{spec.frame_multiple}k+1")
+        if spec.conditioning == "i2v" and 1 in frame_buckets:
+            raise UserError(f"frame bucket 1 in 'data.frames' does not suit {spec.name}: it conditions on a clip's "
+                            f"first frame, so a clip needs more than one; use 5, 9, ..., {spec.default_frames}")
         sizes = {s: size_buckets(s, cfg.aspect_ratios, spec.spatial_multiple) for s in sides}
         cache_dir = (cfg.cache_dir or (r.path / cachelib.CACHE_DIRNAME)).resolve()
         verified = cachelib.read_verified(cache_dir)
@@ -97,6 +100,10 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
         for path in media:
             kind = kind_of(path)
             counts[kind] += 1
+            if kind == "image" and spec.conditioning == "i2v":
+                skip(path, f"an image cannot train {spec.name}: its condition (the first frame) would be the target "
+                           "itself, which teaches only copying; train images with t2v-a14b or ti2v-5b")
+                continue
             caption_path = path.with_suffix(ext)
             if caption_path.is_file():
                 try:
@@ -146,7 +153,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
                         start=start, source_fps=info.fps, target_fps=target_fps if info.kind == "video" else None,
                         source_frames=frames_real, source_width=info.width, source_height=info.height,
                         fingerprint=content, cache_dir=cache_dir, repeats=r.repeats,
-                        frame_buckets=tuple(frame_buckets),
+                        frame_buckets=tuple(frame_buckets), rotation=info.rotation,
                     ))
                     cropped.append(cropped_fraction(info.width, info.height, sb.width, sb.height))
         n_clips = sum(1 for c in clips if c.path.is_relative_to(r.path))

@@ -41,8 +41,10 @@ def render(shape: str, colour: tuple[int, int, int], background: tuple[int, int,
     return out
 
 
-def write_video(path: Path, frames: np.ndarray, fps: float, *, codec: str = "mpeg4", faststart: bool = False) -> None:
-    """Encode ``uint8 [F, H, W, 3]`` (even sides) at ``fps``."""
+def write_video(path: Path, frames: np.ndarray, fps: float, *, codec: str = "mpeg4", faststart: bool = False,
+                rotation: int = 0) -> None:
+    """Encode ``uint8 [F, H, W, 3]`` (even sides) at ``fps``. ``rotation`` (degrees counter-clockwise) goes into the
+    container's display matrix, as phones record portrait video (-90: shown turned a quarter clockwise)."""
     import av
 
     rate = Fraction(fps).limit_denominator(1001)
@@ -50,6 +52,8 @@ def write_video(path: Path, frames: np.ndarray, fps: float, *, codec: str = "mpe
     with av.open(str(path), "w", options=options) as container:
         stream = container.add_stream(codec, rate=rate)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        if rotation:
+            stream.set_display_rotation(rotation)
         stream.codec_context.thread_count = 1  # deterministic bytes
         stream.codec_context.options = {"qscale": "3"} if codec == "mpeg4" else {}
         for t, picture in enumerate(frames):

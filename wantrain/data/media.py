@@ -2,8 +2,10 @@
 
 Videos are read with PyAV, images with Pillow. Pixels stay ``uint8`` until a batch is assembled.
 
-Probing a video never trusts the container's frame count alone: it demuxes the stream (no decoding) and counts
-the packets that carry data, which catches truncated files whose header still announces every frame. Decoding
+Probing a video never trusts the container's frame count alone: it demuxes the stream and counts the packets that
+carry data, which catches truncated files whose header still announces every frame. It decodes only the first
+frame, for the display rotation (phone videos), which decoding then applies to every frame, as images honour
+EXIF orientation. Decoding
 then verifies: a decode that ends early (a corrupt packet, a short file) returns what it got and says so, and the
 caller re-buckets or skips the clip. Nothing here raises on bad media except :class:`MediaError`, whose message is
 the reason shown in the report.
@@ -23,6 +25,7 @@ VIDEO_EXTENSIONS = frozenset({".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"})
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 
 _EXIF_ORIENTATION = 0x0112
+_ROTATION_PACKETS = 32  # packets to feed the decoder for the first frame (its reorder delay) before giving up
 RESIZE_VERSION = "cover-centre-crop/pil-bicubic-antialias/v1"  # part of every latent cache key
 
 
@@ -36,11 +39,12 @@ class MediaInfo:
     the container header claims (0 when it does not say)."""
 
     kind: str  # "video" or "image"
-    width: int
+    width: int  # as displayed (after the rotation)
     height: int
     frames: int
     fps: float | None
     container_frames: int
+    rotation: int = 0  # videos: counter-clockwise quarter turns x 90 that show a frame upright (0, 90, 180, 270)
 
 
 def kind_of(path: Path) -> str | None:
@@ -105,10 +109,13 @@ def _probe_video(path: Path) -> MediaInfo:
             fps = float(rate) if rate else None
             container_frames = int(stream.frames or 0)
             counted = 0
+            rotation = None
             try:
                 for packet in container.demux(stream):
                     if packet.size:
                         counted += 1
+                    if rotation is None and counted <= _ROTATION_PACKETS:
+                        rotation = _first_frame_rotation(packet)
             except av.error.FFmpegError:
                 pass  # a truncated file ends the demux early; the packets so far are what there is
     except MediaError:
@@ -121,8 +128,36 @@ def _probe_video(path: Path) -> MediaInfo:
         raise MediaError("video stream has no frame size")
     if fps is None or fps <= 0:
         raise MediaError("video stream has no frame rate")
+    rotation = rotation or 0
+    if rotation in (90, 270):
+        width, height = height, width
     return MediaInfo(kind="video", width=width, height=height, frames=counted, fps=fps,
-                     container_frames=container_frames)
+                     container_frames=container_frames, rotation=rotation)
+
+
+def _first_frame_rotation(packet) -> int | None:
+    """The display rotation of the first frame ``packet`` decodes to (None when it gives no frame yet). The display
+    matrix is container side data that only decoded frames carry in PyAV; one frame is decoded per video."""
+    import av
+
+    try:
+        for frame in packet.decode():
+            return quarter_turns(frame.rotation)
+    except av.error.FFmpegError:
+        return 0  # undecodable: decoding verifies the clip later; shown as stored
+    return None
+
+
+def quarter_turns(degrees: float) -> int:
+    """A display rotation (degrees counter-clockwise, as ``VideoFrame.rotation`` reads the display matrix) rounded
+    to the nearest quarter turn: 0, 90, 180 or 270. Phones store portrait video as landscape frames with -90."""
+    return round(degrees / 90) % 4 * 90
+
+
+def upright(image: Image.Image, rotation: int) -> Image.Image:
+    """``image`` rotated ``rotation`` degrees counter-clockwise (a multiple of 90), as players show it."""
+    turns = {90: Image.Transpose.ROTATE_90, 180: Image.Transpose.ROTATE_180, 270: Image.Transpose.ROTATE_270}
+    return image.transpose(turns[rotation]) if rotation in turns else image
 
 
 def _one_line(exc: BaseException) -> str:
@@ -181,9 +216,10 @@ class Decoded:
     error: str | None = None
 
 
-def decode_video(path: Path, source_indices: list[int], dst_w: int, dst_h: int) -> Decoded:
+def decode_video(path: Path, source_indices: list[int], dst_w: int, dst_h: int, rotation: int = 0) -> Decoded:
     """Decode the source frames ``source_indices`` (non-decreasing; repeats allowed) sequentially, stopping after
-    the last one, each resized to cover and centre-cropped. Never raises for bad media."""
+    the last one, each turned upright (``rotation``, from the probe), resized to cover and centre-cropped. Never
+    raises for bad media."""
     import av
 
     want = source_indices
@@ -200,7 +236,7 @@ def decode_video(path: Path, source_indices: list[int], dst_w: int, dst_h: int) 
                 index += 1
                 if index < want[pos]:
                     continue
-                picture = fit(frame.to_image(), dst_w, dst_h)
+                picture = fit(upright(frame.to_image(), rotation), dst_w, dst_h)
                 while pos < len(want) and want[pos] == index:
                     out[pos] = picture
                     pos += 1

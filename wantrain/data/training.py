@@ -91,17 +91,18 @@ class TrainingData:
                             "gradient_checkpointing": gradient_checkpointing, "variant": self.spec.name}
 
     def _epoch(self, epoch: int, carry: dict[Bucket, list[int]]) -> tuple[list[tuple[Bucket, list[int]]], dict]:
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, epoch])
+        rng = np.random.default_rng(_epoch_seed(self.seed, epoch))
         bs = self.batch_size
         out: list[tuple[Bucket, list[int]]] = []
         new_carry: dict[Bucket, list[int]] = {}
         for key, entries in self._members().items():
             fresh = [entries[j] for j in rng.permutation(len(entries))] if self.shuffle else list(entries)
             if not self._carries(len(entries)):
+                fresh = _separate_repeats(fresh, bs)
                 out.extend((key, fresh[i:i + bs]) for i in range(0, len(fresh), bs))
                 continue
             prev = [i for i in carry.get(key, []) if self.clips[i].active and self.clips[i].bucket == key]
-            queue = prev + _avoid_repeats(prev, fresh, bs)
+            queue = _separate_repeats(prev + fresh, bs, fixed=len(prev))
             full = len(queue) // bs
             out.extend((key, queue[k * bs:(k + 1) * bs]) for k in range(full))
             new_carry[key] = queue[full * bs:]
@@ -223,7 +224,7 @@ class TrainingData:
 
     def _text_entries(self, captions: list[str], encoders: MediaEncoders, cache: bool,
                       stats: Counter | None) -> list[dict[str, torch.Tensor]]:
-        ident = encoders.encoder_identity
+        ident = cachelib.text_identity(encoders)
         unique = list(dict.fromkeys(captions))
         found: dict[str, dict[str, torch.Tensor]] = {}
         if cache:
@@ -272,7 +273,7 @@ class TrainingData:
                 return None
         else:
             try:
-                decoded = decode_video(c.path, c.source_indices(), c.width, c.height)
+                decoded = decode_video(c.path, c.source_indices(), c.width, c.height, c.rotation)
             except OSError as exc:  # the file vanished since the probe
                 self._disable(i, "skipped", f"cannot read file: {exc}")
                 return None
@@ -346,7 +347,7 @@ class TrainingData:
                     c.cache_dir, "latents", cachelib.latent_key(c.latent_params(), ident)))
         for cap in {c.caption for c in self.clips if c.active}:
             d = self._caption_dir(cap)
-            expected[d].add(cachelib.entry_path(d, "text", cachelib.text_key(cap, ident)))
+            expected[d].add(cachelib.entry_path(d, "text", cachelib.text_key(cap, cachelib.text_identity(encoders))))
         removed = cachelib.remove_orphans(expected) if remove_orphans else 0
         texts_total = len({c.caption for c in self.clips if c.active})
         return cachelib.CacheStats(
@@ -356,23 +357,46 @@ class TrainingData:
         )
 
 
-def _avoid_repeats(prev: list[int], fresh: list[int], batch_size: int) -> list[int]:
-    """Reorder ``fresh`` so that the batch completing the carried ``prev`` does not repeat a carried sample."""
-    head = batch_size - len(prev)
-    if not prev or head <= 0:
-        return fresh
-    fresh = list(fresh)
-    carried = set(prev)
-    swap_from = head
-    for k in range(min(head, len(fresh))):
-        if fresh[k] in carried:
-            while swap_from < len(fresh) and fresh[swap_from] in carried:
-                swap_from += 1
-            if swap_from >= len(fresh):
+def ensure_cache(data: TrainingData, encoders: Any, *, remove_orphans: bool = True) -> cachelib.CacheStats:
+    """Encode and cache every clip and caption that is not cached yet, then (``wantrain cache``) remove orphaned
+    entries; ``wantrain run`` calls it with ``remove_orphans=False`` and never deletes anything.
+
+    Decodes only the clips whose latents are missing; calls the encoders only when something is missing. Clips that
+    fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).
+    """
+    return data.fill_cache(encoders, remove_orphans=remove_orphans)
+
+
+def _epoch_seed(seed: int, epoch: int) -> np.random.SeedSequence:
+    """The data-order stream of ``epoch``, from every bit of ``seed`` (a negative seed is read as its 64-bit two's
+    complement, so every seed from -2**63 to 2**64-1 has its own order)."""
+    return np.random.SeedSequence(seed % 2**64, spawn_key=(epoch,))
+
+
+def _separate_repeats(queue: list[int], batch_size: int, fixed: int = 0) -> list[int]:
+    """``queue`` (cut into batches of ``batch_size`` in order) with no clip twice in one batch, as far as the clips
+    allow: each entry that repeats one earlier in its batch is swapped with the first entry of another batch (later
+    batches first) such that neither batch then repeats a clip. The first ``fixed`` entries (carried from the
+    previous epoch) stay where they are. Keeps the multiset; deterministic. A clip with more entries than there are
+    batches must repeat somewhere, and does."""
+    q = list(queue)
+    n = len(q)
+    counts = [Counter(q[s:s + batch_size]) for s in range(0, n, batch_size)]
+    for pos in range(fixed, n):
+        here, x = pos // batch_size, q[pos]
+        if counts[here][x] < 2:
+            continue
+        after = min(n, (here + 1) * batch_size)
+        for j in (*range(after, n), *range(fixed, here * batch_size)):
+            there, y = j // batch_size, q[j]
+            if counts[here][y] == 0 and counts[there][x] == 0:
+                q[pos], q[j] = y, x
+                counts[here][x] -= 1
+                counts[here][y] += 1
+                counts[there][y] -= 1
+                counts[there][x] += 1
                 break
-            fresh[k], fresh[swap_from] = fresh[swap_from], fresh[k]
-            swap_from += 1
-    return fresh
+    return q
 
 
 class BatchStream:

@@ -58,6 +58,7 @@ def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
     """The observers a run config asks for, in attachment order. ``extra`` are the users' classes from
     :func:`resolve_extra_observers`, built here with no arguments."""
     from wantrain.observers.run_log import RunLog
+    from wantrain.optimizers.registry import TYPES
 
     obs_cfg = cfg.observers
     observers: list[Any] = [RunLog()]
@@ -81,6 +82,17 @@ def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
         from wantrain.observers.progress import ProgressLine
 
         observers.append(ProgressLine())
+    lora = getattr(cfg, "lora", None)
+    if getattr(lora, "schedule_enabled", False):  # absent or disabled: no observer, no file, nothing changes
+        from wantrain.observers.alpha_controller import AlphaController
+
+        observers.append(AlphaController(lora.alpha_schedule, cfg.model.trained_experts,
+                                         metrics_path=run_dir / "alpha_metrics.jsonl"))
+    adaptive = getattr(TYPES.get(cfg.optimizer.type), "adaptive_lr", None)
+    if adaptive is not None:  # Prodigy: log d and d * lr (optimizer/effective_lr/<group>)
+        from wantrain.observers.adaptive_lr import AdaptiveLR
+
+        observers.append(AdaptiveLR(adaptive))
     for i, (spec, cls) in enumerate(zip(obs_cfg.extra, extra, strict=True)):
         try:
             observers.append(cls())

@@ -100,16 +100,22 @@ class JsonlMetrics(Observer):
             self._file = None
 
     def _truncate_after(self, step: int) -> None:
-        """Keep only complete lines with ``step <= step``, byte for byte (rewritten atomically)."""
-        if not self.path.exists():
-            return
-        kept = []
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                record = _parse(line)
-                if record is not None and record["step"] <= step and line.endswith("\n"):
-                    kept.append(line)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+        truncate_after(self.path, step)
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Keep only complete lines of the JSONL file ``path`` with ``step <= step``, byte for byte (rewritten
+    atomically; nothing happens when the file does not exist). Resume uses it on every metrics file."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            record = _parse(line)
+            if record is not None and record["step"] <= step and line.endswith("\n"):
+                kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)

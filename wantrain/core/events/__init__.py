@@ -5,6 +5,7 @@ Python)::
 
     restore the checkpoint (resume)           # observers' load_state_dict() runs here, before RunStarted
     emit RunStarted                            # observers may: read ctx, request stop
+    optimizer.train()                          # only optimizers with modes (schedule-free)
     for step in start_step+1 .. total_steps:   # `step` counts optimizer steps, 1-based
         expert = adapter.expert_for_step(step) # None for single-transformer models
         if expert changed:
@@ -32,11 +33,11 @@ Python)::
             emit MetricsLogged                 # host floats only: sinks write them (TensorBoard, JSONL, bar)
             non-finite guard: stop `failed` after train.max_consecutive_nan non-finite steps in a row
         if step % save_every == 0 or control.save_now:
-            saver.save(...); write checkpoint; emit CheckpointSaved
+            saver.save(...); write checkpoint; emit CheckpointSaved   # in optimizer.eval() mode, then train()
         elif step % checkpoint.every == 0: write checkpoint; emit CheckpointSaved
         if control.stop_requested: break
     emit MetricsLogged                         # the partial interval, if the run stopped between log steps
-    saver.save(final); write checkpoint        # unless the run failed
+    saver.save(final); write checkpoint        # unless the run failed; optimizer.eval() mode, and it stays
     emit CheckpointSaved
     emit RunEnded                              # always, also after a failure (status says which)
     every observer's close() runs              # also after a crash

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import html
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -33,6 +32,7 @@ from wantrain.models.wan22.export import (
     set_live_alpha,
 )
 from wantrain.models.wan22.loading import WeightSource
+from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
 
@@ -56,6 +56,26 @@ def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device) 
     return dtype, dtype
 
 
+_LINEAR_STATE = ("exp_avg", "momentum_buffer")  # scale with the gradient
+_SQUARED_STATE = ("exp_avg_sq", "max_exp_avg_sq")  # scale with the gradient squared
+
+
+def rescale_optimizer_state(state: dict[str, Any], factor: float) -> None:
+    """Scale a parameter's optimizer state as if its gradients had always been ``factor`` times larger (Adam/AdamW,
+    also fused or foreach, and SGD with momentum). Scalars (``step``) are left alone; another tensor of the
+    parameter's size means an optimizer whose state this cannot map: ``TypeError``."""
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if key in _LINEAR_STATE:
+            value.mul_(factor)
+        elif key in _SQUARED_STATE:
+            value.mul_(factor * factor)
+        else:
+            raise TypeError(f"cannot rescale optimizer state {key!r} for an alpha change: supported are Adam/AdamW "
+                            "and SGD states (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer)")
+
+
 class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
@@ -70,6 +90,9 @@ class Wan22Adapter:
         self.source = WeightSource(model, seed)
         self.encoder_identity: str = self.source.encoder_identity
         load_dtype, self.compute_dtype = _storage_dtype(model, self.spec, self.device)
+        # UMT5 runs in the compute dtype: an fp32 run and a bf16 run must not share text embeddings.
+        self.text_identity: str = (f"{self.encoder_identity}:text:dtype={str(self.compute_dtype)[6:]}:"
+                                   f"len={self.spec.text_len}:clean={CLEANING}")
         self.sampler = TimestepSampler(
             method=model.timestep_sampling, shift=model.shift,
             mean=model.logit_mean if model.timestep_sampling == "logit_normal" else 0.0,
@@ -323,13 +346,13 @@ class Wan22Adapter:
     @torch.no_grad()
     def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
         """``text_embeds`` [B, text_len, D] in the compute dtype: UMT5 outputs, zeros past each prompt's length
-        (like the pipelines), prompts cleaned of HTML entities and repeated whitespace."""
+        (like the pipelines), prompts cleaned like the pipelines (:func:`~wantrain.models.wan22.text.clean_prompt`)."""
         if self._text_encoder is None:
             self._tokenizer, encoder = self.source.text_encoder(self.compute_dtype)
             self._text_encoder = encoder.to(self.device).requires_grad_(False)
-        clean = [" ".join(html.unescape(html.unescape(c)).split()) for c in captions]
-        ids = self._tokenizer(clean, padding="max_length", max_length=self.spec.text_len, truncation=True,
-                              add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        ids = self._tokenizer([clean_prompt(c) for c in captions], padding="max_length",
+                              max_length=self.spec.text_len, truncation=True, add_special_tokens=True,
+                              return_attention_mask=True, return_tensors="pt")
         mask = ids.attention_mask.to(self.device)
         hidden = self._text_encoder(ids.input_ids.to(self.device), mask).last_hidden_state
         return {"text_embeds": (hidden * mask[..., None].to(hidden.dtype)).to(self.compute_dtype)}
@@ -355,6 +378,29 @@ class Wan22Adapter:
         for e in self.experts if expert is None else (expert,):
             for _, layer in lora_layers(self._transformers[e]):
                 set_live_alpha(layer, float(alpha))
+
+    def change_lora_alpha(self, alpha: float, expert: str | None, optimizer: torch.optim.Optimizer | None = None,
+                          *, preserve_output: bool = True) -> None:
+        """Set alpha on ``expert``'s LoRA between optimizer steps (the alpha controller calls this at a log step).
+
+        ``preserve_output``: keep the model's function: each layer's ``B`` becomes ``B * old/new`` so that
+        ``(new/r) * B' A = (old/r) * B A``, and its optimizer state follows the gradients of the new
+        parametrisation (dL/dB' = new/old * dL/dB): Adam's ``exp_avg`` (and SGD's ``momentum_buffer``) times
+        ``c = new/old``, ``exp_avg_sq`` / ``max_exp_avg_sq`` times ``c**2``. A's weights, gradients and state do
+        not change. Optimizer state of another form raises ``TypeError`` (a bug: the optimizer is not supported).
+        Without ``preserve_output`` only alpha changes and the LoRA's output is scaled by new/old (the seed's jump).
+        In place, device ops only (no sync); the expert may sit on the offload device.
+        """
+        alpha = float(alpha)
+        with torch.no_grad():
+            for _, layer in lora_layers(self._transformers[expert]):
+                old = live_alpha(layer)
+                if preserve_output and old != alpha:
+                    weight = layer.lora_B[ADAPTER_NAME].weight
+                    weight.mul_(old / alpha)
+                    if optimizer is not None and optimizer.state.get(weight):
+                        rescale_optimizer_state(optimizer.state[weight], alpha / old)
+                set_live_alpha(layer, alpha)
 
     def saver(self, run_dir: Path, name: str) -> Wan22Saver:
         return Wan22Saver(self, run_dir, name)

@@ -20,6 +20,7 @@ from wantrain.models.wan22.variants import VariantSpec
 _COMMON = dict(
     patch_size=(1, 2, 2), attention_head_dim=128, freq_dim=256, text_dim=4096, eps=1e-6, cross_attn_norm=True,
     qk_norm="rms_norm_across_heads", image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024,
+    pos_embed_seq_len=None,
 )
 _REAL_TRANSFORMERS: dict[str, dict[str, Any]] = {
     "t2v-a14b": dict(_COMMON, in_channels=16, out_channels=16, num_layers=40, num_attention_heads=40, ffn_dim=13824),
@@ -30,7 +31,7 @@ _REAL_TRANSFORMERS: dict[str, dict[str, Any]] = {
 _TINY_TRANSFORMER = dict(
     patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=256, ffn_dim=32,
     num_layers=2, eps=1e-6, cross_attn_norm=True, qk_norm="rms_norm_across_heads", image_dim=None,
-    added_kv_proj_dim=None, rope_max_seq_len=32,
+    added_kv_proj_dim=None, rope_max_seq_len=32, pos_embed_seq_len=None,
 )
 
 # Wan 2.1 VAE normalisation (16 channels), used by the 14B models and by the tiny 16-channel twins.
@@ -71,6 +72,16 @@ def transformer_kwargs(spec: VariantSpec) -> dict[str, Any]:
     return dict(_REAL_TRANSFORMERS[spec.name])
 
 
+def transformer_defaults() -> dict[str, Any]:
+    """diffusers' defaults of the ``WanTransformer3DModel`` constructor (what a config.json key left out means)."""
+    import inspect
+
+    from diffusers import WanTransformer3DModel
+
+    params = inspect.signature(WanTransformer3DModel.__init__).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
 def _seeded(seed: int, part: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{part}".encode()).digest()[:6], "little")
 
@@ -91,14 +102,15 @@ def tiny_transformer(spec: VariantSpec, seed: int, expert: str | None):
 
 
 def cast_keeping_fp32_modules(transformer, dtype: torch.dtype):
-    """Cast a transformer to ``dtype`` except the modules diffusers keeps in float32 (what ``from_pretrained``
-    with ``torch_dtype`` does)."""
-    if dtype == torch.float32:
-        return transformer
+    """Give every floating parameter and buffer the dtype ``from_pretrained(torch_dtype=dtype)`` gives it: float32
+    in the modules diffusers keeps in float32 (``_keep_in_fp32_modules``: RoPE, time embedder, modulation tables,
+    norm1-3), ``dtype`` everywhere else, whatever dtype each tensor had before (an fp16 single file included)."""
     keep = set(getattr(transformer, "_keep_in_fp32_modules", None) or ())
     for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]:
-        if tensor.is_floating_point() and not keep.intersection(name.split(".")):
-            tensor.data = tensor.data.to(dtype)
+        if tensor.is_floating_point():
+            target = torch.float32 if keep.intersection(name.split(".")) else dtype
+            if tensor.dtype != target:
+                tensor.data = tensor.data.to(target)
     return transformer
 
 

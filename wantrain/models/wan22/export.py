@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import wantrain
+from wantrain.core.checkpoint import canonicalize_safetensors
 
 # diffusers module path inside a block -> original Wan name
 DIFFUSERS_TO_WAN = {
@@ -87,11 +88,14 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        canonicalize_safetensors(tmp)  # same training, same bytes
         # safetensors creates the file owner-only (0600); give it the permissions any other file would get
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk, no permission: name the file the user knows, not the temporary one
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     finally:
         if tmp.exists():
             tmp.unlink()

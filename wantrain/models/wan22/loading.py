@@ -66,12 +66,7 @@ class WeightSource:
             )
             why = f"needed with model.experts = '{self.model.experts}'" if expert else "needed to train"
             self._require(folder, f"{role}, {why}; or set model.{_EXPERT_FILE_KEY[expert]}")
-            config = self._read_config(folder)
-            if config.get("in_channels") != self.spec.transformer_in_channels:
-                raise UserError(
-                    f"model.path '{self.path}': {folder}/config.json has in_channels = {config.get('in_channels')}, "
-                    f"but {self.spec.name} needs {self.spec.transformer_in_channels}; is this the right model?"
-                )
+            self._check_transformer_config(folder)
         self._require("vae", "the VAE")
         vae_z = self._read_config("vae").get("z_dim")
         if vae_z != self.spec.latent_channels:
@@ -84,6 +79,25 @@ class WeightSource:
                                                                       "spiece.model")):
             raise UserError(
                 f"model.path '{self.path}' has no tokenizer/ folder with tokenizer files (the UMT5 tokenizer)"
+            )
+
+    def _check_transformer_config(self, folder: str) -> None:
+        """Every architecture key of ``folder/config.json`` must equal the variant's (``architecture.py``); keys
+        the file leaves out take diffusers' defaults. A Wan 2.1 I2V-14B folder has the same 36 input channels as
+        I2V-A14B but sets ``image_dim`` / ``added_kv_proj_dim`` (its CLIP image branch)."""
+        config = self._read_config(folder)
+        defaults = architecture.transformer_defaults()
+        differ = []
+        for key, want in architecture.transformer_kwargs(self.spec).items():
+            have = config.get(key, defaults.get(key))
+            if _normalise(have) != _normalise(want):
+                differ.append(f"{key} = {have!r} (needs {want!r})")
+        if differ:
+            hint = (" (image_dim is set: a Wan 2.1 image-to-video model; Wan 2.2 has no CLIP image branch)"
+                    if config.get("image_dim") is not None else "")
+            raise UserError(
+                f"model.path '{self.path}': {folder}/config.json does not match {self.spec.name}: "
+                f"{', '.join(differ)}{hint}; is this the right model?"
             )
 
     def _require(self, folder: str, what: str) -> None:
@@ -135,24 +149,28 @@ class WeightSource:
 
     def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
         """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
-        only knows Wan 2.1 and would build I2V/5B files with the wrong config)."""
+        only knows Wan 2.1 and would build I2V/5B files with the wrong config).
+
+        Read in the file's own dtypes, then cast like ``from_pretrained``: diffusers' ``from_single_file`` honours
+        ``_keep_in_fp32_modules`` only for fp16 and then casts the whole model anyway, so a bf16 load would put
+        RoPE, the time embedder, the modulation tables and norm1-3 in bf16 where the folder path keeps float32."""
         from diffusers import WanTransformer3DModel
         from safetensors import SafetensorError
 
         key = _EXPERT_FILE_KEY[expert]
+        _refuse_wan21_image_branch(file, key, self.spec.name)
         with tempfile.TemporaryDirectory() as tmp:
             config = {"_class_name": "WanTransformer3DModel", **architecture.transformer_kwargs(self.spec)}
             config["patch_size"] = list(config["patch_size"])
             Path(tmp, "config.json").write_text(json.dumps(config))
             try:
-                return WanTransformer3DModel.from_single_file(
-                    str(file), config=tmp, torch_dtype=dtype, local_files_only=True
-                )
+                transformer = WanTransformer3DModel.from_single_file(str(file), config=tmp, local_files_only=True)
             except (ValueError, RuntimeError, KeyError, OSError, SafetensorError) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise UserError(
                     f"model.{key} '{file}' does not fit the {self.spec.name} transformer ({first[:200]})"
                 ) from None
+        return architecture.cast_keeping_fp32_modules(transformer, dtype)
 
     def vae(self):
         from diffusers import AutoencoderKLWan
@@ -172,3 +190,26 @@ class WeightSource:
         encoder = UMT5EncoderModel.from_pretrained(str(self.path / "text_encoder"), torch_dtype=dtype,
                                                    local_files_only=True)
         return tokenizer, encoder.eval()
+
+
+def _normalise(value):
+    """JSON lists and Python tuples compare equal (``patch_size``)."""
+    return list(value) if isinstance(value, tuple | list) else value
+
+
+def _refuse_wan21_image_branch(file: Path, key: str, variant: str) -> None:
+    """A Wan 2.1 I2V file has the same shapes as I2V-A14B plus a CLIP image branch, which diffusers would drop with
+    a mere warning; read the key names (the header only) and refuse it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as fh:
+            names = list(fh.keys())
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"model.{key} '{file}' is not a readable safetensors file ({exc})") from None
+    found = next((n for n in names if "img_emb." in n or ".k_img." in n or ".v_img." in n), None)
+    if found is not None:
+        raise UserError(
+            f"model.{key} '{file}' holds a Wan 2.1 CLIP image branch ({found}); {variant} is a Wan 2.2 model, "
+            "which has none: use a Wan 2.2 checkpoint"
+        )

@@ -1,0 +1,62 @@
+"""`[lora.alpha_schedule]`: the documented example and the seed's I2V example load (the latter builds on the tiny
+I2V twin), and bad schedules are refused with one line naming the key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from wantrain.config import load_config
+from wantrain.core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(tmp_path, text: str):
+    path = tmp_path / "c.toml"
+    path.write_text(text, encoding="utf-8")
+    return load_config(path)
+
+
+def test_the_docs_toml_example_is_a_valid_schedule(tmp_path):
+    doc = (ROOT / "docs" / "alpha_schedule.md").read_text(encoding="utf-8")
+    block = re.search(r"```toml\n(.*?)```", doc, re.S).group(1)
+    cfg = _load(tmp_path, block)
+    schedule = cfg.lora.alpha_schedule
+    assert schedule.enabled and [p.name for p in schedule.phases] == ["foundation", "balance", "emphasis"]
+    assert cfg.lora.effective_alpha == 8.0
+    assert schedule.phases[1].criterion("max_loss_cv", schedule.preset) == 0.5  # from the video preset
+
+
+PHASES = """
+[[lora.alpha_schedule.phases]]
+name = "a"
+alpha = 4
+[[lora.alpha_schedule.phases]]
+name = "b"
+alpha = 8
+"""
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[lora.alpha_schedule]\nenabled = true\ntargets = 'conv'\n" + PHASES, "no conv layers"),
+    ("[lora.alpha_schedule]\nenabled = true\n[[lora.alpha_schedule.phases]]\nname = 'a'\nalpha = 4\n",
+     "at least two"),
+    ("[lora]\nalpha = 16\n[lora.alpha_schedule]\nenabled = true\n" + PHASES, "lora.alpha = 16 conflicts"),
+    ("[lora.alpha_schedule]\nenabled = true\nwindow = 10\nmin_samples = 20\n" + PHASES, "exceeds window"),
+    ("[lora.alpha_schedule]\nenabled = true\n[lora.alpha_schedule.conv_alpha_phases.a]\nalpha = 4\n"
+     "[lora.alpha_schedule.conv_alpha_phases.a.exit_criteria]\nmin_loss_r3 = 0.1\n",
+     "lora.alpha_schedule.conv_alpha_phases.a.exit_criteria.min_loss_r3"),
+    ("[lora.alpha_schedule]\nenabled = true\ntransition = 'smooth'\n" + PHASES, "preserve_output"),
+])
+def test_bad_schedules_are_refused_with_one_line_naming_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        _load(tmp_path, text)
+    assert "\n" not in str(info.value)
+
+
+def test_a_disabled_schedule_needs_no_phases_and_keeps_lora_alpha(tmp_path):
+    cfg = _load(tmp_path, "[lora]\nrank = 8\nalpha = 3\n[lora.alpha_schedule]\nenabled = false\n")
+    assert cfg.lora.effective_alpha == 3.0 and not cfg.lora.schedule_enabled

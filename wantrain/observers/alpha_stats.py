@@ -1,0 +1,145 @@
+"""The alpha controller's statistics, computed on the device (no host sync; docs/alpha_schedule.md has the formulas).
+
+One :class:`DeviceWindow` per expert holds that expert's last ``size`` per-step losses, another its last ``size``
+gradient-stability values; experts never share a window. At a log step :func:`loss_statistics` and
+:func:`window_mean` turn a window into 0-dim device tensors, which the controller puts into ``ctx.metrics``: the
+core's one device->host transfer of the interval carries them to the host (and into ``MetricsLogged.values``,
+where the decisions read them).
+
+Over the finite values ``y_i`` of a window at chronological positions ``x_i`` (oldest first; non-finite values,
+i.e. steps the non-finite guard skipped, are left out), with ``n`` values, means ``x̄``, ``ȳ``:
+
+* ``loss_slope``  b = Sxy / Sxx (loss units per step), Sxy = Σ(x-x̄)(y-ȳ), Sxx = Σ(x-x̄)², Syy = Σ(y-ȳ)²
+* ``loss_r2``     R² = Sxy² / (Sxx·Syy)  (0 when the losses are all equal)
+* ``loss_cv``     CV = sqrt(Syy / n) / |ȳ|  (population standard deviation over the mean)
+* ``loss_improvement_rate``  I = -100·b / ȳ: the fitted loss's relative decrease per 100 steps (0.05: the loss
+  falls by 5 % of its mean every 100 steps; negative: it rises). Unit-free, so one threshold fits any loss scale.
+* ``loss_samples``  n
+
+Gradient stability of one optimizer step of an expert (:class:`SignAgreement`): over every element ``j`` of all its
+LoRA gradient tensors, with ``g`` this step's gradient and ``g'`` the expert's previous step's,
+``s = #{j: g_j·g'_j > 0} / #{j: g_j·g'_j ≠ 0}`` -- the fraction of elements whose gradient kept its sign, among
+those where neither gradient is zero (NaN when there is none). Random signs give 0.5. Optimizer-agnostic: it reads
+``p.grad`` at ``GradsReady`` (accumulated over the micro-steps, before clipping). ``gradient_stability`` is the mean
+of the finite ``s`` in the expert's window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def _stat_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+class DeviceWindow:
+    """The last ``size`` values pushed, in a ring buffer on ``device``. ``count`` (host int) counts every push;
+    slots not yet written hold NaN. :meth:`push` is one device copy, no sync."""
+
+    def __init__(self, size: int, device: torch.device | str) -> None:
+        self.size = int(size)
+        self.device = torch.device(device)
+        self.values = torch.full((self.size,), float("nan"), device=self.device, dtype=_stat_dtype(self.device))
+        self.count = 0
+
+    def push(self, value: torch.Tensor) -> None:
+        self.values[self.count % self.size] = value.detach().reshape(()).to(self.values.dtype)
+        self.count += 1
+
+    def to(self, device: torch.device) -> None:
+        if self.values.device != device:
+            self.device = torch.device(device)
+            self.values = self.values.to(self.device)
+
+    def positions(self) -> torch.Tensor:
+        """Chronological position (0 = oldest) of each slot, on the device."""
+        index = torch.arange(self.size, device=self.device, dtype=self.values.dtype)
+        return torch.remainder(index - self.count, self.size)
+
+    def state_dict(self) -> dict:
+        return {"values": self.values, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = state["values"].to(self.device, self.values.dtype).clone()
+        self.count = int(state["count"])
+
+    def host_values(self) -> list[float]:
+        """The window's values, oldest first (non-finite ones included as NaN). Syncs: checkpoints only."""
+        order = torch.argsort(self.positions())
+        return self.values[order][-min(self.count, self.size):].tolist() if self.count else []
+
+
+def loss_statistics(window: DeviceWindow) -> dict[str, torch.Tensor]:
+    """``loss_slope``, ``loss_r2``, ``loss_cv``, ``loss_improvement_rate``, ``loss_samples`` of the window's finite
+    values (formulas: module docstring) as 0-dim device tensors. Device ops only; NaN where undefined."""
+    y = window.values
+    x = window.positions()
+    ok = torch.isfinite(y)
+    w = ok.to(y.dtype)
+    y0 = torch.where(ok, y, torch.zeros_like(y))
+    n = w.sum()
+    x_mean = (w * x).sum() / n
+    y_mean = y0.sum() / n
+    dx = w * (x - x_mean)
+    dy = w * (y0 - y_mean)
+    sxx, sxy, syy = (dx * dx).sum(), (dx * dy).sum(), (dy * dy).sum()
+    slope = sxy / sxx
+    r2 = torch.where(syy > 0, sxy * sxy / (sxx * syy), torch.zeros_like(syy))
+    return {
+        "loss_slope": slope,
+        "loss_r2": r2,
+        "loss_cv": torch.sqrt(syy / n) / y_mean.abs(),
+        "loss_improvement_rate": -100.0 * slope / y_mean,
+        "loss_samples": n,
+    }
+
+
+def window_mean(window: DeviceWindow) -> torch.Tensor:
+    """Mean of the window's finite values (NaN when it has none); device ops only."""
+    ok = torch.isfinite(window.values)
+    return torch.where(ok, window.values, torch.zeros_like(window.values)).sum() / ok.sum()
+
+
+class SignAgreement:
+    """Gradient sign agreement between consecutive optimizer steps of one expert (formula: module docstring).
+
+    Keeps the signs of the previous step's gradients on their device (one float32 copy of the expert's LoRA
+    gradients). :meth:`update` is a handful of fused ``_foreach`` kernels, no sync; :meth:`reset` forgets the
+    previous step (the controller calls it when the expert stops training, which frees the memory).
+    """
+
+    def __init__(self) -> None:
+        self.previous: list[torch.Tensor] | None = None
+
+    def update(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """Agreement of ``grads`` with the previous call's (None on the first call or when the tensor layout
+        changed); remembers the signs of ``grads``."""
+        grads = [g.detach() for g in grads]
+        if not grads:
+            return None
+        signs = torch._foreach_sign(grads)
+        previous, self.previous = self.previous, signs
+        if previous is not None and previous and previous[0].device != signs[0].device:
+            previous = [p.to(signs[0].device) for p in previous]  # restored from a checkpoint on the CPU
+        if previous is None or [p.shape for p in previous] != [s.shape for s in signs]:
+            return None
+        products = torch._foreach_mul(signs, previous)  # each element -1, 0 or +1
+        dtype = _stat_dtype(signs[0].device)
+        nonzero = torch.stack(torch._foreach_norm(products, 1)).to(dtype).sum()  # #{g·g' != 0}
+        numel = sum(p.numel() for p in products)
+        shifted = torch._foreach_add(products, 1.0)  # 0, 1, 2: its L1 norm is Σ(products) + numel
+        total = torch.stack(torch._foreach_norm(shifted, 1)).to(dtype).sum() - numel
+        return (nonzero + total) / 2 / nonzero  # #{g·g' > 0} / #{g·g' != 0}
+
+    def reset(self) -> None:
+        self.previous = None
+
+    def state_dict(self) -> dict:
+        return {"previous": list(self.previous) if self.previous is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        prev = state.get("previous")
+        self.previous = None if prev is None else [t.clone() for t in prev]

@@ -1,0 +1,102 @@
+"""The optimizer types users know from the peer trainers, each backed by its maintained library class.
+
+A :class:`OptimizerType` says which class a ``type`` builds, which package provides it, which of the table's common
+keys (``lr``, ``weight_decay``, ``beta1``, ``beta2``, ``eps``) it reads and their defaults, the keyword arguments
+wantrain sets or owns, and how the run treats it: whether the core's non-finite guard can skip a step on the device
+(the GradScaler ``found_inf`` protocol), which parameter-group keys are optimizer *state* rather than
+hyperparameters (restored from a checkpoint instead of the config), whether it has ``train()``/``eval()`` modes, and
+whether it adapts its own step size (logged as ``optimizer/effective_lr/<group>``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import attrs
+
+COMMON_KEYS = ("lr", "weight_decay", "beta1", "beta2", "eps")
+_ADAM_DEFAULTS = {"lr": 1e-4, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+
+@attrs.frozen
+class OptimizerType:
+    name: str
+    class_path: str
+    package: str | None  # pip name when not in the base install
+    defaults: dict[str, Any]  # common key -> default; a common key missing here does not apply to the type
+    fixed: dict[str, Any] = attrs.field(factory=dict)  # keyword arguments wantrain sets (a user key may override)
+    refused: dict[str, str] = attrs.field(factory=dict)  # keyword argument -> why it cannot be set
+    refused_values: dict[str, tuple[Any, str]] = attrs.field(factory=dict)  # argument -> (bad value, why)
+    group_state_keys: tuple[str, ...] = ()
+    modes: bool = False  # train()/eval(): eval-mode weights are the ones saved
+    adaptive_lr: str | None = None  # parameter-group key of the optimizer's own step-size estimate
+    summary: str = ""
+    shown: str = ""  # how messages name the class (the library's, where wantrain subclasses it)
+
+    @property
+    def label(self) -> str:
+        return f"{self.shown or self.class_path} (type {self.name!r})"
+
+    def load_class(self) -> type:
+        module, _, name = self.class_path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+# Arguments no type may take from the config: wantrain passes them, or they mean something the run does not do.
+RESERVED = {
+    "params": "wantrain passes the LoRA parameter groups",
+    "betas": "write beta1 and beta2",
+}
+
+TYPES: dict[str, OptimizerType] = {
+    t.name: t
+    for t in (
+        OptimizerType(
+            "adamw", "torch.optim.AdamW", None, dict(_ADAM_DEFAULTS),
+            refused={"differentiable": "wantrain does not differentiate through the optimizer step"},
+            summary="torch's AdamW; fused kernel on CPU and CUDA (the default)",
+        ),
+        OptimizerType(
+            "adamw8bit", "bitsandbytes.optim.AdamW8bit", "bitsandbytes", dict(_ADAM_DEFAULTS),
+            refused={"args": "set the keyword arguments directly", "optim_bits": "use type = 'adamw' for 32-bit"},
+            summary="AdamW with 8-bit block-wise quantized moments (bitsandbytes)",
+        ),
+        OptimizerType(
+            "prodigy", "wantrain.optimizers.prodigy.ExpertProdigy", "prodigyopt", {**_ADAM_DEFAULTS, "lr": 1.0},
+            refused={"fsdp_in_use": "wantrain does not train with FSDP"},
+            group_state_keys=("d", "d_max", "d_numerator", "d_denom", "d_hat", "k"),
+            adaptive_lr="d", shown="prodigyopt.Prodigy",
+            summary="Prodigy: estimates the step size d itself; lr is a multiplier (keep 1.0)",
+        ),
+        OptimizerType(
+            "adafactor", "transformers.optimization.Adafactor", None,
+            {"lr": 1e-4, "weight_decay": 0.0, "beta1": None},
+            fixed={"relative_step": False, "scale_parameter": False, "warmup_init": False},
+            refused={"eps": "Adafactor's eps is a pair of regularisation constants; it keeps its defaults"},
+            refused_values={"relative_step": (True, "the LR schedule ([lr_scheduler]) owns the learning rate; "
+                                              "Adafactor's relative step would ignore it")},
+            summary="Adafactor: factored second moments (row and column sums), no first moment by default",
+        ),
+        OptimizerType(
+            "adamw_schedulefree", "schedulefree.AdamWScheduleFree", "schedulefree", dict(_ADAM_DEFAULTS),
+            group_state_keys=("k", "train_mode", "weight_sum", "lr_max", "scheduled_lr"),
+            modes=True,
+            summary="schedule-free AdamW: iterate averaging instead of a decaying schedule",
+        ),
+    )
+}
+EXTERNAL = "external"
+TYPE_NAMES = (*TYPES, EXTERNAL)
+INSTALL_HINT = "pip install 'wantrain[optimizers]'"
+
+
+def resolve_type_class(spec: OptimizerType) -> type:
+    """The library class of ``spec``; ImportError names the missing package."""
+    try:
+        return spec.load_class()
+    except ImportError as exc:
+        raise ImportError(
+            f"optimizer.type = {spec.name!r} needs the Python package {spec.package or spec.class_path.split('.')[0]}"
+            f", which cannot be imported ({exc}); {INSTALL_HINT}"
+        ) from None
