@@ -22,6 +22,7 @@ from wantrain.core.settings import (
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.observers.lr_finder_config import LrFinderConfig
+from wantrain.observers.validation_config import SampleConfig, ValidationConfig
 from wantrain.optimizers.config import OptimizerConfig
 from wantrain.schedulers.config import SchedulerConfig
 
@@ -43,6 +44,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = setting(factory=CheckpointConfig, doc="Resumable checkpoints.")
     faults: FaultsConfig = setting(factory=FaultsConfig, doc="Fault injection (a testing aid).")
     lr_finder: LrFinderConfig = setting(factory=LrFinderConfig, doc="Learning-rate range test.")
+    validation: ValidationConfig = setting(factory=ValidationConfig, doc="Validation loss at fixed timesteps.")
+    sample: SampleConfig = setting(factory=SampleConfig, doc="Sample videos during training.")
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:

@@ -56,6 +56,7 @@ RESUME_RULES: dict[str, str] = {
     "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
     "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
     "lr_finder.": "free",
+    "validation.": "free", "sample.": "free",
 }
 """Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``
 (silent); every other key (LR, schedule, step budget, model paths, timestep sampling, ...) is allowed with a
@@ -281,6 +282,7 @@ class PreparedRun:
     resume: ResumePoint | None = None
     # --lr-finder-then-train: the trainer state captured before the sweep, loaded into this run's trainer
     initial_state: Any = None
+    validation_data: Any = None  # the [validation] clips (wantrain.observers.validation.build_validation_data)
 
     def execute(self, *, finder: Any = None, before_run: Callable[[Any], None] | None = None) -> RunOutcome:
         """Train (see the module docstring). A config with ``[lr_finder]`` enabled runs the range test instead
@@ -356,6 +358,8 @@ class PreparedRun:
         # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
         # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
         stats = ensure_cache(data, adapter, remove_orphans=False)
+        # caches the validation clips and encodes the sample prompts; a range test neither validates nor samples
+        watchers = self._validation_observers(run_dir) if finder is None else []
         adapter.release_encoders()
         log.info("cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded,
                  texts_hit=stats.texts_hit, texts_encoded=stats.texts_encoded, clips_failed=stats.clips_failed)
@@ -366,6 +370,11 @@ class PreparedRun:
             bus.attach(observer)
         if finder is not None:
             finder.attach_to(bus)
+        for watcher in watchers:
+            if hasattr(watcher, "attach_to"):
+                watcher.attach_to(bus)  # it emits MetricsLogged of its own at step 0
+            else:
+                bus.attach(watcher)
         if cfg.observers.record_events:
             EventRecorder(event_log_path(run_dir, cfg.observers.record_compression),
                           keep_through_step=resume.step if resume else 0).attach_to(bus)
@@ -398,6 +407,27 @@ class PreparedRun:
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
         control_ref.append(trainer.control)
         return trainer
+
+
+    def _validation_observers(self, run_dir: Path) -> list[Any]:
+        """The [validation] and [sample] observers, built while the encoders are still loaded."""
+        from wantrain.data import ensure_cache
+        from wantrain.models.wan22.variants import variant_spec
+
+        cfg, adapter, out = self.cfg, self.adapter, []
+        if self.validation_data is not None:
+            from wantrain.observers.validation import Validation, cached_batches
+
+            stats = ensure_cache(self.validation_data, adapter, remove_orphans=False)
+            log.info("validation_cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded)
+            v = cfg.validation
+            out.append(Validation(cached_batches(self.validation_data, adapter), timesteps=v.timesteps, seed=v.seed,
+                                  every=v.every))
+        if cfg.sample.enabled:
+            from wantrain.observers.samples import build_sample_observer
+
+            out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir))
+        return out
 
 
 def _without_faults(plain: dict[str, Any]) -> dict[str, Any]:
@@ -444,6 +474,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     from wantrain.models.wan22 import build_adapter
     from wantrain.models.wan22.variants import variant_spec
     from wantrain.observers import resolve_extra_observers
+    from wantrain.observers.validation import build_validation_data
+    from wantrain.observers.validation_config import check_sections
     from wantrain.optimizers import check_optimizer
     from wantrain.schedulers import check_scheduler
 
@@ -461,6 +493,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
     spec = variant_spec(cfg.model.variant)
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
+    check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
+    validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
     if point is not None:
         saved_data = point.tree.get("data") or {}
         if saved_data.get("fingerprint") not in (None, data.fingerprint()):
@@ -470,7 +504,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
             )
     torch.manual_seed(cfg.run.seed)
     adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
-    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point)
+    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point, validation_data)
 
 
 def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | None = None,

@@ -37,8 +37,24 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         data.verify_all()
     data.set_vram_estimate(**memory_options(cfg))
+    add_sampling_estimate(cfg, data.report)
     print(data.report.format())
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(data.report.to_json(), indent=2) + "\n")
     return 0
+
+
+def add_sampling_estimate(cfg, report) -> None:
+    """With ``[sample]`` enabled, add the sampling footprint to the report's VRAM estimate."""
+    from wantrain.data.report import estimate_sampling_vram_gb
+    from wantrain.models.wan22.variants import variant_spec
+    from wantrain.observers.validation_config import sample_size
+
+    if not cfg.sample.enabled or not report.vram:
+        return
+    spec = variant_spec(cfg.model.variant)
+    width, height, frames = sample_size(cfg.sample, spec)
+    options = memory_options(cfg)
+    gb = estimate_sampling_vram_gb(spec, width, height, frames, options["rank"], options["base_dtype"])
+    report.vram.update(sampling_gb=round(gb, 2), sampling_size=f"{width}x{height}x{frames}")

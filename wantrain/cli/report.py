@@ -4,7 +4,9 @@ Reads ``RUN_DIR/metrics.jsonl`` (written by :class:`wantrain.observers.jsonl_met
 ``docs/metrics.md``). The dashboard has six panels, always in this order and with these titles
 (:data:`PANEL_TITLES`): loss per expert (raw and EMA), learning rate per parameter group, gradient norm, parameter
 norm, memory, and speed (optimizer steps per second between log lines, from ``elapsed_s``). Where the file has an
-``alpha/phase`` field, each phase is shaded on every panel. A panel without data says so instead of vanishing, so
+``alpha/phase`` field, each phase is shaded on every panel. ``val/loss`` (and ``val/loss/<expert>``) of the
+validation observer are drawn dashed with markers on the loss panel; lines that hold only ``val/*`` values are left
+out of the other curves. A panel without data says so instead of vanishing, so
 the layout is the same for every run.
 """
 
@@ -126,12 +128,15 @@ def build_report(records: Sequence[dict[str, Any]], title: str = ""):
     """The dashboard as a matplotlib ``Figure`` (no pyplot state); :func:`panel_titles` lists its panels."""
     from matplotlib.figure import Figure
 
+    every = records
+    records = [r for r in records if not is_validation_only(r)]  # val/ lines of their own would break the curves
     fig = Figure(figsize=(14, 11), layout="constrained")
     axes = fig.subplots(3, 2, sharex=True).ravel()
     for ax, name in zip(axes, PANEL_TITLES, strict=True):
         ax.set_title(name)
         ax.grid(alpha=0.3)
     _plot_loss(axes[0], records)
+    _plot_validation(axes[0], every)
     lr_fields = _fields(records, "train/lr/") or _fields(records, "train/lr")
     _plot_lines(axes[1], records, lr_fields, log=True)
     _plot_lines(axes[2], records, ["train/grad_norm", *_fields(records, "train/grad_norm/")], log=True)
@@ -170,6 +175,19 @@ def _plot_loss(ax, records) -> None:
         ax.plot(*with_gaps(records, field), color=color, alpha=0.35, linewidth=0.8, marker=".", markersize=2,
                 label=f"{name} (raw)")
         ax.plot(*with_gaps(records, field, ema(values)), color=color, linewidth=1.8, label=f"{name} (EMA {EMA_BETA})")
+
+
+def is_validation_only(record: dict[str, Any]) -> bool:
+    """A line that holds only ``val/*`` metrics (a validation at step 0 or between log steps, docs/metrics.md)."""
+    return any(k.startswith("val/") for k in record) and not any(k.startswith("train/") for k in record)
+
+
+def _plot_validation(ax, records) -> None:
+    """``val/loss`` (and per expert) as dashed lines with markers over the training loss."""
+    fields = ["val/loss", *_fields(records, "val/loss/high_noise"), *_fields(records, "val/loss/low_noise")]
+    for i, field in enumerate(f for f in fields if series(records, f)[0]):
+        ax.plot(*series(records, field), color="black" if i == 0 else f"C{i + 3}", linestyle="--", marker="o",
+                markersize=3, linewidth=1.2, label=field)
 
 
 def _plot_lines(ax, records, fields: Sequence[str], log: bool = False) -> None:
@@ -227,6 +245,9 @@ def summarize(records: Sequence[dict[str, Any]]) -> str:
             continue
         best, best_step = min(finite)
         lines.append(f"loss {name}: best {best:.5g} at step {best_step}, last {values[-1]:.5g} at step {steps[-1]}")
+    val_steps, val = series(records, "val/loss")
+    if val_steps:
+        lines.append(f"val/loss: {val[0]:.5g} at step {val_steps[0]}, last {val[-1]:.5g} at step {val_steps[-1]}")
     skipped = [v for v in series(records, "train/skipped_steps")[1] if math.isfinite(v)]
     lines.append(f"skipped steps: {int(skipped[-1]) if skipped else 0}")
     peak = [v for v in series(records, "memory/vram_peak_gb")[1] if math.isfinite(v)]

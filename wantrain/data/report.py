@@ -78,6 +78,40 @@ def estimate_peak_vram_gb(
     return total / 2**30
 
 
+_VAE_PARAMS = {"wan2.1": 127e6, "wan2.2": 705e6}  # fp32 while decoding samples
+_VAE_DECODE_BYTES_PER_PIXEL = 4 * 96 * 4.0 * 4  # 4 frames per causal chunk x 96 channels x fp32 x ~4 live tensors
+
+
+def estimate_sampling_vram_gb(spec: Any, width: int, height: int, frames: int, rank: int,
+                              base_dtype: str = "bf16") -> float:
+    """Estimated peak device memory (GiB) of generating one sample video during training (``[sample]``).
+
+    One expert is resident at a time (the other is swapped in at the boundary, as in training), with its LoRA and
+    optimizer state; the denoiser keeps no activations for backward, so one block's working set is the largest
+    live activation; the VAE (fp32) decodes in causal 4-frame chunks after the denoiser. Formula::
+
+        weights     = transformer_params * bytes(base_dtype) + rank * lora_params_per_rank * 16
+        denoise     = tokens * d * 44                 # one block's working set (tokens as in the training estimate)
+        decode      = vae_params * 4 + width * height * 4 * 96 * 4 * 4
+        peak        = 1.10 * (weights + max(denoise, decode)) + 1 GiB
+
+    As rough as the training estimate (expect +-25%).
+    """
+    if base_dtype == "auto":
+        base_dtype = "fp32" if spec.tiny else "bf16"
+    m = spec.spatial_multiple
+    if spec.tiny:
+        n = getattr(spec, "num_layers", _TINY_BLOCKS)
+        d = max(8.0, math.sqrt(spec.transformer_params / (n * _PARAMS_PER_BLOCK_PER_D2)))
+    else:
+        d = _ARCH.get(spec.vae, (5120, 40))[0]
+    weights = spec.transformer_params * _DTYPE_BYTES[base_dtype] + rank * spec.lora_params_per_rank * 16.0
+    tokens = ((frames - 1) // spec.frame_multiple + 1) * (height / m) * (width / m)
+    denoise = tokens * d * _ACT_BYTES_PER_TOKEN_PER_D
+    decode = _VAE_PARAMS.get(spec.vae, 127e6) * 4.0 + width * height * _VAE_DECODE_BYTES_PER_PIXEL
+    return (_FRAGMENTATION * (weights + max(denoise, decode)) + _OVERHEAD_GB * 2**30) / 2**30
+
+
 @attrs.define
 class BucketRow:
     width: int
@@ -177,4 +211,8 @@ class PreflightReport:
                          f"{v['frames']}, rank {v['rank']}, batch {v['batch_size']}, {v['base_dtype']} weights, "
                          f"gradient checkpointing {'on' if v['gradient_checkpointing'] else 'off'}; "
                          "formula in docs/data.md)")
+            if "sampling_gb" in v:
+                lines.append(f"estimated peak VRAM while sampling: {v['sampling_gb']:.1f} GiB ({v['sampling_size']}, "
+                             f"[sample]; one expert resident; formula in docs/validation.md); the run needs "
+                             f"{max(v['gb'], v['sampling_gb']):.1f} GiB")
         return "\n".join(lines)

@@ -11,8 +11,10 @@ Objective (flow matching, as diffusers' ``flow_prediction`` and the peer trainer
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Mapping
+import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +234,89 @@ class Wan22Adapter:
         if not 0.0 <= quantile < 1.0:
             raise ValueError(f"timestep quantile must lie in [0, 1), got {quantile}")
         self._next_quantile = float(quantile)
+
+    # -- validation and sampling (the validation and sample observers) ----------------------------------------
+    def expert_for_timestep(self, t: float) -> str | None:
+        """The trained expert that owns ``t`` in (0, 1) (high noise: t >= boundary); ``"untrained"`` when the
+        owner is not trained in this run."""
+        boundary = self.spec.boundary_ratio
+        if boundary is None:
+            return self.experts[0]
+        owner = "high_noise" if t >= boundary else "low_noise"
+        return owner if owner in self.experts else "untrained"
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Every trained transformer in eval mode (LoRA dropout off: nothing is drawn from the global RNG) under
+        ``torch.no_grad``; train mode is restored after, also on an error."""
+        modes = {e: t.training for e, t in self._transformers.items()}
+        try:
+            for transformer in self._transformers.values():
+                transformer.eval()
+            with torch.no_grad():
+                yield
+        finally:
+            for e, transformer in self._transformers.items():
+                transformer.train(modes[e])
+
+    def validation_loss(self, batch: Mapping[str, Any], t: float, noise: torch.Tensor) -> torch.Tensor:
+        """Flow-matching MSE of a cached ``batch`` at the fixed timestep ``t`` with the given ``noise`` (shape of
+        ``batch["latents"]``), by the expert that owns ``t`` (which must be on the device: ``activate`` it).
+        The text-to-video objective for every variant (TI2V: no clean first frame). A 0-dim float32 tensor on
+        the device; no host sync, no random draw. Call inside :meth:`evaluating`."""
+        expert = self.expert_for_timestep(t)
+        x0 = batch["latents"].to(self.device, torch.float32)
+        text = batch["text_embeds"].to(self.device, self.compute_dtype)
+        b, _, frames, height, width = x0.shape
+        noise = noise.to(self.device, torch.float32)
+        x_t = (1 - t) * x0 + t * noise
+        timestep = torch.full((b,), t * 1000, dtype=torch.float32, device=self.device)
+        if self.spec.conditioning == "i2v":
+            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32)], dim=1)
+        elif self.spec.conditioning == "ti2v":  # per-token timesteps, as the model is trained and sampled
+            timestep = timestep[:, None].repeat_interleave(frames * (height // 2) * (width // 2), dim=1)
+        pred = self._transformers[expert](
+            hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text, return_dict=False
+        )[0].to(torch.float32)
+        return ((pred - (noise - x0)) ** 2).mean()
+
+    def sampling_scheduler(self):
+        """The sampling scheduler: ``scheduler/scheduler_config.json`` of ``model.path`` when it has one; else
+        (the tiny twins, single-file transformers) the one diffusers' Wan conversion writes:
+        ``UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True)`` with ``flow_shift``
+        3.0 (A14B, Wan 2.1 VAE) or 5.0 (TI2V-5B)."""
+        import diffusers
+
+        path = self.source.path
+        config_file = path / "scheduler" / "scheduler_config.json" if path is not None else None
+        if config_file is not None and config_file.is_file():
+            config = json.loads(config_file.read_text())
+            cls = getattr(diffusers, config.get("_class_name", ""), None)
+            if cls is None:
+                raise UserError(f"'{config_file}' names scheduler class {config.get('_class_name')!r}, which "
+                                "diffusers does not have")
+            return cls.from_config(config)
+        return diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                 flow_shift=5.0 if self.spec.vae == "wan2.2" else 3.0)
+
+    def sampling_pipeline(self, vae: nn.Module, *, image_to_video: bool):
+        """diffusers' own ``WanPipeline`` / ``WanImageToVideoPipeline`` around the training transformers (LoRA
+        active, no copies) and ``vae``; no text encoder (pass ``prompt_embeds`` and ``negative_prompt_embeds``).
+        Both experts of an A14B variant must be trained. The caller places the experts (:meth:`activate`)."""
+        from diffusers import WanImageToVideoPipeline, WanPipeline
+
+        parts: dict[str, Any] = dict(tokenizer=None, text_encoder=None, vae=vae, scheduler=self.sampling_scheduler())
+        if self.spec.boundary_ratio is None:
+            parts.update(transformer=self._transformers[None], expand_timesteps=True)
+        else:
+            parts.update(transformer=self._transformers["high_noise"], transformer_2=self._transformers["low_noise"],
+                         boundary_ratio=self.spec.boundary_ratio)
+        if image_to_video:
+            pipe = WanImageToVideoPipeline(**parts, image_encoder=None, image_processor=None)
+        else:
+            pipe = WanPipeline(**parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     # -- encoders ------------------------------------------------------------------------------------------
     @torch.no_grad()

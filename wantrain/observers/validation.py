@@ -1,0 +1,173 @@
+"""Validation loss at fixed timesteps and fixed noise: a figure that is comparable across steps and runs.
+
+The training loss depends mostly on which timestep each step happened to draw; this one does not. Every validation
+evaluates each clip of the validation set at each timestep of ``validation.timesteps`` with noise drawn from its own
+generator, seeded from ``validation.seed``, the clip's index and the timestep's index (the same noise at every
+validation), by the expert that owns the timestep, in eval mode under ``torch.no_grad``. Nothing is drawn from the
+training random streams, so a run with validation trains bitwise like one without.
+
+Metrics (host floats, docs/metrics.md):
+
+* ``val/loss`` -- mean flow-matching MSE over every (clip, timestep) pair evaluated.
+* ``val/loss/<expert>`` -- the same over the timesteps that expert owns (two-expert models only).
+* ``val/loss/t_<t>`` -- the mean over the clips at one timestep (``val/loss/t_0.5``).
+
+When: at step 0 (the baseline, at ``RunStarted`` of a fresh run), every ``validation.every`` optimizer steps and
+at the last step (also when a stop was requested before the step's ``OptimizerStepped``). On a log step the
+values join the step's ``MetricsLogged`` through ``ctx.metrics`` (one line, one event); at step 0 and at other
+steps the observer emits a ``MetricsLogged`` of its own holding only ``val/*``. Each validation syncs the device
+once (it is rare) and logs ``validation`` with its wall time in the run log.
+
+With two experts, the inactive one comes onto the device for its timesteps (with its optimizer state) and goes
+back; the training expert is active again afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+import torch
+
+from wantrain.core.bus import Observer, Priority, on
+from wantrain.core.events import MetricsLogged, OptimizerStepped, RunStarted
+
+log = structlog.get_logger("wantrain.validation")
+
+
+def noise_seed(seed: int, clip: int, t_index: int) -> int:
+    """The seed of the noise of (clip, timestep): fixed across validations and independent of evaluation order."""
+    return (seed * 1_000_003 + clip * 1_009 + t_index) % (2**63 - 1)
+
+
+def metric_name(t: float) -> str:
+    return f"val/loss/t_{t:g}"
+
+
+def validate(adapter: Any, batches: Sequence[Mapping[str, Any]], timesteps: Sequence[float], seed: int,
+             optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+    """The ``val/*`` metrics of ``adapter`` on ``batches`` (cached batches: ``latents``, ``text_embeds``, ...).
+
+    Timesteps whose expert is not trained are left out. Experts are visited in the adapter's order starting with
+    the active one; the active expert is restored at the end. One device->host transfer.
+    """
+    training_expert = adapter.active
+    owners: dict[Any, list[int]] = {}
+    for i, t in enumerate(timesteps):
+        expert = adapter.expert_for_timestep(t)
+        if expert != "untrained":
+            owners.setdefault(expert, []).append(i)
+    order = sorted(owners, key=lambda e: (e != training_expert, adapter.experts.index(e)))
+    losses: dict[int, list[torch.Tensor]] = {}
+    try:
+        with adapter.evaluating():
+            for expert in order:
+                adapter.activate(expert, optimizer)
+                for i in owners[expert]:
+                    for c, batch in enumerate(batches):
+                        shape = batch["latents"].shape
+                        noise = torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(seed, c, i)))
+                        losses.setdefault(i, []).append(adapter.validation_loss(batch, timesteps[i], noise))
+    finally:
+        adapter.activate(training_expert, optimizer)
+    if not losses:
+        return {}
+    indices = sorted(losses)
+    means = torch.stack([torch.stack(losses[i]).mean() for i in indices])
+    per_t = dict(zip(indices, means.tolist(), strict=True))  # the one device->host transfer
+    out = {"val/loss": sum(per_t.values()) / len(per_t)}
+    if len(adapter.experts) > 1:
+        for expert in order:
+            mine = [per_t[i] for i in owners[expert]]
+            out[f"val/loss/{expert}"] = sum(mine) / len(mine)
+    for i, value in per_t.items():
+        out[metric_name(timesteps[i])] = value
+    return out
+
+
+class Validation(Observer):
+    """Computes the ``val/*`` metrics on a fixed set of cached batches (see the module docstring)."""
+
+    priority = Priority.SINK
+
+    def __init__(self, batches: Sequence[Mapping[str, Any]], *, timesteps: Sequence[float], seed: int,
+                 every: int) -> None:
+        self.batches = list(batches)
+        self.timesteps = list(timesteps)
+        self.seed = seed
+        self.every = every
+        self.seconds = 0.0  # wall time spent validating in this process
+        self._bus: Any = None
+        self._started = time.perf_counter()
+
+    def attach_to(self, bus: Any) -> None:
+        """Attach to ``bus`` and keep it: validations at step 0 and between log steps emit their own
+        ``MetricsLogged`` there (queued after the current event, as the bus does for every handler's emit)."""
+        self._bus = bus
+        bus.attach(self)
+
+    @on(RunStarted)
+    def on_run_started(self, event: RunStarted, ctx) -> None:
+        self._started = time.perf_counter()
+        if event.step == 0:  # a resumed run's last validation is already on record
+            self._emit(0, self._run(0, ctx), ctx, event.total_steps)
+
+    @on(OptimizerStepped)
+    def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
+        total = ctx.state.total_steps
+        stopping = ctx.control.stop_requested
+        if not (event.step % self.every == 0 or event.step == total or stopping):
+            return
+        values = self._run(event.step, ctx)
+        if event.is_log_step or stopping:  # the core logs this step (a stop logs its partial interval)
+            for name, value in values.items():
+                ctx.metrics.put(name, value)
+        else:
+            self._emit(event.step, values, ctx, total)
+
+    def _run(self, step: int, ctx) -> dict[str, float]:
+        started = time.perf_counter()
+        values = validate(ctx.adapter, self.batches, self.timesteps, self.seed, ctx.optimizer)
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
+        log.info("validation", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),
+                 clips=len(self.batches), loss=values.get("val/loss"))
+        return values
+
+    def _emit(self, step: int, values: dict[str, float], ctx, total: int) -> None:
+        if values and self._bus is not None:
+            self._bus.emit(MetricsLogged(step=step, expert=ctx.state.expert, values=values,
+                                         elapsed_s=time.perf_counter() - self._started, total_steps=total))
+
+
+def build_validation_data(cfg: Any, spec: Any, seed: int) -> Any:
+    """The validation clips of ``cfg.validation`` (a ``RunConfig``) as a ``TrainingData`` of one-clip batches in
+    folder order: ``validation.path`` read with the ``[data]`` settings, or the first ``from_training`` training
+    clips; at most ``max_clips``. Decodes nothing (``wantrain.runner.prepare`` calls it: a missing or empty folder
+    is refused before the run directory exists)."""
+    import attrs
+
+    from wantrain.data import build_dataset
+    from wantrain.data.training import TrainingData
+
+    v = cfg.validation
+    if v.path is not None:
+        data_cfg = attrs.evolve(cfg.data, path=v.path, datasets=[], repeats=1)
+    else:
+        data_cfg = attrs.evolve(cfg.data, datasets=[attrs.evolve(d, repeats=1) for d in cfg.data.datasets],
+                                repeats=1)
+    data_cfg = attrs.evolve(data_cfg, shuffle=False, remainder="smaller_batch")
+    full = build_dataset(data_cfg, spec=spec, seed=seed, batch_size=1)
+    limit = min(v.max_clips, v.from_training or v.max_clips)
+    return TrainingData(full.clips[:limit], full.report, batch_size=1, remainder="smaller_batch", shuffle=False,
+                        seed=seed, spec=spec)
+
+
+def cached_batches(data: Any, adapter: Any) -> list[dict[str, torch.Tensor]]:
+    """One cached batch per validation clip (tensors only, on the CPU), read after ``ensure_cache``."""
+    import itertools
+
+    batches = itertools.islice(iter(data.stream(adapter)), data.steps_per_epoch)
+    return [{k: v.cpu() for k, v in b.items() if isinstance(v, torch.Tensor)} for b in batches]
