@@ -19,12 +19,18 @@ QUICKSTART = ROOT / "examples" / "quickstart.toml"
 pytestmark = pytest.mark.slow
 
 
-def copy_examples(tmp: Path) -> Path:
-    """The quickstart config and demo data in a scratch folder, so caches and runs stay out of the repo."""
+def copy_examples(tmp: Path, *, validation_and_samples: bool = False) -> Path:
+    """The quickstart config and demo data in a scratch folder, so caches and runs stay out of the repo. The
+    quickstart's [validation] and [sample] sections are switched off unless asked for: the tests about them ask,
+    the others save their cost."""
     shutil.copytree(ROOT / "examples" / "demo_data", tmp / "demo_data",
                     ignore=shutil.ignore_patterns(".wantrain_cache"))
+    text = QUICKSTART.read_text(encoding="utf-8").replace('"../runs"', '"runs"')
+    if not validation_and_samples:
+        text, n = re.subn(r"(\[(?:validation|sample)\][^\n]*\nenabled = )true", r"\1false", text)
+        assert n == 2, "the quickstart's [validation]/[sample] sections changed shape"
     config = tmp / "quickstart.toml"
-    config.write_text(QUICKSTART.read_text(encoding="utf-8").replace('"../runs"', '"runs"'), encoding="utf-8")
+    config.write_text(text, encoding="utf-8")
     return config
 
 

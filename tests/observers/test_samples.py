@@ -165,7 +165,7 @@ def test_check_adds_the_sampling_footprint_to_the_vram_estimate(tmp_path, capsys
     from tests.test_end_to_end import copy_examples
     from wantrain.cli.main import main
 
-    config = copy_examples(tmp_path)
+    config = copy_examples(tmp_path, validation_and_samples=True)
     assert main(["check", str(config), "--set", "model.variant=t2v-a14b", "--set", "sample.width=832",
                  "--set", "sample.height=480", "--set", "sample.frames=81"]) == 0
     out = capsys.readouterr().out

@@ -23,7 +23,7 @@ def test_quickstart_run_writes_sample_videos_and_the_val_series(tmp_path):
 
     from tests.test_end_to_end import copy_examples
 
-    config = copy_examples(tmp_path)
+    config = copy_examples(tmp_path, validation_and_samples=True)
     code = main(["run", str(config), "--max-steps", "10", "--run-id", "qs", "--set", "observers.progress=false"])
     assert code == 0
     (run_dir,) = (tmp_path / "runs").iterdir()
