@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import signal
 import sys
 import time
@@ -195,6 +196,28 @@ def load_resume_point(spec: str | Path, cfg: Any, plain: dict[str, Any]) -> Resu
     return ResumePoint(path, path.parent.parent, loaded.step, loaded.tree, loaded.meta, tuple(warnings))
 
 
+def check_resume_world_size(point: ResumePoint, world_size: int) -> None:
+    """Refuse a checkpoint written by another number of ranks: each rank's data position and random streams are
+    its own, so they cannot be split or merged exactly."""
+    from wantrain.core.distributed import checkpoint_world_size
+
+    saved = checkpoint_world_size(point.tree)
+    if saved != world_size:
+        def launch(n: int) -> str:
+            return "one process (wantrain run)" if n == 1 else f"{n} processes (torchrun, {n} ranks in all)"
+        raise UserError(
+            f"checkpoint '{point.checkpoint}' was written by {launch(saved)} and this run has {world_size}; resume "
+            f"with {launch(saved)}, or start a new run"
+        )
+
+
+def _run_dir_from_rank0(message: str) -> Path:
+    kind, _, text = message.partition(":")
+    if kind == "error":
+        raise UserError(text)
+    return Path(text)
+
+
 # -- signals ----------------------------------------------------------------------------------------------------------
 class RunInterrupted(BaseException):
     """A signal arrived before the first step (while the cache was filling): the run ends ``stopped``.
@@ -237,10 +260,14 @@ class RunOutcome:
     run_dir: Path
     saved: tuple[str, ...]
     checkpoint: str | None = None
+    rank: int = 0
 
     @property
     def exit_code(self) -> int:
-        return EXIT_CODES.get(self.status, 1)
+        """The status's code on rank 0. Other torchrun ranks exit 0 once their part is done, whatever the status:
+        torchrun ends every other rank as soon as one exits non-zero, which could cut rank 0's last writes short;
+        rank 0's code carries the outcome (torchrun itself then exits 1 for any non-zero code)."""
+        return EXIT_CODES.get(self.status, 1) if self.rank == 0 else 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -276,24 +303,44 @@ class PreparedRun:
     adapter: Any
     extra_observers: list[type]
     resume: ResumePoint | None = None
+    sync: Any = None  # core.distributed: SingleProcess, or ProcessGroupSync under torchrun
+
+    def __attrs_post_init__(self) -> None:
+        if self.sync is None:
+            from wantrain.core.distributed import SingleProcess
+
+            self.sync = SingleProcess()
 
     def execute(self) -> RunOutcome:
         import tomli_w
 
-        from wantrain.cli.logs import close_log_file, configure_logging
+        from wantrain.cli.logs import configure_logging
         from wantrain.core.rundir import create_run_dir
 
-        cfg, data, resume = self.cfg, self.data, self.resume
-        if resume is None:
-            run_dir = create_run_dir(cfg.run.output_dir, cfg.run.run_id)
-        else:
-            run_dir = resume.run_dir
-            _keep_previous_config(run_dir, self.plain, resume.step)
+        cfg, data, resume, sync = self.cfg, self.data, self.resume, self.sync
+        if not sync.is_main:  # rank 0 alone creates the run directory and writes its files; the others learn it
+            run_dir = _run_dir_from_rank0(sync.broadcast_text(None))
+            return self._execute_in(run_dir, configure_logging(None, level=logging.WARNING))
+        try:
+            if resume is None:
+                run_dir = create_run_dir(cfg.run.output_dir, cfg.run.run_id)
+            else:
+                run_dir = resume.run_dir
+                _keep_previous_config(run_dir, self.plain, resume.step)
+        except UserError as exc:
+            sync.broadcast_text("error:" + str(exc))  # the other ranks refuse with the same line
+            raise
+        sync.broadcast_text("path:" + str(run_dir))
         (run_dir / "config.toml").write_text(tomli_w.dumps(self.plain), encoding="utf-8")
         data.set_vram_estimate(rank=cfg.lora.rank, base_dtype=cfg.model.base_dtype,
                                gradient_checkpointing=cfg.model.gradient_checkpointing)
         _write_preflight(run_dir, data)
-        log_handler = configure_logging(run_dir / "log.jsonl")
+        return self._execute_in(run_dir, configure_logging(run_dir / "log.jsonl"))
+
+    def _execute_in(self, run_dir: Path, log_handler: Any) -> RunOutcome:
+        from wantrain.cli.logs import close_log_file
+
+        data, resume, sync = self.data, self.resume, self.sync
         for note in resume.warnings if resume is not None else ():
             log.warning("resume_note", note=note)
         control_ref: list[Any] = []
@@ -308,19 +355,23 @@ class PreparedRun:
                                       run_dir, ())
                 result = trainer.run()
         finally:
-            _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
+            if sync.is_main:
+                _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
             close_log_file(log_handler)
+            sync.close()
         checkpoint = None
         if trainer.checkpoints is not None:
             from wantrain.core.checkpoint import latest_complete
 
             best, _ = latest_complete(trainer.checkpoints.directory)
             checkpoint = str(best.path) if best is not None else None
-        return RunOutcome(result.status, result.reason, result.steps, run_dir, tuple(result.saved), checkpoint)
+        return RunOutcome(result.status, result.reason, result.steps, run_dir, tuple(result.saved), checkpoint,
+                          rank=sync.topology.rank)
 
     def _assemble(self, run_dir: Path, control_ref: list[Any]) -> Any:
         from wantrain.core.bus import Bus
         from wantrain.core.checkpoint import remove_stale_temporaries
+        from wantrain.core.distributed import rank_seed, rank_view
         from wantrain.core.faults import inject_faults
         from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
         from wantrain.core.state import TrainState
@@ -329,19 +380,26 @@ class PreparedRun:
         from wantrain.observers.event_recorder import EventRecorder
         from wantrain.schedulers import build_scheduler
 
-        cfg, data, adapter, resume = self.cfg, self.data, self.adapter, self.resume
+        cfg, data, adapter, resume, sync = self.cfg, self.data, self.adapter, self.resume, self.sync
+        main, rank = sync.is_main, sync.topology.rank
         # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
         # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
+        # Under torchrun rank 0 fills the cache first; the others then find every entry in it.
+        if not main:
+            sync.barrier()
         stats = ensure_cache(data, adapter, remove_orphans=False)
+        if main:
+            sync.barrier()
         adapter.release_encoders()
         log.info("cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded,
                  texts_hit=stats.texts_hit, texts_encoded=stats.texts_encoded, clips_failed=stats.clips_failed)
         optimizer = build_optimizer(cfg, adapter.param_groups(), self.device)
         scheduler = build_scheduler(cfg.lr_scheduler, optimizer, total_steps=cfg.train.max_steps)
         bus = Bus()
-        for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain):
+        for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain,
+                                        writes_files=main):
             bus.attach(observer)
-        if cfg.observers.record_events:
+        if cfg.observers.record_events and main:
             EventRecorder(run_dir / "events.jsonl", keep_through_step=resume.step if resume else 0).attach_to(bus)
         state = TrainState()
         policy = None
@@ -352,19 +410,22 @@ class PreparedRun:
                 meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain)},
             )
         trainer = Trainer(
-            adapter=inject_faults(adapter, optimizer, cfg.faults, state),
+            adapter=inject_faults(adapter, optimizer, cfg.faults, state, rank),
             batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
-            saver=adapter.saver(run_dir, cfg.run.name), settings=LoopSettings.from_config(cfg.train), bus=bus,
-            run_dir=run_dir, config=cfg, seed=cfg.run.seed, state=state, checkpoints=policy,
+            saver=adapter.saver(run_dir, cfg.run.name) if main else None,
+            settings=LoopSettings.from_config(cfg.train), bus=bus, run_dir=run_dir, config=cfg,
+            seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,
         )
         if resume is not None:
-            remove_stale_temporaries(run_dir / "checkpoints")
-            for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
-                leftover.unlink(missing_ok=True)
-            _set_aside_later_checkpoints(run_dir / "checkpoints", resume.step)
-            for note in trainer.load_state_dict(resume.tree, source=str(resume.checkpoint)):
+            if main:
+                remove_stale_temporaries(run_dir / "checkpoints")
+                for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
+                    leftover.unlink(missing_ok=True)
+                _set_aside_later_checkpoints(run_dir / "checkpoints", resume.step)
+            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(resume.checkpoint)):
                 log.warning("resume_note", note=note)
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
+        sync.broadcast_parameters(adapter.trainable_parameters())  # every rank starts from rank 0's LoRA
         control_ref.append(trainer.control)
         return trainer
 
@@ -408,6 +469,7 @@ def _set_aside_later_checkpoints(directory: Path, step: int) -> None:
 def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None) -> PreparedRun:
     """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing."""
     from wantrain.config import to_plain
+    from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology
     from wantrain.core.rundir import sanitize_run_id
     from wantrain.data import build_dataset
     from wantrain.models.wan22 import build_adapter
@@ -422,10 +484,17 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
     point = load_resume_point(resume, cfg, plain) if resume is not None else None
+    topology = detect_topology()
+    if point is not None:
+        check_resume_world_size(point, topology.world_size)
     device = resolve_device(cfg.train.device)
+    if topology.distributed and device.type == "cuda":
+        device = torch.device("cuda", topology.local_rank)  # one GPU per rank
+        torch.cuda.set_device(device)
     check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
     spec = variant_spec(cfg.model.variant)
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
+    data.shard(topology.rank, topology.world_size)
     if point is not None:
         saved_data = point.tree.get("data") or {}
         if saved_data.get("fingerprint") not in (None, data.fingerprint()):
@@ -435,7 +504,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
             )
     torch.manual_seed(cfg.run.seed)
     adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
-    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point)
+    sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
+    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point, sync)
 
 
 def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | None = None,
