@@ -21,6 +21,7 @@ from wantrain.core.settings import (
 )
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
+from wantrain.observers.lr_finder_config import LrFinderConfig
 from wantrain.optimizers.config import OptimizerConfig
 from wantrain.schedulers.config import SchedulerConfig
 
@@ -41,6 +42,7 @@ class RunConfig:
     observers: ObserversConfig = setting(factory=ObserversConfig, doc="Observers.")
     checkpoint: CheckpointConfig = setting(factory=CheckpointConfig, doc="Resumable checkpoints.")
     faults: FaultsConfig = setting(factory=FaultsConfig, doc="Fault injection (a testing aid).")
+    lr_finder: LrFinderConfig = setting(factory=LrFinderConfig, doc="Learning-rate range test.")
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:

@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ RESUME_RULES: dict[str, str] = {
     "train.device": "free", "train.max_consecutive_oom": "free", "train.max_consecutive_nan": "free",
     "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
     "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
+    "lr_finder.": "free",
 }
 """Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``
 (silent); every other key (LR, schedule, step budget, model paths, timestep sampling, ...) is allowed with a
@@ -260,6 +261,8 @@ class RunOutcome:
     run_dir: Path
     saved: tuple[str, ...]
     checkpoint: str | None = None
+    lr_finder: tuple[str, ...] = ()  # the LR finder's summary lines (suggestions, warnings), when it ran
+    lr_finder_dir: Path | None = None
     rank: int = 0
 
     @property
@@ -303,6 +306,8 @@ class PreparedRun:
     adapter: Any
     extra_observers: list[type]
     resume: ResumePoint | None = None
+    # --lr-finder-then-train: the trainer state captured before the sweep, loaded into this run's trainer
+    initial_state: Any = None
     sync: Any = None  # core.distributed: SingleProcess, or ProcessGroupSync under torchrun
 
     def __attrs_post_init__(self) -> None:
@@ -311,19 +316,29 @@ class PreparedRun:
 
             self.sync = SingleProcess()
 
-    def execute(self) -> RunOutcome:
+    def execute(self, *, finder: Any = None, before_run: Callable[[Any], None] | None = None) -> RunOutcome:
+        """Train (see the module docstring). A config with ``[lr_finder]`` enabled runs the range test instead
+        (``wantrain.lr_finder_run``), which calls back here with ``finder`` (an ``LrFinder``): a run directory
+        suffixed ``__lr_finder``, the sweep's length, no LoRA and no checkpoint. ``before_run(trainer)`` runs after
+        the assembly, right before the first step."""
         import tomli_w
 
         from wantrain.cli.logs import configure_logging
         from wantrain.core.rundir import create_run_dir
 
+        if finder is None and self.cfg.lr_finder.active:
+            from wantrain.lr_finder_run import execute_lr_finder
+
+            return execute_lr_finder(self)
         cfg, data, resume, sync = self.cfg, self.data, self.resume, self.sync
         if not sync.is_main:  # rank 0 alone creates the run directory and writes its files; the others learn it
             run_dir = _run_dir_from_rank0(sync.broadcast_text(None))
-            return self._execute_in(run_dir, configure_logging(None, level=logging.WARNING))
+            return self._execute_in(run_dir, configure_logging(None, level=logging.WARNING), finder, before_run)
         try:
             if resume is None:
-                run_dir = create_run_dir(cfg.run.output_dir, cfg.run.run_id)
+                run_id = cfg.run.run_id if finder is None else "__".join(
+                    x for x in (cfg.run.run_id, "lr_finder") if x)
+                run_dir = create_run_dir(cfg.run.output_dir, run_id)
             else:
                 run_dir = resume.run_dir
                 _keep_previous_config(run_dir, self.plain, resume.step)
@@ -335,9 +350,10 @@ class PreparedRun:
         data.set_vram_estimate(rank=cfg.lora.rank, base_dtype=cfg.model.base_dtype,
                                gradient_checkpointing=cfg.model.gradient_checkpointing)
         _write_preflight(run_dir, data)
-        return self._execute_in(run_dir, configure_logging(run_dir / "log.jsonl"))
+        return self._execute_in(run_dir, configure_logging(run_dir / "log.jsonl"), finder, before_run)
 
-    def _execute_in(self, run_dir: Path, log_handler: Any) -> RunOutcome:
+    def _execute_in(self, run_dir: Path, log_handler: Any, finder: Any, before_run: Callable[[Any], None] | None
+                    ) -> RunOutcome:
         from wantrain.cli.logs import close_log_file
 
         data, resume, sync = self.data, self.resume, self.sync
@@ -347,18 +363,19 @@ class PreparedRun:
         try:
             with stop_on_signals(control_ref):
                 try:
-                    trainer = self._assemble(run_dir, control_ref)
+                    trainer = self._assemble(run_dir, control_ref, finder=finder)
                 except RunInterrupted as exc:
                     log.warning("run_ended", step=resume.step if resume else 0, status="stopped",
                                 reason=f"{exc} before the first step (while preparing the cache)")
                     return RunOutcome("stopped", f"{exc} before the first step", resume.step if resume else 0,
                                       run_dir, ())
+                if before_run is not None:
+                    before_run(trainer)
                 result = trainer.run()
         finally:
             if sync.is_main:
                 _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
             close_log_file(log_handler)
-            sync.close()
         checkpoint = None
         if trainer.checkpoints is not None:
             from wantrain.core.checkpoint import latest_complete
@@ -368,7 +385,8 @@ class PreparedRun:
         return RunOutcome(result.status, result.reason, result.steps, run_dir, tuple(result.saved), checkpoint,
                           rank=sync.topology.rank)
 
-    def _assemble(self, run_dir: Path, control_ref: list[Any]) -> Any:
+    def _assemble(self, run_dir: Path, control_ref: list[Any], *, finder: Any = None) -> Any:
+        from wantrain.core.adapter import NullSaver
         from wantrain.core.bus import Bus
         from wantrain.core.checkpoint import remove_stale_temporaries
         from wantrain.core.distributed import rank_seed, rank_view
@@ -382,6 +400,12 @@ class PreparedRun:
 
         cfg, data, adapter, resume, sync = self.cfg, self.data, self.adapter, self.resume, self.sync
         main, rank = sync.is_main, sync.topology.rank
+        train_cfg, model = cfg.train, adapter
+        if finder is not None:  # the LR finder's run (wantrain.lr_finder_run): its length, every step logged
+            from wantrain.lr_finder_run import SweepOrder
+
+            train_cfg = attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None)
+            model = SweepOrder(adapter, finder.steps_per_expert)
         # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
         # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
         # Under torchrun rank 0 fills the cache first; the others then find every entry in it.
@@ -399,23 +423,29 @@ class PreparedRun:
         for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain,
                                         writes_files=main):
             bus.attach(observer)
+        if finder is not None:
+            finder.attach_to(bus)
         if cfg.observers.record_events and main:
             EventRecorder(run_dir / "events.jsonl", keep_through_step=resume.step if resume else 0).attach_to(bus)
         state = TrainState()
         policy = None
-        if cfg.checkpoint.enabled:
+        if cfg.checkpoint.enabled and finder is None:
             policy = CheckpointPolicy(
                 directory=run_dir / "checkpoints", every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                 keep_every=cfg.checkpoint.keep_every,
                 meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain)},
             )
         trainer = Trainer(
-            adapter=inject_faults(adapter, optimizer, cfg.faults, state, rank),
+            adapter=inject_faults(model, optimizer, cfg.faults, state, rank),
             batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
-            saver=adapter.saver(run_dir, cfg.run.name) if main else None,
-            settings=LoopSettings.from_config(cfg.train), bus=bus, run_dir=run_dir, config=cfg,
+            saver=adapter.saver(run_dir, cfg.run.name) if finder is None and main else NullSaver(),
+            settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir, config=cfg,
             seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,
         )
+        if self.initial_state is not None:
+            from wantrain.lr_finder_run import load_initial_state
+
+            load_initial_state(trainer, self.initial_state)
         if resume is not None:
             if main:
                 remove_stale_temporaries(run_dir / "checkpoints")
@@ -480,6 +510,10 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
 
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
+    if cfg.lr_finder.active:
+        from wantrain.lr_finder_run import check_lr_finder
+
+        check_lr_finder(cfg, resume)
     plain = to_plain(cfg)
     check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
@@ -525,4 +559,8 @@ def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | No
         if overrides:
             raise TypeError("overrides apply to a config file; pass a path, or change the RunConfig yourself")
         cfg = config
-    return prepare(cfg, config_dir=config_dir, resume=resume).execute()
+    prepared = prepare(cfg, config_dir=config_dir, resume=resume)
+    try:
+        return prepared.execute()
+    finally:
+        prepared.sync.close()  # torchrun: leave the process group (one process: nothing to do)

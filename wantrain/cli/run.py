@@ -1,5 +1,6 @@
-"""``wantrain run CONFIG [--resume auto|PATH]``: parse the arguments and hand them to ``wantrain.runner``, the one
-place that assembles a run. Exit codes: 0 completed, 1 failed, 2 bad input, 3 stopped (resumable), 130 aborted."""
+"""``wantrain run CONFIG [--resume auto|PATH] [--lr-finder ...]``: parse the arguments and hand them to
+``wantrain.runner``, the one place that assembles a run. Exit codes: 0 completed, 1 failed, 2 bad input, 3 stopped
+(resumable), 130 aborted."""
 
 from __future__ import annotations
 
@@ -19,6 +20,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue from a checkpoint: 'auto' (the latest complete checkpoint of the latest run with the same "
              "run.name under run.output_dir), a run directory or a checkpoint directory",
     )
+    add_lr_finder_arguments(parser)
+
+
+def add_lr_finder_arguments(parser: argparse.ArgumentParser) -> None:
+    """The range test's flags (docs/lr_finder.md); each sets a key of ``[lr_finder]``. The seed's underscore
+    spellings (``--lr_finder``, ``--lr_finder_steps``, ...) are accepted too."""
+    group = parser.add_argument_group("learning-rate range test (docs/lr_finder.md)")
+    group.add_argument("--lr-finder", "--lr_finder", dest="lr_finder", action="store_true",
+                       help="run the LR range test instead of training (run directory <time>__lr_finder; no LoRA or "
+                            "checkpoint is written), print the suggested LR and exit")
+    group.add_argument("--lr-finder-then-train", dest="lr_finder_then_train", action="store_true",
+                       help="run the range test, restore the state from before it, then train with the suggested LR")
+    group.add_argument("--lr-finder-steps", "--lr_finder_steps", dest="lr_finder_steps", type=int, metavar="N",
+                       help="learning rates tested per expert (lr_finder.steps, default 100)")
+    group.add_argument("--lr-finder-start", "--lr_finder_start", dest="lr_finder_start", type=float, metavar="LR",
+                       help="first LR of the sweep (lr_finder.start_lr, default 1e-7)")
+    group.add_argument("--lr-finder-end", "--lr_finder_end", dest="lr_finder_end", type=float, metavar="LR",
+                       help="last LR of the sweep (lr_finder.end_lr, default 10)")
+    group.add_argument("--lr-finder-mode", dest="lr_finder_mode", choices=("exp", "linear"),
+                       help="spacing of the LRs (lr_finder.mode, default exp)")
+
+
+def lr_finder_overrides(args: argparse.Namespace) -> list[str]:
+    """``--set``-style overrides for the LR finder's flags."""
+    out = []
+    if getattr(args, "lr_finder", False):
+        out.append("lr_finder.enabled=true")
+    if getattr(args, "lr_finder_then_train", False):
+        out.append("lr_finder.then_train=true")
+    for flag, key in (("lr_finder_steps", "steps"), ("lr_finder_start", "start_lr"), ("lr_finder_end", "end_lr")):
+        if getattr(args, flag, None) is not None:
+            out.append(f"lr_finder.{key}={getattr(args, flag)!r}")
+    if getattr(args, "lr_finder_mode", None) is not None:
+        out.append(f"lr_finder.mode={json.dumps(args.lr_finder_mode)}")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,7 +65,13 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"train.max_steps={args.max_steps}")
     if args.run_id is not None:
         overrides.append(f"run.run_id={json.dumps(args.run_id)}")
+    overrides += lr_finder_overrides(args)
     outcome = train(args.config, overrides=overrides, resume=args.resume)
+    for line in outcome.lr_finder:
+        print(line)
+    if outcome.lr_finder_dir is not None:
+        where = outcome.lr_finder_dir
+        print(f"lr_finder: chart {where / 'lr_finder.png'}, sweep {where / 'lr_finder.csv'}")
     print(f"wantrain: run {outcome.status} after {outcome.steps} steps; run directory: {outcome.run_dir}",
           file=sys.stderr)
     if outcome.status != "completed" and outcome.reason:

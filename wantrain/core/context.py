@@ -113,6 +113,8 @@ class Context:
 
     ``adapter``, ``optimizer`` and ``scheduler`` are live objects: device operations on them are allowed, host
     syncs are not (except in handlers of ``MetricsLogged``, ``RunStarted``, ``CheckpointSaved`` and ``RunEnded``).
+    ``generator`` is the trainer's generator (timesteps and noise are drawn from it): read its state with
+    ``get_state()`` (a host copy, no sync); never draw from it or set it -- ask ``control.set_generator_state``.
     """
 
     control: Control
@@ -124,4 +126,5 @@ class Context:
     adapter: Any = None
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
+    generator: torch.Generator | None = None
     extras: dict[str, Any] = attrs.field(factory=dict)

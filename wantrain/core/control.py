@@ -14,11 +14,16 @@ them at fixed points (see the pseudocode in ``wantrain.core.events``):
   StepLR) continue as if there had been no override. An observer that wants to hold an LR sets it at every step.
   Refused at the call (``ValueError``): an LR that is not a finite number >= 0, and a group name not in
   ``group_names``, which the trainer fills in when it is built (until then any name is accepted).
+* ``set_generator_state`` -- the state (from ``ctx.generator.get_state()``) the trainer's generator is set to right
+  before the next forward pass, then cleared: that micro-step draws its timesteps and noise as it did when the
+  state was read. The LR finder uses it to give every LR the same draws. It changes what the run computes, like
+  ``set_lr``; the generator state is saved in checkpoints as usual.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import attrs
 
@@ -31,6 +36,7 @@ class Control:
     _save_reason: str | None = None
     _skip_reason: str | None = None
     _lr_requests: dict[str, float] = attrs.field(factory=dict)
+    _generator_state: Any = None
     group_names: tuple[str, ...] | None = None  # the optimizer's parameter groups, set by the trainer
 
     # -- stop (sticky) -----------------------------------------------------------------------------------------
@@ -88,3 +94,13 @@ class Control:
     def take_lr_requests(self) -> dict[str, float]:
         requests, self._lr_requests = self._lr_requests, {}
         return requests
+
+    # -- random draws of the next forward pass -----------------------------------------------------------------
+    def set_generator_state(self, state: Any) -> None:
+        """Ask for the trainer's generator to be set to ``state`` (a ``torch.Generator.get_state()`` tensor) right
+        before the next forward pass only."""
+        self._generator_state = state
+
+    def take_generator_state(self) -> Any:
+        state, self._generator_state = self._generator_state, None
+        return state

@@ -143,6 +143,7 @@ class Trainer:
         self.bus = bus if bus is not None else Bus()
         self.bus.ctx = self.ctx
         self.generator = torch.Generator(device=adapter.device).manual_seed(seed)
+        self.ctx.generator = self.generator
         self._group_names = tuple(g.get("name", str(i)) for i, g in enumerate(optimizer.param_groups))
         self.ctx.control.group_names = self._group_names
         self._saved: list[str] = []
@@ -266,6 +267,9 @@ class Trainer:
             common = dict(step=step, micro_step=state.micro_step, accumulation_index=index,
                           ends_optimizer_step=ends, is_log_step=is_log_step, expert=expert)
             self.bus.emit(StepStarted(**common))
+            pinned = control.take_generator_state()
+            if pinned is not None:
+                self.generator.set_state(pinned)  # an observer asked for these draws (control.set_generator_state)
             phase = "forward"
             try:
                 batch = next(batches)

@@ -13,6 +13,7 @@ Python)::
             emit ExpertSwitched
         for micro in 1 .. grad_accum:          # gradient accumulation
             emit StepStarted                   # may: request stop, set LR (applies at this step's optimizer step)
+                                               #   set the generator state for this forward's draws
             loss = adapter.loss(batch, expert)     # forward
             emit LossComputed                  # ctx.live.loss holds the detached device loss: may accumulate it
                                                #   on the device; must NOT call .item()/float()/bool() on it

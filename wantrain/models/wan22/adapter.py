@@ -110,6 +110,7 @@ class Wan22Adapter:
         self._vae = None
         self._tokenizer = None
         self._text_encoder = None
+        self._next_quantile: float | None = None  # set_timestep_quantile(): for the next loss() only
 
     def _prepare(self, transformer: nn.Module, fp8: bool) -> nn.Module:
         from peft import LoraConfig as PeftLoraConfig
@@ -197,7 +198,8 @@ class Wan22Adapter:
         x0 = batch["latents"].to(self.device, torch.float32)
         text = batch["text_embeds"].to(self.device, self.compute_dtype)
         b, _, frames, height, width = x0.shape
-        t = self.sampler.sample(b, self.bands[expert], generator, self.device)  # float64
+        quantile, self._next_quantile = self._next_quantile, None
+        t = self.sampler.sample(b, self.bands[expert], generator, self.device, quantile=quantile)  # float64
         noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(self.device)
         t_mix = t.to(torch.float32).view(b, 1, 1, 1, 1)
         x_t = (1 - t_mix) * x0 + t_mix * noise
@@ -222,6 +224,14 @@ class Wan22Adapter:
             return err.mean()
         weight = weight.expand_as(err)
         return (err * weight).sum() / weight.sum().clamp_min(1.0)
+
+    def set_timestep_quantile(self, quantile: float) -> None:
+        """Make the next :meth:`loss` place its timesteps at ``quantile`` (in [0, 1)) of the expert's t
+        distribution instead of drawing them (sample k of the batch at ``(quantile + k/B) mod 1``); one call, one
+        forward pass. The LR finder's ``noise = "stratified"`` calls it before every micro-step."""
+        if not 0.0 <= quantile < 1.0:
+            raise ValueError(f"timestep quantile must lie in [0, 1), got {quantile}")
+        self._next_quantile = float(quantile)
 
     # -- encoders ------------------------------------------------------------------------------------------
     @torch.no_grad()

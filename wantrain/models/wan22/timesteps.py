@@ -81,13 +81,19 @@ class TimestepSampler:
         range and routed like the pipelines do (docs/models.md tabulates it)."""
         return 1.0 - self.base_cdf(unshift_t(boundary, self.shift))
 
-    def sample(self, n: int, band: Band, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    def sample(self, n: int, band: Band, generator: torch.Generator, device: torch.device,
+               quantile: float | None = None) -> torch.Tensor:
         """``n`` values of t in ``band`` (float64 on ``device``: cast ``t * 1000`` to the model dtype *after*
         scaling, so that t = 0.9 stays >= the 900 boundary). Random numbers come from ``generator`` only, so a
-        fixed generator state gives fixed timesteps. No host sync."""
+        fixed generator state gives fixed timesteps. No host sync.
+
+        ``quantile`` (in [0, 1)): draw no t at random but place value k at quantile ``(quantile + k/n) mod 1`` of
+        the band's distribution (the generator still advances as usual). The LR finder's stratified sweep uses it."""
         u_low = self.base_cdf(unshift_t(band.low, self.shift))
         u_high = self.base_cdf(unshift_t(band.high, self.shift))
         u = torch.rand(n, generator=generator, device=generator.device, dtype=torch.float64)
+        if quantile is not None:
+            u = ((quantile + torch.arange(n, dtype=torch.float64, device=u.device) / n) % 1.0)
         u = (u_low + u * (u_high - u_low)).to(device)
         if self.method == "uniform":
             base = u

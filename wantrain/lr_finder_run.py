@@ -1,0 +1,162 @@
+"""``wantrain run --lr-finder`` and ``--lr-finder-then-train``: the range test through the one run assembly.
+
+:func:`execute_lr_finder` is what :meth:`wantrain.runner.PreparedRun.execute` calls when ``[lr_finder]`` is on:
+
+1. The test is a run of its own, assembled by ``PreparedRun.execute(finder=...)`` like any other: a run directory
+   ``<time>__lr_finder`` (``<time>__<run_id>__lr_finder``), ``steps * steps_per_lr`` optimizer steps per trained
+   expert with each expert's sweep in turn (:class:`SweepOrder`), every step logged, no LoRA saver
+   (``NullSaver``) and no checkpoints. The :class:`~wantrain.observers.lr_finder.LrFinder` observer drives it.
+2. ``--lr-finder``: that is all; the suggestions are printed and the process exits (0 when the sweep ran to its
+   end or to its stop rule).
+3. ``--lr-finder-then-train``: right before the sweep's first step the trainer's whole state is copied in memory
+   (``copy_tree(trainer.state_dict())``: LoRA weights, optimizer and scheduler state, every random stream, the
+   data position, the core's counters). After the sweep a normal run is assembled from the config with each
+   expert's suggested LR (``model.lr_high_noise`` / ``model.lr_low_noise``, or ``optimizer.lr``) and ``[lr_finder]``
+   switched off -- what its ``config.toml`` says, so re-running that file trains the same run -- and
+   :func:`load_initial_state` loads the copy into its trainer before its first step and checks, tensor by tensor,
+   that the LoRA weights and optimizer state equal the copy bitwise. The scheduler is the one exception: it is
+   built for the new LR (the copy's schedule is at the same step but scaled to the old base LR). The continued
+   run therefore computes exactly what a run started with the suggested LR computes (a test checks that).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from wantrain.core.checkpoint import copy_tree
+
+log = structlog.get_logger("wantrain.lr_finder")
+
+
+def check_lr_finder(cfg: Any, resume: Any) -> None:
+    """Refusals that depend on the config only (``prepare()`` calls this before anything is written)."""
+    from wantrain.core.errors import UserError
+    from wantrain.optimizers import TYPES
+
+    if resume is not None:
+        raise UserError("the LR finder (--lr-finder, lr_finder.enabled / then_train) cannot run with --resume: it "
+                        "starts from a fresh run; resume without it (a then-train run's config.toml holds the "
+                        "suggested LR)")
+    spec = TYPES.get(cfg.optimizer.type)
+    if spec is not None and spec.adaptive_lr:
+        raise UserError(f"the LR finder sweeps the learning rate, but optimizer.type = {cfg.optimizer.type!r} "
+                        "estimates its own step size (its lr is a multiplier); run the finder with "
+                        "optimizer.type = 'adamw', or train without it")
+
+
+class SweepOrder:
+    """The model adapter as the finder's run sees it: each trained expert's whole sweep in turn (steps
+    ``1..n`` the first expert, ``n+1..2n`` the second), instead of alternating every ``switch_every`` steps.
+    Everything else is the adapter's own."""
+
+    def __init__(self, adapter: Any, steps_per_expert: int) -> None:
+        self._adapter = adapter
+        self.steps_per_expert = steps_per_expert
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adapter, name)
+
+    def expert_for_step(self, step: int) -> str | None:
+        experts = self._adapter.experts
+        return experts[((step - 1) // self.steps_per_expert) % len(experts)]
+
+
+def load_initial_state(trainer: Any, tree: dict[str, Any]) -> int:
+    """Load the state copied before the sweep into ``trainer`` (before its first step) and check that every LoRA
+    and optimizer-state tensor now equals the copy bitwise; returns how many tensors were compared. The scheduler
+    is left as built (for the suggested LR), the finder run's observers' state is not carried over."""
+    tree = {**tree, "scheduler": None, "observers": {}}
+    trainer.load_state_dict(tree)
+    now = trainer.state_dict()
+    compared = 0
+    for part in ("model", "optimizer"):
+        mismatched = []
+        for path, (a, b) in _paired_tensors(now[part], tree[part], part).items():
+            compared += 1
+            if a.shape != b.shape or not torch.equal(a, b.to(a.device)):
+                mismatched.append(path)
+        if mismatched:
+            raise RuntimeError(f"the state restored after the LR finder's sweep differs from the copy taken before "
+                               f"it in {len(mismatched)} tensors, e.g. {mismatched[0]}")
+    log.info("lr_finder_state_restored", tensors_compared=compared)
+    return compared
+
+
+def _paired_tensors(a: Any, b: Any, path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Tensors of two trees with the same structure, by path. Raises ``RuntimeError`` where the structures differ."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            raise RuntimeError(f"restored state differs from the copy at {path} (tensor vs. not)")
+        return {path: (a, b)}
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            diff = sorted(map(str, set(a) ^ set(b)))
+            raise RuntimeError(f"restored state differs from the copy at {path}: keys {diff}")
+        for key in a:
+            out.update(_paired_tensors(a[key], b[key], f"{path}/{key}"))
+    elif isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            out.update(_paired_tensors(x, y, f"{path}/{i}"))
+    return out
+
+
+def suggested_config(cfg: Any, results: dict[str | None, Any]) -> Any:
+    """``cfg`` with each trained expert's suggested LR and ``[lr_finder]`` off."""
+    changes: dict[str, Any] = {}
+    model = cfg.model
+    for expert, result in results.items():
+        if expert is None:
+            changes["optimizer"] = attrs.evolve(cfg.optimizer, lr=result.suggested_lr)
+        else:
+            model = attrs.evolve(model, **{f"lr_{expert}": result.suggested_lr})
+    return attrs.evolve(cfg, model=model, lr_finder=attrs.evolve(cfg.lr_finder, enabled=False, then_train=False),
+                        **changes)
+
+
+def execute_lr_finder(prepared: Any) -> Any:
+    """Run the range test of ``prepared`` (a ``PreparedRun`` whose config has ``[lr_finder]`` on) and, with
+    ``then_train``, the training that follows it. Returns a ``RunOutcome``."""
+    from wantrain.config import to_plain
+    from wantrain.observers.lr_finder import LrFinder, summary_lines
+    from wantrain.runner import PreparedRun
+
+    cfg, adapter = prepared.cfg, prepared.adapter
+    finder = LrFinder(cfg.lr_finder, experts=tuple(adapter.experts), grad_accum=cfg.train.grad_accum,
+                      tensorboard=cfg.observers.tensorboard)
+    snapshot: dict[str, Any] = {}
+
+    def before_sweep(trainer: Any) -> None:
+        if prepared.sync.is_main:  # torchrun: every rank sweeps and decides alike (identical logged losses)
+            finder.run_dir = trainer.ctx.run_dir  # only rank 0 writes the sweep's files
+        if cfg.lr_finder.then_train:
+            snapshot["tree"] = copy_tree(trainer.state_dict())
+
+    outcome = prepared.execute(finder=finder, before_run=before_sweep)
+    summary = tuple(summary_lines(finder.results))
+    status, reason = outcome.status, outcome.reason
+    if finder.finished and status == "stopped":
+        status = "completed"  # the finder's own stop is how a sweep ends
+    outcome = attrs.evolve(outcome, status=status, reason=reason, lr_finder=summary, lr_finder_dir=outcome.run_dir)
+    if not cfg.lr_finder.then_train or status != "completed":
+        return outcome
+    missing = [e or "lora" for e in adapter.experts if finder.results.get(e) is None
+               or finder.results[e].suggested_lr is None]
+    if missing:
+        return attrs.evolve(outcome, status="failed",
+                            reason=f"lr_finder: no suggested LR for {', '.join(missing)}; nothing was trained "
+                                   "(see the warnings and the chart)")
+    new_cfg = suggested_config(cfg, {e: finder.results[e] for e in adapter.experts})
+    # The adapter was built for the old LR; it now serves the new config (param_groups() reads these two).
+    adapter.base_lr = new_cfg.optimizer.lr
+    adapter.model_config = new_cfg.model
+    log.info("lr_finder_then_train", finder_run=str(outcome.run_dir),
+             lrs={e or "lora": finder.results[e].suggested_lr for e in adapter.experts})
+    follow = PreparedRun(new_cfg, to_plain(new_cfg), prepared.config_dir, prepared.device, prepared.data, adapter,
+                         prepared.extra_observers, initial_state=snapshot["tree"], sync=prepared.sync)
+    trained = follow.execute()
+    return attrs.evolve(trained, lr_finder=summary, lr_finder_dir=outcome.run_dir)

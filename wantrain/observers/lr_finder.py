@@ -1,0 +1,299 @@
+"""The learning-rate range test, as an observer: it drives a short run through the control object and reads the
+losses the core logs. The loop has no LR-finder branch (docs/lr_finder.md).
+
+The run it watches is assembled by ``wantrain.runner`` for the test: ``steps * steps_per_lr`` optimizer steps per
+trained expert, experts in turn (the high-noise expert's whole sweep first), ``log_every = 1``, no LoRA saver and no
+checkpoints. Per optimizer step, at ``StepStarted``:
+
+* ``control.set_lr(group, lr)`` with the rung's LR on the active expert's parameter group (the override lasts one
+  step, so it is set at every step);
+* the draws of the forward pass, by ``noise``: ``fixed`` -- the first rung records the generator state before each
+  of its micro-steps (``ctx.generator.get_state()``, a host copy) and every later rung replays them through
+  ``control.set_generator_state``, so every LR sees the same timesteps and noise; ``stratified`` --
+  ``ctx.adapter.set_timestep_quantile(q)`` with q running through a van der Corput sequence over the sweep, so any
+  window of consecutive rungs covers the timestep distribution evenly (noise stays random); ``random`` -- nothing.
+
+Decisions come from host values in the event log only: at each ``MetricsLogged`` the rung's loss is
+``values["train/loss"]`` (finite-only mean of the step's micro-batches). ``log_every = 1`` makes that one
+device->host transfer per step: the finder's explicit, documented cost (a few bytes per step; the test is short).
+When a rung is complete the observer smooths it (bias-corrected EMA), emits :class:`LrFinderRung`, and applies the
+stop rule (non-finite loss, or smoothed > ``diverge_factor`` x best after ``burn_in`` rungs). An expert's sweep ends
+at its last rung or at the stop: :class:`LrFinderResult` carries its suggestions (``lr_finder_math.suggest``). A
+stopped expert that is not the last one skips its remaining optimizer steps (``skip_optimizer_step``; their forward
+and backward passes still run, the price of a loop without a finder branch); the last one asks the run to stop.
+
+Outputs, in the run directory: ``lr_finder.csv`` (every rung), ``lr_finder.json`` (settings, suggestions, warnings),
+``lr_finder.png`` (log-x chart: raw and smoothed loss, the centred curve the suggestions read, one marker per
+method, the default starred); in ``tensorboard/`` (when ``observers.tensorboard``): scalars
+``lr_finder/raw_loss``, ``lr_finder/smoothed_loss``, ``lr_finder/learning_rate`` at each rung's last step, and the
+chart in the Images tab (``lr_finder/chart``, or ``lr_finder/chart/<expert>`` with two experts).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+
+from wantrain.core.bus import Observer, Priority, on
+from wantrain.core.events import Event, MetricsLogged, RunEnded, RunStarted, StepStarted, register_event_type
+from wantrain.observers.lr_finder_config import LrFinderConfig
+from wantrain.observers.lr_finder_math import Smoother, Suggestion, centred, diverged, suggest, sweep_lrs
+
+log = structlog.get_logger("wantrain.lr_finder")
+
+GROUP_OF_EXPERT = {"high_noise": "high_noise", "low_noise": "low_noise", None: "lora"}
+
+
+@register_event_type
+@attrs.frozen(slots=True, kw_only=True)
+class LrFinderRung(Event):
+    """One learning rate of the sweep is done. Fires while the ``MetricsLogged`` of the rung's last optimizer step
+    is dispatched (``step``). ``rung`` is 0-based per expert; ``raw_loss`` is the mean logged loss of the rung's
+    steps, ``smoothed_loss`` the bias-corrected EMA. Nobody acts on it; it puts the sweep in the event log."""
+
+    expert: str | None
+    rung: int
+    lr: float
+    raw_loss: float
+    smoothed_loss: float
+
+
+@register_event_type
+@attrs.frozen(slots=True, kw_only=True)
+class LrFinderResult(Event):
+    """An expert's sweep ended (``stop_reason`` says why when it stopped early). ``suggestions`` maps each method
+    (``valley``, ``steepest``, ``minimum``) to its LR (None: too few points); ``default`` names the one used as
+    ``suggested_lr`` (what ``--lr-finder-then-train`` trains with). ``warnings`` are sentences for the user."""
+
+    expert: str | None
+    suggestions: dict[str, float | None]
+    default: str
+    suggested_lr: float | None
+    stop_reason: str | None
+    warnings: tuple[str, ...]
+    rungs: int
+
+
+def van_der_corput(i: int, base: int = 2) -> float:
+    """The i-th element (i >= 1) of the van der Corput sequence in ``base``: 1/2, 1/4, 3/4, 1/8, 5/8, ..."""
+    q, denom = 0.0, 1.0
+    while i:
+        i, digit = divmod(i, base)
+        denom *= base
+        q += digit / denom
+    return q
+
+
+@attrs.define
+class _Sweep:
+    """One expert's sweep: the rungs done so far and how it ended."""
+
+    expert: str | None
+    smoother: Smoother
+    rung_losses: list[float] = attrs.field(factory=list)  # raw losses of the current rung's steps
+    rows: list[dict[str, Any]] = attrs.field(factory=list)  # one per completed rung
+    best: float = math.inf
+    stop_reason: str | None = None
+    result: Suggestion | None = None
+    done: bool = False
+    generator_states: dict[int, Any] = attrs.field(factory=dict)  # micro index in the rung -> state (noise=fixed)
+
+
+class LrFinder(Observer):
+    """The range test (see the module docstring). Built by the runner; ``attach_to(bus)`` attaches it and lets it
+    emit its own events. ``results`` (expert -> :class:`LrFinderResult`) and ``finished`` are read after the run."""
+
+    priority = Priority.CONTROLLER
+    critical = True  # a broken finder makes the whole test meaningless
+
+    def __init__(self, cfg: LrFinderConfig, *, experts: tuple[str | None, ...], grad_accum: int,
+                 run_dir: Path | None = None, tensorboard: bool = False) -> None:
+        self.cfg = cfg
+        self.experts = tuple(experts)
+        self.grad_accum = grad_accum
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.tensorboard = tensorboard
+        self.lrs = sweep_lrs(cfg.start_lr, cfg.end_lr, cfg.steps, cfg.mode)
+        self.steps_per_expert = cfg.steps * cfg.steps_per_lr
+        self.total_steps = self.steps_per_expert * len(self.experts)
+        self.sweeps = [_Sweep(e, Smoother(cfg.smoothing)) for e in self.experts]
+        self.results: dict[str | None, LrFinderResult] = {}
+        self._bus: Any = None
+        self._writer: Any = None
+        self._warned_no_quantile = False
+
+    def attach_to(self, bus: Any) -> LrFinder:
+        self._bus = bus
+        bus.attach(self)
+        return self
+
+    @property
+    def finished(self) -> bool:
+        """Every expert's sweep reached its last rung or its stop rule."""
+        return all(s.done for s in self.sweeps)
+
+    # -- where a step sits in the sweep ------------------------------------------------------------------------
+    def locate(self, step: int) -> tuple[int, int, int]:
+        """(expert index, rung, step index within the rung) of optimizer step ``step`` (1-based)."""
+        local = (step - 1) % self.steps_per_expert
+        return (step - 1) // self.steps_per_expert, local // self.cfg.steps_per_lr, local % self.cfg.steps_per_lr
+
+    # -- handlers ----------------------------------------------------------------------------------------------
+    @on(RunStarted)
+    def on_run_started(self, event: RunStarted, ctx: Any) -> None:
+        if event.total_steps != self.total_steps or event.log_every != 1:
+            raise RuntimeError(f"the LR finder needs a run of {self.total_steps} steps logging every step; got "
+                               f"{event.total_steps} steps, log_every {event.log_every} (assemble it with "
+                               "wantrain.runner)")
+        if self.tensorboard and self.run_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            # our own file in the run's TensorBoard folder (a unique suffix: the metrics writer has its own)
+            self._writer = SummaryWriter(logdir=str(self.run_dir / "tensorboard"), flush_secs=10,
+                                         filename_suffix=f".lr_finder.{time.time_ns():020d}")
+
+    @on(StepStarted)
+    def on_step_started(self, event: StepStarted, ctx: Any) -> None:
+        index, rung, in_rung = self.locate(event.step)
+        sweep = self.sweeps[index]
+        if sweep.done:
+            ctx.control.skip_optimizer_step(f"lr_finder: the {sweep.expert or 'lora'} sweep has ended")
+            return
+        ctx.control.set_lr(GROUP_OF_EXPERT[sweep.expert], self.lrs[rung])
+        micro = in_rung * self.grad_accum + event.accumulation_index - 1  # micro-step within the rung
+        if self.cfg.noise == "fixed":
+            if rung == 0:
+                sweep.generator_states[micro] = ctx.generator.get_state()  # host copy; no device sync
+            elif micro in sweep.generator_states:
+                ctx.control.set_generator_state(sweep.generator_states[micro])
+        elif self.cfg.noise == "stratified":
+            per_rung = self.cfg.steps_per_lr * self.grad_accum
+            pin = getattr(ctx.adapter, "set_timestep_quantile", None)
+            if callable(pin):
+                pin(van_der_corput(rung * per_rung + micro + 1))
+            elif not self._warned_no_quantile:
+                self._warned_no_quantile = True
+                log.warning("lr_finder_no_stratified_timesteps", reason="the model adapter has no "
+                            "set_timestep_quantile(); timesteps are drawn at random")
+
+    @on(MetricsLogged)
+    def on_metrics_logged(self, event: MetricsLogged, ctx: Any) -> None:
+        index, rung, in_rung = self.locate(event.step)
+        sweep = self.sweeps[index]
+        if sweep.done:
+            return
+        sweep.rung_losses.append(float(event.values.get("train/loss", math.nan)))
+        if in_rung < self.cfg.steps_per_lr - 1:
+            return
+        raw = math.fsum(sweep.rung_losses) / len(sweep.rung_losses)
+        sweep.rung_losses.clear()
+        smoothed = sweep.smoother.add(raw) if math.isfinite(raw) else math.nan
+        if math.isfinite(smoothed):
+            sweep.best = min(sweep.best, smoothed)
+        lr = self.lrs[rung]
+        sweep.rows.append({"expert": sweep.expert, "rung": rung, "step": event.step, "lr": lr, "raw_loss": raw,
+                           "smoothed_loss": smoothed})
+        self._emit(LrFinderRung(step=event.step, expert=sweep.expert, rung=rung, lr=lr, raw_loss=raw,
+                                smoothed_loss=smoothed))
+        if self._writer is not None:
+            for tag, value in (("raw_loss", raw), ("smoothed_loss", smoothed), ("learning_rate", lr)):
+                self._writer.add_scalar(f"lr_finder/{tag}", value, event.step)
+        reason = diverged(raw, smoothed, sweep.best, rung, factor=self.cfg.diverge_factor, burn_in=self.cfg.burn_in)
+        if reason is not None or rung == self.cfg.steps - 1:
+            sweep.stop_reason = None if reason is None else f"stopped at LR {lr:.3g}: {reason}"
+            self._finish(sweep, event.step)
+            if reason is not None and index == len(self.sweeps) - 1:
+                ctx.control.request_stop(f"lr_finder: sweep finished ({sweep.stop_reason})")
+
+    @on(RunEnded)
+    def on_run_ended(self, event: RunEnded, ctx: Any) -> None:
+        for sweep in self.sweeps:  # an interrupted sweep still reports what it measured
+            if not sweep.done and sweep.rows and sweep.result is None:
+                sweep.stop_reason = f"interrupted ({event.reason or event.status})"
+                self._finish(sweep, event.step, emit=False)
+        if self.run_dir is not None and any(s.rows for s in self.sweeps):
+            self.write_outputs(self.run_dir)
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # -- the end of one expert's sweep -------------------------------------------------------------------------
+    def _finish(self, sweep: _Sweep, step: int, *, emit: bool = True) -> None:
+        sweep.done = emit  # an interrupted sweep (emit=False) is not "finished"
+        lrs = [r["lr"] for r in sweep.rows]
+        losses = [r["raw_loss"] for r in sweep.rows]
+        sweep.result = suggest(lrs, losses, beta=self.cfg.smoothing, default=self.cfg.suggestion,
+                               stopped_early=sweep.stop_reason is not None)
+        result = LrFinderResult(
+            step=step, expert=sweep.expert, suggestions=dict(sweep.result.lrs), default=sweep.result.default,
+            suggested_lr=sweep.result.lr, stop_reason=sweep.stop_reason, warnings=sweep.result.warnings,
+            rungs=len(sweep.rows),
+        )
+        self.results[sweep.expert] = result
+        log.info("lr_finder_result", expert=sweep.expert, suggested_lr=result.suggested_lr,
+                 suggestions=result.suggestions, stop_reason=result.stop_reason, warnings=list(result.warnings))
+        if emit:
+            self._emit(result)
+        if self._writer is not None and sweep.rows:
+            from wantrain.observers.lr_finder_chart import chart_figure
+
+            tag = "lr_finder/chart" if len(self.sweeps) == 1 else f"lr_finder/chart/{sweep.expert}"
+            self._writer.add_figure(tag, chart_figure([sweep], self.cfg), step, close=True)
+
+    def _emit(self, event: Event) -> None:
+        if self._bus is not None:
+            self._bus.emit(event)
+
+    # -- files -------------------------------------------------------------------------------------------------
+    def write_outputs(self, run_dir: Path) -> None:
+        """``lr_finder.csv``, ``lr_finder.json`` and ``lr_finder.png`` in ``run_dir``."""
+        from wantrain.observers.lr_finder_chart import chart_figure
+
+        rows = []
+        for sweep in self.sweeps:
+            curve = centred([r["raw_loss"] for r in sweep.rows if math.isfinite(r["raw_loss"])], self.cfg.smoothing)
+            finite = iter(curve)
+            for r in sweep.rows:
+                rows.append({**r, "expert": r["expert"] or "", "centred_loss":
+                             next(finite) if math.isfinite(r["raw_loss"]) else math.nan})
+        with (run_dir / "lr_finder.csv").open("w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=["expert", "rung", "step", "lr", "raw_loss", "smoothed_loss",
+                                                    "centred_loss"])
+            writer.writeheader()
+            writer.writerows(rows)
+        summary = {
+            "settings": attrs.asdict(self.cfg),
+            "experts": {(e or "lora"): attrs.asdict(r) for e, r in self.results.items()},
+        }
+        (run_dir / "lr_finder.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+        figure = chart_figure([s for s in self.sweeps if s.rows], self.cfg)
+        figure.savefig(run_dir / "lr_finder.png", dpi=110)
+
+
+def summary_lines(results: dict[str | None, LrFinderResult]) -> list[str]:
+    """What ``wantrain run --lr-finder`` prints: per expert the suggestions (default marked), why it stopped, and
+    the warnings."""
+    lines = []
+    for expert, r in results.items():
+        name = expert or "lora"
+        head = f"lr_finder [{name}]: suggested LR {r.suggested_lr:.3g} ({r.default})" if r.suggested_lr else \
+            f"lr_finder [{name}]: no suggestion"
+        lines.append(head)
+        for method, lr in r.suggestions.items():
+            mark = "  <- default" if method == r.default else ""
+            lines.append(f"  {method:<9} {'-' if lr is None else format(lr, '.3g')}{mark}")
+        if r.stop_reason:
+            lines.append(f"  {r.stop_reason}")
+        lines.extend(f"  warning: {w}" for w in r.warnings)
+    return lines
