@@ -175,3 +175,18 @@ def test_resuming_with_another_number_of_processes_is_refused(workspace, uninter
     err = capsys.readouterr().err
     assert "was written by 2 processes (torchrun, 2 ranks in all) and this run has 1" in err
     assert "Traceback" not in err
+
+
+def test_the_lr_finder_sweeps_on_both_ranks_and_rank_0_writes_its_files(workspace):
+    done = torchrun(workspace, "finder", "--lr-finder", "--lr-finder-steps", "8", "--set", "lr_finder.burn_in=2",
+                    "--set", "faults.oom_at_steps=[]")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # each rank prints its suggestions: decided from the same reduced losses, they are the same
+    lines = [line for line in done.stdout.splitlines() if "suggest" in line.lower()]
+    assert len(lines) >= 2 and len(set(lines)) * 2 == len(lines)
+    (run_dir,) = (workspace / "finder").iterdir()
+    assert (run_dir / "lr_finder.csv").exists() and (run_dir / "lr_finder.json").exists()
+    record1, _ = probe(workspace, "finder", 1)
+    assert record1["writes"] == []
+    record0, _ = probe(workspace, "finder", 0)
+    assert record0["losses"] == record1["losses"] and len(record0["losses"]) == 16

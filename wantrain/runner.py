@@ -539,7 +539,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     torch.manual_seed(cfg.run.seed)
     adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
-    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point, sync)
+    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point, sync=sync)
 
 
 def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | None = None,
