@@ -29,9 +29,10 @@ SETTINGS = [
     f"train.max_steps={STEPS}", "train.log_every=2", "checkpoint.every=4", "observers.progress=false",
     "optimizer.lr=3e-3", "model.switch_every=4", f"faults.oom_at_steps=[{OOM_STEP}]",
 ]
-LOSS_TOLERANCE = 0.25
-"""Relative tolerance of the mean logged loss against the one-process run: the samples of each global batch are the
-same, the timesteps and noise are not (each rank draws its own), so the series agree statistically, not exactly."""
+LOSS_TOLERANCE = 0.10
+"""Relative tolerance of each logged loss (a 2-step mean) against the one-process run: the samples of each global
+batch are the same, the timesteps and noise are not (each rank draws its own), so the series agree statistically,
+not exactly. Measured: at most 2 % per logged step, 0.9 % on the mean of the series."""
 
 
 def free_port() -> int:
@@ -136,11 +137,11 @@ def test_an_out_of_memory_error_on_rank_1_skips_the_step_on_both_ranks(workspace
 def test_loss_series_matches_a_one_process_run_with_the_same_global_batch(uninterrupted, one_process):
     two, one = metrics(uninterrupted), metrics(one_process)
     assert [r["step"] for r in two] == [r["step"] for r in one]
+    for a, b in zip(two, one, strict=True):
+        assert abs(a["train/loss"] - b["train/loss"]) <= LOSS_TOLERANCE * b["train/loss"], (a, b)
     mean_two = sum(r["train/loss"] for r in two) / len(two)
     mean_one = sum(r["train/loss"] for r in one) / len(one)
-    assert abs(mean_two - mean_one) <= LOSS_TOLERANCE * mean_one, (mean_two, mean_one)
-    first = [r["train/loss"] for r in two[:1]] + [r["train/loss"] for r in one[:1]]
-    assert max(first) / min(first) < 1 + LOSS_TOLERANCE
+    assert abs(mean_two - mean_one) <= LOSS_TOLERANCE / 2 * mean_one, (mean_two, mean_one)
 
 
 def test_a_stop_on_rank_1_stops_both_and_the_resumed_run_equals_the_uninterrupted_one(workspace, uninterrupted):
