@@ -131,7 +131,8 @@ def execute_lr_finder(prepared: Any) -> Any:
     snapshot: dict[str, Any] = {}
 
     def before_sweep(trainer: Any) -> None:
-        finder.run_dir = trainer.ctx.run_dir
+        if prepared.sync.is_main:  # torchrun: every rank sweeps and decides alike (identical logged losses)
+            finder.run_dir = trainer.ctx.run_dir  # only rank 0 writes the sweep's files
         if cfg.lr_finder.then_train:
             snapshot["tree"] = copy_tree(trainer.state_dict())
 
@@ -156,6 +157,7 @@ def execute_lr_finder(prepared: Any) -> Any:
     log.info("lr_finder_then_train", finder_run=str(outcome.run_dir),
              lrs={e or "lora": finder.results[e].suggested_lr for e in adapter.experts})
     follow = PreparedRun(new_cfg, to_plain(new_cfg), prepared.config_dir, prepared.device, prepared.data, adapter,
-                         prepared.extra_observers, initial_state=snapshot["tree"])
+                         prepared.extra_observers, initial_state=snapshot["tree"], sync=prepared.sync,
+                         validation_data=prepared.validation_data)
     trained = follow.execute()
     return attrs.evolve(trained, lr_finder=summary, lr_finder_dir=outcome.run_dir)

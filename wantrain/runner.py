@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import signal
 import sys
 import time
@@ -197,6 +198,28 @@ def load_resume_point(spec: str | Path, cfg: Any, plain: dict[str, Any]) -> Resu
     return ResumePoint(path, path.parent.parent, loaded.step, loaded.tree, loaded.meta, tuple(warnings))
 
 
+def check_resume_world_size(point: ResumePoint, world_size: int) -> None:
+    """Refuse a checkpoint written by another number of ranks: each rank's data position and random streams are
+    its own, so they cannot be split or merged exactly."""
+    from wantrain.core.distributed import checkpoint_world_size
+
+    saved = checkpoint_world_size(point.tree)
+    if saved != world_size:
+        def launch(n: int) -> str:
+            return "one process (wantrain run)" if n == 1 else f"{n} processes (torchrun, {n} ranks in all)"
+        raise UserError(
+            f"checkpoint '{point.checkpoint}' was written by {launch(saved)} and this run has {world_size}; resume "
+            f"with {launch(saved)}, or start a new run"
+        )
+
+
+def _run_dir_from_rank0(message: str) -> Path:
+    kind, _, text = message.partition(":")
+    if kind == "error":
+        raise UserError(text)
+    return Path(text)
+
+
 # -- signals ----------------------------------------------------------------------------------------------------------
 class RunInterrupted(BaseException):
     """A signal arrived before the first step (while the cache was filling): the run ends ``stopped``.
@@ -241,10 +264,14 @@ class RunOutcome:
     checkpoint: str | None = None
     lr_finder: tuple[str, ...] = ()  # the LR finder's summary lines (suggestions, warnings), when it ran
     lr_finder_dir: Path | None = None
+    rank: int = 0
 
     @property
     def exit_code(self) -> int:
-        return EXIT_CODES.get(self.status, 1)
+        """The status's code on rank 0. Other torchrun ranks exit 0 once their part is done, whatever the status:
+        torchrun ends every other rank as soon as one exits non-zero, which could cut rank 0's last writes short;
+        rank 0's code carries the outcome (torchrun itself then exits 1 for any non-zero code)."""
+        return EXIT_CODES.get(self.status, 1) if self.rank == 0 else 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -283,6 +310,13 @@ class PreparedRun:
     # --lr-finder-then-train: the trainer state captured before the sweep, loaded into this run's trainer
     initial_state: Any = None
     validation_data: Any = None  # the [validation] clips (wantrain.observers.validation.build_validation_data)
+    sync: Any = None  # core.distributed: SingleProcess, or ProcessGroupSync under torchrun
+
+    def __attrs_post_init__(self) -> None:
+        if self.sync is None:
+            from wantrain.core.distributed import SingleProcess
+
+            self.sync = SingleProcess()
 
     def execute(self, *, finder: Any = None, before_run: Callable[[Any], None] | None = None) -> RunOutcome:
         """Train (see the module docstring). A config with ``[lr_finder]`` enabled runs the range test instead
@@ -291,25 +325,40 @@ class PreparedRun:
         the assembly, right before the first step."""
         import tomli_w
 
-        from wantrain.cli.logs import close_log_file, configure_logging
+        from wantrain.cli.logs import configure_logging
         from wantrain.core.rundir import create_run_dir
 
         if finder is None and self.cfg.lr_finder.active:
             from wantrain.lr_finder_run import execute_lr_finder
 
             return execute_lr_finder(self)
-        cfg, data, resume = self.cfg, self.data, self.resume
-        if resume is None:
-            run_id = cfg.run.run_id if finder is None else "__".join(x for x in (cfg.run.run_id, "lr_finder") if x)
-            run_dir = create_run_dir(cfg.run.output_dir, run_id)
-        else:
-            run_dir = resume.run_dir
-            _keep_previous_config(run_dir, self.plain, resume.step)
+        cfg, data, resume, sync = self.cfg, self.data, self.resume, self.sync
+        if not sync.is_main:  # rank 0 alone creates the run directory and writes its files; the others learn it
+            run_dir = _run_dir_from_rank0(sync.broadcast_text(None))
+            return self._execute_in(run_dir, configure_logging(None, level=logging.WARNING), finder, before_run)
+        try:
+            if resume is None:
+                run_id = cfg.run.run_id if finder is None else "__".join(
+                    x for x in (cfg.run.run_id, "lr_finder") if x)
+                run_dir = create_run_dir(cfg.run.output_dir, run_id)
+            else:
+                run_dir = resume.run_dir
+                _keep_previous_config(run_dir, self.plain, resume.step)
+        except UserError as exc:
+            sync.broadcast_text("error:" + str(exc))  # the other ranks refuse with the same line
+            raise
+        sync.broadcast_text("path:" + str(run_dir))
         (run_dir / "config.toml").write_text(tomli_w.dumps(self.plain), encoding="utf-8")
         data.set_vram_estimate(rank=cfg.lora.rank, base_dtype=cfg.model.base_dtype,
                                gradient_checkpointing=cfg.model.gradient_checkpointing)
         _write_preflight(run_dir, data)
-        log_handler = configure_logging(run_dir / "log.jsonl")
+        return self._execute_in(run_dir, configure_logging(run_dir / "log.jsonl"), finder, before_run)
+
+    def _execute_in(self, run_dir: Path, log_handler: Any, finder: Any, before_run: Callable[[Any], None] | None
+                    ) -> RunOutcome:
+        from wantrain.cli.logs import close_log_file
+
+        data, resume, sync = self.data, self.resume, self.sync
         for note in resume.warnings if resume is not None else ():
             log.warning("resume_note", note=note)
         control_ref: list[Any] = []
@@ -326,7 +375,8 @@ class PreparedRun:
                     before_run(trainer)
                 result = trainer.run()
         finally:
-            _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
+            if sync.is_main:
+                _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
             close_log_file(log_handler)
         checkpoint = None
         if trainer.checkpoints is not None:
@@ -334,12 +384,14 @@ class PreparedRun:
 
             best, _ = latest_complete(trainer.checkpoints.directory)
             checkpoint = str(best.path) if best is not None else None
-        return RunOutcome(result.status, result.reason, result.steps, run_dir, tuple(result.saved), checkpoint)
+        return RunOutcome(result.status, result.reason, result.steps, run_dir, tuple(result.saved), checkpoint,
+                          rank=sync.topology.rank)
 
     def _assemble(self, run_dir: Path, control_ref: list[Any], *, finder: Any = None) -> Any:
         from wantrain.core.adapter import NullSaver
         from wantrain.core.bus import Bus
         from wantrain.core.checkpoint import remove_stale_temporaries
+        from wantrain.core.distributed import rank_seed, rank_view
         from wantrain.core.faults import inject_faults
         from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
         from wantrain.core.state import TrainState
@@ -348,7 +400,8 @@ class PreparedRun:
         from wantrain.observers.event_recorder import EventRecorder, event_log_path
         from wantrain.schedulers import build_scheduler
 
-        cfg, data, adapter, resume = self.cfg, self.data, self.adapter, self.resume
+        cfg, data, adapter, resume, sync = self.cfg, self.data, self.adapter, self.resume, self.sync
+        main, rank = sync.is_main, sync.topology.rank
         train_cfg, model = cfg.train, adapter
         if finder is not None:  # the LR finder's run (wantrain.lr_finder_run): its length, every step logged
             from wantrain.lr_finder_run import SweepOrder
@@ -357,16 +410,22 @@ class PreparedRun:
             model = SweepOrder(adapter, finder.steps_per_expert)
         # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
         # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
+        # Under torchrun rank 0 fills the cache first; the others then find every entry in it.
+        if not main:
+            sync.barrier()
         stats = ensure_cache(data, adapter, remove_orphans=False)
         # caches the validation clips and encodes the sample prompts; a range test neither validates nor samples
         watchers = self._validation_observers(run_dir) if finder is None else []
+        if main:
+            sync.barrier()
         adapter.release_encoders()
         log.info("cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded,
                  texts_hit=stats.texts_hit, texts_encoded=stats.texts_encoded, clips_failed=stats.clips_failed)
         optimizer = build_optimizer(cfg, adapter.param_groups(), self.device)
         scheduler = build_scheduler(cfg.lr_scheduler, optimizer, total_steps=cfg.train.max_steps)
         bus = Bus()
-        for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain):
+        for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain,
+                                        writes_files=main):
             bus.attach(observer)
         if finder is not None:
             finder.attach_to(bus)
@@ -375,7 +434,7 @@ class PreparedRun:
                 watcher.attach_to(bus)  # it emits MetricsLogged of its own at step 0
             else:
                 bus.attach(watcher)
-        if cfg.observers.record_events:
+        if cfg.observers.record_events and main:
             EventRecorder(event_log_path(run_dir, cfg.observers.record_compression),
                           keep_through_step=resume.step if resume else 0).attach_to(bus)
         state = TrainState()
@@ -387,24 +446,26 @@ class PreparedRun:
                 meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain)},
             )
         trainer = Trainer(
-            adapter=inject_faults(model, optimizer, cfg.faults, state),
+            adapter=inject_faults(model, optimizer, cfg.faults, state, rank),
             batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
-            saver=adapter.saver(run_dir, cfg.run.name) if finder is None else NullSaver(),
-            settings=LoopSettings.from_config(train_cfg), bus=bus,
-            run_dir=run_dir, config=cfg, seed=cfg.run.seed, state=state, checkpoints=policy,
+            saver=adapter.saver(run_dir, cfg.run.name) if finder is None and main else NullSaver(),
+            settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir, config=cfg,
+            seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,
         )
         if self.initial_state is not None:
             from wantrain.lr_finder_run import load_initial_state
 
             load_initial_state(trainer, self.initial_state)
         if resume is not None:
-            remove_stale_temporaries(run_dir / "checkpoints")
-            for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
-                leftover.unlink(missing_ok=True)
-            _set_aside_later_checkpoints(run_dir / "checkpoints", resume.step)
-            for note in trainer.load_state_dict(resume.tree, source=str(resume.checkpoint)):
+            if main:
+                remove_stale_temporaries(run_dir / "checkpoints")
+                for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
+                    leftover.unlink(missing_ok=True)
+                _set_aside_later_checkpoints(run_dir / "checkpoints", resume.step)
+            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(resume.checkpoint)):
                 log.warning("resume_note", note=note)
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
+        sync.broadcast_parameters(adapter.trainable_parameters())  # every rank starts from rank 0's LoRA
         control_ref.append(trainer.control)
         return trainer
 
@@ -469,6 +530,7 @@ def _set_aside_later_checkpoints(directory: Path, step: int) -> None:
 def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None) -> PreparedRun:
     """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing."""
     from wantrain.config import to_plain
+    from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology
     from wantrain.core.rundir import sanitize_run_id
     from wantrain.data import build_dataset
     from wantrain.models.wan22 import build_adapter
@@ -489,12 +551,22 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
     point = load_resume_point(resume, cfg, plain) if resume is not None else None
+    topology = detect_topology()
+    if point is not None:
+        check_resume_world_size(point, topology.world_size)
+    if topology.distributed and (cfg.validation.enabled or cfg.sample.enabled):
+        raise UserError("[validation] and [sample] do not run under torchrun yet (several processes); set "
+                        "validation.enabled = false and sample.enabled = false, or train with one process")
     device = resolve_device(cfg.train.device)
+    if topology.distributed and device.type == "cuda":
+        device = torch.device("cuda", topology.local_rank)  # one GPU per rank
+        torch.cuda.set_device(device)
     check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
     spec = variant_spec(cfg.model.variant)
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
     check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
+    data.shard(topology.rank, topology.world_size)
     if point is not None:
         saved_data = point.tree.get("data") or {}
         if saved_data.get("fingerprint") not in (None, data.fingerprint()):
@@ -504,7 +576,9 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
             )
     torch.manual_seed(cfg.run.seed)
     adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
-    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point, validation_data)
+    sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
+    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
+                       validation_data=validation_data, sync=sync)
 
 
 def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | None = None,
@@ -524,4 +598,8 @@ def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | No
         if overrides:
             raise TypeError("overrides apply to a config file; pass a path, or change the RunConfig yourself")
         cfg = config
-    return prepare(cfg, config_dir=config_dir, resume=resume).execute()
+    prepared = prepare(cfg, config_dir=config_dir, resume=resume)
+    try:
+        return prepared.execute()
+    finally:
+        prepared.sync.close()  # torchrun: leave the process group (one process: nothing to do)

@@ -58,6 +58,10 @@ class Control:
         """Ask for a LoRA save after the current optimizer step."""
         self._save_reason = self._save_reason or reason
 
+    @property
+    def has_save_request(self) -> bool:
+        return self._save_reason is not None
+
     def take_save_request(self) -> str | None:
         reason, self._save_reason = self._save_reason, None
         return reason

@@ -35,9 +35,10 @@ class _RaiseInBackward(torch.autograd.Function):
 class FaultPlan:
     """When faults happen, from ``[faults]`` (a ``FaultsConfig``) and the live ``TrainState``."""
 
-    def __init__(self, faults: Any, state: TrainState) -> None:
+    def __init__(self, faults: Any, state: TrainState, rank: int = 0) -> None:
         self.cfg = faults
         self.state = state
+        self.rank = rank
         self._first_micro = (0, 0)  # (step, its first micro-step)
 
     def _current_step(self) -> int:
@@ -48,6 +49,8 @@ class FaultPlan:
         cfg, step, micro = self.cfg, self._current_step(), self.state.micro_step
         if self._first_micro[0] != step:
             self._first_micro = (step, micro)
+        if cfg.oom_ranks and self.rank not in cfg.oom_ranks:
+            return False
         if step in cfg.oom_at_steps and micro == self._first_micro[1]:
             return True
         if cfg.oom_probability > 0:
@@ -82,12 +85,14 @@ class FaultyAdapter:
         return loss
 
 
-def inject_faults(adapter: Any, optimizer: torch.optim.Optimizer, faults: Any, state: TrainState) -> Any:
+def inject_faults(adapter: Any, optimizer: torch.optim.Optimizer, faults: Any, state: TrainState,
+                  rank: int = 0) -> Any:
     """Return the adapter to train with: ``adapter`` itself when ``faults`` is inactive, else a wrapper. With
-    ``oom_phase = "optimizer"`` the optimizer's ``step`` is wrapped in place."""
+    ``oom_phase = "optimizer"`` the optimizer's ``step`` is wrapped in place. ``rank``: this process's torchrun
+    rank (``faults.oom_ranks``)."""
     if not faults.active:
         return adapter
-    plan = FaultPlan(faults, state)
+    plan = FaultPlan(faults, state, rank)
     if faults.oom_phase == "optimizer":
         original = optimizer.step
 

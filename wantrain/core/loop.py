@@ -25,6 +25,7 @@ from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import CheckpointWriteError, disk_error_line, prune, write_checkpoint
 from wantrain.core.context import Context, DeviceMetrics, Live
 from wantrain.core.control import Control
+from wantrain.core.distributed import SingleProcess
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import (
     CheckpointSaved,
@@ -101,6 +102,8 @@ class Trainer:
     :class:`ModelAdapter`, an iterable of batches (infinite, or at least long enough; with ``state_dict()`` /
     ``load_state_dict()`` its position is checkpointed), an optimizer over ``adapter.param_groups()``, a scheduler
     with ``step()`` (called once per optimizer step), a :class:`Saver` and an optional :class:`CheckpointPolicy`.
+    ``sync`` links the ranks of a torchrun launch (``core.distributed``; one process: nothing is exchanged); on
+    ranks other than 0 the saver is a ``NullSaver`` and checkpoints are handed to rank 0, which writes them.
 
     :meth:`state_dict` / :meth:`load_state_dict` capture and restore everything needed to continue bitwise;
     ``core.checkpoint`` writes that tree to disk.
@@ -121,6 +124,7 @@ class Trainer:
         seed: int = 0,
         state: TrainState | None = None,
         checkpoints: CheckpointPolicy | None = None,
+        sync: Any = None,
     ) -> None:
         self.adapter = adapter
         self.batches = batches
@@ -129,6 +133,7 @@ class Trainer:
         self.saver = saver or NullSaver()
         self.settings = settings
         self.checkpoints = checkpoints
+        self.sync = sync if sync is not None else SingleProcess()
         self.state = state or TrainState()
         self.state.total_steps = settings.max_steps
         self.ctx = Context(
@@ -170,7 +175,7 @@ class Trainer:
             batches = iter(self.batches)
             self._optimizer_mode("train")
             active: object = _NO_EXPERT
-            while state.step < s.max_steps and not control.stop_requested:
+            while state.step < s.max_steps and not self.sync.should_stop(control):
                 step = state.step + 1
                 expert = self.adapter.expert_for_step(step)
                 if expert != active:
@@ -181,11 +186,15 @@ class Trainer:
                 is_log_step = step % s.log_every == 0 or step == s.max_steps
 
                 ended = self._accumulate(step, expert, is_log_step, batches)
+                ended = self.sync.agree_step(ended, control)  # a stop or an out-of-memory error on any rank
                 if ended == "stopped":
                     self.optimizer.zero_grad(set_to_none=True)
                     break  # stopped mid-accumulation: the partial step is dropped, not applied
                 skip_reason = ended  # None, or "out of memory"
                 if skip_reason is None:
+                    # every rank holds the averaged gradients, so clipping, the guard and the step agree
+                    self._loss_finite = self.sync.average_gradients(
+                        self.adapter.trainable_parameters(expert), self._loss_finite)
                     self.bus.emit(GradsReady(step=step, is_log_step=is_log_step, expert=expert))
                     skip_reason = control.take_skip_request()
                 lrs, skip_reason = self._optimizer_step(step, expert, skip_reason)
@@ -211,6 +220,7 @@ class Trainer:
                     self._log(step, expert, lrs, started)
                     if self._failure is not None:
                         break  # the non-finite guard tripped: keep the last good checkpoint, save nothing
+                self.sync.agree_requests(control)  # a stop or save request on any rank reaches every rank
                 save_reason = control.take_save_request()
                 if save_reason is None and s.save_every and step % s.save_every == 0 and step < s.max_steps:
                     save_reason = f"every {s.save_every} steps"
@@ -367,6 +377,7 @@ class Trainer:
         metrics.put("train/nan_skipped_steps", self._nan["skipped"])
         metrics.put("train/nan_streak_max", self._nan["streak_max"])
         values = metrics.gather()  # the one device->host transfer of this log interval
+        values = self.sync.reduce_metrics(values)  # torchrun: rank 0's reduction over the ranks, on every rank
         self._nan["streak_max"] = self._nan["streak"].clone()
         values["train/skipped_steps"] = float(self.state.skipped_steps) + values["train/nan_skipped_steps"]
         # Timed after the sync above, so queued device work is included: the mean over the interval is honest.
@@ -418,11 +429,12 @@ class Trainer:
                 raise CheckpointWriteError(disk_error_line("LoRA file", where, exc)) from exc
             self._saved.extend(paths)
         checkpoint = None
-        if self.checkpoints is not None:
+        tree = self.sync.gather_state(self.state_dict()) if self.checkpoints is not None else None
+        if tree is not None:  # None on ranks other than 0: rank 0 writes every rank's state
             c = self.checkpoints
             sidecars = [o.write_sidecars for o in self.bus.observers if callable(getattr(o, "write_sidecars", None))]
-            checkpoint = write_checkpoint(c.directory, step, self.state_dict(),
-                                          meta={**c.meta, "reason": reason}, sidecars=sidecars)
+            checkpoint = write_checkpoint(c.directory, step, tree, meta={**c.meta, "reason": reason},
+                                          sidecars=sidecars)
             prune(c.directory, keep_last=c.keep_last, keep_every=c.keep_every, protect=(step,))
         if paths or checkpoint is not None:
             self.bus.emit(CheckpointSaved(step=step, paths=paths, final=final, reason=reason,

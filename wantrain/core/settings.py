@@ -110,6 +110,9 @@ class FaultsConfig:
         "forward", doc="Where the injected out-of-memory error is raised."
     )
     nan_at_steps: list[int] = setting(factory=list, doc="Optimizer steps whose loss is NaN.")
+    oom_ranks: list[int] = setting(
+        factory=list, doc="Under torchrun: the ranks on which the out-of-memory faults happen (empty: every rank)."
+    )
     seed: int = setting(0, doc="Seed of `oom_probability`.", range=at_least(0))
 
     @property

@@ -37,6 +37,9 @@ class TrainingData:
 
     ``steps_per_epoch`` counts the micro-batches of the first epoch; with ``remainder = "carry"`` a later epoch may
     hold one more batch per bucket (the carried samples), so epochs average ``samples / batch_size`` per bucket.
+
+    Under torchrun (:meth:`shard`) the plan is made of global batches of ``batch_size x ranks`` samples from one
+    bucket, the same plan on every rank, and each rank trains its own ``batch_size`` of each (:meth:`rank_share`).
     """
 
     def __init__(self, clips: list[Clip], report: PreflightReport, *, batch_size: int, remainder: str,
@@ -49,11 +52,32 @@ class TrainingData:
         self.seed = seed
         self.spec = spec
         self.steps_per_epoch = 0
+        self.rank, self.ranks = 0, 1
         self._dirs: list[Path] | None = None
         self._caption_dirs: dict[str, Path] | None = None
         self._refresh_report()
 
     # ---- planning -------------------------------------------------------------------------------------------
+    @property
+    def plan_batch_size(self) -> int:
+        """Samples per plan entry: the global batch, ``batch_size`` on each of the ``ranks``."""
+        return self.batch_size * self.ranks
+
+    def shard(self, rank: int, ranks: int) -> None:
+        """Train as rank ``rank`` of ``ranks`` data-parallel processes (call before streaming)."""
+        self.rank, self.ranks = rank, ranks
+        self._refresh_report()
+
+    def rank_share(self, idx: list[int]) -> list[int]:
+        """This rank's part of the global batch ``idx``: the ``rank``-th contiguous slice of ``batch_size``. A short
+        global batch (the end of a bucket) is split evenly, samples repeated from its start so that every rank has
+        one: the ranks always step together."""
+        if self.ranks == 1:
+            return idx
+        per = -(-len(idx) // self.ranks)
+        padded = [idx[i % len(idx)] for i in range(per * self.ranks)]
+        return padded[self.rank * per:(self.rank + 1) * per]
+
     def _members(self) -> dict[Bucket, list[int]]:
         """Clip indices per bucket, each repeated ``repeats`` times; active clips only; buckets sorted."""
         members: dict[Bucket, list[int]] = {}
@@ -63,16 +87,17 @@ class TrainingData:
         return dict(sorted(members.items()))
 
     def _carries(self, n: int) -> bool:
-        return self.remainder == "carry" and n >= self.batch_size
+        return self.remainder == "carry" and n >= self.plan_batch_size
 
     def _refresh_report(self) -> None:
         rows = []
         steps = 0
+        bs = self.plan_batch_size
         for key, entries in self._members().items():
             n = len(entries)
-            batches = n // self.batch_size if self._carries(n) else math.ceil(n / self.batch_size)
+            batches = n // bs if self._carries(n) else math.ceil(n / bs)
             rows.append(BucketRow(width=key[0], height=key[1], frames=key[2], clips=len(set(entries)), samples=n,
-                                  batches=batches, remainder=n % self.batch_size))
+                                  batches=batches, remainder=n % bs))
             steps += batches
         self.report.buckets = rows
         self.report.steps_per_epoch = self.steps_per_epoch = steps
@@ -92,7 +117,7 @@ class TrainingData:
 
     def _epoch(self, epoch: int, carry: dict[Bucket, list[int]]) -> tuple[list[tuple[Bucket, list[int]]], dict]:
         rng = np.random.default_rng(_epoch_seed(self.seed, epoch))
-        bs = self.batch_size
+        bs = self.plan_batch_size
         out: list[tuple[Bucket, list[int]]] = []
         new_carry: dict[Bucket, list[int]] = {}
         for key, entries in self._members().items():
@@ -455,7 +480,7 @@ class BatchStream:
             for index in range(skip, len(batches)):
                 key, idx = batches[index]
                 self.epoch, self.index, self.carry = epoch, index + 1, carry
-                batch = data._batch_for(key, idx, self.encoders, self.cache)
+                batch = data._batch_for(key, data.rank_share(idx), self.encoders, self.cache)
                 if batch is None:
                     empty_in_a_row += 1
                     if empty_in_a_row > max(1, 2 * data.steps_per_epoch) + 1:

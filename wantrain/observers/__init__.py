@@ -54,9 +54,11 @@ def resolve_extra_observers(cfg: Any, config_dir: Path | None = None) -> list[ty
 
 
 def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
-                    hparams: dict[str, Any] | None = None) -> list[Any]:
+                    hparams: dict[str, Any] | None = None, writes_files: bool = True) -> list[Any]:
     """The observers a run config asks for, in attachment order. ``extra`` are the users' classes from
-    :func:`resolve_extra_observers`, built here with no arguments."""
+    :func:`resolve_extra_observers`, built here with no arguments. ``writes_files`` False (torchrun ranks other
+    than 0): the same observers, minus the sinks (TensorBoard, JSONL, the progress line) and the alpha controller's
+    JSONL file, so that every rank computes and decides alike and only rank 0 writes."""
     from wantrain.observers.run_log import RunLog
     from wantrain.optimizers.registry import TYPES
 
@@ -70,15 +72,15 @@ def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
         from wantrain.observers.norms import Norms
 
         observers.append(Norms())
-    if obs_cfg.tensorboard:
+    if obs_cfg.tensorboard and writes_files:
         from wantrain.observers.tensorboard import TensorBoardWriter
 
         observers.append(TensorBoardWriter(run_dir / "tensorboard", hparams=hparams))
-    if obs_cfg.jsonl:
+    if obs_cfg.jsonl and writes_files:
         from wantrain.observers.jsonl_metrics import JsonlMetrics
 
         observers.append(JsonlMetrics(run_dir / "metrics.jsonl"))
-    if obs_cfg.progress:
+    if obs_cfg.progress and writes_files:
         from wantrain.observers.progress import ProgressLine
 
         observers.append(ProgressLine())
@@ -87,7 +89,7 @@ def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
         from wantrain.observers.alpha_controller import AlphaController
 
         observers.append(AlphaController(lora.alpha_schedule, cfg.model.trained_experts,
-                                         metrics_path=run_dir / "alpha_metrics.jsonl"))
+                                         metrics_path=run_dir / "alpha_metrics.jsonl" if writes_files else None))
     adaptive = getattr(TYPES.get(cfg.optimizer.type), "adaptive_lr", None)
     if adaptive is not None:  # Prodigy: log d and d * lr (optimizer/effective_lr/<group>)
         from wantrain.observers.adaptive_lr import AdaptiveLR

@@ -1,0 +1,74 @@
+"""A test observer for the torchrun tests (``[observers] extra = ["distributed_probe:RankProbe"]``), attached on
+every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory, what its rank saw:
+``rank<R>.json`` (each optimizer step's skip decision, each log step's loss, the run's status) and
+``rank<R>.safetensors`` (the rank's final LoRA weights). On ranks other than 0 it records, through an audit hook,
+every write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
+``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded
+from wantrain.observers import Observer, on
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+class RankProbe(Observer):
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        directory = os.environ.get("WANTRAIN_PROBE_DIR")
+        self.directory = Path(directory) if directory else None
+        self.stop_at = int(os.environ.get("WANTRAIN_PROBE_STOP_AT", "0"))
+        self.stop_rank = int(os.environ.get("WANTRAIN_PROBE_STOP_RANK", "-1"))
+        self.record: dict = {"rank": self.rank, "steps": [], "losses": {}, "writes": []}
+        watch = os.environ.get("WANTRAIN_PROBE_WATCH")
+        if watch and self.rank != 0:
+            self._install_hook(str(Path(watch).resolve()))
+
+    def _install_hook(self, watch: str) -> None:
+        writes = self.record["writes"]
+
+        def hook(event: str, args: tuple) -> None:
+            if event == "open":
+                path, mode, flags = args
+                writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+                    (isinstance(flags, int) and flags & _WRITE_FLAGS)
+            elif event in ("os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree"):
+                path, writing = args[0], True
+            else:
+                return
+            if writing and isinstance(path, str | bytes | os.PathLike):
+                text = os.fsdecode(path)
+                full = os.path.abspath(text)
+                if full == watch or full.startswith(watch + os.sep):
+                    writes.append(f"{event} {text}")
+
+        sys.addaudithook(hook)
+
+    @on(OptimizerStepped)
+    def stepped(self, event: OptimizerStepped, ctx) -> None:
+        self.record["steps"].append([event.step, event.skipped, event.skip_reason])
+        if event.step == self.stop_at and self.rank == self.stop_rank:
+            ctx.control.request_stop(f"probe on rank {self.rank}")
+
+    @on(MetricsLogged)
+    def logged(self, event: MetricsLogged, ctx) -> None:
+        self.record["losses"][str(event.step)] = event.values.get("train/loss")
+
+    @on(RunEnded)
+    def ended(self, event: RunEnded, ctx) -> None:
+        if self.directory is None:
+            return
+        self.record["status"] = event.status
+        weights = ctx.adapter.state_dict()["weights"]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
+                  str(self.directory / f"rank{self.rank}.safetensors"))
+        (self.directory / f"rank{self.rank}.json").write_text(json.dumps(self.record))

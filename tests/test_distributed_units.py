@@ -1,0 +1,148 @@
+"""The model-free pieces of data parallelism, in one process: topology detection, per-rank seeds, the data shard of
+each rank, the per-rank checkpoint view, the no-pickle state encoding and the resume refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wantrain.core.distributed import (
+    PER_RANK_STATE,
+    SingleProcess,
+    _decode_tree,
+    _encode_tree,
+    checkpoint_world_size,
+    detect_topology,
+    rank_seed,
+    rank_view,
+)
+from wantrain.core.errors import UserError
+from wantrain.runner import ResumePoint, check_resume_world_size
+
+
+def test_topology_comes_from_torchruns_environment():
+    assert detect_topology({}).world_size == 1 and detect_topology({}).is_main
+    t = detect_topology({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (t.rank, t.world_size, t.local_rank, t.is_main, t.distributed) == (3, 4, 1, False, True)
+
+
+def test_rank_0_keeps_the_run_seed_and_other_ranks_get_their_own():
+    assert rank_seed(1234, 0) == 1234
+    seeds = {rank_seed(1234, r) for r in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert rank_seed(1234, 1) == rank_seed(1234, 1) != rank_seed(1235, 1)
+
+
+def test_each_rank_trains_its_slice_of_the_global_batch(tmp_path):
+    from wantrain.data.training import TrainingData
+
+    class Report:
+        buckets, steps_per_epoch, verification = [], 0, []
+
+    data = TrainingData([], Report(), batch_size=2, remainder="drop", shuffle=False, seed=0, spec=None)
+    shares = []
+    for rank in range(3):
+        data.shard(rank, 3)
+        assert data.plan_batch_size == 6
+        shares.append(data.rank_share([10, 11, 12, 13, 14, 15]))
+    assert shares == [[10, 11], [12, 13], [14, 15]]
+    short = []
+    for rank in range(3):
+        data.shard(rank, 3)
+        short.append(data.rank_share([7, 8]))
+    assert short == [[7], [8], [7]]  # a short global batch: every rank still gets a sample
+
+
+def test_a_rank_restores_the_shared_state_and_its_own():
+    tree = {"model": "shared", "train_state": "rank0", "ranks": [{"train_state": "rank0"}, {"train_state": "rank1"}]}
+    assert rank_view(tree, 1) == {"model": "shared", "train_state": "rank1"}
+    assert checkpoint_world_size(tree) == 2 and checkpoint_world_size({"model": 1}) == 1
+    assert rank_view({"model": 1}, 0) == {"model": 1}
+
+
+def test_per_rank_state_travels_as_json_and_safetensors():
+    tree = {"generator": torch.arange(5, dtype=torch.uint8), "data": {"epoch": 2, "carry": [[1, 2]]},
+            "metrics": {"sums": {"train/loss": {"total": torch.tensor(1.5), "count": 2}}}}
+    back = _decode_tree(_encode_tree(tree))
+    assert back["generator"].equal(tree["generator"]) and back["data"] == tree["data"]
+    assert back["metrics"]["sums"]["train/loss"]["total"].item() == 1.5
+    assert set(PER_RANK_STATE) >= {"generator", "rng", "data"}
+
+
+def test_one_process_exchanges_nothing():
+    sync = SingleProcess()
+    values = {"train/loss": 0.5}
+    assert sync.reduce_metrics(values) is values and sync.agree_step("out of memory", None) == "out of memory"
+    tree = {"model": 1}
+    assert sync.gather_state(tree) is tree
+
+
+def test_resuming_with_another_number_of_ranks_is_refused(tmp_path):
+    point = ResumePoint(tmp_path / "step_000004", tmp_path, 4, {"ranks": [{}, {}]}, {})
+    check_resume_world_size(point, 2)
+    with pytest.raises(UserError, match=r"written by 2 processes .* this run has 1; resume with 2 processes"):
+        check_resume_world_size(point, 1)
+    with pytest.raises(UserError, match=r"written by one process \(wantrain run\) and this run has 4"):
+        check_resume_world_size(ResumePoint(tmp_path, tmp_path, 4, {"model": {}}, {}), 4)
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from wantrain.core.control import Control
+    from wantrain.core.distributed import ProcessGroupSync, Topology
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    sync = ProcessGroupSync(Topology(rank=rank, world_size=2), torch.device("cpu"))
+    # metrics: rank 1 lacks one name; memory/* is the maximum, the rest the mean
+    values = {"train/loss": 1.0 + rank, "memory/ram_gb": 4.0 + rank}
+    if rank == 0:
+        values["train/loss/high_noise"] = 3.0
+    reduced = sync.reduce_metrics(values)
+    # gradients: averaged in place; a non-finite loss on rank 1 reaches rank 0
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.full((3,), float(rank + 1))
+    finite = sync.average_gradients([p], torch.tensor(rank == 0))
+    # decisions: an out-of-memory error on rank 1 and a save request on rank 0 reach both
+    control = Control()
+    ended = sync.agree_step("out of memory" if rank == 1 else None, control)
+    if rank == 0:
+        control.request_save("observer")
+    sync.agree_requests(control)
+    text = sync.broadcast_text("path:/runs/x" if rank == 0 else None)
+    with open(f"{out}.{rank}", "w") as fh:
+        json.dump({"reduced": reduced, "grad": p.grad.tolist(), "finite": bool(finite), "ended": ended,
+                   "save": control.take_save_request(), "stop": sync.should_stop(control), "text": text}, fh)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_agree_on_metrics_gradients_and_decisions(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
+    assert r0["reduced"] == r1["reduced"] == {"train/loss": 1.5, "memory/ram_gb": 5.0, "train/loss/high_noise": 3.0}
+    assert r0["grad"] == r1["grad"] == [1.5, 1.5, 1.5]
+    assert r0["finite"] is r1["finite"] is False
+    assert r0["ended"] == r1["ended"] == "out of memory"
+    assert r0["save"] == "observer" and r1["save"] == "save requested on another rank"
+    assert r0["stop"] is r1["stop"] is False
+    assert r0["text"] == r1["text"] == "path:/runs/x"
+
+
+
+def test_the_docs_batch_example_is_a_valid_config(tmp_path):
+    import re
+    from pathlib import Path
+
+    from wantrain.config import load_config
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    snippet = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "c.toml").write_text(snippet)
+    cfg = load_config(tmp_path / "c.toml", [])
+    assert (cfg.train.batch_size, cfg.train.grad_accum, cfg.optimizer.lr) == (1, 2, 2e-4)

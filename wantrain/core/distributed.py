@@ -1,0 +1,346 @@
+"""Data parallelism across processes started by ``torchrun``: the model-free plumbing (docs/distributed.md).
+
+Every process (rank) trains the same LoRA on its own share of each global batch. The trainer talks to the other
+ranks through one object, a :class:`SingleProcess` (one process: every method is the identity, nothing is
+exchanged) or a :class:`ProcessGroupSync` (``torch.distributed``: gloo on the CPU, NCCL on CUDA). Its methods are
+called at fixed points of ``Trainer.run``, by every rank in the same order, so the collectives always match:
+
+====================  =============================================  ===============================================
+when                  method                                         what travels
+====================  =============================================  ===============================================
+after the micro-steps :meth:`~ProcessGroupSync.agree_step`           two host flags (stopped, out of memory), MAX
+before GradsReady     :meth:`~ProcessGroupSync.average_gradients`    the active expert's LoRA gradients and the
+                                                                     non-finite-loss flag, one flat buffer per dtype
+at log steps only     :meth:`~ProcessGroupSync.reduce_metrics`       the names (JSON) and values of
+                                                                     ``MetricsLogged``; rank 0's result is broadcast
+before the saves      :meth:`~ProcessGroupSync.agree_requests`       two host flags (stop, save requested), MAX
+at saves              :meth:`~ProcessGroupSync.gather_state`         each rank's own state (RNG, data position,
+                                                                     counters) to rank 0, which writes
+====================  =============================================  ===============================================
+
+Decisions are therefore made once: an out-of-memory error or a stop on any rank ends that step (or the run) on
+every rank; the gradients are identical after the all-reduce, so the non-finite guard, clipping and the optimizer
+step agree without another exchange; observers deciding from ``MetricsLogged.values`` (the alpha controller, the
+guard) see rank 0's reduced values on every rank and decide identically. No pickle travels: text goes as UTF-8
+bytes, state as JSON plus safetensors bytes.
+
+Each ``agree_*`` call is one small all-reduce of host values (a device->host sync on NCCL): two per optimizer step,
+negligible beside a video-diffusion step and the gradient all-reduce itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+PER_RANK_STATE = ("train_state", "generator", "rng", "data", "metrics")
+"""Keys of ``Trainer.state_dict()`` that differ between ranks (each rank's random streams, data position, micro-step
+counter and pending metric sums); everything else (LoRA weights, optimizer, scheduler, observers, the non-finite
+guard) is identical on every rank and saved once."""
+
+
+@attrs.frozen
+class Topology:
+    """Where this process stands: ``rank`` of ``world_size``, ``local_rank`` on its machine."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect_topology(environ: Mapping[str, str] | None = None) -> Topology:
+    """The topology torchrun describes in ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``; one process without them."""
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        return Topology()
+    return Topology(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", env["RANK"])))
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s random streams (timesteps, noise): the run seed itself on rank 0, so that a
+    one-process run is unchanged, and an independent stream derived from ``(seed, rank)`` on the others."""
+    if rank == 0:
+        return seed
+    return int(np.random.SeedSequence([seed % 2**64, rank]).generate_state(1, np.uint64)[0]) % 2**63
+
+
+def rank_view(tree: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """The state tree rank ``rank`` restores: the shared parts of a checkpoint plus its own :data:`PER_RANK_STATE`
+    (a one-process checkpoint has no ``ranks`` entry and is returned as it is)."""
+    out = {k: v for k, v in tree.items() if k != "ranks"}
+    ranks = tree.get("ranks")
+    if ranks:
+        out.update(ranks[rank])
+    return out
+
+
+def checkpoint_world_size(tree: Mapping[str, Any]) -> int:
+    """How many ranks wrote the checkpoint ``tree`` (1 when it has no per-rank state)."""
+    return len(tree.get("ranks") or ()) or 1
+
+
+class SingleProcess:
+    """One process: nothing to agree on, nothing to exchange."""
+
+    topology = Topology()
+    is_main = True
+
+    def agree_step(self, ended: str | None, control: Any) -> str | None:
+        return ended
+
+    def average_gradients(self, params: Sequence[torch.nn.Parameter], loss_finite: torch.Tensor | None
+                          ) -> torch.Tensor | None:
+        return loss_finite
+
+    def reduce_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        return values
+
+    def agree_requests(self, control: Any) -> None:
+        return None
+
+    def should_stop(self, control: Any) -> bool:
+        return control.stop_requested
+
+    def gather_state(self, tree: dict[str, Any]) -> dict[str, Any] | None:
+        return tree
+
+    def broadcast_text(self, text: str | None) -> str:
+        assert text is not None
+        return text
+
+    def barrier(self) -> None:
+        return None
+
+    def broadcast_parameters(self, params: Sequence[torch.Tensor]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class ProcessGroupSync:
+    """The trainer's link to the other ranks over the default ``torch.distributed`` process group.
+
+    :meth:`start` initialises the group from torchrun's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+    ``WORLD_SIZE``): NCCL when ``device`` is CUDA, gloo otherwise. Collectives run on ``device`` (NCCL needs CUDA
+    tensors); host values are copied there and back.
+    """
+
+    def __init__(self, topology: Topology, device: torch.device) -> None:
+        self.topology = topology
+        self.is_main = topology.is_main
+        self.device = device
+        self._stop_agreed = False
+
+    @classmethod
+    def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0) -> ProcessGroupSync:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, rank=topology.rank, world_size=topology.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(topology, device)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- decisions ---------------------------------------------------------------------------------------------
+    def _any(self, flags: Sequence[bool]) -> list[bool]:
+        """Element-wise OR of ``flags`` over the ranks (one all-reduce; a sync point)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([float(f) for f in flags], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [v > 0 for v in t.tolist()]
+
+    def agree_step(self, ended: str | None, control: Any) -> str | None:
+        """The end of this step's micro-steps as every rank sees it: ``"stopped"`` when any rank was stopped
+        between micro-steps, else ``"out of memory"`` when any rank ran out of memory, else None."""
+        stopped, oom = self._any([ended == "stopped", ended == "out of memory"])
+        if stopped:
+            control.request_stop("stop requested on another rank")
+            self._stop_agreed = True
+            return "stopped"
+        return "out of memory" if oom else None
+
+    def agree_requests(self, control: Any) -> None:
+        """Spread a stop or save request (an observer's, a signal's) raised on any rank to every rank."""
+        stop, save = self._any([control.stop_requested, control.has_save_request])
+        if stop:
+            control.request_stop("stop requested on another rank")
+        if save:
+            control.request_save("save requested on another rank")
+        self._stop_agreed = stop
+
+    def should_stop(self, control: Any) -> bool:
+        """The loop's stop test: the stop agreed at the last :meth:`agree_requests` (or :meth:`agree_step`), never
+        a request raised since on one rank alone (that one is agreed at the next step's exchange)."""
+        return self._stop_agreed
+
+    # -- gradients ---------------------------------------------------------------------------------------------
+    def average_gradients(self, params: Sequence[torch.nn.Parameter], loss_finite: torch.Tensor | None
+                          ) -> torch.Tensor | None:
+        """Average the gradients of ``params`` over the ranks, in place (a missing gradient counts as zero), with
+        one all-reduce per dtype; returns the loss-finite flag AND-ed over the ranks (device-side, no sync).
+
+        A flat buffer instead of DistributedDataParallel: only the LoRA parameters travel, once per optimizer step
+        (after the accumulation, so no ``no_sync`` bookkeeping), and the inactive expert may sit on another device.
+        """
+        import torch.distributed as dist
+
+        world = self.topology.world_size
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        bad = (~loss_finite).to(torch.float32).reshape(1) if loss_finite is not None else None
+        for dtype, group in by_dtype.items():
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+            parts = [g.reshape(-1) for g in grads]
+            carries_flag = bad is not None and dtype == torch.float32
+            if carries_flag:
+                parts.append(bad.to(dtype))
+            flat = torch.cat(parts)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            if carries_flag:
+                bad, flat = flat[-1:], flat[:-1]
+            flat.div_(world)
+            offset = 0
+            for p, g in zip(group, grads, strict=True):
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                p.grad = g
+                offset += n
+        if bad is not None and not any(dtype == torch.float32 for dtype in by_dtype):
+            dist.all_reduce(bad, op=dist.ReduceOp.SUM)
+        return None if bad is None else (bad == 0).reshape(())
+
+    def broadcast_parameters(self, params: Sequence[torch.Tensor]) -> None:
+        """Copy rank 0's values of ``params`` to every rank (the LoRA's start, as DistributedDataParallel does)."""
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=0)
+
+    # -- metrics -----------------------------------------------------------------------------------------------
+    def reduce_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        """Rank 0's reduction of every rank's log-step values, identical on every rank: the mean over the ranks
+        that have the value, and the maximum for ``memory/*`` (the fullest rank is what runs out). Log steps
+        only: names travel as JSON, values in one float64 all-reduce."""
+        import torch.distributed as dist
+
+        names = sorted(set().union(*(json.loads(t) for t in self._all_texts(json.dumps(sorted(values))))))
+        peak = [n.startswith("memory/") for n in names]
+        sums = torch.zeros(len(names), dtype=torch.float64)
+        counts = torch.zeros(len(names), dtype=torch.float64)
+        maxima = torch.full((len(names),), -torch.inf, dtype=torch.float64)
+        for i, name in enumerate(names):
+            if name in values:
+                sums[i], counts[i], maxima[i] = values[name], 1.0, values[name]
+        packed = torch.cat([sums, counts]).to(self.device)
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        maxima = maxima.to(self.device)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        reduced = torch.cat([packed, maxima])
+        dist.broadcast(reduced, src=0)  # rank 0 decides: every rank holds exactly rank 0's numbers
+        host = reduced.tolist()
+        n = len(names)
+        out = {}
+        for i, name in enumerate(names):
+            total, count, top = host[i], host[n + i], host[2 * n + i]
+            if count > 0:
+                out[name] = top if peak[i] else total / count
+        return out
+
+    # -- text and state ----------------------------------------------------------------------------------------
+    def _all_bytes(self, payload: bytes) -> list[bytes]:
+        import torch.distributed as dist
+
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        lengths = [torch.zeros_like(length) for _ in range(self.topology.world_size)]
+        dist.all_gather(lengths, length)
+        sizes = [int(t.item()) for t in lengths]
+        buf = torch.zeros(max(sizes), dtype=torch.uint8)
+        buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else buf[:0]
+        buf = buf.to(self.device)
+        bufs = [torch.zeros_like(buf) for _ in sizes]
+        dist.all_gather(bufs, buf)
+        return [bytes(b[:s].cpu().numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
+
+    def _all_texts(self, text: str) -> list[str]:
+        return [b.decode("utf-8") for b in self._all_bytes(text.encode("utf-8"))]
+
+    def broadcast_text(self, text: str | None) -> str:
+        """Rank 0's ``text`` on every rank (the run directory's path, a refusal)."""
+        import torch.distributed as dist
+
+        if self.is_main:
+            assert text is not None
+            payload = text.encode("utf-8")
+        else:
+            payload = b""
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=0)
+        buf = torch.zeros(int(length.item()), dtype=torch.uint8)
+        if self.is_main and payload:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        buf = buf.to(self.device)
+        dist.broadcast(buf, src=0)
+        return bytes(buf.cpu().numpy().tobytes()).decode("utf-8")
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def gather_state(self, tree: dict[str, Any]) -> dict[str, Any] | None:
+        """Rank 0: ``tree`` plus ``ranks``, every rank's :data:`PER_RANK_STATE` in rank order. Other ranks: None.
+        Called by every rank at each save."""
+        own = {k: tree[k] for k in PER_RANK_STATE if k in tree}
+        parts = self._all_bytes(_encode_tree(own))
+        if not self.is_main:
+            return None
+        return {**tree, "ranks": [_decode_tree(p) for p in parts]}
+
+
+def _encode_tree(tree: Any) -> bytes:
+    """A state tree as bytes without pickle: 8-byte length, JSON, safetensors."""
+    from safetensors.torch import save
+
+    from wantrain.core.checkpoint import split_tree
+
+    data, tensors = split_tree(tree)
+    text = json.dumps(data).encode("utf-8")
+    return struct.pack("<Q", len(text)) + text + (save(tensors) if tensors else b"")
+
+
+def _decode_tree(payload: bytes) -> Any:
+    from safetensors.torch import load
+
+    from wantrain.core.checkpoint import join_tree
+
+    (length,) = struct.unpack("<Q", payload[:8])
+    data = json.loads(payload[8:8 + length].decode("utf-8"))
+    rest = payload[8 + length:]
+    return join_tree(data, load(rest) if rest else {})
