@@ -8,6 +8,9 @@ default ``[train]`` has it, one cached 9x64x64 batch) and reads the loss on the 
 * ``bare`` -- the ~25-line loop a user would write (:func:`bare_steps`): expert switch, forward, backward,
   ``clip_grad_norm_``, ``optimizer.step()``, ``zero_grad``, a running loss sum read with ``.item()`` every
   ``log_every`` steps. It has no non-finite guard, no events, no metrics beyond the loss.
+* ``bare_guard`` -- the bare loop plus the core's device-side work (:func:`bare_guard_steps`): non-finite guard
+  through the fused AdamW's ``found_inf`` and running loss means per expert; what the core costs beyond it is the
+  framework itself (events, control object, bookkeeping).
 * ``trainer_none`` -- ``wantrain.core.loop.Trainer`` on a bus with no observers (the core alone: events with no
   receivers, device-side loss sums and non-finite guard, one gather per log step).
 * ``trainer_all`` -- the Trainer with everything ``wantrain.observers.build_observers`` attaches for a default
@@ -51,7 +54,7 @@ from wantrain.observers import build_observers
 from wantrain.observers.event_recorder import EventRecorder
 
 CLIP = 1.0
-VARIANTS = ("bare", "trainer_none", "trainer_all", "ignite_min", "ignite_all")
+VARIANTS = ("bare", "bare_guard", "trainer_none", "trainer_all", "ignite_min", "ignite_all")
 
 
 class Setup:
@@ -85,6 +88,39 @@ def bare_steps(s: Setup, steps: int, log_every: int) -> list[float]:
         if step % log_every == 0:
             losses.append(running.item() / log_every)  # the one host sync of the interval
             running = None
+    s.step += steps
+    return losses
+
+
+def bare_guard_steps(s: Setup, steps: int, log_every: int) -> list[float]:
+    """The bare loop plus what the core adds besides events: a device-side non-finite guard (a non-finite loss or
+    gradient norm skips the step inside the fused AdamW kernel, the streak is counted on the device) and running
+    loss means per expert. No events, no observers."""
+    adapter, optimizer, losses = s.adapter, s.optimizer, []
+    zero = torch.zeros(())
+    sums: dict[str, torch.Tensor] = {}
+    streak, streak_max, skipped = zero, zero, zero
+    for step in range(s.step + 1, s.step + steps + 1):
+        expert = adapter.expert_for_step(step)
+        adapter.activate(expert, optimizer)
+        loss = adapter.loss(s.batch, expert, s.generator)
+        finite = torch.isfinite(loss.detach())
+        value = torch.where(finite, loss.detach(), 0.0)
+        for key in ("loss", expert):
+            sums[key] = value if key not in sums else sums[key] + value
+        loss.backward()
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        bad = (~torch.isfinite(norm) | ~finite).float()
+        streak = (streak + 1) * bad
+        streak_max, skipped = torch.maximum(streak_max, streak), skipped + bad
+        optimizer.found_inf = bad
+        optimizer.step()
+        optimizer.found_inf = None
+        optimizer.zero_grad(set_to_none=True)
+        if step % log_every == 0:
+            losses.append(torch.stack([*sums.values(), streak_max, skipped]).tolist())  # one host sync
+            sums.clear()
     s.step += steps
     return losses
 
@@ -188,6 +224,8 @@ def ignite_steps(s: Setup, steps: int, log_every: int, run_dir: Path | None, dev
 def run_variant(name: str, s: Setup, steps: int, log_every: int, run_dir: Path, devnull) -> None:
     if name == "bare":
         bare_steps(s, steps, log_every)
+    elif name == "bare_guard":
+        bare_guard_steps(s, steps, log_every)
     elif name == "trainer_none":
         trainer_steps(s, steps, log_every, None, devnull)
     elif name == "trainer_all":
@@ -315,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                           "callgrind": callgrind_parent(args, argv)}, indent=1))
         return 0
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as devnull:
+        import structlog
+
+        # RunLog's lines are still rendered (their cost counts), but to /dev/null: stdout carries the JSON only
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(file=devnull))
         if args.callgrind_child:
             callgrind_child(args, Path(tmp), devnull)
             return 0
