@@ -295,12 +295,23 @@ class Bus:
 
     def emit(self, event: Event) -> None:
         """Dispatch ``event`` to its handlers (queued if called from inside a handler)."""
-        if not (self._dispatching or self._ended or self._pending_failures or self._journals):
-            # fast path (most per-step events): nothing queued, nothing pending, no journal
+        if not (self._dispatching or self._ended or self._pending_failures or self._journals) and not isinstance(
+                event, RunEnded):
+            # fast path (every per-step event): nothing queued or pending, no journal, not the last event
             subs = self._ordered.get(type(event))
-            if subs is None and not isinstance(event, RunEnded):
-                self.emitted += 1  # no receivers: counted, nothing else to do
-                return
+            self.emitted += 1
+            if subs is None:
+                return  # no receiver
+            self._dispatching = True
+            try:
+                self._deliver(subs, event)
+                if self._pending_failures:
+                    self._queue.extend(self._take_pending_failures())
+                self._drain()  # events the handlers emitted, in order
+            finally:
+                self._dispatching = False
+                self._queue.clear()
+            return
         if self._ended:
             log.warning("event_after_run_ended_dropped", event_type=type(event).__name__, step=event.step)
             return
@@ -312,17 +323,20 @@ class Bus:
             return
         self._dispatching = True
         try:
-            while self._queue:
-                current = self._queue.popleft()
-                self._dispatch(current)
-                if isinstance(current, RunEnded):
-                    self._end()
-                    break
-                if self._pending_failures:
-                    self._queue.extend(self._take_pending_failures())
+            self._drain()
         finally:
             self._dispatching = False
             self._queue.clear()
+
+    def _drain(self) -> None:
+        while self._queue:
+            current = self._queue.popleft()
+            self._dispatch(current)
+            if isinstance(current, RunEnded):
+                self._end()
+                break
+            if self._pending_failures:
+                self._queue.extend(self._take_pending_failures())
 
     def _take_pending_failures(self) -> list[ObserverFailed]:
         failures, self._pending_failures = self._pending_failures, []
