@@ -15,7 +15,8 @@ default ``[train]`` has it, one cached 9x64x64 batch) and reads the loss on the 
   receivers, device-side loss sums and non-finite guard, one gather per log step).
 * ``trainer_all`` -- the Trainer with everything ``wantrain.observers.build_observers`` attaches for a default
   config (RunLog, MemoryProbe, Norms, TensorBoardWriter, JsonlMetrics, ProgressLine) plus the EventRecorder
-  journal (``observers.record_events = true``).
+  journal (``observers.record_events = true``); ``trainer_default`` the same without the recorder (its default
+  is off).
 * ``ignite_all`` -- an ignite ``Engine`` whose process function is the bare step, with handlers doing the same
   work as ``trainer_all`` every ``log_every`` iterations (loss, grad and param norms, RSS, TensorBoard scalars,
   a JSONL line, a progress line); ``ignite_min`` only reads the loss.
@@ -54,7 +55,7 @@ from wantrain.observers import build_observers
 from wantrain.observers.event_recorder import EventRecorder
 
 CLIP = 1.0
-VARIANTS = ("bare", "bare_guard", "trainer_none", "trainer_all", "ignite_min", "ignite_all")
+VARIANTS = ("bare", "bare_guard", "trainer_none", "trainer_default", "trainer_all", "ignite_min", "ignite_all")
 
 
 class Setup:
@@ -126,14 +127,16 @@ def bare_guard_steps(s: Setup, steps: int, log_every: int) -> list[float]:
 
 
 # -- the wantrain Trainer ---------------------------------------------------------------------------------------------
-def trainer_steps(s: Setup, steps: int, log_every: int, run_dir: Path | None, devnull) -> None:
+def trainer_steps(s: Setup, steps: int, log_every: int, run_dir: Path | None, devnull, *,
+                  record_events: bool = True) -> None:
     bus = Bus()
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = RunConfig()
         for observer in build_observers(cfg, run_dir, hparams={"bench": {"log_every": log_every}}):
             bus.attach(observer)
-        EventRecorder(run_dir / "events.jsonl").attach_to(bus)
+        if record_events:
+            EventRecorder(run_dir / "events.jsonl").attach_to(bus)
     # Trainer counts steps from its state: start where the previous round ended so experts switch as in one run
     from wantrain.core.state import TrainState
 
@@ -228,6 +231,8 @@ def run_variant(name: str, s: Setup, steps: int, log_every: int, run_dir: Path, 
         bare_guard_steps(s, steps, log_every)
     elif name == "trainer_none":
         trainer_steps(s, steps, log_every, None, devnull)
+    elif name == "trainer_default":
+        trainer_steps(s, steps, log_every, run_dir, devnull, record_events=False)
     elif name == "trainer_all":
         trainer_steps(s, steps, log_every, run_dir, devnull)
     elif name == "ignite_min":
