@@ -16,6 +16,7 @@ from wantrain.core.events import (
     Event,
     GradsReady,
     ObserverFailed,
+    OptimizerStepped,
     RunEnded,
     StepStarted,
     register_event_type,
@@ -249,3 +250,18 @@ def test_nothing_after_run_ended_in_a_run_a_critical_observer_aborts():
         trainer.run()
     assert [type(e).__name__ for e in seen[-3:]] == ["LossComputed", "ObserverFailed", "RunEnded"]
     assert seen[-2].event_type == "GradsReady" and seen[-1].status == "failed"
+
+
+def test_an_event_nobody_receives_is_counted_and_run_ended_still_closes_dispatch():
+    bus = Bus()
+    seen = []
+    bus.subscribe(OptimizerStepped, lambda e, c: seen.append(e.step))
+    bus.emit(StepStarted(step=1, micro_step=1, accumulation_index=1, ends_optimizer_step=True, is_log_step=False,
+                         expert=None))  # no receiver: the fast path
+    bus.emit(OptimizerStepped(step=1, expert=None, skipped=False, skip_reason=None, lrs=(0.1,),
+                              group_names=("lora",), is_log_step=False))
+    bus.emit(RunEnded(step=1, status="completed", reason=None))  # no receiver either: still the last event
+    bus.emit(OptimizerStepped(step=2, expert=None, skipped=False, skip_reason=None, lrs=(0.1,),
+                              group_names=("lora",), is_log_step=False))
+    assert seen == [1]
+    assert bus.emitted == 3

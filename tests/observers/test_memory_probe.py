@@ -105,3 +105,37 @@ def test_memory_probe_on_a_cpu_run_has_no_vram_keys_even_with_cuda_present():
     bus, ctx = make_bus(LoraAdapter(experts=(None,), device="cpu"))
     bus.emit(stepped(2))
     assert set(ctx.metrics.gather()) == RAM_KEYS
+
+
+def spawn_worker(mib: int) -> subprocess.Popen:
+    worker = subprocess.Popen(
+        [sys.executable, "-c", f"import sys,time; b = bytearray({mib} << 20); b[::4096] = b'x' * len(b[::4096]); "
+                               "print('ready', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert worker.stdout.readline().strip() == "ready"
+    return worker
+
+
+@pytest.mark.parametrize("refresh_s", [0.0, 3600.0])
+def test_children_are_listed_again_only_after_children_refresh_s(refresh_s):
+    ctx = Context(control=Control(), state=TrainState(), metrics=DeviceMetrics(), live=Live(),
+                  adapter=LoraAdapter(experts=(None,)))
+    bus = Bus(ctx)
+    bus.attach(MemoryProbe(children_refresh_s=refresh_s))
+    bus.emit(started())
+    bus.emit(stepped(2))
+    before = ctx.metrics.gather()
+    worker = spawn_worker(64)  # started after the first listing
+    try:
+        bus.emit(stepped(4))
+        after = ctx.metrics.gather()
+    finally:
+        worker.kill()
+        worker.wait()
+    added = (after["memory/ram_total_gb"] - after["memory/ram_main_process_gb"]) - (
+        before["memory/ram_total_gb"] - before["memory/ram_main_process_gb"])
+    if refresh_s == 0:
+        assert added > 50 / 1024  # listed again at the second log step: the new worker is counted
+    else:
+        assert abs(added) < 10 / 1024  # the cached list (no worker yet) is read until the next refresh

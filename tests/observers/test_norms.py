@@ -157,3 +157,22 @@ def test_sum_of_squares_adds_partials_from_several_devices_without_a_transfer():
         mixed = [*cpu, torch.full((4,), 3.0, device="cuda")]
         result = sum_of_squares(mixed)
         assert result.device.type == "cuda" and result.item() == pytest.approx(16 + 36)
+
+
+def test_parameter_lists_are_built_once_per_run_not_on_every_log_step():
+    adapter = LoraAdapter()
+    calls = []
+    listing = adapter.trainable_parameters
+    adapter.trainable_parameters = lambda expert=None: calls.append(expert) or listing(expert)
+    bus, ctx = make_bus(adapter)
+    for step, expert in ((1, "high_noise"), (2, "high_noise"), (3, "low_noise"), (4, "low_noise")):
+        if step == 3:
+            bus.emit(ExpertSwitched(step=3, previous="high_noise", expert="low_noise"))
+        set_grads(listing(expert), seed=step)
+        bus.emit(GradsReady(step=step, is_log_step=True, expert=expert))
+        bus.emit(stepped(step, expert))
+        values = ctx.metrics.gather()
+        assert values[f"train/grad_norm/{expert}"] == pytest.approx(global_norm([p.grad for p in listing(expert)]),
+                                                                     rel=1e-6)
+        assert values["train/total_param_norm"] == pytest.approx(global_norm(listing()), rel=1e-6)
+    assert sorted(calls) == ["high_noise", "low_noise"]  # once per expert for the whole run

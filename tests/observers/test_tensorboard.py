@@ -80,3 +80,15 @@ def test_resumed_run_purges_the_steps_after_the_resumed_step(tmp_path):
     loss = read_scalars(tmp_path / "tb")["train/loss"]
     assert [s for s, _ in loss] == list(range(1, 11))
     assert [v for _, v in loss] == [0.0] * 5 + [5.0] * 5
+
+
+def test_each_log_step_is_one_event_record_holding_all_its_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    loop = FakeLoop([Norms(), MemoryProbe(), TensorBoardWriter(tmp_path / "tb")], total_steps=7, log_every=3)
+    logged = loop.run()
+    (path,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    records = [e for e in LegacyEventFileLoader(str(path)).Load() if e.HasField("summary")]
+    assert [r.step for r in records] == [3, 6, 7]
+    for record, event in zip(records, logged, strict=True):
+        assert {v.tag: v.simple_value for v in record.summary.value} == pytest.approx(event.values, rel=1e-6)

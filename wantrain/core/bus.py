@@ -4,6 +4,8 @@ Guarantees (each one has a test named after it in ``tests/core/test_bus.py``):
 
 * **One namespace per bus.** Every bus owns a ``blinker.Namespace`` with one signal per event class; nothing is
   connected to blinker's process-global ``signal()``, so buses (and tests) never leak receivers into each other.
+  The signals hold the receivers in dispatch order; :meth:`Bus.emit` calls the same handlers in that order
+  directly (blinker's ``send`` bookkeeping cost more than a handler: ``bench/bench_bus.py``).
 * **Strong references.** The bus holds every handler strongly (blinker ``weak=False``): a lambda, a closure or a
   bound method of an otherwise unreferenced object keeps firing until the bus is closed.
 * **Deterministic order.** Handlers of an event run by priority, highest first -- ``Priority.CONTROLLER`` (observers
@@ -187,6 +189,7 @@ class Bus:
         self.max_failures = max_failures
         self._ns = _Namespace()
         self._subs: dict[type[Event], list[_Subscription]] = {}
+        self._ordered: dict[type[Event], tuple[_Subscription, ...]] = {}  # dispatch order, rebuilt on subscribe
         self._observers: list[Any] = []  # strong references, attachment order
         self._failures: dict[int, int] = {}
         self._disabled: set[int] = set()
@@ -246,6 +249,7 @@ class Bus:
         subs = self._subs.setdefault(event_type, [])
         subs.append(sub)
         subs.sort(key=lambda s: (-s.priority, s.seq))
+        self._ordered[event_type] = tuple(subs)
         # Reconnect in dispatch order: blinker iterates the (ordered) receiver set in connection order.
         signal = self._ns.signal(event_type.__name__)
         for s in subs:
@@ -254,19 +258,26 @@ class Bus:
             signal.connect(s.receiver, weak=False)
 
     def _make_receiver(self, sub: _Subscription, event_type: type[Event]) -> Callable[..., Any]:
-        owner_id = id(sub.owner)
+        """The blinker receiver of ``sub`` (connected for introspection; :meth:`_dispatch` calls the same code
+        through :meth:`_deliver` without blinker's per-send bookkeeping)."""
 
         def receiver(_sender: Any, *, event: Event) -> None:
-            if owner_id in self._disabled:
-                return
-            try:
-                sub.handler(event, self.ctx)
-            except Exception as exc:
-                if sub.critical:
-                    raise CriticalObserverError(sub.name, event_type.__name__, exc) from exc
-                self._passive_failure(sub, owner_id, event, exc)
+            self._deliver((sub,), event)
 
         return receiver
+
+    def _deliver(self, subs: tuple[_Subscription, ...], event: Event) -> None:
+        """Call each subscription's handler in order, applying the error policy."""
+        disabled, ctx = self._disabled, self.ctx
+        for sub in subs:
+            if disabled and id(sub.owner) in disabled:
+                continue
+            try:
+                sub.handler(event, ctx)
+            except Exception as exc:
+                if sub.critical:
+                    raise CriticalObserverError(sub.name, type(event).__name__, exc) from exc
+                self._passive_failure(sub, id(sub.owner), event, exc)
 
     def _passive_failure(self, sub: _Subscription, owner_id: int, event: Event, exc: Exception) -> None:
         count = self._failures.get(owner_id, 0) + 1
@@ -291,6 +302,23 @@ class Bus:
 
     def emit(self, event: Event) -> None:
         """Dispatch ``event`` to its handlers (queued if called from inside a handler)."""
+        if not (self._dispatching or self._ended or self._pending_failures or self._journals) and not isinstance(
+                event, RunEnded):
+            # fast path (every per-step event): nothing queued or pending, no journal, not the last event
+            subs = self._ordered.get(type(event))
+            self.emitted += 1
+            if subs is None:
+                return  # no receiver
+            self._dispatching = True
+            try:
+                self._deliver(subs, event)
+                if self._pending_failures:
+                    self._queue.extend(self._take_pending_failures())
+                self._drain()  # events the handlers emitted, in order
+            finally:
+                self._dispatching = False
+                self._queue.clear()
+            return
         if self._ended:
             log.warning("event_after_run_ended_dropped", event_type=type(event).__name__, step=event.step)
             return
@@ -302,16 +330,20 @@ class Bus:
             return
         self._dispatching = True
         try:
-            while self._queue:
-                current = self._queue.popleft()
-                self._dispatch(current)
-                if isinstance(current, RunEnded):
-                    self._end()
-                    break
-                self._queue.extend(self._take_pending_failures())
+            self._drain()
         finally:
             self._dispatching = False
             self._queue.clear()
+
+    def _drain(self) -> None:
+        while self._queue:
+            current = self._queue.popleft()
+            self._dispatch(current)
+            if isinstance(current, RunEnded):
+                self._end()
+                break
+            if self._pending_failures:
+                self._queue.extend(self._take_pending_failures())
 
     def _take_pending_failures(self) -> list[ObserverFailed]:
         failures, self._pending_failures = self._pending_failures, []
@@ -331,9 +363,10 @@ class Bus:
             record = to_record(event, next(self._seq), time.time())
             for journal in self._journals:
                 journal(record)
-        subs = self._subs.get(type(event))
+        subs = self._ordered.get(type(event))
         if subs:
-            self._ns.signal(type(event).__name__).send(self, event=event)
+            # the handlers connected to this event's blinker signal, in the same order, called directly
+            self._deliver(subs, event)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def is_disabled(self, observer: Any) -> bool:
@@ -362,5 +395,6 @@ class Bus:
             for s in subs:
                 signal.disconnect(s.receiver)
         self._subs.clear()
+        self._ordered.clear()
         self._journals.clear()
         self.ctx = None

@@ -40,6 +40,7 @@ class DeviceMetrics:
         self._tensors: dict[str, torch.Tensor] = {}
         self._sums: dict[str, tuple[torch.Tensor, torch.Tensor | int]] = {}
         self._floats: dict[str, float] = {}
+        self._last: tuple[Any, bool, Any] = (None, False, None)  # (value, finite_only, (v, n)) of the last call
 
     def put(self, name: str, value: torch.Tensor | float) -> None:
         """Set ``name`` for this interval (the last value put wins)."""
@@ -51,12 +52,16 @@ class DeviceMetrics:
     def accumulate(self, name: str, value: torch.Tensor, *, finite_only: bool = False) -> None:
         """Add ``value`` to the running mean of ``name`` over the interval (device-side). ``finite_only``: a
         non-finite value is left out of the mean (also decided on the device); an interval with none has no value."""
-        v = value.detach().reshape(()).float()
-        if finite_only:
-            ok = torch.isfinite(v)
-            v, n = torch.where(ok, v, torch.zeros_like(v)), ok.float()
+        if value is self._last[0] and finite_only == self._last[1]:
+            v, n = self._last[2]  # the same tensor into a second running mean (train/loss and its expert's)
         else:
-            n = 1
+            v = value.detach().reshape(()).float()
+            if finite_only:
+                ok = torch.isfinite(v)
+                v, n = torch.where(ok, v, 0.0), ok.float()
+            else:
+                n = 1
+            self._last = (value, finite_only, (v, n))
         if name in self._sums:
             total, count = self._sums[name]
             self._sums[name] = (total + v, count + n)
@@ -96,6 +101,7 @@ class DeviceMetrics:
         self._tensors.clear()
         self._sums.clear()
         self._floats.clear()
+        self._last = (None, False, None)
         return out
 
     def state_dict(self) -> dict[str, object]:

@@ -11,6 +11,10 @@ on; a gzip log is rewritten as one member and later records are appended as furt
 
 Size (tiny model, two experts, grad_accum 1; docs/benchmarks.md): about 1.1 kB per optimizer step as plain JSONL,
 about 160 bytes gzip-compressed. Reading: :func:`wantrain.replay.read`.
+
+Cost per event: the core's ``to_record`` and one JSON encoding with an encoder built once (``json.dumps`` with
+non-default arguments builds a new encoder per call, which cost more than the encoding). Flushing at every optimizer
+step is a write system call per step (issue 12 asks for it: a killed run keeps every finished step on record).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def find_event_log(run_dir: Path) -> Path | None:
             return Path(run_dir) / name
     return None
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
 
 class EventRecorder:
     """``keep_through_step``: on resume, records of later steps (the lost continuation of a killed run) and a
@@ -62,7 +68,7 @@ class EventRecorder:
         bus.add_journal(self.write, owner=self)
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._fh.write(_ENCODE(record) + "\n")
         if record["_type"] not in _NOT_FLUSHED:
             self._fh.flush()
 

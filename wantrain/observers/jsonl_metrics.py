@@ -28,6 +28,8 @@ from wantrain.core.events import MetricsLogged, RunStarted
 log = structlog.get_logger("wantrain.observers.jsonl_metrics")
 
 RESERVED_FIELDS = ("step", "time", "elapsed_s", "expert")
+# built once: json.dumps with non-default arguments builds a new encoder on every call
+_ENCODE = json.JSONEncoder(allow_nan=False).encode
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -83,7 +85,7 @@ class JsonlMetrics(Observer):
                 continue
             record[name] = _finite_or_none(float(value))
         f = self._open()
-        f.write(json.dumps(record, allow_nan=False) + "\n")
+        f.write(_ENCODE(record) + "\n")
         f.flush()
 
     def close(self) -> None:

@@ -10,11 +10,18 @@ Metrics (host floats, GiB = 2**30 bytes; the ``_gb`` names are the seed's, kept 
 * ``memory/vram_peak_gb`` -- ``torch.cuda.max_memory_allocated`` since the previous log step (or the run start);
   the peak counters are reset after each reading (the seed's peak was since process start and never reset).
 
+Cost: listing the descendants scans every process in ``/proc`` (psutil), so the list of child process handles
+is refreshed at most every ``children_refresh_s`` seconds (default 30 s, and at the first log step); between
+refreshes the cached handles are read (a child that exited is dropped). A worker started after a refresh is
+counted from the next refresh on.
+
 The VRAM series exist only when the run trains on a CUDA device; without CUDA they are absent, not zero. The
 ``torch.cuda`` calls read the caching allocator's host-side counters: they do not synchronise the device.
 """
 
 from __future__ import annotations
+
+import time
 
 import psutil
 import torch
@@ -41,11 +48,15 @@ class MemoryProbe(Observer):
 
     priority = Priority.SINK
 
-    def __init__(self) -> None:
+    def __init__(self, *, children_refresh_s: float = 30.0) -> None:
         self._process = psutil.Process()
+        self.children_refresh_s = children_refresh_s
+        self._child_handles: list[psutil.Process] = []
+        self._children_at = -float("inf")  # monotonic time of the last scan
 
     @on(RunStarted)
     def on_run_started(self, event: RunStarted, ctx) -> None:
+        self._children_at = -float("inf")
         device = _cuda_device(ctx)
         if device is not None:
             torch.cuda.reset_peak_memory_stats(device)  # the first interval's peak starts with the run
@@ -61,11 +72,17 @@ class MemoryProbe(Observer):
         """One reading of every gauge (host floats, GiB); resets the CUDA peak counters of ``device``."""
         main = self._process.memory_info().rss
         total = main
-        for child in self._children():
+        now = time.monotonic()
+        if now - self._children_at >= self.children_refresh_s:
+            self._child_handles, self._children_at = self._children(), now
+        alive = []
+        for child in self._child_handles:
             try:
                 total += child.memory_info().rss
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue  # a worker that exited between listing and reading
+                continue  # a worker that exited since it was listed
+            alive.append(child)
+        self._child_handles = alive
         values = {"memory/ram_main_process_gb": main / GIB, "memory/ram_total_gb": total / GIB}
         if device is not None:
             values["memory/vram_allocated_gb"] = torch.cuda.memory_allocated(device) / GIB

@@ -13,6 +13,11 @@ Nothing here syncs the device: ``torch._foreach_norm`` gives per-tensor norms in
 ``linalg.vector_norm`` of their stack reduces them. Parameters of an inactive expert may live on the CPU (the core
 moves it off the device); its partial sum is a 0-dim CPU tensor, which a device op takes as a host scalar (no
 transfer). An inactive expert does not change, so its partial sum is cached until it becomes active again.
+
+Cost: the list of trainable parameters of each expert is built once per run (at its first log step) instead of
+walking the modules on every log step; this relies on the adapter keeping Parameter identity when it moves an
+expert between devices (``Wan22Adapter.activate`` does for cpu/cuda; ``Module.to`` keeps it). Non-log steps
+return at the first line.
 """
 
 from __future__ import annotations
@@ -65,10 +70,19 @@ class Norms(Observer):
     def __init__(self) -> None:
         # sum ||p||^2 of experts that are not being trained (their parameters cannot change until reactivated)
         self._inactive_sq: dict[str, torch.Tensor] = {}
+        # expert (None: all) -> its trainable parameters; dropped whenever the adapter may have replaced them
+        self._params: dict[str | None, list[torch.Tensor]] = {}
+
+    def _parameters(self, adapter, expert: str | None) -> list[torch.Tensor]:
+        params = self._params.get(expert)
+        if params is None:
+            params = self._params[expert] = list(adapter.trainable_parameters(expert))
+        return params
 
     @on(RunStarted)
     def on_run_started(self, event: RunStarted, ctx) -> None:
         self._inactive_sq.clear()
+        self._params.clear()
 
     @on(ExpertSwitched)
     def on_expert_switched(self, event: ExpertSwitched, ctx) -> None:
@@ -84,12 +98,12 @@ class Norms(Observer):
         experts = _named_experts(ctx.adapter)
         partials = []
         for expert in experts:
-            sq = sum_of_squares(p.grad for p in ctx.adapter.trainable_parameters(expert) if p.grad is not None)
+            sq = sum_of_squares(p.grad for p in self._parameters(ctx.adapter, expert) if p.grad is not None)
             if sq is not None:
                 ctx.metrics.put(f"train/grad_norm/{expert}", sq.sqrt())
                 partials.append(sq)
         if not experts:
-            sq = sum_of_squares(p.grad for p in ctx.adapter.trainable_parameters(None) if p.grad is not None)
+            sq = sum_of_squares(p.grad for p in self._parameters(ctx.adapter, None) if p.grad is not None)
             if sq is not None:
                 partials.append(sq)
         if partials:
@@ -104,7 +118,7 @@ class Norms(Observer):
         for expert in experts:
             sq = self._inactive_sq.get(expert) if expert != event.expert else None
             if sq is None:
-                sq = sum_of_squares(ctx.adapter.trainable_parameters(expert))
+                sq = sum_of_squares(self._parameters(ctx.adapter, expert))
                 if sq is None:
                     continue
                 if expert != event.expert:
@@ -112,7 +126,7 @@ class Norms(Observer):
             ctx.metrics.put(f"train/param_norm/{expert}", sq.sqrt())
             partials.append(sq)
         if not experts:
-            sq = sum_of_squares(ctx.adapter.trainable_parameters(None))
+            sq = sum_of_squares(self._parameters(ctx.adapter, None))
             if sq is not None:
                 partials.append(sq)
         if partials:
@@ -120,6 +134,7 @@ class Norms(Observer):
 
     def close(self) -> None:
         self._inactive_sq.clear()
+        self._params.clear()
 
 
 def _named_experts(adapter) -> tuple[str, ...]:

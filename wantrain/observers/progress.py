@@ -67,12 +67,14 @@ class ProgressLine(Observer):
         self.skipped_steps = 0
         self._last_draw = -math.inf
         self._drawn_width = 0  # characters of the line currently on a terminal (0: none)
+        self._tty: bool | None = None  # whether the stream is a terminal, asked once per run (None: not yet)
 
     # -- events ------------------------------------------------------------------------------------------------
     @on(RunStarted)
     def on_run_started(self, event: RunStarted, ctx) -> None:
         self.total_steps = event.total_steps
         self.step = event.step
+        self._tty = None
         self._times.clear()
         self._times.append((self._clock(), event.step))
 
@@ -174,6 +176,11 @@ class ProgressLine(Observer):
     def _is_tty(self) -> bool:
         if not self.enabled:
             return False
+        if self._tty is None:
+            self._tty = self._ask_tty()
+        return self._tty
+
+    def _ask_tty(self) -> bool:
         isatty = getattr(self._stream_now(), "isatty", None)
         try:
             return bool(isatty()) if callable(isatty) else False

@@ -1,0 +1,180 @@
+"""One A14B expert on a GPU: seconds per optimizer step, model FLOP utilisation and peak VRAM, with random weights.
+
+Not a test; needs no checkpoint. Builds one expert of the ``t2v-a14b`` architecture (``wantrain.models.wan22``'s
+diffusers constructor arguments: 40 layers, dim 5120) with random bf16 weights, adds the same LoRA wantrain adds
+(rank 32 on the attention and FFN projections, LoRA weights in fp32) and trains it on random latents and text
+embeddings with the flow-matching loss, fused AdamW and gradient clipping, as a wantrain step does:
+
+* ``bf16``: 480x832, 81 frames (latents 16x21x60x104, 32 760 tokens), gradient checkpointing: s/step (median
+  of the timed steps, after warm-up), MFU and peak VRAM.
+* ``fp8``: 512x512, 81 frames, base weights stored in float8_e4m3fn (computed in bf16, as ``base_dtype = "fp8"``):
+  peak VRAM (and s/step).
+
+MFU = model FLOPs per step / step time / the GPU's peak dense bf16 FLOP/s. Model FLOPs per step = 2 x the
+forward's FLOPs (counted with ``torch.utils.flop_counter.FlopCounterMode`` on one forward: matmuls and attention):
+one forward plus the backward pass with respect to activations (the frozen base weights get no weight gradient;
+the LoRA weight gradients are negligible); the forward recomputed by gradient checkpointing is not counted, as
+usual for MFU. The peak comes from ``--peak-tflops`` or a table of known GPUs.
+
+    python bench/gpu_step.py                       # both configurations on cuda:0, JSON on stdout
+    python bench/gpu_step.py --only bf16 --steps 5
+    python bench/gpu_step.py --smoke               # tiny model, tiny shapes, on the CPU: checks the script runs
+
+Never run on a GPU by its author (written on a machine without one); ``--smoke`` was run on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+from wantrain.models.wan22.export import ADAPTER_NAME, LORA_TARGET_REGEX
+from wantrain.models.wan22.variants import VARIANTS
+
+# dense bf16 tensor FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name()
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "H20": 148.0,
+                    "A100": 312.0, "L40S": 362.0, "L40": 181.0, "A6000": 155.0, "RTX 4090": 165.0, "A10G": 70.0}
+
+
+def latent_shape(height: int, width: int, frames: int) -> tuple[int, int, int, int, int]:
+    """Wan 2.1 VAE latents of one clip: 16 channels, time /4 (+1), space /8."""
+    return (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+
+
+def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: bool, rank: int):
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    spec = VARIANTS["tiny-t2v" if tiny else "t2v-a14b"]
+    kwargs = transformer_kwargs(spec)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**kwargs)
+    model = model.to_empty(device=device)
+    with torch.no_grad():  # random weights: small normal for matrices, ones/zeros for norms and biases
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            elif "norm" in name or name.endswith("scale_shift_table"):
+                p.fill_(1.0 if "weight" in name else 0.0)
+            else:
+                p.zero_()
+        for _, b in model.named_buffers():
+            if b.is_floating_point():
+                b.zero_()
+    model = cast_keeping_fp32_modules(model, dtype)
+    # RoPE frequencies are buffers computed in __init__: rebuild them on the device (to_empty left them blank)
+    model.rope = type(model.rope)(model.rope.attention_head_dim, model.rope.patch_size,
+                                  model.rope.max_seq_len).to(device)
+    model.requires_grad_(False)
+    if fp8:
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGET_REGEX, init_lora_weights=True),
+                      adapter_name=ADAPTER_NAME)
+    for name, p in model.named_parameters():
+        if f".{ADAPTER_NAME}." in name:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+    return model.train(), spec, dtype
+
+
+def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape: tuple[int, int, int],
+               steps: int, warmup: int, rank: int, peak_tflops: float | None) -> dict:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
+    g = torch.Generator(device=device).manual_seed(0)
+    latents = torch.randn(latent_shape(*shape), generator=g, device=device)
+    if tiny:
+        latents = latents[:, : model.config.in_channels]
+    text = torch.randn(1, spec.text_len, model.config.text_dim, generator=g, device=device, dtype=dtype)
+
+    def loss_fn() -> torch.Tensor:
+        t = torch.rand(1, generator=g, device=device)
+        noise = torch.randn(latents.shape, generator=g, device=device)
+        x_t = (1 - t.view(1, 1, 1, 1, 1)) * latents + t.view(1, 1, 1, 1, 1) * noise
+        pred = model(hidden_states=x_t.to(dtype), timestep=t * 1000, encoder_hidden_states=text,
+                     return_dict=False)[0].float()
+        return ((pred - (noise - latents)) ** 2).mean()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        loss_fn()
+    forward_flops = counter.get_total_flops()
+    times = []
+    for i in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        loss = loss_fn()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    s_per_step = statistics.median(times)
+    out = {"config": name, "latents": list(latents.shape), "tokens": int(latents.shape[2] * latents.shape[3]
+                                                                         * latents.shape[4] // 4),
+           "lora_rank": rank, "fp8_base": fp8, "gradient_checkpointing": True, "steps_timed": steps,
+           "s_per_step": round(s_per_step, 4), "forward_tflops": round(forward_flops / 1e12, 3),
+           "trainable_params": sum(p.numel() for p in params), "final_loss": loss.item()}
+    if peak_tflops:
+        out["mfu"] = round(2 * forward_flops / s_per_step / (peak_tflops * 1e12), 4)
+        out["peak_tflops"] = peak_tflops
+    if device.type == "cuda":
+        out["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        out["peak_vram_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--only", choices=("bf16", "fp8"), help="run one configuration")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 TFLOP/s (default: from a table)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny-t2v twin, tiny shapes, on the CPU (checks that the script runs)")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.smoke else args.device)
+    peak = args.peak_tflops
+    info = {"device": str(device), "torch": torch.__version__}
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        info["gpu"] = gpu
+        peak = peak or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
+    configs = {"bf16": dict(fp8=False, shape=(480, 832, 81)), "fp8": dict(fp8=True, shape=(512, 512, 81))}
+    if args.smoke:
+        configs = {"bf16": dict(fp8=False, shape=(64, 64, 9))}  # fp8 storage needs CUDA
+    results = []
+    for name, cfg in configs.items():
+        if args.only and name != args.only:
+            continue
+        results.append(run_config(name, device, tiny=args.smoke, rank=args.rank if not args.smoke else 4,
+                                  steps=args.steps if not args.smoke else 2, warmup=args.warmup if not args.smoke
+                                  else 1, peak_tflops=peak, **cfg))
+    print(json.dumps({**info, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
