@@ -1,5 +1,6 @@
-"""One place that assembles a run from a config: ``wantrain run``, resume, and (later) the LR finder, replay and
-torchrun all go through :func:`prepare` and :meth:`PreparedRun.execute`.
+"""One place that assembles a run from a config: ``wantrain run``, resume, the LR finder (``wantrain.lr_finder_run``)
+and torchrun (``core.distributed``) all go through :func:`prepare` and :meth:`PreparedRun.execute`; replay rebuilds
+observers from the same config.
 
 Python users call :func:`wantrain.train`::
 
