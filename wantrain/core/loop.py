@@ -180,6 +180,8 @@ class Trainer:
                 expert = self.adapter.expert_for_step(step)
                 if expert != active:
                     self.adapter.activate(expert, self.optimizer)
+                    # listed once per switch, not per step (walking a 14B transformer's parameters costs ms)
+                    expert_params = self.adapter.trainable_parameters(expert)
                     if active is not _NO_EXPERT:
                         self.bus.emit(ExpertSwitched(step=step, previous=active, expert=expert))  # type: ignore[arg-type]
                     active = state.expert = expert
@@ -193,8 +195,7 @@ class Trainer:
                 skip_reason = ended  # None, or "out of memory"
                 if skip_reason is None:
                     # every rank holds the averaged gradients, so clipping, the guard and the step agree
-                    self._loss_finite = self.sync.average_gradients(
-                        self.adapter.trainable_parameters(expert), self._loss_finite)
+                    self._loss_finite = self.sync.average_gradients(expert_params, self._loss_finite)
                     self.bus.emit(GradsReady(step=step, is_log_step=is_log_step, expert=expert))
                     skip_reason = control.take_skip_request()
                 lrs, skip_reason = self._optimizer_step(step, expert, skip_reason)
