@@ -104,7 +104,8 @@ def _worker(rank: int, store: str, out: str) -> None:
     # gradients: averaged in place; a non-finite loss on rank 1 reaches rank 0
     p = torch.nn.Parameter(torch.zeros(3))
     p.grad = torch.full((3,), float(rank + 1))
-    finite = sync.average_gradients([p], torch.tensor(rank == 0))
+    nonfinite = torch.tensor(float(rank == 1))  # rank 1's losses were not finite
+    sync.average_gradients([p], nonfinite)
     # decisions: an out-of-memory error on rank 1 and a save request on rank 0 reach both
     control = Control()
     ended = sync.agree_step("out of memory" if rank == 1 else None, control)
@@ -113,7 +114,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     sync.agree_requests(control)
     text = sync.broadcast_text("path:/runs/x" if rank == 0 else None)
     with open(f"{out}.{rank}", "w") as fh:
-        json.dump({"reduced": reduced, "grad": p.grad.tolist(), "finite": bool(finite), "ended": ended,
+        json.dump({"reduced": reduced, "grad": p.grad.tolist(), "nonfinite": nonfinite.item(), "ended": ended,
                    "save": control.take_save_request(), "stop": sync.should_stop(control), "text": text}, fh)
     dist.destroy_process_group()
 
@@ -127,7 +128,7 @@ def test_two_ranks_agree_on_metrics_gradients_and_decisions(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
     assert r0["reduced"] == r1["reduced"] == {"train/loss": 1.5, "memory/ram_gb": 5.0, "train/loss/high_noise": 3.0}
     assert r0["grad"] == r1["grad"] == [1.5, 1.5, 1.5]
-    assert r0["finite"] is r1["finite"] is False
+    assert r0["nonfinite"] == r1["nonfinite"] == 1.0
     assert r0["ended"] == r1["ended"] == "out of memory"
     assert r0["save"] == "observer" and r1["save"] == "save requested on another rank"
     assert r0["stop"] is r1["stop"] is False

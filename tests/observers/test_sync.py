@@ -112,7 +112,8 @@ def _sync_debug_mode(mode: str):
 def test_whole_loop_on_the_tiny_wan_model_converts_one_tensor_per_log_step_and_none_otherwise():
     """The core's promise end to end: real tiny Wan forward/backward, gradient accumulation, clipping, the
     scheduler, the non-finite guard and every metric observer, with the fused AdamW `wantrain run` builds (its step
-    counter lives on the device and the guard hands it `found_inf`, so nothing is read back per step)."""
+    counter lives on the device and the guard hands it `found_inf`, so nothing is read back per step). That is the
+    path of a GPU run; a CPU run reads the guard's flag instead (free there), so the test asks for the GPU path."""
     import itertools
     from pathlib import Path
 
@@ -136,6 +137,8 @@ def test_whole_loop_on_the_tiny_wan_model_converts_one_tensor_per_log_step_and_n
     trainer = Trainer(adapter=adapter, batches=itertools.repeat(batch), optimizer=optimizer, bus=bus,
                       scheduler=build_scheduler(cfg.lr_scheduler, optimizer, total_steps=6),
                       settings=LoopSettings(max_steps=6, grad_accum=2, log_every=3, clip_grad_norm=1.0))
+    assert trainer._device_skip is False  # CPU: the flag is read
+    trainer._device_skip = True  # what a CUDA device gets
     with counter:
         assert trainer.run().status == "completed"
     assert counter.calls == [(3, "tolist"), (6, "tolist")]

@@ -3,7 +3,7 @@ collector that turns device values into host values once per log interval."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +16,16 @@ from wantrain.core.state import TrainState
 
 @attrs.define
 class Live:
-    """Device objects of the current dispatch. Cleared by the core after each micro-step so that nothing keeps
-    device tensors alive between steps."""
+    """Device objects of the current dispatch. Cleared by the core after each micro-step (``loss``, ``batch``) and
+    after each optimizer step (``grad_norm``) so that nothing keeps device tensors alive between steps.
+
+    ``grad_norm``: the global L2 norm of the gradients before clipping (0-dim, on the device), computed by the core
+    for clipping and the non-finite guard; set from ``GradsReady`` until the optimizer step has run.
+    """
 
     loss: torch.Tensor | None = None
     batch: Mapping[str, Any] | None = None
+    grad_norm: torch.Tensor | None = None
 
     def clear(self) -> None:
         self.loss = None
@@ -45,7 +50,9 @@ class DeviceMetrics:
     def put(self, name: str, value: torch.Tensor | float) -> None:
         """Set ``name`` for this interval (the last value put wins)."""
         if isinstance(value, torch.Tensor):
-            self._tensors[name] = value.detach().reshape(())
+            if value.requires_grad:
+                value = value.detach()
+            self._tensors[name] = value if value.dim() == 0 else value.reshape(())  # no op for a 0-dim value
         else:
             self._floats[name] = float(value)
 
@@ -73,11 +80,15 @@ class DeviceMetrics:
 
     def gather(self) -> dict[str, float]:
         """All values of the interval as host floats, then reset. One device->host transfer."""
+        return self.gather_with(())[0]
+
+    def gather_with(self, extra: Sequence[torch.Tensor]) -> tuple[dict[str, float], list[float]]:
+        """:meth:`gather`, with the 1-D tensors ``extra`` (the core's own interval values) in the same transfer;
+        returns their host values concatenated, in order."""
         names: list[str] = []
         parts: list[torch.Tensor] = []
-        for name, t in self._tensors.items():
-            names.append(name)
-            parts.append(t.float())
+        parts.extend(self._tensors.values())
+        names.extend(self._tensors)
         counted: list[str] = []  # finite-only sums: their counts travel too, so empty ones can be left out
         for name, (total, count) in self._sums.items():
             names.append(name)
@@ -87,22 +98,25 @@ class DeviceMetrics:
                 counted.append(name)
                 parts.append(count)
         out: dict[str, float] = {}
-        if parts:
-            device = parts[0].device
-            stacked = torch.stack([p.to(device).float() for p in parts])
-            # this is the CPU-GPU sync point of the log interval
-            host = stacked.tolist()
+        extra_host: list[float] = []
+        if parts or extra:
+            device = parts[0].device if parts else extra[0].device
+            vectors = [torch.stack([p if p.device == device else p.to(device) for p in parts])] if parts else []
+            vectors.extend(e if e.device == device else e.to(device) for e in extra)
+            # this is the CPU-GPU sync point of the log interval (cat promotes every dtype to a common float type)
+            host = (torch.cat(vectors) if len(vectors) > 1 else vectors[0]).tolist()
             for name, value in zip(names, host, strict=False):
-                out[name] = value
-            for name, count in zip(counted, host[len(names):], strict=True):
+                out[name] = float(value)
+            for name, count in zip(counted, host[len(names):], strict=False):
                 if count == 0:
                     del out[name]  # no finite value in the interval: not measured, not NaN
+            extra_host = host[len(names) + len(counted):]
         out.update(self._floats)
         self._tensors.clear()
         self._sums.clear()
         self._floats.clear()
         self._last = (None, False, None)
-        return out
+        return out, extra_host
 
     def state_dict(self) -> dict[str, object]:
         """The interval's pending sums (for a checkpoint taken between log steps; values put for this step only

@@ -41,10 +41,10 @@ import attrs
 import numpy as np
 import torch
 
-PER_RANK_STATE = ("train_state", "generator", "rng", "data", "metrics")
+PER_RANK_STATE = ("train_state", "generator", "rng", "data", "metrics", "interval")
 """Keys of ``Trainer.state_dict()`` that differ between ranks (each rank's random streams, data position, micro-step
-counter and pending metric sums); everything else (LoRA weights, optimizer, scheduler, observers, the non-finite
-guard) is identical on every rank and saved once."""
+counter, pending metric sums and the log interval's losses); everything else (LoRA weights, optimizer, scheduler,
+observers) is identical on every rank and saved once."""
 
 
 @attrs.frozen
@@ -101,13 +101,13 @@ class SingleProcess:
 
     topology = Topology()
     is_main = True
+    exchanges_gradients = False  # the trainer skips average_gradients (and its flag bookkeeping) altogether
 
     def agree_step(self, ended: str | None, control: Any) -> str | None:
         return ended
 
-    def average_gradients(self, params: Sequence[torch.nn.Parameter], loss_finite: torch.Tensor | None
-                          ) -> torch.Tensor | None:
-        return loss_finite
+    def average_gradients(self, params: Sequence[torch.nn.Parameter], nonfinite: torch.Tensor) -> None:
+        return None
 
     def reduce_metrics(self, values: dict[str, float]) -> dict[str, float]:
         return values
@@ -199,10 +199,12 @@ class ProcessGroupSync:
         return self._stop_agreed
 
     # -- gradients ---------------------------------------------------------------------------------------------
-    def average_gradients(self, params: Sequence[torch.nn.Parameter], loss_finite: torch.Tensor | None
-                          ) -> torch.Tensor | None:
+    exchanges_gradients = True
+
+    def average_gradients(self, params: Sequence[torch.nn.Parameter], nonfinite: torch.Tensor) -> None:
         """Average the gradients of ``params`` over the ranks, in place (a missing gradient counts as zero), with
-        one all-reduce per dtype; returns the loss-finite flag AND-ed over the ranks (device-side, no sync).
+        one all-reduce per dtype; ``nonfinite`` (a 0-dim float flag, 1.0 where this rank's losses were not finite)
+        becomes 1.0 on every rank where it was on any (device-side, no sync).
 
         A flat buffer instead of DistributedDataParallel: only the LoRA parameters travel, once per optimizer step
         (after the accumulation, so no ``no_sync`` bookkeeping), and the inactive expert may sit on another device.
@@ -213,11 +215,11 @@ class ProcessGroupSync:
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
-        bad = (~loss_finite).to(torch.float32).reshape(1) if loss_finite is not None else None
+        bad = nonfinite.to(torch.float32).reshape(1)
         for dtype, group in by_dtype.items():
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
             parts = [g.reshape(-1) for g in grads]
-            carries_flag = bad is not None and dtype == torch.float32
+            carries_flag = dtype == torch.float32
             if carries_flag:
                 parts.append(bad.to(dtype))
             flat = torch.cat(parts)
@@ -231,9 +233,9 @@ class ProcessGroupSync:
                 g.copy_(flat[offset:offset + n].view_as(g))
                 p.grad = g
                 offset += n
-        if bad is not None and not any(dtype == torch.float32 for dtype in by_dtype):
+        if not any(dtype == torch.float32 for dtype in by_dtype):
             dist.all_reduce(bad, op=dist.ReduceOp.SUM)
-        return None if bad is None else (bad == 0).reshape(())
+        nonfinite.copy_((bad > 0).reshape(()))
 
     def broadcast_parameters(self, params: Sequence[torch.Tensor]) -> None:
         """Copy rank 0's values of ``params`` to every rank (the LoRA's start, as DistributedDataParallel does)."""

@@ -39,6 +39,7 @@ from wantrain.core.events import (
     RunStarted,
     StepStarted,
 )
+from wantrain.core.interval import LogInterval
 from wantrain.core.state import TrainState
 
 
@@ -148,12 +149,16 @@ class Trainer:
         self.ctx.control.group_names = self._group_names
         self._saved: list[str] = []
         self._resumed_from: str | None = None
-        # Non-finite guard, on the device (no sync per step): the current streak of non-finite steps, its maximum
-        # over the log interval and the run's total of such skipped steps. Read at log steps only.
-        zero = torch.zeros((), device=adapter.device)
-        self._nan = {"streak": zero.clone(), "streak_max": zero.clone(), "skipped": zero.clone()}
-        # Fused optimizers skip a step on the device when handed ``found_inf`` (the GradScaler protocol).
-        self._device_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        # The interval's losses and the non-finite guard's per-step flags: device tensors, read at log steps only
+        self._interval = LogInterval(adapter.device, settings.log_every)
+        self._step_losses: list[torch.Tensor] = []  # the current optimizer step's micro-step losses
+        self._agreed_flag: torch.Tensor | None = None  # torchrun: the ranks' verdict on their losses
+        self._expert_params: dict[str | None, list[torch.Tensor]] = {}  # torchrun: what average_gradients takes
+        # Fused optimizers skip a step on the device when handed ``found_inf`` (the GradScaler protocol): no sync. On
+        # the CPU reading the flag costs nothing (no queue to wait for), and found_inf would cost more than it saves
+        # (the fused kernel then corrects every parameter's step count with one CPU op per tensor): read it there.
+        self._device_skip = (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+                             and torch.device(adapter.device).type != "cpu")
 
     @property
     def control(self) -> Control:
@@ -180,8 +185,7 @@ class Trainer:
                 expert = self.adapter.expert_for_step(step)
                 if expert != active:
                     self.adapter.activate(expert, self.optimizer)
-                    # listed once per switch, not per step (walking a 14B transformer's parameters costs ms)
-                    expert_params = self.adapter.trainable_parameters(expert)
+                    self._expert_params.clear()  # a move may replace Parameters (to `meta`, for instance)
                     if active is not _NO_EXPERT:
                         self.bus.emit(ExpertSwitched(step=step, previous=active, expert=expert))  # type: ignore[arg-type]
                     active = state.expert = expert
@@ -193,12 +197,15 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     break  # stopped mid-accumulation: the partial step is dropped, not applied
                 skip_reason = ended  # None, or "out of memory"
+                params: list[torch.Tensor] = []
+                norm = None
                 if skip_reason is None:
-                    # every rank holds the averaged gradients, so clipping, the guard and the step agree
-                    self._loss_finite = self.sync.average_gradients(expert_params, self._loss_finite)
-                    self.bus.emit(GradsReady(step=step, is_log_step=is_log_step, expert=expert))
+                    params, norm = self._gradients_ready(expert)
+                    if self.bus.wants(GradsReady):  # per-step events are built only when someone listens
+                        self.bus.emit(GradsReady(step=step, is_log_step=is_log_step, expert=expert))
                     skip_reason = control.take_skip_request()
-                lrs, skip_reason = self._optimizer_step(step, expert, skip_reason)
+                lrs, skip_reason = self._optimizer_step(step, expert, skip_reason, params, norm)
+                self.ctx.live.grad_norm = None
                 state.step = step
                 if skip_reason is not None:
                     state.skipped_steps += 1
@@ -207,10 +214,11 @@ class Trainer:
                 elif skip_reason is None:
                     state.consecutive_oom = 0
                 self._last_lrs = lrs
-                self.bus.emit(OptimizerStepped(
-                    step=step, expert=expert, skipped=skip_reason is not None, skip_reason=skip_reason,
-                    lrs=lrs, group_names=self._group_names, is_log_step=is_log_step,
-                ))
+                if self.bus.wants(OptimizerStepped):
+                    self.bus.emit(OptimizerStepped(
+                        step=step, expert=expert, skipped=skip_reason is not None, skip_reason=skip_reason,
+                        lrs=lrs, group_names=self._group_names, is_log_step=is_log_step,
+                    ))
                 if state.consecutive_oom >= s.max_consecutive_oom:
                     self._fail(f"out of memory on {state.consecutive_oom} optimizer steps in a row "
                                f"(train.max_consecutive_oom = {s.max_consecutive_oom}); lower the resolution, "
@@ -260,14 +268,17 @@ class Trainer:
     def _accumulate(self, step: int, expert: str | None, is_log_step: bool, batches: Iterator[Any]) -> str | None:
         """Forward and backward for each micro-step of optimizer step ``step``. Returns None when the step may be
         applied, ``"stopped"`` (a stop request between micro-steps) or ``"out of memory"``."""
-        state, control, s, live = self.state, self.ctx.control, self.settings, self.ctx.live
-        self._loss_finite = None
+        state, control, s, live, bus = self.state, self.ctx.control, self.settings, self.ctx.live, self.bus
+        self._step_losses = []
+        started, computed = bus.wants(StepStarted), bus.wants(LossComputed)
         for index in range(1, s.grad_accum + 1):
             state.micro_step += 1
             ends = index == s.grad_accum
-            common = dict(step=step, micro_step=state.micro_step, accumulation_index=index,
-                          ends_optimizer_step=ends, is_log_step=is_log_step, expert=expert)
-            self.bus.emit(StepStarted(**common))
+            if started or computed:
+                common = dict(step=step, micro_step=state.micro_step, accumulation_index=index,
+                              ends_optimizer_step=ends, is_log_step=is_log_step, expert=expert)
+            if started:
+                bus.emit(StepStarted(**common))
             pinned = control.take_generator_state()
             if pinned is not None:
                 self.generator.set_state(pinned)  # an observer asked for these draws (control.set_generator_state)
@@ -276,10 +287,12 @@ class Trainer:
                 batch = next(batches)
                 loss = self.adapter.loss(batch, expert, self.generator)
                 live.loss, live.batch = loss.detach(), batch
-                self.bus.emit(LossComputed(**common))
-                self._track_loss(live.loss, expert)
+                if computed:
+                    bus.emit(LossComputed(**common))
+                self._step_losses.append(live.loss)
+                self._interval.add_loss(live.loss, expert)
                 phase = "backward"
-                (loss / s.grad_accum).backward()
+                (loss / s.grad_accum if s.grad_accum > 1 else loss).backward()
                 del loss, batch
             except Exception as exc:
                 if not is_out_of_memory(exc):
@@ -292,37 +305,55 @@ class Trainer:
                 return "stopped"  # between micro-steps: drop the partial accumulation
         return None
 
-    def _optimizer_step(self, step: int, expert: str | None, skip_reason: str | None
+    def _gradients_ready(self, expert: str | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Before ``GradsReady``: average the gradients over the ranks (torchrun), then their global norm before
+        clipping, which observers read as ``ctx.live.grad_norm`` (device ops only, no sync)."""
+        self._agreed_flag = None
+        if self.sync.exchanges_gradients:
+            expert_params = self._expert_params.get(expert)
+            if expert_params is None:  # listed once per switch: walking a 14B transformer's modules costs ms
+                expert_params = self._expert_params[expert] = list(self.adapter.trainable_parameters(expert))
+            # every rank must skip alike: the non-finite check of each rank's losses travels with the gradients
+            self._agreed_flag = torch.zeros((), device=self._interval.device)
+            self._interval.check_finite(self._step_losses, self._agreed_flag)
+            self._step_losses = []
+            self.sync.average_gradients(expert_params, self._agreed_flag)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.ctx.live.grad_norm = norm
+        return params, norm
+
+    def _optimizer_step(self, step: int, expert: str | None, skip_reason: str | None,
+                        params: list[torch.Tensor], norm: torch.Tensor | None
                         ) -> tuple[tuple[float, ...], str | None]:
         """Apply LR requests, clip, step (unless skipped or non-finite), zero grads, restore the scheduled LRs, step
         the scheduler. Returns the LRs used and the skip reason (an out-of-memory error inside ``optimizer.step()``
         skips the step)."""
         requests = self.ctx.control.take_lr_requests()
         scheduled: dict[int, float] = {}  # group index -> its LR before the one-step override
-        for index, (group, name) in enumerate(zip(self.optimizer.param_groups, self._group_names, strict=True)):
-            if name in requests:
-                scheduled[index] = group["lr"]
-                group["lr"] = requests[name]
+        if requests:
+            for index, (group, name) in enumerate(zip(self.optimizer.param_groups, self._group_names, strict=True)):
+                if name in requests:
+                    scheduled[index] = group["lr"]
+                    group["lr"] = requests[name]
         lrs = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
-        if skip_reason is None:
-            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            if self.settings.clip_grad_norm is not None:  # returns the norm before clipping
-                norm = torch.nn.utils.clip_grad_norm_(params, self.settings.clip_grad_norm, foreach=True)
-            else:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-            nonfinite = ~torch.isfinite(norm)
-            if self._loss_finite is not None:
-                nonfinite = nonfinite | ~self._loss_finite
-            self._count_nonfinite(nonfinite)
+        if skip_reason is None and norm is not None:
+            if self.settings.clip_grad_norm is not None:  # the same arithmetic as clip_grad_norm_
+                torch.nn.utils.clip_grads_with_norm_(params, self.settings.clip_grad_norm, norm, foreach=True)
+            # the non-finite guard: one fused check of the step's losses and the norm into the step's flag
+            flag = self._interval.next_flag()
+            if self._agreed_flag is not None:
+                flag.copy_(self._agreed_flag)
+            self._interval.check_finite([*self._step_losses, norm], flag)
             try:
                 if self._device_skip:
                     # the fused kernel skips parameters, moments and its step count when found_inf is 1: no sync
-                    self.optimizer.found_inf = nonfinite.to(torch.float32)  # type: ignore[attr-defined]
+                    self.optimizer.found_inf = flag  # type: ignore[attr-defined]
                     try:
                         self.optimizer.step()
                     finally:
                         self.optimizer.found_inf = None  # type: ignore[attr-defined]
-                elif not bool(nonfinite):  # a device->host sync per step: only for optimizers without found_inf
+                elif not flag.item():  # a device->host sync per step: CPU runs, optimizers without found_inf
                     self.optimizer.step()
             except Exception as exc:
                 if not is_out_of_memory(exc):
@@ -338,15 +369,8 @@ class Trainer:
                 # a skipped step still advances the schedule (it is a function of the step count)
                 warnings.filterwarnings("ignore", message=r".*lr_scheduler\.step\(\)` before `optimizer\.step")
                 self.scheduler.step()
+        self._step_losses = []
         return lrs, skip_reason
-
-    def _count_nonfinite(self, nonfinite: torch.Tensor) -> None:
-        """Device-side bookkeeping of the non-finite guard (no sync)."""
-        bad = nonfinite.to(self._nan["streak"].dtype)
-        nan = self._nan
-        nan["streak"] = (nan["streak"] + 1) * bad
-        nan["streak_max"] = torch.maximum(nan["streak_max"], nan["streak"])
-        nan["skipped"] = nan["skipped"] + bad
 
     def _out_of_memory(self, step: int, expert: str | None, phase: str, exc: BaseException) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -360,26 +384,16 @@ class Trainer:
         ))
 
     # -- host values, once per log interval --------------------------------------------------------------------
-    def _track_loss(self, loss: torch.Tensor, expert: str | None) -> None:
-        metrics = self.ctx.metrics
-        finite = torch.isfinite(loss)
-        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
-        # device-side running sums of the finite losses: no sync here; a non-finite step is counted by the guard
-        metrics.accumulate("train/loss", loss, finite_only=True)
-        if expert is not None:
-            metrics.accumulate(f"train/loss/{expert}", loss, finite_only=True)
-
     def _log(self, step: int, expert: str | None, lrs: tuple[float, ...], started: float) -> None:
         metrics, s = self.ctx.metrics, self.settings
         metrics.put("train/lr", lrs[0])
         if len(lrs) > 1 or self._group_names[0] != "0":
             for name, lr in zip(self._group_names, lrs, strict=True):
                 metrics.put(f"train/lr/{name}", lr)
-        metrics.put("train/nan_skipped_steps", self._nan["skipped"])
-        metrics.put("train/nan_streak_max", self._nan["streak_max"])
-        values = metrics.gather()  # the one device->host transfer of this log interval
+        # the one device->host transfer of this log interval: the observers' values, the losses, the guard's flags
+        values, interval = metrics.gather_with(self._interval.device_parts())
+        values.update(self._interval.close(interval))
         values = self.sync.reduce_metrics(values)  # torchrun: rank 0's reduction over the ranks, on every rank
-        self._nan["streak_max"] = self._nan["streak"].clone()
         values["train/skipped_steps"] = float(self.state.skipped_steps) + values["train/nan_skipped_steps"]
         # Timed after the sync above, so queued device work is included: the mean over the interval is honest.
         now = time.perf_counter()
@@ -461,7 +475,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "data": self.batches.state_dict() if callable(getattr(self.batches, "state_dict", None)) else None,
             "metrics": self.ctx.metrics.state_dict(),
-            "nonfinite_guard": dict(self._nan),
+            "interval": self._interval.state_dict(),
             "observers": observers,
         }
 
@@ -497,9 +511,12 @@ class Trainer:
                     group["lr"] = lr
         if tree.get("data") is not None and callable(getattr(self.batches, "load_state_dict", None)):
             self.batches.load_state_dict(tree["data"])
-        self.ctx.metrics.load_state_dict(tree["metrics"])
-        device = self._nan["streak"].device
-        self._nan = {k: v.to(device) for k, v in tree["nonfinite_guard"].items()}
+        metric_state = {"sums": dict(tree["metrics"].get("sums", {}))}
+        if "interval" in tree:
+            self._interval.load_state_dict(tree["interval"])
+        else:  # written before core.interval existed: device-side guard counters, loss sums in the metrics
+            self._interval.load_legacy(tree["nonfinite_guard"], metric_state["sums"])
+        self.ctx.metrics.load_state_dict(metric_state)
         warnings_out = []
         saved = dict(tree.get("observers", {}))
         for name, obs in _stateful_observers(self.bus.observers):
