@@ -265,3 +265,14 @@ def test_an_event_nobody_receives_is_counted_and_run_ended_still_closes_dispatch
                               group_names=("lora",), is_log_step=False))
     assert seen == [1]
     assert bus.emitted == 3
+
+
+def test_wants_says_whether_an_event_would_reach_a_handler_or_a_journal():
+    from wantrain.core.events import GradsReady, StepStarted
+
+    bus = Bus()
+    assert not bus.wants(StepStarted)
+    bus.subscribe(GradsReady, lambda e, ctx: None)
+    assert bus.wants(GradsReady) and not bus.wants(StepStarted)
+    bus.add_journal(lambda record: None)
+    assert bus.wants(StepStarted)

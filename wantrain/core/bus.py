@@ -300,37 +300,31 @@ class Bus:
     def has_handlers(self, event_type: type[Event]) -> bool:
         return bool(self._subs.get(event_type)) or bool(self._journals)
 
+    def wants(self, event_type: type[Event]) -> bool:
+        """Whether an event of ``event_type`` would reach anyone (a handler or a journal): the core builds its
+        per-step events only then. O(1)."""
+        return event_type in self._ordered or bool(self._journals)
+
     def emit(self, event: Event) -> None:
         """Dispatch ``event`` to its handlers (queued if called from inside a handler)."""
-        if not (self._dispatching or self._ended or self._pending_failures or self._journals) and not isinstance(
-                event, RunEnded):
-            # fast path (every per-step event): nothing queued or pending, no journal, not the last event
-            subs = self._ordered.get(type(event))
-            self.emitted += 1
-            if subs is None:
-                return  # no receiver
-            self._dispatching = True
-            try:
-                self._deliver(subs, event)
-                if self._pending_failures:
-                    self._queue.extend(self._take_pending_failures())
-                self._drain()  # events the handlers emitted, in order
-            finally:
-                self._dispatching = False
-                self._queue.clear()
-            return
         if self._ended:
             log.warning("event_after_run_ended_dropped", event_type=type(event).__name__, step=event.step)
             return
-        if not self._dispatching and self._pending_failures:
+        if self._dispatching:
+            self._queue.append(event)  # emitted by a handler: dispatched after the current event
+            return
+        if self._pending_failures:
             # left by a dispatch that a critical observer or a KeyboardInterrupt aborted: report them first
             self._queue.extend(self._take_pending_failures())
-        self._queue.append(event)
-        if self._dispatching:
-            return
         self._dispatching = True
         try:
-            self._drain()
+            if self._queue or isinstance(event, RunEnded):
+                self._queue.append(event)
+            else:
+                self._dispatch(event)  # the common case (every per-step event): straight to the handlers
+                if self._pending_failures:
+                    self._queue.extend(self._take_pending_failures())
+            self._drain()  # events the handlers emitted, in order
         finally:
             self._dispatching = False
             self._queue.clear()
@@ -364,7 +358,7 @@ class Bus:
             for journal in self._journals:
                 journal(record)
         subs = self._ordered.get(type(event))
-        if subs:
+        if subs is not None:
             # the handlers connected to this event's blinker signal, in the same order, called directly
             self._deliver(subs, event)
 
