@@ -176,3 +176,41 @@ def test_parameter_lists_are_built_once_per_run_not_on_every_log_step():
                                                                      rel=1e-6)
         assert values["train/total_param_norm"] == pytest.approx(global_norm(listing()), rel=1e-6)
     assert sorted(calls) == ["high_noise", "low_noise"]  # once per expert for the whole run
+
+
+def test_grad_norm_is_the_cores_own_norm_unless_an_inactive_expert_has_gradients():
+    adapter = LoraAdapter()
+    set_grads(adapter.trainable_parameters("high_noise"), seed=6)
+    bus, ctx = make_bus(adapter)
+    ctx.live.grad_norm = torch.tensor(7.0)  # what the core computed for clipping: put as it is, nothing recomputed
+    bus.emit(GradsReady(step=1, is_log_step=True, expert="high_noise"))
+    values = ctx.metrics.gather()
+    assert values["train/grad_norm"] == values["train/grad_norm/high_noise"] == 7.0
+    set_grads(adapter.trainable_parameters("low_noise"), seed=7)  # a custom loop: both experts have gradients
+    bus.emit(GradsReady(step=2, is_log_step=True, expert="high_noise"))
+    values = ctx.metrics.gather()
+    assert values["train/grad_norm"] == pytest.approx(global_norm(p.grad for p in adapter.trainable_parameters()),
+                                                      rel=1e-6)
+    assert values["train/grad_norm/low_noise"] == pytest.approx(
+        global_norm(p.grad for p in adapter.trainable_parameters("low_noise")), rel=1e-6)
+
+
+def test_the_trainer_logs_the_pre_clip_norm_of_the_gradients_it_stepped_with():
+    from tests.core.fakes import LinearAdapter, LinearBatches
+    from wantrain.core.events import MetricsLogged
+    from wantrain.core.loop import LoopSettings, Trainer
+
+    adapter = LinearAdapter(experts=("high_noise", "low_noise"), switch_every=2)
+    seen, logged = {}, {}
+    bus = Bus()
+    bus.attach(Norms())
+    bus.subscribe(GradsReady, lambda e, ctx: seen.setdefault(e.step, global_norm(
+        p.grad for p in adapter.trainable_parameters() if p.grad is not None)))
+    bus.subscribe(MetricsLogged, lambda e, ctx: logged.setdefault(e.step, e.values))
+    optimizer = torch.optim.AdamW(adapter.param_groups(), lr=0.05)
+    Trainer(adapter=adapter, batches=LinearBatches(), optimizer=optimizer, bus=bus,
+            settings=LoopSettings(max_steps=4, log_every=1, clip_grad_norm=0.01)).run()
+    for step, values in logged.items():
+        expert = adapter.expert_for_step(step)
+        assert values["train/grad_norm"] == values[f"train/grad_norm/{expert}"] == pytest.approx(seen[step], rel=1e-5)
+        assert values["train/grad_norm"] > 0.1  # before clipping (at 0.01)
