@@ -31,3 +31,41 @@ def test_records_reach_the_file_at_every_optimizer_step_not_at_every_event(tmp_p
     assert [(r["_type"], r["step"]) for r in on_disk] == [
         ("StepStarted", 1), ("OptimizerStepped", 1), ("StepStarted", 2), ("OptimizerStepped", 2)]
     bus.close()
+
+
+def test_non_finite_values_and_registered_events_are_recorded_exactly():
+    import math
+
+    import attrs
+
+    from wantrain.core.events import (
+        Event,
+        MetricsLogged,
+        OptimizerStepped,
+        from_record,
+        register_event_type,
+        to_record,
+    )
+    from wantrain.observers.event_recorder import encode_record
+
+    @register_event_type
+    @attrs.frozen(slots=True, kw_only=True)
+    class ThresholdCrossed(Event):  # an observer's own event, with a float field
+        level: float
+
+    events = [
+        MetricsLogged(step=4, expert=None, values={"train/loss": 0.25, "train/grad_norm": math.inf,
+                                                   "train/x": math.nan}, elapsed_s=1.5, total_steps=8),
+        MetricsLogged(step=8, expert="low_noise", values={"train/loss": 1 / 3}, elapsed_s=2.5, total_steps=8),
+        OptimizerStepped(step=4, expert=None, skipped=False, skip_reason=None, lrs=(1e-7, 2.5e-4),
+                         group_names=("a", "b"), is_log_step=True),
+        ThresholdCrossed(step=5, level=math.nan),
+    ]
+    for seq, event in enumerate(events):
+        line = encode_record(to_record(event, seq, 1764500000.123456))
+        assert line.endswith(b"\n") and line.count(b"\n") == 1
+        back = from_record(json.loads(line))
+        # NaN != NaN: compare the JSON of both (json writes NaN as NaN, not as null)
+        assert json.dumps(attrs.asdict(back)) == json.dumps(attrs.asdict(event)), line
+    line = encode_record(to_record(events[0], 0, 0.0))
+    assert b'"train/x":NaN' in line and b'"train/grad_norm":Infinity' in line  # not turned into null

@@ -14,12 +14,12 @@ dropped there too. Each line is flushed when written.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
 import structlog
 
 from wantrain.core.bus import Observer, Priority, on
@@ -28,14 +28,6 @@ from wantrain.core.events import MetricsLogged, RunStarted
 log = structlog.get_logger("wantrain.observers.jsonl_metrics")
 
 RESERVED_FIELDS = ("step", "time", "elapsed_s", "expert")
-# built once: json.dumps with non-default arguments builds a new encoder on every call
-_ENCODE = json.JSONEncoder(allow_nan=False).encode
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 def _parse(line: str) -> dict[str, Any] | None:
     """One metrics line as a dict, or None for a blank, truncated or foreign line."""
     line = line.strip()
@@ -64,7 +56,7 @@ class JsonlMetrics(Observer):
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
         self._warned: set[str] = set()
 
     @on(RunStarted)
@@ -77,24 +69,26 @@ class JsonlMetrics(Observer):
         record: dict[str, Any] = {
             "step": event.step, "time": time.time(), "elapsed_s": event.elapsed_s, "expert": event.expert,
         }
-        for name, value in event.values.items():
-            if name in RESERVED_FIELDS:
-                if name not in self._warned:
+        values = event.values
+        if not values.keys().isdisjoint(RESERVED_FIELDS):
+            for name in RESERVED_FIELDS:
+                if name in values and name not in self._warned:
                     self._warned.add(name)
                     log.warning("metric_name_reserved", metric=name, reserved=RESERVED_FIELDS, path=str(self.path))
-                continue
-            record[name] = _finite_or_none(float(value))
+            values = {name: value for name, value in values.items() if name not in RESERVED_FIELDS}
+        record.update(values)
         f = self._open()
-        f.write(_ENCODE(record) + "\n")
+        # orjson writes NaN and infinities as null; `default` turns other number types (numpy's) into floats
+        f.write(orjson.dumps(record, default=float, option=orjson.OPT_APPEND_NEWLINE))
         f.flush()
 
     def close(self) -> None:
         self._close_file()
 
-    def _open(self) -> IO[str]:
+    def _open(self) -> IO[bytes]:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held across events
+            self._file = open(self.path, "ab")  # noqa: SIM115 - held across events
         return self._file
 
     def _close_file(self) -> None:
