@@ -10,7 +10,10 @@ Metrics (host floats, GiB = 2**30 bytes; the ``_gb`` names are the seed's, kept 
 * ``memory/vram_peak_gb`` -- ``torch.cuda.max_memory_allocated`` since the previous log step (or the run start);
   the peak counters are reset after each reading (the seed's peak was since process start and never reset).
 
-Cost: listing the descendants scans every process in ``/proc`` (psutil), so the list of child process handles
+Cost: on Linux the main process's RSS is read from ``/proc/self/statm`` through a descriptor opened once (the field
+psutil reads, without opening the file and building its named tuple each time: about 1 us instead of 9 us);
+elsewhere through psutil. Listing the descendants scans every process in ``/proc`` (psutil), so the list of child
+process handles
 is refreshed at most every ``children_refresh_s`` seconds (default 30 s, and at the first log step); between
 refreshes the cached handles are read (a child that exited is dropped). A worker started after a refresh is
 counted from the next refresh on.
@@ -21,6 +24,8 @@ The VRAM series exist only when the run trains on a CUDA device; without CUDA th
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import psutil
@@ -50,6 +55,7 @@ class MemoryProbe(Observer):
 
     def __init__(self, *, children_refresh_s: float = 30.0) -> None:
         self._process = psutil.Process()
+        self._statm: int | None = None  # descriptor of /proc/self/statm (Linux), opened at the first reading
         self.children_refresh_s = children_refresh_s
         self._child_handles: list[psutil.Process] = []
         self._children_at = -float("inf")  # monotonic time of the last scan
@@ -70,7 +76,7 @@ class MemoryProbe(Observer):
 
     def sample(self, device: torch.device | None) -> dict[str, float]:
         """One reading of every gauge (host floats, GiB); resets the CUDA peak counters of ``device``."""
-        main = self._process.memory_info().rss
+        main = self._rss()
         total = main
         now = time.monotonic()
         if now - self._children_at >= self.children_refresh_s:
@@ -90,6 +96,22 @@ class MemoryProbe(Observer):
             values["memory/vram_peak_gb"] = torch.cuda.max_memory_allocated(device) / GIB
             torch.cuda.reset_peak_memory_stats(device)
         return values
+
+    def _rss(self) -> int:
+        """Resident set size of this process in bytes."""
+        if self._statm is None and sys.platform == "linux":
+            try:
+                self._statm, self._page = os.open("/proc/self/statm", os.O_RDONLY), os.sysconf("SC_PAGE_SIZE")
+            except OSError:
+                self._statm = -1
+        if self._statm is not None and self._statm >= 0:
+            return int(os.pread(self._statm, 256, 0).split()[1]) * self._page  # statm: size resident shared ...
+        return self._process.memory_info().rss
+
+    def close(self) -> None:
+        if self._statm is not None and self._statm >= 0:
+            os.close(self._statm)
+        self._statm = None
 
     def _children(self) -> list[psutil.Process]:
         try:
