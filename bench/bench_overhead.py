@@ -39,6 +39,7 @@ import itertools
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -56,6 +57,8 @@ from wantrain.observers.event_recorder import EventRecorder
 
 CLIP = 1.0
 VARIANTS = ("bare", "bare_guard", "trainer_none", "trainer_default", "trainer_all", "ignite_min", "ignite_all")
+# one observer of the default set alone (where the cost goes): only_RunLog, only_Norms, ..., only_EventRecorder
+SINGLE = ("RunLog", "MemoryProbe", "Norms", "TensorBoardWriter", "JsonlMetrics", "ProgressLine", "EventRecorder")
 
 
 class Setup:
@@ -128,14 +131,15 @@ def bare_guard_steps(s: Setup, steps: int, log_every: int) -> list[float]:
 
 # -- the wantrain Trainer ---------------------------------------------------------------------------------------------
 def trainer_steps(s: Setup, steps: int, log_every: int, run_dir: Path | None, devnull, *,
-                  record_events: bool = True) -> None:
+                  record_events: bool = True, only: str | None = None) -> None:
     bus = Bus()
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = RunConfig()
         for observer in build_observers(cfg, run_dir, hparams={"bench": {"log_every": log_every}}):
-            bus.attach(observer)
-        if record_events:
+            if only is None or observer.name == only:
+                bus.attach(observer)
+        if record_events and only in (None, "EventRecorder"):
             EventRecorder(run_dir / "events.jsonl").attach_to(bus)
     # Trainer counts steps from its state: start where the previous round ended so experts switch as in one run
     from wantrain.core.state import TrainState
@@ -235,6 +239,8 @@ def run_variant(name: str, s: Setup, steps: int, log_every: int, run_dir: Path, 
         trainer_steps(s, steps, log_every, run_dir, devnull, record_events=False)
     elif name == "trainer_all":
         trainer_steps(s, steps, log_every, run_dir, devnull)
+    elif name.startswith("only_"):
+        trainer_steps(s, steps, log_every, run_dir, devnull, only=name.removeprefix("only_"))
     elif name == "ignite_min":
         ignite_steps(s, steps, log_every, None, devnull)
     else:
@@ -314,6 +320,10 @@ def callgrind_parent(args, argv: list[str]) -> dict:
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", sys.executable, str(Path(__file__).resolve()),
                *argv, "--callgrind-child"]
         subprocess.run(cmd, cwd=work, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if args.callgrind_keep:  # for callgrind_annotate: where the instructions go, function by function
+            Path(args.callgrind_keep).mkdir(parents=True, exist_ok=True)
+            for dump in Path(work).glob("callgrind.out.*"):
+                shutil.copy(dump, Path(args.callgrind_keep) / dump.name)
         counts: dict[tuple[str, int, int], int] = {}
         for dump in Path(work).glob("callgrind.out.*"):
             text = dump.read_text(errors="replace")
@@ -343,11 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per variant per round")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--log-every", type=int, nargs="+", default=[10, 1])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                        choices=[*VARIANTS, *(f"only_{name}" for name in SINGLE)])
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (default: off)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared box)")
     parser.add_argument("--callgrind-steps", type=int, default=0,
                         help="count instructions per step under callgrind instead of timing: N and 3N steps")
+    parser.add_argument("--callgrind-keep", metavar="DIR", help="copy the callgrind dumps into DIR")
     parser.add_argument("--callgrind-child", action="store_true", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
