@@ -57,6 +57,9 @@ from wantrain.observers.event_recorder import EventRecorder
 
 CLIP = 1.0
 VARIANTS = ("bare", "bare_guard", "trainer_none", "trainer_default", "trainer_all", "ignite_min", "ignite_all")
+# under callgrind: work that happens every N seconds (MemoryProbe's /proc scan every 30 s, TensorBoard's flush every
+# 10 s) runs once per run instead, as valgrind's ~50x slower clock would otherwise run it ~50x too often per step
+COUNTING = False
 # one observer of the default set alone (where the cost goes): only_RunLog, only_Norms, ..., only_EventRecorder
 SINGLE = ("RunLog", "MemoryProbe", "Norms", "TensorBoardWriter", "JsonlMetrics", "ProgressLine", "EventRecorder")
 
@@ -138,6 +141,10 @@ def trainer_steps(s: Setup, steps: int, log_every: int, run_dir: Path | None, de
         cfg = RunConfig()
         for observer in build_observers(cfg, run_dir, hparams={"bench": {"log_every": log_every}}):
             if only is None or observer.name == only:
+                if COUNTING:  # timed work once per run (its start and end), not at valgrind's slowed-down clock
+                    for attr in ("children_refresh_s", "flush_secs"):
+                        if hasattr(observer, attr):
+                            setattr(observer, attr, float("inf"))
                 bus.attach(observer)
         if record_events and only in (None, "EventRecorder"):
             EventRecorder(run_dir / "events.jsonl").attach_to(bus)
@@ -192,7 +199,7 @@ def ignite_steps(s: Setup, steps: int, log_every: int, run_dir: Path | None, dev
         from wantrain.observers.norms import sum_of_squares
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        writer = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10)
+        writer = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10**9 if COUNTING else 10)
         jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         process_handle = psutil.Process()
         params = {g["name"]: list(g["params"]) for g in optimizer.param_groups}  # listed once, like Norms
@@ -290,6 +297,8 @@ def callgrind_child(args, tmp: Path, devnull) -> None:
     the two dumps over 2N is the per-step count without the start/end costs of a run."""
     import subprocess
 
+    global COUNTING
+    COUNTING = True
     pid = str(os.getpid())
     n = args.callgrind_steps
 

@@ -214,3 +214,33 @@ def test_the_trainer_logs_the_pre_clip_norm_of_the_gradients_it_stepped_with():
         expert = adapter.expert_for_step(step)
         assert values["train/grad_norm"] == values[f"train/grad_norm/{expert}"] == pytest.approx(seen[step], rel=1e-5)
         assert values["train/grad_norm"] > 0.1  # before clipping (at 0.01)
+
+
+def test_an_expert_whose_block_ended_at_a_log_step_is_not_summed_again():
+    adapter = LoraAdapter()
+    calls = []
+    bus, ctx = make_bus(adapter)
+    import wantrain.observers.norms as norms
+
+    real = norms.sum_of_squares_grouped
+    norms.sum_of_squares_grouped = lambda grouped: calls.append(1) or real(grouped)
+    previous = None
+    try:
+        for step, expert in ((1, "high_noise"), (2, "high_noise"), (3, "low_noise"), (4, "low_noise"),
+                             (5, "high_noise")):
+            if step in (3, 5):
+                bus.emit(ExpertSwitched(step=step, previous=previous, expert=expert))
+                with torch.no_grad():
+                    for p in adapter.trainable_parameters(expert):
+                        p.add_(0.5)  # the new expert changes from its first step on
+            previous = expert
+            if step % 2 == 0 or step == 5:  # log steps 2 and 4 end a block; 5 is the first of a new block
+                calls.clear()
+                bus.emit(stepped(step, expert))
+                values = ctx.metrics.gather()
+                assert values["train/total_param_norm"] == pytest.approx(global_norm(adapter.trainable_parameters()),
+                                                                          rel=1e-6)
+                # step 2: both experts (nothing cached yet); 4 and 5: only the active one
+                assert len(calls) == (2 if step == 2 else 1), step
+    finally:
+        norms.sum_of_squares_grouped = real

@@ -79,8 +79,8 @@ def _finite(value: Any) -> bool:
 
 def encode_record(record: dict[str, Any]) -> bytes:
     """One log line (with its newline): orjson where that is exact, the json module otherwise (see above)."""
-    floats = _FLOAT_FIELDS.get(record["_type"])
-    if floats is not None and all(_finite(record[name]) for name in floats) and _finite(record.get("wall_time")):
+    floats = _FLOAT_FIELDS.get(record["_type"])  # wall_time is time.time(): finite
+    if floats is not None and (not floats or all(_finite(record[name]) for name in floats)):
         return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
     return (_ENCODE(record) + "\n").encode()
 

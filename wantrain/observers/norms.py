@@ -12,7 +12,9 @@ Metrics (all put as 0-dim device tensors into ``ctx.metrics``; the core converts
 Nothing here syncs the device: ``torch._foreach_norm`` gives per-tensor norms in one fused launch per device, one
 ``linalg.vector_norm`` of their stack reduces them. Parameters of an inactive expert may live on the CPU (the core
 moves it off the device); its partial sum is a 0-dim CPU tensor, which a device op takes as a host scalar (no
-transfer). An inactive expert does not change, so its partial sum is cached until it becomes active again.
+transfer). An inactive expert does not change, so its partial sum is cached until it becomes active again; the sum
+an expert had at the log step that ended its block is that cache (one sum per log step instead of two when
+``switch_every`` is a multiple of ``log_every``).
 
 Cost: ``train/grad_norm`` (and the active expert's) is the core's own pre-clip norm (``ctx.live.grad_norm``,
 computed for clipping and the non-finite guard), put as it is: no device work, unless an inactive expert has
@@ -95,6 +97,8 @@ class Norms(Observer):
         self._inactive_sq: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         # expert (None: all) -> its trainable parameters; dropped whenever the adapter may have replaced them
         self._params: dict[str | None, list[torch.Tensor]] = {}
+        # active expert -> (step, (sum ||p||^2, its sqrt)) taken after that step's update
+        self._active_sq: dict[str, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         # expert -> (device of its first parameter, the parameters grouped for sum_of_squares_grouped)
         self._grouped: dict[str | None, tuple[torch.device, dict]] = {}
 
@@ -120,10 +124,16 @@ class Norms(Observer):
 
     @on(ExpertSwitched)
     def on_expert_switched(self, event: ExpertSwitched, ctx) -> None:
-        # the previous expert was trained until now; the new one is about to change: both caches are stale
-        for expert in (event.previous, event.expert):
-            if expert is not None:
-                self._inactive_sq.pop(expert, None)
+        # the new expert is about to change: its cache is stale. The previous one was trained until now: its sums
+        # are still valid when they were taken after its last update (a log step ending its block, as with the
+        # default switch_every = log_every = 10), else they are computed again at the next log step.
+        if event.expert is not None:
+            self._inactive_sq.pop(event.expert, None)
+        last = self._active_sq.pop(event.previous, None) if event.previous is not None else None
+        if last is not None and last[0] == event.step - 1:
+            self._inactive_sq[event.previous] = last[1]
+        elif event.previous is not None:
+            self._inactive_sq.pop(event.previous, None)
 
     @on(GradsReady)
     def on_grads_ready(self, event: GradsReady, ctx) -> None:
@@ -165,6 +175,8 @@ class Norms(Observer):
                 cached = (sq, sq.sqrt())
                 if expert != event.expert:
                     self._inactive_sq[expert] = cached
+                else:
+                    self._active_sq[expert] = (event.step, cached)
             ctx.metrics.put(f"train/param_norm/{expert}", cached[1])
             partials.append(cached[0])
             only_norm = cached[1]
@@ -188,6 +200,7 @@ class Norms(Observer):
 
     def close(self) -> None:
         self._inactive_sq.clear()
+        self._active_sq.clear()
         self._params.clear()
         self._grouped.clear()
 
