@@ -199,7 +199,7 @@ def ignite_steps(s: Setup, steps: int, log_every: int, run_dir: Path | None, dev
         from wantrain.observers.norms import sum_of_squares
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        writer = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10**9 if COUNTING else 10)
+        writer = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=10**6 if COUNTING else 10)
         jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         process_handle = psutil.Process()
         params = {g["name"]: list(g["params"]) for g in optimizer.param_groups}  # listed once, like Norms
