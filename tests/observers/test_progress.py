@@ -106,3 +106,17 @@ def test_progress_prints_the_last_step_once_with_the_run_status():
     lines = out.getvalue().splitlines()
     assert [line.split(" | ")[0] for line in lines] == ["step 2/4 (50%)", "step 4/4 (100%)"]
     assert lines[-1].endswith("| completed")
+
+
+def test_a_plain_stream_reads_the_clock_at_log_steps_only():
+    class CountingClock(FakeClock):
+        calls = 0
+
+        def __call__(self) -> float:
+            self.calls += 1
+            return super().__call__()
+
+    clock, out = CountingClock(), io.StringIO()
+    drive(ProgressLine(stream=out, clock=clock), clock, steps=10, log_every=5)
+    assert clock.calls == 3  # the run's start and the two log steps, not every step
+    assert "2.00 it/s" in out.getvalue().splitlines()[-1]

@@ -40,36 +40,48 @@ def sum_of_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
 
     Tensors are grouped by device. On an accelerator each group costs one ``_foreach_norm`` (one fused kernel) and
     one reduction. On the CPU ``_foreach_norm`` has no fused kernel and dispatches one norm per tensor (about 1.5 us
-    each); there tensors of the same shape (a LoRA has a handful of shapes) are stacked and reduced together, 2.5x
-    cheaper for the tiny model's 40 tensors. Partial sums from other devices are added as 0-dim CPU scalars (host
-    values, no transfer) or moved non-blocking.
+    each); there a LoRA's matrices are concatenated into two tensors (:func:`group_tensors`) and reduced with about
+    seven ops, 3x cheaper for the tiny model's 40 tensors. Partial sums from other devices are added as 0-dim CPU
+    scalars (host values, no transfer) or moved non-blocking.
     """
     return sum_of_squares_grouped(group_tensors(tensors))
 
 
-def group_tensors(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[list[torch.Tensor]]]:
-    """The grouping :func:`sum_of_squares_grouped` reduces: per device, one list (accelerators) or one list per
-    shape (CPU). Build it once for tensors that keep their device and shape (parameters)."""
+def group_tensors(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[tuple[int | None, list[torch.Tensor]]]]:
+    """The grouping :func:`sum_of_squares_grouped` reduces, per device: ``(dim, tensors)`` pairs. On an accelerator
+    one pair (``_foreach_norm`` takes them all). On the CPU, 2-D tensors that share their smaller dimension (a LoRA's
+    ``A`` matrices share their rank rows, its ``B`` matrices their rank columns) are concatenated along the other one
+    (``dim``), anything else is stacked by shape (``dim`` None): a LoRA reduces in two concatenations. Build it once
+    for tensors that keep their device and shape (parameters)."""
     by_device: dict[torch.device, dict[Any, list[torch.Tensor]]] = {}
     for t in tensors:
         device = t.device
-        key = t.shape if device.type == "cpu" else None
+        if device.type != "cpu":
+            key: Any = None
+        elif t.dim() == 2:
+            key = (1, t.shape[0]) if t.shape[0] <= t.shape[1] else (0, t.shape[1])
+        else:
+            key = (None, t.shape)
         by_device.setdefault(device, {}).setdefault(key, []).append(t)
-    return {device: list(groups.values()) for device, groups in by_device.items()}
+    return {device: [(key[0] if key is not None else None, group) for key, group in groups.items()]
+            for device, groups in by_device.items()}
 
 
-def sum_of_squares_grouped(grouped: dict[torch.device, list[list[torch.Tensor]]]) -> torch.Tensor | None:
+def sum_of_squares_grouped(grouped: dict[torch.device, list[tuple[int | None, list[torch.Tensor]]]]
+                           ) -> torch.Tensor | None:
     if not grouped:
         return None
     partials = []
     with torch.no_grad():  # instead of detaching every tensor (one op each)
         for device, groups in grouped.items():
             if device.type == "cpu":
-                norms = [torch.linalg.vector_norm(torch.stack(same) if len(same) > 1 else same[0], 2,
-                                                  dtype=torch.float32) for same in groups]
+                norms = [torch.linalg.vector_norm(
+                    group[0] if len(group) == 1 else torch.stack(group) if dim is None else torch.cat(group, dim),
+                    2, dtype=torch.float32) for dim, group in groups]
             else:
-                norms = torch._foreach_norm(groups[0], 2, dtype=torch.float32)
-            partials.append(torch.linalg.vector_norm(torch.stack(norms), 2).square())
+                norms = torch._foreach_norm(groups[0][1], 2, dtype=torch.float32)
+            partials.append(torch.linalg.vector_norm(torch.stack(norms), 2).square() if len(norms) > 1
+                            else norms[0].square())
         return _combine(partials)
 
 

@@ -1,14 +1,16 @@
 """A one-line progress display: step/total, it/s, ETA, loss (EMA), LR, active expert, alpha phase.
 
-It updates at every ``OptimizerStepped`` from host-side counters only (the step number, a monotonic clock and the
-LRs the event carries); it never touches a tensor. Loss, alpha phase and skipped steps come from the latest
-``MetricsLogged`` (host floats), so they change once per log interval.
+It keeps every ``OptimizerStepped`` and reads host-side values only (the step number, a monotonic clock and the
+LRs the event carries); it never touches a tensor. On a stream that is not a terminal a step costs nothing beyond
+keeping the event: the clock is read and the line rendered at log steps only. Loss, alpha phase and skipped steps
+come from the latest ``MetricsLogged`` (host floats), so they change once per log interval.
 
 On a terminal the line is redrawn in place with a carriage return, at most every ``refresh_s`` seconds (and always
 on log steps and the last step). When the stream is not a TTY (CI, a file, a pipe) nothing is redrawn: one plain
 line is printed per log step (the last one with the run's status), so logs stay readable.
 
-* it/s: optimizer steps per second over the last ``window`` steps (a moving window, so it follows slowdowns).
+* it/s: optimizer steps per second over about the last ``window`` steps (a moving window, so it follows
+  slowdowns), from the clock read at each redraw (terminal) or log step (otherwise).
 * ETA: remaining steps / it/s.
 * loss: exponential moving average (``beta`` 0.9) of the logged interval means, per expert (``train/loss/<expert>``)
   when the model has experts, else of ``train/loss``; the active expert's is shown.
@@ -57,11 +59,13 @@ class ProgressLine(Observer):
         self.refresh_s = refresh_s
         self.beta = beta
         self._clock = clock
-        self._times: deque[tuple[float, int]] = deque(maxlen=max(2, window))
+        self.window = max(2, window)
+        self._times: deque[tuple[float, int]] = deque(maxlen=self.window)  # (clock, step) samples
         self.total_steps = 0
         self.step = 0
         self.expert: str | None = None
         self.lr: float | None = None
+        self._stepped: OptimizerStepped | None = None  # the latest step's event, read when the line is drawn
         self.loss_ema: dict[str | None, float] = {}
         self.alpha_phase: float | None = None
         self.skipped_steps = 0
@@ -75,23 +79,35 @@ class ProgressLine(Observer):
         self.total_steps = event.total_steps
         self.step = event.step
         self._tty = None
+        self._stepped = None
         self._times.clear()
         self._times.append((self._clock(), event.step))
 
     @on(OptimizerStepped)
     def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
+        self._stepped = event
+        if self._tty is not False and self._is_tty() and not event.is_log_step and event.step != self.total_steps:
+            self._draw(force=False)
+
+    def _take_step(self) -> None:
+        """Step, expert, LR and a clock sample from the latest ``OptimizerStepped`` (when the line is drawn)."""
+        event, self._stepped = self._stepped, None
+        if event is None:
+            return
         self.step = event.step
         self.expert = event.expert
-        self._times.append((self._clock(), event.step))
         if event.lrs:
             names = tuple(event.group_names)
             index = names.index(event.expert) if event.expert in names else 0
             self.lr = event.lrs[index] if index < len(event.lrs) else event.lrs[0]
-        if self._is_tty() and not event.is_log_step and event.step != self.total_steps:
-            self._draw(force=False)
+        times = self._times
+        times.append((self._clock(), event.step))
+        while len(times) > 2 and times[-1][1] - times[1][1] >= self.window:
+            times.popleft()  # keep about `window` steps (a terminal samples every redraw, a log file every log step)
 
     @on(MetricsLogged)
     def on_metrics_logged(self, event: MetricsLogged, ctx) -> None:
+        self._take_step()
         values = event.values
         self.total_steps = event.total_steps or self.total_steps
         keyed = {k.removeprefix("train/loss/"): v for k, v in values.items() if k.startswith("train/loss/")}
@@ -113,6 +129,7 @@ class ProgressLine(Observer):
 
     @on(RunEnded)
     def on_run_ended(self, event: RunEnded, ctx) -> None:
+        self._take_step()
         line = f"{self.render()} | {event.status}"
         if self._is_tty():
             self._write("\r" + line.ljust(self._drawn_width) + "\n")
@@ -163,6 +180,7 @@ class ProgressLine(Observer):
         if not force and now - self._last_draw < self.refresh_s:
             return
         self._last_draw = now
+        self._take_step()
         line = self.render()
         self._write("\r" + line.ljust(self._drawn_width))
         self._drawn_width = max(len(line), 1)
