@@ -323,7 +323,8 @@ def callgrind_parent(args, argv: list[str]) -> dict:
     import subprocess
 
     with tempfile.TemporaryDirectory() as work:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        # a fixed hash seed: dict and set layouts (and so their probe counts) are the same in every process
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
         # sys.executable itself (not a shell shim): valgrind does not follow exec without --trace-children
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", sys.executable, str(Path(__file__).resolve()),
