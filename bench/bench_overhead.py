@@ -8,8 +8,8 @@ default ``[train]`` has it, one cached 9x64x64 batch) and reads the loss on the 
 * ``bare`` -- the ~25-line loop a user would write (:func:`bare_steps`): expert switch, forward, backward,
   ``clip_grad_norm_``, ``optimizer.step()``, ``zero_grad``, a running loss sum read with ``.item()`` every
   ``log_every`` steps. It has no non-finite guard, no events, no metrics beyond the loss.
-* ``bare_guard`` -- the bare loop plus the core's device-side work (:func:`bare_guard_steps`): non-finite guard
-  through the fused AdamW's ``found_inf`` and running loss means per expert; what the core costs beyond it is the
+* ``bare_guard`` -- the bare loop plus the core's device-side work (:func:`bare_guard_steps`): the non-finite
+  guard's fused check per step and the losses kept for the log step; what the core costs beyond it is the
   framework itself (events, control object, bookkeeping).
 * ``trainer_none`` -- ``wantrain.core.loop.Trainer`` on a bus with no observers (the core alone: events with no
   receivers, device-side loss sums and non-finite guard, one gather per log step).
@@ -100,34 +100,35 @@ def bare_steps(s: Setup, steps: int, log_every: int) -> list[float]:
 
 
 def bare_guard_steps(s: Setup, steps: int, log_every: int) -> list[float]:
-    """The bare loop plus what the core adds besides events: a device-side non-finite guard (a non-finite loss or
-    gradient norm skips the step inside the fused AdamW kernel, the streak is counted on the device) and running
-    loss means per expert. No events, no observers."""
+    """The bare loop plus the core's device-side work (``core.interval``): each step's loss is kept (a reference)
+    and one fused check of the loss and the gradient norm writes the step's non-finite flag, which decides the
+    step (read on the CPU, ``found_inf`` on a GPU); at the log step the losses and flags travel in one transfer and
+    the means and counts are taken on the host. No events, no observers."""
     adapter, optimizer, losses = s.adapter, s.optimizer, []
-    zero = torch.zeros(())
-    sums: dict[str, torch.Tensor] = {}
-    streak, streak_max, skipped = zero, zero, zero
+    one = torch.ones(())
+    kept: list[torch.Tensor] = []
+    flags = torch.zeros(log_every)
+    views = flags.unbind(0)
     for step in range(s.step + 1, s.step + steps + 1):
         expert = adapter.expert_for_step(step)
         adapter.activate(expert, optimizer)
         loss = adapter.loss(s.batch, expert, s.generator)
-        finite = torch.isfinite(loss.detach())
-        value = torch.where(finite, loss.detach(), 0.0)
-        for key in ("loss", expert):
-            sums[key] = value if key not in sums else sums[key] + value
+        kept.append(loss.detach())
         loss.backward()
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
-        bad = (~torch.isfinite(norm) | ~finite).float()
-        streak = (streak + 1) * bad
-        streak_max, skipped = torch.maximum(streak_max, streak), skipped + bad
-        optimizer.found_inf = bad
-        optimizer.step()
-        optimizer.found_inf = None
+        flag = views[len(kept) - 1]
+        torch._amp_foreach_non_finite_check_and_unscale_([kept[-1], norm], flag, one)
+        if not flag.item():
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % log_every == 0:
-            losses.append(torch.stack([*sums.values(), streak_max, skipped]).tolist())  # one host sync
-            sums.clear()
+            host = torch.cat([torch.stack(kept), flags[:len(kept)]]).tolist()  # one host sync
+            finite = [v for v in host[:len(kept)] if v == v and abs(v) != float("inf")]
+            losses.append(sum(finite) / max(len(finite), 1))
+            kept.clear()
+            flags = torch.zeros(log_every)
+            views = flags.unbind(0)
     s.step += steps
     return losses
 
