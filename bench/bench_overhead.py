@@ -11,12 +11,12 @@ default ``[train]`` has it, one cached 9x64x64 batch) and reads the loss on the 
 * ``bare_guard`` -- the bare loop plus the core's device-side work (:func:`bare_guard_steps`): the non-finite
   guard's fused check per step and the losses kept for the log step; what the core costs beyond it is the
   framework itself (events, control object, bookkeeping).
-* ``trainer_none`` -- ``wantrain.core.loop.Trainer`` on a bus with no observers (the core alone: events with no
-  receivers, device-side loss sums and non-finite guard, one gather per log step).
-* ``trainer_all`` -- the Trainer with everything ``wantrain.observers.build_observers`` attaches for a default
-  config (RunLog, MemoryProbe, Norms, TensorBoardWriter, JsonlMetrics, ProgressLine) plus the EventRecorder
-  journal (``observers.record_events = true``); ``trainer_default`` the same without the recorder (its default
-  is off).
+* ``trainer_none`` -- ``wantrain.core.loop.Trainer`` on a bus with no observers (the core alone: per-step events
+  not built, the non-finite guard's one check per step, one gather per log step).
+* ``trainer_all`` -- what a default ``wantrain run`` attaches: everything ``wantrain.observers.build_observers``
+  builds for a default config (RunLog, MemoryProbe, Norms, TensorBoardWriter, JsonlMetrics, ProgressLine) plus
+  the EventRecorder journal (``observers.record_events``, on by default); ``trainer_default`` the same without
+  the recorder (its share is the difference).
 * ``ignite_all`` -- an ignite ``Engine`` whose process function is the bare step, with handlers doing the same
   work as ``trainer_all`` every ``log_every`` iterations (loss, grad and param norms, RSS, TensorBoard scalars,
   a JSONL line, a progress line); ``ignite_min`` only reads the loss.
