@@ -30,6 +30,7 @@ class Live:
     def clear(self) -> None:
         self.loss = None
         self.batch = None
+        self.grad_norm = None
 
 
 class DeviceMetrics:

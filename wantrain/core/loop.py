@@ -205,7 +205,7 @@ class Trainer:
                         self.bus.emit(GradsReady(step=step, is_log_step=is_log_step, expert=expert))
                     skip_reason = control.take_skip_request()
                 lrs, skip_reason = self._optimizer_step(step, expert, skip_reason, params, norm)
-                self.ctx.live.grad_norm = None
+                self.ctx.live.clear()  # the norm: nothing keeps a device tensor alive between steps
                 state.step = step
                 if skip_reason is not None:
                     state.skipped_steps += 1
