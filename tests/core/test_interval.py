@@ -169,3 +169,15 @@ def test_the_core_adds_about_one_device_op_per_step_to_a_bare_loop(steps):
     extra = (_trainer_ops(3 * steps) - _trainer_ops(steps)) - (_bare_ops(3 * steps) - _bare_ops(steps))
     # the guard's fused check, against the bare loop's running loss sum: no more than one op per step
     assert extra / (2 * steps) <= 1.0
+
+
+def test_observers_running_means_leave_non_finite_values_out_when_asked():
+    from wantrain.core.context import DeviceMetrics
+
+    metrics = DeviceMetrics()
+    for value in (1.0, math.nan, 3.0):
+        metrics.accumulate("x", torch.tensor(value), finite_only=True)
+        metrics.accumulate("y", torch.tensor(value))
+    metrics.accumulate("z", torch.tensor(math.inf), finite_only=True)
+    values = metrics.gather()
+    assert values["x"] == 2.0 and math.isnan(values["y"]) and "z" not in values

@@ -46,7 +46,6 @@ class DeviceMetrics:
         self._tensors: dict[str, torch.Tensor] = {}
         self._sums: dict[str, tuple[torch.Tensor, torch.Tensor | int]] = {}
         self._floats: dict[str, float] = {}
-        self._last: tuple[Any, bool, Any] = (None, False, None)  # (value, finite_only, (v, n)) of the last call
 
     def put(self, name: str, value: torch.Tensor | float) -> None:
         """Set ``name`` for this interval (the last value put wins)."""
@@ -60,16 +59,11 @@ class DeviceMetrics:
     def accumulate(self, name: str, value: torch.Tensor, *, finite_only: bool = False) -> None:
         """Add ``value`` to the running mean of ``name`` over the interval (device-side). ``finite_only``: a
         non-finite value is left out of the mean (also decided on the device); an interval with none has no value."""
-        if value is self._last[0] and finite_only == self._last[1]:
-            v, n = self._last[2]  # the same tensor into a second running mean (train/loss and its expert's)
-        else:
-            v = value.detach().reshape(()).float()
-            if finite_only:
-                ok = torch.isfinite(v)
-                v, n = torch.where(ok, v, 0.0), ok.float()
-            else:
-                n = 1
-            self._last = (value, finite_only, (v, n))
+        v = value.detach().reshape(()).float()
+        n: torch.Tensor | int = 1
+        if finite_only:
+            ok = torch.isfinite(v)
+            v, n = torch.where(ok, v, 0.0), ok.float()
         if name in self._sums:
             total, count = self._sums[name]
             self._sums[name] = (total + v, count + n)
@@ -116,7 +110,6 @@ class DeviceMetrics:
         self._tensors.clear()
         self._sums.clear()
         self._floats.clear()
-        self._last = (None, False, None)
         return out, extra_host
 
     def state_dict(self) -> dict[str, object]:
