@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from wantrain.core.version import __version__
+
+__all__ = ["__version__", "train"]
 
 
 def train(config: Any, **kwargs: Any) -> Any:

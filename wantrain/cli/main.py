@@ -10,8 +10,8 @@ import argparse
 import importlib
 import sys
 
-from wantrain import __version__
 from wantrain.core.errors import UserError
+from wantrain.core.version import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("wantrain.cli.run", "train a LoRA from a config"),

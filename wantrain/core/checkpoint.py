@@ -43,8 +43,8 @@ from typing import Any
 import attrs
 import torch
 
-import wantrain
 from wantrain.core.errors import UserError
+from wantrain.core.version import __version__
 
 FORMAT_VERSION = 1
 MARKER = "complete.json"
@@ -212,7 +212,7 @@ def write_checkpoint(
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         for f in sizes:
             _fsync_file(tmp / f)
-        marker = {"step": step, "files": sizes, "wantrain_version": wantrain.__version__, "time": time.time(),
+        marker = {"step": step, "files": sizes, "wantrain_version": __version__, "time": time.time(),
                   "format": FORMAT_VERSION}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
         _fsync_file(tmp / MARKER)

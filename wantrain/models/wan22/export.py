@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import wantrain
 from wantrain.core.checkpoint import canonicalize_safetensors
+from wantrain.core.version import __version__
 
 # diffusers module path inside a block -> original Wan name
 DIFFUSERS_TO_WAN = {
@@ -122,7 +122,7 @@ class Wan22Saver:
             alphas = sorted({float(v) for k, v in tensors.items() if k.endswith(".alpha")})
             metadata = {
                 "format": "pt",
-                "wantrain_version": wantrain.__version__,
+                "wantrain_version": __version__,
                 "variant": self.adapter.spec.name,
                 "expert": expert or "single",
                 "rank": str(self.adapter.lora_config.rank),
