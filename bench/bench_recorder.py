@@ -21,8 +21,9 @@ import torch
 
 from wantrain.core.bus import Bus
 from wantrain.core.events import GradsReady, LossComputed, MetricsLogged, OptimizerStepped, RunEnded, StepStarted
+from wantrain.core.events.log import event_log_path
 from wantrain.models.wan22 import LoraConfig, ModelConfig, build_adapter
-from wantrain.observers.event_recorder import EventRecorder, event_log_path
+from wantrain.observers.event_recorder import EventRecorder
 
 
 def _step_events(step: int, expert: str, log: bool, total: int, loss: float) -> list:

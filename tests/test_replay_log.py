@@ -1,5 +1,6 @@
-"""Reading event logs (`wantrain.replay.read`): plain and gzip recordings, flushed at each optimizer step, a torn
-tail, an unknown schema version, an unknown event type, the cut-back on resume; `--set` indexing arrays of tables.
+"""Reading event logs (`wantrain.core.events.log.read`): plain and gzip recordings, flushed at each optimizer
+step, a torn tail, an unknown schema version, an unknown event type, the cut-back on resume;
+`--set` indexing arrays of tables.
 No model: events are made by hand and recorded through a real bus journal."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from wantrain.config import apply_overrides
 from wantrain.core.bus import Bus
 from wantrain.core.errors import ConfigError, UserError
 from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded, RunStarted, StepStarted
-from wantrain.observers.event_recorder import EventRecorder, event_log_path, iter_log_lines
-from wantrain.replay import read
+from wantrain.core.events.log import event_log_path, iter_log_lines, read
+from wantrain.observers.event_recorder import EventRecorder
 
 
 def _events(steps: int) -> list:

@@ -1,10 +1,6 @@
 """Replay a run's event log: debug a run without rerunning it, and ask "what if" of decisions made from events.
 
-A notebook reads the log as typed events::
-
-    from wantrain.replay import read
-    for event in read("runs/20261130_101500"):        # a run directory, events.jsonl or events.jsonl.gz
-        ...
+A notebook reads the log as typed events with :func:`wantrain.core.events.log.read`.
 
 :func:`replay` (``wantrain replay RUN_DIR``) rebuilds the run's observers from its resolved config
 (``<run_dir>/config.toml`` plus overrides), keeps those that declare ``replayable = True`` and sends them the
@@ -17,10 +13,6 @@ recorded and the replayed ones, which :func:`alpha_whatif` sets side by side.
 What replay cannot do: change anything that was computed on the device. Every logged value (losses, window
 statistics, norms) is the recorded one; after the first transition that a what-if moves, the recorded values
 come from a run whose alpha differed from the replayed schedule's (docs/replay.md).
-
-Robustness of :func:`read`: a torn last line (a crash mid-write) is skipped with a warning; a record of another
-schema version stops with one line (:class:`~wantrain.core.errors.UserError`); a record of an event type this
-process does not know (a user's own, whose module is not imported) is skipped with one warning per type.
 """
 
 from __future__ import annotations
@@ -28,17 +20,16 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-import cattrs
 import structlog
 
 from wantrain.core.errors import UserError
-from wantrain.core.events import SCHEMA_VERSION, Event, RunStarted, from_record, known_event_types
-from wantrain.observers.event_recorder import EVENT_LOG_NAMES, find_event_log, iter_log_lines
+from wantrain.core.events import Event, RunStarted
+from wantrain.core.events.log import read, resolve_event_log
 
 log = structlog.get_logger("wantrain.replay")
 
@@ -56,67 +47,6 @@ _ENABLE = {"tensorboard": "observers.tensorboard=true", "jsonl": "observers.json
 # keys a what-if may change and have an effect: everything else was computed when the run trained
 _REPLAYED_KEYS = ("observers.", "lora.alpha_schedule.")
 _DEVICE_SIDE_KEYS = ("lora.alpha_schedule.window",)
-
-
-# -- reading --------------------------------------------------------------------------------------------------------
-def read(path: str | Path, *, until: int | None = None) -> Iterator[Event]:
-    """Yield the typed events of an event log (a run directory, ``events.jsonl`` or ``events.jsonl.gz``), in the
-    order they were dispatched; ``until``: stop after the events of that optimizer step."""
-    path = _log_path(Path(path))
-    unknown: dict[str, int] = {}
-    known = {t.__name__ for t in known_event_types()}
-    for number, line, complete in iter_log_lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if not complete:
-                log.warning("torn_last_line_skipped", path=str(path), line=number)
-                break
-            raise UserError(f"event log '{path}' line {number} is not JSON; the log is damaged") from None
-        if not complete:  # valid JSON but the newline never made it: the writer died before finishing the record
-            log.warning("torn_last_line_skipped", path=str(path), line=number)
-            break
-        if not isinstance(record, dict) or "_type" not in record:
-            raise UserError(f"event log '{path}' line {number} is not an event record (no '_type')")
-        if record.get("schema") != SCHEMA_VERSION:
-            raise UserError(
-                f"event log '{path}' has schema version {record.get('schema')!r} (line {number}); this wantrain "
-                f"reads version {SCHEMA_VERSION}: replay it with the wantrain version that recorded it"
-            )
-        kind = record["_type"]
-        if kind not in known:
-            if kind not in unknown:
-                log.warning("unknown_event_type_skipped", event_type=kind, path=str(path), line=number,
-                            hint="an observer's own event: import the module that registers it to read it")
-            unknown[kind] = unknown.get(kind, 0) + 1
-            continue
-        if until is not None and record.get("step", 0) > until:
-            break
-        try:
-            event = from_record(record)
-        except (cattrs.BaseValidationError, TypeError, ValueError, KeyError) as exc:  # fields do not fit the class
-            raise UserError(f"event log '{path}' line {number}: a {kind} record does not fit its event class "
-                            f"({type(exc).__name__}: {exc})") from None
-        yield event
-    for kind, count in unknown.items():
-        if count > 1:
-            log.warning("unknown_event_type_skipped_total", event_type=kind, records=count)
-
-
-def _log_path(path: Path) -> Path:
-    if path.is_dir():
-        found = find_event_log(path)
-        if found is None:
-            raise UserError(
-                f"'{path}' holds no event log ({' or '.join(EVENT_LOG_NAMES.values())}); the run was trained with "
-                "observers.record_events = false"
-            )
-        return found
-    if not path.is_file():
-        raise UserError(f"event log '{path}' does not exist (pass a run directory or its events.jsonl[.gz])")
-    return path
 
 
 # -- replaying ------------------------------------------------------------------------------------------------------
@@ -151,7 +81,7 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
     if not (run_dir / "config.toml").is_file():
         raise UserError(f"'{run_dir}' is not a run directory (it has no config.toml); pass a directory that "
                         "`wantrain run` created")
-    log_path = _log_path(run_dir)
+    log_path = resolve_event_log(run_dir)
     next(read(log_path), None)  # a log of another schema version is refused before anything is written
     wanted = list(observers) if observers is not None else None
     overrides = list(overrides)

@@ -393,12 +393,13 @@ class PreparedRun:
         from wantrain.core.bus import Bus
         from wantrain.core.checkpoint import remove_stale_temporaries
         from wantrain.core.distributed import rank_seed, rank_view
+        from wantrain.core.events.log import event_log_path
         from wantrain.core.faults import inject_faults
         from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
         from wantrain.core.state import TrainState
         from wantrain.data import ensure_cache
         from wantrain.observers import build_observers
-        from wantrain.observers.event_recorder import EventRecorder, event_log_path
+        from wantrain.observers.event_recorder import EventRecorder
         from wantrain.schedulers import build_scheduler
 
         cfg, data, adapter, resume, sync = self.cfg, self.data, self.adapter, self.resume, self.sync

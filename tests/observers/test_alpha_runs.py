@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from wantrain.cli.main import main
 from wantrain.core.events import MetricsLogged
+from wantrain.core.events.log import read_events
 from wantrain.models.wan22.config import AlphaScheduleConfig
 from wantrain.observers.alpha_controller import AlphaChanged, AlphaPolicy
-from wantrain.observers.event_recorder import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

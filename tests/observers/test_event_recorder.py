@@ -46,7 +46,7 @@ def test_non_finite_values_and_registered_events_are_recorded_exactly():
         register_event_type,
         to_record,
     )
-    from wantrain.observers.event_recorder import encode_record
+    from wantrain.core.events.log import encode_record
 
     @register_event_type
     @attrs.frozen(slots=True, kw_only=True)

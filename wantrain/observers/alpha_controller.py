@@ -52,9 +52,9 @@ from wantrain.core.events import (
     StepStarted,
     register_event_type,
 )
+from wantrain.core.events.log import cut_back
 from wantrain.models.wan22.config import CRITERIA, AlphaScheduleConfig
 from wantrain.observers.alpha_stats import DeviceWindow, SignAgreement, loss_statistics, window_mean
-from wantrain.observers.jsonl_metrics import truncate_after
 
 STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss_samples", "gradient_stability")
 
@@ -208,7 +208,7 @@ class AlphaController(Observer):
     @on(RunStarted)
     def on_run_started(self, event: RunStarted, ctx) -> None:
         if self.metrics_path is not None:
-            truncate_after(self.metrics_path, event.step)
+            cut_back(self.metrics_path, event.step)
 
     @on(ExpertSwitched)
     def on_expert_switched(self, event: ExpertSwitched, ctx) -> None:

@@ -14,7 +14,6 @@ dropped there too. Each line is flushed when written.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -24,6 +23,7 @@ import structlog
 
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import MetricsLogged, RunStarted
+from wantrain.core.events.log import cut_back
 
 log = structlog.get_logger("wantrain.observers.jsonl_metrics")
 
@@ -97,22 +97,4 @@ class JsonlMetrics(Observer):
             self._file = None
 
     def _truncate_after(self, step: int) -> None:
-        truncate_after(self.path, step)
-
-
-def truncate_after(path: Path, step: int) -> None:
-    """Keep only complete lines of the JSONL file ``path`` with ``step <= step``, byte for byte (rewritten
-    atomically; nothing happens when the file does not exist). Resume uses it on every metrics file."""
-    path = Path(path)
-    if not path.exists():
-        return
-    kept = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            record = _parse(line)
-            if record is not None and record["step"] <= step and line.endswith("\n"):
-                kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+        cut_back(self.path, step)

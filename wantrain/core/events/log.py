@@ -1,0 +1,234 @@
+"""The event log's format, in one place: ``<run_dir>/events.jsonl`` (or ``events.jsonl.gz``), one JSON record per
+line (``wantrain.core.events.to_record``: the event's fields, ``_type``, ``seq``, ``wall_time``, ``schema``).
+
+* Encode: :func:`encode_record` (orjson where that is exact, the ``json`` module for non-finite floats and events
+  of registered types, whose fields are unknown here: ``NaN``/``Infinity`` as Python's ``json.loads`` reads them).
+* Append: :func:`open_append` (a gzip log is appended as further members; ``GzipFile.flush()`` is a
+  ``Z_SYNC_FLUSH``, so a killed run's file decompresses up to its last flush).
+* Cut back to a step: :func:`cut_back` (any JSONL file of step records, plain or gzip: the event log and the
+  metrics files on resume).
+* Iterate: :func:`iter_log_lines` (plain or gzip, a torn tail marked ``complete=False``).
+* Read typed events: :func:`read` / :func:`read_events`.
+
+Robustness of :func:`read`: a torn last line (a crash mid-write) is skipped with a warning; a record of another
+schema version stops with one line (:class:`~wantrain.core.errors.UserError`); a record of an event type this
+process does not know (a user's own, whose module is not imported) is skipped with one warning per type.
+
+Written by ``wantrain.observers.event_recorder``; read by ``wantrain.app.replay`` and notebooks::
+
+    from wantrain.core.events.log import read
+    for event in read("runs/20261130_101500"):        # a run directory, events.jsonl or events.jsonl.gz
+        ...
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import cattrs
+import orjson
+import structlog
+
+from wantrain.core.errors import UserError
+from wantrain.core.events import CATALOGUE, SCHEMA_VERSION, Event, from_record, known_event_types
+
+log = structlog.get_logger("wantrain.events")
+
+EVENT_LOG_NAMES = {"none": "events.jsonl", "gzip": "events.jsonl.gz"}
+"""The log's file name in the run directory per ``observers.record_compression``."""
+
+
+
+def event_log_path(run_dir: Path, compression: str = "none") -> Path:
+    return Path(run_dir) / EVENT_LOG_NAMES[compression]
+
+
+def find_event_log(run_dir: Path) -> Path | None:
+    """The event log of a run directory (plain or gzip), or None when the run recorded none."""
+    for name in EVENT_LOG_NAMES.values():
+        if (Path(run_dir) / name).is_file():
+            return Path(run_dir) / name
+    return None
+
+
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _float_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in attrs.fields(cls) if "float" in str(f.type))
+
+
+# event type name -> the fields that may hold floats (orjson would write a non-finite one as null)
+_FLOAT_FIELDS = {cls.__name__: _float_fields(cls) for cls in CATALOGUE}
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, Mapping):
+        value = value.values()
+    elif not isinstance(value, tuple | list):
+        return True  # int, None
+    return all(not isinstance(v, float) or math.isfinite(v) for v in value)
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """One log line (with its newline): orjson where that is exact, the json module otherwise (see above)."""
+    floats = _FLOAT_FIELDS.get(record["_type"])  # wall_time is time.time(): finite
+    if floats is not None and (not floats or all(_finite(record[name]) for name in floats)):
+        return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+    return (_ENCODE(record) + "\n").encode()
+
+
+def open_append(path: Path) -> IO[bytes]:
+    """The log opened for appending; a path ending in ``.gz`` is written gzip-compressed."""
+    if path.suffix == ".gz":
+        # GzipFile.flush() is a Z_SYNC_FLUSH: a readable prefix at every flush
+        return gzip.GzipFile(path, "ab", compresslevel=6)
+    return path.open("ab")
+
+
+def iter_log_lines(path: Path) -> Iterator[tuple[int, str, bool]]:
+    """``(line_number, text, complete)`` for each line of a plain or gzip log, 1-based. ``complete`` is False only
+    for a last line without its newline (a crash mid-write). A gzip stream that ends early (a killed run) or is
+    damaged ends the iteration there, as a torn tail."""
+    pending = b""
+    number = 0
+    for chunk in _chunks(Path(path)):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            number += 1
+            yield number, line.decode("utf-8", errors="replace"), True
+    if pending:
+        yield number + 1, pending.decode("utf-8", errors="replace"), False
+
+
+def _chunks(path: Path, size: int = 1 << 16) -> Iterator[bytes]:
+    with path.open("rb") as fh:
+        if path.suffix != ".gz":
+            while chunk := fh.read(size):
+                yield chunk
+            return
+        decompressor = zlib.decompressobj(wbits=31)  # gzip members, one after another
+        while raw := fh.read(size):
+            while raw:
+                before = decompressor.copy()
+                try:
+                    yield decompressor.decompress(raw)
+                except zlib.error:  # damaged (a block cut mid-write): yield what decodes before the damage
+                    yield _decodable_prefix(before, raw)
+                    return
+                if decompressor.eof:
+                    raw = decompressor.unused_data
+                    decompressor = zlib.decompressobj(wbits=31)
+                else:
+                    raw = b""
+
+
+def _decodable_prefix(decompressor: Any, raw: bytes) -> bytes:
+    out = []
+    for i in range(len(raw)):
+        try:
+            out.append(decompressor.decompress(raw[i:i + 1]))
+        except zlib.error:
+            break
+    return b"".join(out)
+
+
+def cut_back(path: Path, step: int) -> None:
+    """Keep only the complete lines of the JSONL file ``path`` (plain or gzip) that are records with an integer
+    ``step <= step``, byte for byte, rewritten atomically; nothing happens when the file does not exist. Resume
+    cuts the event log and every metrics file back to the checkpoint's step with it (a torn tail goes too)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = []
+    for _, line, complete in iter_log_lines(path):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a blank or torn line
+        if complete and isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    if path.suffix == ".gz":
+        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as fh:
+            fh.write("".join(kept))
+    else:
+        tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read(path: str | Path, *, until: int | None = None) -> Iterator[Event]:
+    """Yield the typed events of an event log (a run directory, ``events.jsonl`` or ``events.jsonl.gz``), in the
+    order they were dispatched; ``until``: stop after the events of that optimizer step."""
+    path = resolve_event_log(Path(path))
+    unknown: dict[str, int] = {}
+    known = {t.__name__ for t in known_event_types()}
+    for number, line, complete in iter_log_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if not complete:
+                log.warning("torn_last_line_skipped", path=str(path), line=number)
+                break
+            raise UserError(f"event log '{path}' line {number} is not JSON; the log is damaged") from None
+        if not complete:  # valid JSON but the newline never made it: the writer died before finishing the record
+            log.warning("torn_last_line_skipped", path=str(path), line=number)
+            break
+        if not isinstance(record, dict) or "_type" not in record:
+            raise UserError(f"event log '{path}' line {number} is not an event record (no '_type')")
+        if record.get("schema") != SCHEMA_VERSION:
+            raise UserError(
+                f"event log '{path}' has schema version {record.get('schema')!r} (line {number}); this wantrain "
+                f"reads version {SCHEMA_VERSION}: replay it with the wantrain version that recorded it"
+            )
+        kind = record["_type"]
+        if kind not in known:
+            if kind not in unknown:
+                log.warning("unknown_event_type_skipped", event_type=kind, path=str(path), line=number,
+                            hint="an observer's own event: import the module that registers it to read it")
+            unknown[kind] = unknown.get(kind, 0) + 1
+            continue
+        if until is not None and record.get("step", 0) > until:
+            break
+        try:
+            event = from_record(record)
+        except (cattrs.BaseValidationError, TypeError, ValueError, KeyError) as exc:  # fields do not fit the class
+            raise UserError(f"event log '{path}' line {number}: a {kind} record does not fit its event class "
+                            f"({type(exc).__name__}: {exc})") from None
+        yield event
+    for kind, count in unknown.items():
+        if count > 1:
+            log.warning("unknown_event_type_skipped_total", event_type=kind, records=count)
+
+
+def resolve_event_log(path: Path) -> Path:
+    """The event log ``path`` names: a run directory (its log, plain or gzip) or the log file itself."""
+    if path.is_dir():
+        found = find_event_log(path)
+        if found is None:
+            raise UserError(
+                f"'{path}' holds no event log ({' or '.join(EVENT_LOG_NAMES.values())}); the run was trained with "
+                "observers.record_events = false"
+            )
+        return found
+    if not path.is_file():
+        raise UserError(f"event log '{path}' does not exist (pass a run directory or its events.jsonl[.gz])")
+    return path
+
+
+def read_events(path: Path) -> list[Event]:
+    """The typed events of a recording, as a list (:func:`read`)."""
+    return list(read(path))
