@@ -66,7 +66,7 @@ BARE = ["observers.tensorboard=false", "observers.memory_probe=false", "observer
 
 
 def run_wantrain(config: Path, noise: str, seed: int, chart_to: Path | None, bare: bool = False) -> dict:
-    from wantrain.runner import train
+    from wantrain.app.train import train
 
     started = time.perf_counter()
     outcome = train(config, overrides=["lr_finder.enabled=true", f'lr_finder.noise="{noise}"', f"run.seed={seed}",
@@ -97,8 +97,8 @@ def run_torch_lr_finder(config: Path, seed: int) -> dict:
     import matplotlib.pyplot as plt
     from torch_lr_finder import LRFinder, TrainDataLoaderIter
 
-    from wantrain.config import load_config
-    from wantrain.runner import build_optimizer, prepare
+    from wantrain.app.assemble import build_optimizer, prepare
+    from wantrain.app.config import load_config
 
     cfg = load_config(config, [f"run.seed={seed}"])
     prepared = prepare(cfg, config_dir=config.parent)

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from wantrain.config import RunConfig
+from wantrain.app.config import RunConfig
 from wantrain.core.bus import Bus
 from wantrain.core.loop import LoopSettings, Trainer
 from wantrain.models.wan22 import LoraConfig, ModelConfig, build_adapter

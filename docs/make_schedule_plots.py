@@ -10,7 +10,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from wantrain.config import RunConfig
+from wantrain.app.config import RunConfig
 from wantrain.core.config import structure
 from wantrain.schedulers.preview import plot, sample
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from wantrain.app.resume import ResumePoint, check_resume_world_size
 from wantrain.core.distributed import (
     PER_RANK_STATE,
     SingleProcess,
@@ -17,7 +18,6 @@ from wantrain.core.distributed import (
     rank_view,
 )
 from wantrain.core.errors import UserError
-from wantrain.runner import ResumePoint, check_resume_world_size
 
 
 def test_topology_comes_from_torchruns_environment():
@@ -140,7 +140,7 @@ def test_the_docs_batch_example_is_a_valid_config(tmp_path):
     import re
     from pathlib import Path
 
-    from wantrain.config import load_config
+    from wantrain.app.config import load_config
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
     snippet = re.search(r"```toml\n(.*?)```", text, re.S).group(1)

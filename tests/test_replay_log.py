@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from wantrain.app.config import apply_overrides
 from wantrain.cli.main import main
-from wantrain.config import apply_overrides
 from wantrain.core.bus import Bus
 from wantrain.core.errors import ConfigError, UserError
 from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded, RunStarted, StepStarted
@@ -156,7 +156,7 @@ def test_every_toml_example_in_the_replay_and_observer_guides_is_valid_config():
     import re
     import tomllib
 
-    from wantrain.config import RunConfig
+    from wantrain.app.config import RunConfig
     from wantrain.core.config import structure
 
     docs = Path(__file__).resolve().parents[1] / "docs"
@@ -167,7 +167,7 @@ def test_every_toml_example_in_the_replay_and_observer_guides_is_valid_config():
 
 
 def test_a_resumed_runs_log_replays_into_metrics_without_the_lost_steps(tmp_path):
-    from wantrain.replay import replay
+    from wantrain.app.replay import replay
 
     run = tmp_path / "run"
     run.mkdir()

@@ -329,7 +329,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
 def test_the_faults_example_in_docs_resume_md_is_a_valid_config(tmp_path):
     import re
 
-    from wantrain.config import load_config
+    from wantrain.app.config import load_config
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "resume.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", docs, re.S)

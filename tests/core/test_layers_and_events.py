@@ -15,7 +15,7 @@ from wantrain.core.events import CATALOGUE, Event, from_record, to_record
 
 CORE = Path(__file__).resolve().parents[2] / "wantrain" / "core"
 FORBIDDEN = ("wantrain.observers", "wantrain.models", "wantrain.data", "wantrain.cli", "wantrain.schedulers",
-             "wantrain.config")
+             "wantrain.app.config")
 
 
 def test_core_imports_nothing_from_observers_models_data_or_cli():

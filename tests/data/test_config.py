@@ -1,6 +1,6 @@
 import pytest
 
-from wantrain.config import RunConfig
+from wantrain.app.config import RunConfig
 from wantrain.core.config import structure
 from wantrain.core.errors import ConfigError
 
@@ -37,7 +37,7 @@ def test_unknown_clip_mode_lists_the_choices():
 
 
 def test_relative_dataset_paths_are_resolved_against_the_config_file(tmp_path):
-    from wantrain.config import load_config
+    from wantrain.app.config import load_config
 
     (tmp_path / "cfg").mkdir()
     path = tmp_path / "cfg" / "run.toml"

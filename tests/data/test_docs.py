@@ -4,7 +4,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from wantrain.config import RunConfig
+from wantrain.app.config import RunConfig
 from wantrain.core.config import structure
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "data.md"

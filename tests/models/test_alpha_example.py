@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from wantrain.config import load_config
+from wantrain.app.config import load_config
 from wantrain.models.wan22 import build_adapter
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from wantrain.config import load_config
+from wantrain.app.config import load_config
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 SNIPPETS = re.findall(r"```toml\n(.*?)```", DOC.read_text(), flags=re.DOTALL)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wantrain.config import load_config
+from wantrain.app.config import load_config
 from wantrain.models.wan22 import build_adapter
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from wantrain.config import load_config
+from wantrain.app.config import load_config
 from wantrain.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

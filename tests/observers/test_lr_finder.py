@@ -13,6 +13,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.core.fakes import LinearAdapter, LinearBatches
+from wantrain.app.lr_finder import SweepOrder, load_initial_state
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import copy_tree
 from wantrain.core.events import OptimizerStepped, from_record, to_record
@@ -20,7 +21,6 @@ from wantrain.core.faults import inject_faults
 from wantrain.core.loop import LoopSettings, Trainer
 from wantrain.core.settings import FaultsConfig
 from wantrain.core.state import TrainState
-from wantrain.lr_finder_run import SweepOrder, load_initial_state
 from wantrain.observers.lr_finder import LrFinder, LrFinderResult, LrFinderRung, van_der_corput
 from wantrain.observers.lr_finder_config import LrFinderConfig
 from wantrain.observers.lr_finder_math import sweep_lrs

@@ -27,7 +27,7 @@ def doc_example() -> str:
 
 
 def test_docs_example_is_a_valid_lr_finder_table():
-    from wantrain.config import RunConfig
+    from wantrain.app.config import RunConfig
     from wantrain.core.config import structure
 
     cfg = structure(RunConfig, tomllib.loads(doc_example()))
@@ -113,8 +113,8 @@ def test_then_train_continues_exactly_like_a_run_started_with_the_suggested_lr(w
 def test_cli_flags_and_the_seeds_spellings_set_the_lr_finder_table():
     import argparse
 
+    from wantrain.app.config import RunConfig, apply_overrides
     from wantrain.cli.run import add_arguments, lr_finder_overrides
-    from wantrain.config import RunConfig, apply_overrides
     from wantrain.core.config import structure
 
     parser = argparse.ArgumentParser()
@@ -138,7 +138,7 @@ def test_cli_flags_and_the_seeds_spellings_set_the_lr_finder_table():
     ({"noise": "fixd"}, "did you mean 'fixed'"),
 ])
 def test_bad_lr_finder_settings_are_refused_in_one_line(table, message):
-    from wantrain.config import RunConfig
+    from wantrain.app.config import RunConfig
     from wantrain.core.config import ConfigError, structure
 
     with pytest.raises(ConfigError, match=re.escape(message)):

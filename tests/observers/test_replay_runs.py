@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from wantrain.app.replay import alpha_whatif, read, replay
 from wantrain.cli.main import main
 from wantrain.core.errors import UserError
 from wantrain.observers.alpha_controller import AlphaChanged
-from wantrain.replay import alpha_whatif, read, replay
 
 from .test_alpha_runs import BASE, SCHEDULE
 

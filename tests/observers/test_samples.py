@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from wantrain.config import load_config
+from wantrain.app.assemble import prepare
+from wantrain.app.config import load_config
 from wantrain.models.wan22.architecture import write_tiny_diffusers_dir
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.observers import samples as samples_module
-from wantrain.runner import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo_data"

@@ -117,7 +117,7 @@ def test_whole_loop_on_the_tiny_wan_model_converts_one_tensor_per_log_step_and_n
     import itertools
     from pathlib import Path
 
-    from wantrain.config import load_config
+    from wantrain.app.config import load_config
     from wantrain.core.bus import Bus
     from wantrain.core.events import StepStarted
     from wantrain.core.loop import LoopSettings, Trainer

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from wantrain.config import load_config
+from wantrain.app.assemble import prepare
+from wantrain.app.config import load_config
 from wantrain.core.errors import ConfigError, UserError
-from wantrain.runner import prepare
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo_data"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from wantrain.app.config import load_config
 from wantrain.cli.main import main
-from wantrain.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "examples" / "quickstart.toml"

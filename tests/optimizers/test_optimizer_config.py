@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.test_end_to_end import QUICKSTART
+from wantrain.app.config import RunConfig
 from wantrain.cli.main import main
-from wantrain.config import RunConfig
 from wantrain.core.config import structure
 from wantrain.core.errors import ConfigError, UserError
 from wantrain.optimizers import OptimizerConfig, build_optimizer, check_optimizer

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from wantrain.config import RunConfig
+from wantrain.app.config import RunConfig
 from wantrain.core.config import structure
 from wantrain.core.errors import ConfigError
 from wantrain.optimizers import build_optimizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from wantrain.config import RunConfig
+from wantrain.app.config import RunConfig
 from wantrain.core.config import structure
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from wantrain.config import load_config
+from wantrain.app.config import load_config
 from wantrain.core.errors import ConfigError
 from wantrain.schedulers import build_scheduler, check_scheduler, lr_at, warmup_steps_for
 

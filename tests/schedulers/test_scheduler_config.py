@@ -1,6 +1,6 @@
 import pytest
 
-from wantrain.config import RunConfig, load_config, to_plain
+from wantrain.app.config import RunConfig, load_config, to_plain
 from wantrain.core.config import structure
 from wantrain.core.errors import ConfigError
 from wantrain.schedulers import build_scheduler

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from wantrain.config import load_config
+from wantrain.app.config import load_config
 from wantrain.schedulers import build_scheduler
 
 from .helpers_sched import run_steps, two_expert_optimizer

@@ -16,6 +16,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_run_config(args: argparse.Namespace):  # -> wantrain.config.RunConfig
-    from wantrain.config import load_config
+    from wantrain.app.config import load_config
 
     return load_config(args.config, list(getattr(args, "set", []) or []))

@@ -1,5 +1,5 @@
 """``wantrain replay RUN_DIR [--observers a,b] [--set key=value ...] [--until STEP] [--out DIR]``: parse the
-arguments and hand them to :func:`wantrain.replay.replay` (docs/replay.md). Prints where the output went, the
+arguments and hand them to :func:`wantrain.app.replay.replay` (docs/replay.md). Prints where the output went, the
 observers left out, and, when the alpha controller was replayed, the recorded transitions beside the replayed
 ones. Exit codes: 0 replayed, 2 bad input."""
 
@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wantrain.cli.logs import configure_logging
-    from wantrain.replay import alpha_whatif, replay
+    from wantrain.app.logs import configure_logging
+    from wantrain.app.replay import alpha_whatif, replay
 
     configure_logging(None)
     observers = [n.strip() for n in args.observers.split(",") if n.strip()] if args.observers else None

@@ -1,5 +1,5 @@
 """``wantrain run CONFIG [--resume auto|PATH] [--lr-finder ...]``: parse the arguments and hand them to
-``wantrain.runner``, the one place that assembles a run. Exit codes: 0 completed, 1 failed, 2 bad input, 3 stopped
+``wantrain.app.assemble``, the one place that assembles a run. Exit codes: 0 completed, 1 failed, 2 bad input, 3 stopped
 (resumable), 130 aborted."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def lr_finder_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wantrain.runner import train
+    from wantrain.app.train import train
 
     overrides = list(args.set or [])
     if args.max_steps is not None:

@@ -99,7 +99,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 class Trainer:
     """Runs optimizer steps ``state.step+1 .. settings.max_steps`` over ``batches`` and emits events on ``bus``.
 
-    The trainer is handed ready-made parts (``wantrain.runner`` assembles them from the config): a
+    The trainer is handed ready-made parts (``wantrain.app.assemble`` assembles them from the config): a
     :class:`ModelAdapter`, an iterable of batches (infinite, or at least long enough; with ``state_dict()`` /
     ``load_state_dict()`` its position is checkpointed), an optimizer over ``adapter.param_groups()``, a scheduler
     with ``step()`` (called once per optimizer step), a :class:`Saver` and an optional :class:`CheckpointPolicy`.

@@ -1,7 +1,7 @@
 """The learning-rate range test, as an observer: it drives a short run through the control object and reads the
 losses the core logs. The loop has no LR-finder branch (docs/lr_finder.md).
 
-The run it watches is assembled by ``wantrain.runner`` for the test: ``steps * steps_per_lr`` optimizer steps per
+The run it watches is assembled by ``wantrain.app`` for the test: ``steps * steps_per_lr`` optimizer steps per
 trained expert, experts in turn (the high-noise expert's whole sweep first), ``log_every = 1``, no LoRA saver and no
 checkpoints. Per optimizer step, at ``StepStarted``:
 
@@ -151,7 +151,7 @@ class LrFinder(Observer):
         if event.total_steps != self.total_steps or event.log_every != 1:
             raise RuntimeError(f"the LR finder needs a run of {self.total_steps} steps logging every step; got "
                                f"{event.total_steps} steps, log_every {event.log_every} (assemble it with "
-                               "wantrain.runner)")
+                               "wantrain.app.lr_finder)")
         if self.tensorboard and self.run_dir is not None:
             from tensorboardX import SummaryWriter
 

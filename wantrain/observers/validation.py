@@ -142,29 +142,6 @@ class Validation(Observer):
                                          elapsed_s=time.perf_counter() - self._started, total_steps=total))
 
 
-def build_validation_data(cfg: Any, spec: Any, seed: int) -> Any:
-    """The validation clips of ``cfg.validation`` (a ``RunConfig``) as a ``TrainingData`` of one-clip batches in
-    folder order: ``validation.path`` read with the ``[data]`` settings, or the first ``from_training`` training
-    clips; at most ``max_clips``. Decodes nothing (``wantrain.runner.prepare`` calls it: a missing or empty folder
-    is refused before the run directory exists)."""
-    import attrs
-
-    from wantrain.data import build_dataset
-    from wantrain.data.training import TrainingData
-
-    v = cfg.validation
-    if v.path is not None:
-        data_cfg = attrs.evolve(cfg.data, path=v.path, datasets=[], repeats=1)
-    else:
-        data_cfg = attrs.evolve(cfg.data, datasets=[attrs.evolve(d, repeats=1) for d in cfg.data.datasets],
-                                repeats=1)
-    data_cfg = attrs.evolve(data_cfg, shuffle=False, remainder="smaller_batch")
-    full = build_dataset(data_cfg, spec=spec, seed=seed, batch_size=1)
-    limit = min(v.max_clips, v.from_training or v.max_clips)
-    return TrainingData(full.clips[:limit], full.report, batch_size=1, remainder="smaller_batch", shuffle=False,
-                        seed=seed, spec=spec)
-
-
 def cached_batches(data: Any, adapter: Any) -> list[dict[str, torch.Tensor]]:
     """One cached batch per validation clip (tensors only, on the CPU), read after ``ensure_cache``."""
     import itertools

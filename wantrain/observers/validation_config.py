@@ -2,7 +2,7 @@
 ``wantrain/observers/validation.py`` and ``samples.py``; see docs/validation.md.
 
 Checks that need only the section happen here (one line naming the key); checks against the model variant (image
-count, sizes) happen in :func:`check_sections`, which ``wantrain.runner.prepare`` calls.
+count, sizes) happen in :func:`check_sections`, which ``wantrain.app.assemble.prepare`` calls.
 """
 
 from __future__ import annotations

@@ -26,23 +26,19 @@ from typing import Any
 
 import attrs
 import structlog
+import tomli_w
 
+from wantrain.app.config import load_config, to_plain
+from wantrain.app.observers import BUILT_IN, BY_KEY, build_observers, load_observer_class, resolve_extra_observers
+from wantrain.core.bus import Bus, Priority
+from wantrain.core.context import Context, DeviceMetrics, Live
+from wantrain.core.control import Control
 from wantrain.core.errors import UserError
 from wantrain.core.events import Event, RunStarted
 from wantrain.core.events.log import read, resolve_event_log
+from wantrain.core.state import TrainState
 
-log = structlog.get_logger("wantrain.replay")
-
-OBSERVER_NAMES = {
-    "run_log": "RunLog", "tensorboard": "TensorBoardWriter", "jsonl": "JsonlMetrics", "progress": "ProgressLine",
-    "alpha": "AlphaController", "memory_probe": "MemoryProbe", "norms": "Norms", "adaptive_lr": "adaptive_lr",
-}
-"""``--observers`` names of the built-in observers -> the observer's ``name``. A user's observer (``observers.extra``)
-is named by its ``name`` (the class name unless it sets one)."""
-
-_ENABLE = {"tensorboard": "observers.tensorboard=true", "jsonl": "observers.jsonl=true",
-           "progress": "observers.progress=true", "memory_probe": "observers.memory_probe=true",
-           "norms": "observers.norms=true"}
+log = structlog.get_logger("wantrain.app.replay")
 
 # keys a what-if may change and have an effect: everything else was computed when the run trained
 _REPLAYED_KEYS = ("observers.", "lora.alpha_schedule.")
@@ -68,15 +64,9 @@ class ReplayResult:
 def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overrides: Sequence[str] = (),
            until: int | None = None, out: str | Path | None = None) -> ReplayResult:
     """Replay ``run_dir``'s event log into the observers its config (with ``overrides``) builds. ``observers``:
-    names (:data:`OBSERVER_NAMES` or a user observer's ``name``) to replay, default every replayable one but the
-    progress line. Writes into ``out`` (default ``<run_dir>__replay_<time>`` beside the run), never into the run."""
-    from wantrain.config import load_config, to_plain
-    from wantrain.core.bus import Bus, Priority
-    from wantrain.core.context import Context, DeviceMetrics, Live
-    from wantrain.core.control import Control
-    from wantrain.core.state import TrainState
-    from wantrain.observers import build_observers, resolve_extra_observers
-
+    names (the keys of ``wantrain.app.observers.BUILT_IN`` or a user observer's ``name``) to replay, default
+    every replayable one but the progress line. Writes into ``out`` (default ``<run_dir>__replay_<time>`` beside
+    the run), never into the run."""
     run_dir = Path(run_dir).resolve()
     if not (run_dir / "config.toml").is_file():
         raise UserError(f"'{run_dir}' is not a run directory (it has no config.toml); pass a directory that "
@@ -86,7 +76,7 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
     wanted = list(observers) if observers is not None else None
     overrides = list(overrides)
     notes = _override_notes(overrides)
-    enable = [_ENABLE[n] for n in wanted or () if n in _ENABLE]
+    enable = [BY_KEY[n].flag for n in wanted or () if n in BY_KEY and BY_KEY[n].flag]
     if wanted is None or "progress" not in wanted:
         enable.append("observers.progress=false")
     cfg = load_config(run_dir / "config.toml", [*enable, *overrides])
@@ -143,8 +133,6 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
 
 def _importable_extras(cfg: Any, wanted: list[str] | None) -> tuple[Any, list[str]]:
     """Users' observers that cannot be imported here are left out with a note, unless ``--observers`` names them."""
-    from wantrain.observers import load_observer_class
-
     keep, notes = [], []
     for i, spec in enumerate(cfg.observers.extra):
         try:
@@ -162,11 +150,12 @@ def _importable_extras(cfg: Any, wanted: list[str] | None) -> tuple[Any, list[st
 
 def _choose(built: list[Any], wanted: list[str] | None) -> tuple[list[Any], list[str]]:
     by_name = {o.name: o for o in built}
-    short = {v: k for k, v in OBSERVER_NAMES.items()}
+    short = {row.observer_name: row.key for row in BUILT_IN}
+    long = {row.key: row.observer_name for row in BUILT_IN}
     if wanted is not None:
         available = sorted(short.get(n, n) for n in by_name)
         for name in wanted:
-            if OBSERVER_NAMES.get(name, name) not in by_name:
+            if long.get(name, name) not in by_name:
                 hint = (" (the run's lora.alpha_schedule is not enabled)" if name == "alpha" else "")
                 raise UserError(f"--observers: {name!r} is not an observer of this run{hint}; available: "
                                 f"{', '.join(available)}")
@@ -181,11 +170,8 @@ def _choose(built: list[Any], wanted: list[str] | None) -> tuple[list[Any], list
             skipped.append(f"{label}: not replayable (it reads the live model, optimizer or device)")
     if not chosen:
         raise UserError("no replayable observer selected; replayable ones declare `replayable = True` "
-                        f"(built-in: {', '.join(k for k in OBSERVER_NAMES if k in _REPLAYABLE_BUILTINS)})")
+                        f"(built-in: {', '.join(row.key for row in BUILT_IN if row.replayable)})")
     return chosen, skipped
-
-
-_REPLAYABLE_BUILTINS = ("run_log", "tensorboard", "jsonl", "progress", "alpha")
 
 
 def _out_dir(run_dir: Path, out: str | Path | None) -> Path:
@@ -218,8 +204,6 @@ def _override_notes(overrides: list[str]) -> list[str]:
 
 
 def _toml(plain: dict[str, Any]) -> str:
-    import tomli_w
-
     return tomli_w.dumps(json.loads(json.dumps(plain, default=str)))
 
 

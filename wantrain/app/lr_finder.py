@@ -1,11 +1,12 @@
 """``wantrain run --lr-finder`` and ``--lr-finder-then-train``: the range test through the one run assembly.
 
-:func:`execute_lr_finder` is what :meth:`wantrain.runner.PreparedRun.execute` calls when ``[lr_finder]`` is on:
+:func:`run_lr_finder` is the mode ``wantrain.app.train`` picks when ``[lr_finder]`` is on:
 
-1. The test is a run of its own, assembled by ``PreparedRun.execute(finder=...)`` like any other: a run directory
-   ``<time>__lr_finder`` (``<time>__<run_id>__lr_finder``), ``steps * steps_per_lr`` optimizer steps per trained
-   expert with each expert's sweep in turn (:class:`SweepOrder`), every step logged, no LoRA saver
-   (``NullSaver``) and no checkpoints. The :class:`~wantrain.observers.lr_finder.LrFinder` observer drives it.
+1. The test is a run of its own, assembled by :meth:`~wantrain.app.assemble.PreparedRun.execute` like any other,
+   with plain :class:`~wantrain.app.assemble.RunOptions`: a run directory ``<time>__lr_finder``
+   (``<time>__<run_id>__lr_finder``), ``steps * steps_per_lr`` optimizer steps per trained expert with each
+   expert's sweep in turn (:class:`SweepOrder`), every step logged, no LoRA files and no checkpoints, no
+   validation or samples. The :class:`~wantrain.observers.lr_finder.LrFinder` observer drives it.
 2. ``--lr-finder``: that is all; the suggestions are printed and the process exits (0 when the sweep ran to its
    end or to its stop rule).
 3. ``--lr-finder-then-train``: right before the sweep's first step the trainer's whole state is copied in memory
@@ -13,10 +14,11 @@
    data position, the core's counters). After the sweep a normal run is assembled from the config with each
    expert's suggested LR (``model.lr_high_noise`` / ``model.lr_low_noise``, or ``optimizer.lr``) and ``[lr_finder]``
    switched off -- what its ``config.toml`` says, so re-running that file trains the same run -- and
-   :func:`load_initial_state` loads the copy into its trainer before its first step and checks, tensor by tensor,
-   that the LoRA weights and optimizer state equal the copy bitwise. The scheduler is the one exception: it is
-   built for the new LR (the copy's schedule is at the same step but scaled to the old base LR). The continued
-   run therefore computes exactly what a run started with the suggested LR computes (a test checks that).
+   :func:`load_initial_state` loads the copy into its trainer before its first step (a ``before_run`` hook) and
+   checks, tensor by tensor, that the LoRA weights and optimizer state equal the copy bitwise. The scheduler is
+   the one exception: it is built for the new LR (the copy's schedule is at the same step but scaled to the old
+   base LR). The continued run therefore computes exactly what a run started with the suggested LR computes
+   (a test checks that).
 """
 
 from __future__ import annotations
@@ -27,16 +29,18 @@ import attrs
 import structlog
 import torch
 
+from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome
+from wantrain.app.config import to_plain
 from wantrain.core.checkpoint import copy_tree
+from wantrain.core.errors import UserError
+from wantrain.observers.lr_finder import LrFinder, summary_lines
+from wantrain.optimizers import TYPES
 
 log = structlog.get_logger("wantrain.lr_finder")
 
 
 def check_lr_finder(cfg: Any, resume: Any) -> None:
-    """Refusals that depend on the config only (``prepare()`` calls this before anything is written)."""
-    from wantrain.core.errors import UserError
-    from wantrain.optimizers import TYPES
-
+    """Refusals that depend on the config only (``wantrain.app.train`` calls this before ``prepare()``)."""
     if resume is not None:
         raise UserError("the LR finder (--lr-finder, lr_finder.enabled / then_train) cannot run with --resume: it "
                         "starts from a fresh run; resume without it (a then-train run's config.toml holds the "
@@ -118,13 +122,9 @@ def suggested_config(cfg: Any, results: dict[str | None, Any]) -> Any:
                         **changes)
 
 
-def execute_lr_finder(prepared: Any) -> Any:
-    """Run the range test of ``prepared`` (a ``PreparedRun`` whose config has ``[lr_finder]`` on) and, with
-    ``then_train``, the training that follows it. Returns a ``RunOutcome``."""
-    from wantrain.config import to_plain
-    from wantrain.observers.lr_finder import LrFinder, summary_lines
-    from wantrain.runner import PreparedRun
-
+def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
+    """Run the range test of ``prepared`` (its config has ``[lr_finder]`` on) and, with ``then_train``, the training
+    that follows it."""
     cfg, adapter = prepared.cfg, prepared.adapter
     finder = LrFinder(cfg.lr_finder, experts=tuple(adapter.experts), grad_accum=cfg.train.grad_accum,
                       tensorboard=cfg.observers.tensorboard)
@@ -136,7 +136,12 @@ def execute_lr_finder(prepared: Any) -> Any:
         if cfg.lr_finder.then_train:
             snapshot["tree"] = copy_tree(trainer.state_dict())
 
-    outcome = prepared.execute(finder=finder, before_run=before_sweep)
+    sweep = RunOptions(
+        run_id_suffix="lr_finder", observers=[finder], saves=False, evaluation=False, before_run=before_sweep,
+        loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None),
+        model_view=lambda model: SweepOrder(model, finder.steps_per_expert),
+    )
+    outcome = prepared.execute(sweep)
     summary = tuple(summary_lines(finder.results))
     status, reason = outcome.status, outcome.reason
     if finder.finished and status == "stopped":
@@ -157,7 +162,6 @@ def execute_lr_finder(prepared: Any) -> Any:
     log.info("lr_finder_then_train", finder_run=str(outcome.run_dir),
              lrs={e or "lora": finder.results[e].suggested_lr for e in adapter.experts})
     follow = PreparedRun(new_cfg, to_plain(new_cfg), prepared.config_dir, prepared.device, prepared.data, adapter,
-                         prepared.extra_observers, initial_state=snapshot["tree"], sync=prepared.sync,
-                         validation_data=prepared.validation_data)
-    trained = follow.execute()
+                         prepared.extra_observers, sync=prepared.sync, validation_data=prepared.validation_data)
+    trained = follow.execute(RunOptions(before_run=lambda trainer: load_initial_state(trainer, snapshot["tree"])))
     return attrs.evolve(trained, lr_finder=summary, lr_finder_dir=outcome.run_dir)

@@ -2,7 +2,7 @@
 
 ``load_config(path, overrides)`` reads a TOML file, applies ``--set a.b=value`` overrides, and validates every
 section (``wantrain.core.config`` explains the error messages). ``docs/config.md`` is generated from this schema
-by ``python -m wantrain.config`` and a test keeps it in sync.
+by ``python -m wantrain.app.config`` and a test keeps it in sync.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def to_plain(cfg: RunConfig) -> dict[str, Any]:
 def reference_markdown() -> str:
     header = (
         "# Config reference\n\n"
-        "Generated from the schema by `python -m wantrain.config > docs/config.md`; a test keeps it in sync.\n"
+        "Generated from the schema by `python -m wantrain.app.config > docs/config.md`; a test keeps it in sync.\n"
         "Every key is checked: an unknown or misplaced key, a wrong type or an out-of-range value stops wantrain\n"
         "with one line naming the key and what would be valid (exit code 2). `--set section.key=value` overrides\n"
         "any key from the command line (the value is read as TOML; a bare word is a string). A relative path is\n"

@@ -1,0 +1,330 @@
+"""The one place that assembles a run from a config: ``wantrain run``, resume, the LR finder's mode
+(``wantrain.app.lr_finder``) and torchrun (``core.distributed``) all go through :func:`prepare` and
+:meth:`PreparedRun.execute`; replay builds its observers from the same table (``wantrain.app.observers``). The
+assembly has no mode branch: a mode changes it only through :class:`RunOptions`, and it never calls a mode.
+
+Two phases, so that bad input never leaves anything behind:
+
+* :func:`prepare` validates everything that can refuse the config (data folders, the model, observers, the LR
+  schedule, the checkpoint to resume from and its compatibility) and writes nothing.
+* :meth:`PreparedRun.execute` creates (or, on resume, reuses) the run directory, fills the cache, builds the
+  optimizer, scheduler, observers and trainer, restores the checkpoint, and trains.
+
+Exit codes (:data:`EXIT_CODES`): 0 completed, 1 failed, 2 bad input, 3 stopped (a signal or an observer's request;
+a checkpoint was written and ``--resume auto`` continues), 130 aborted by a second Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+import tomli_w
+import torch
+
+from wantrain.app.config import to_plain
+from wantrain.app.logs import close_log_file, configure_logging
+from wantrain.app.observers import build_observers, resolve_extra_observers
+from wantrain.app.resume import (
+    ResumePoint,
+    check_resume_world_size,
+    config_hash,
+    keep_previous_config,
+    load_resume_point,
+    tidy_for_resume,
+)
+from wantrain.app.signals import RunInterrupted, stop_on_signals
+from wantrain.core.adapter import NullSaver
+from wantrain.core.bus import Bus
+from wantrain.core.checkpoint import latest_complete
+from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology, rank_seed, rank_view
+from wantrain.core.errors import UserError
+from wantrain.core.events.log import event_log_path
+from wantrain.core.faults import inject_faults
+from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
+from wantrain.core.rundir import create_run_dir, sanitize_run_id
+from wantrain.core.state import TrainState
+from wantrain.data import build_dataset, ensure_cache
+from wantrain.data.training import TrainingData
+from wantrain.models.wan22 import build_adapter
+from wantrain.models.wan22.variants import variant_spec
+from wantrain.observers.event_recorder import EventRecorder
+from wantrain.observers.samples import build_sample_observer
+from wantrain.observers.validation import Validation, cached_batches
+from wantrain.observers.validation_config import check_sections
+from wantrain.optimizers import build_optimizer as _build_optimizer
+from wantrain.optimizers import check_optimizer
+from wantrain.schedulers import build_scheduler, check_scheduler
+
+log = structlog.get_logger("wantrain.run")
+
+EXIT_CODES = {"completed": 0, "failed": 1, "stopped": 3}
+"""Process exit code of ``wantrain run`` per run status (bad input is 2, an abort 130)."""
+
+def _run_dir_from_rank0(message: str) -> Path:
+    kind, _, text = message.partition(":")
+    if kind == "error":
+        raise UserError(text)
+    return Path(text)
+
+
+# -- the assembly -----------------------------------------------------------------------------------------------------
+@attrs.frozen
+class RunOutcome:
+    status: str
+    reason: str | None
+    steps: int
+    run_dir: Path
+    saved: tuple[str, ...]
+    checkpoint: str | None = None
+    lr_finder: tuple[str, ...] = ()  # the LR finder's summary lines (suggestions, warnings), when it ran
+    lr_finder_dir: Path | None = None
+    rank: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        """The status's code on rank 0. Other torchrun ranks exit 0 once their part is done, whatever the status:
+        torchrun ends every other rank as soon as one exits non-zero, which could cut rank 0's last writes short;
+        rank 0's code carries the outcome (torchrun itself then exits 1 for any non-zero code)."""
+        return EXIT_CODES.get(self.status, 1) if self.rank == 0 else 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(
+            f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("config key 'train.device' asks for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
+    return device
+
+
+def build_optimizer(cfg: Any, param_groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
+    """The configured optimizer over the adapter's groups (``wantrain.optimizers``; fused AdamW by default)."""
+    return _build_optimizer(cfg.optimizer, param_groups, device)
+
+
+@attrs.frozen
+class RunOptions:
+    """How a mode runs the assembly, in plain terms (the default: a normal training run). The LR finder's range
+    test (``wantrain.app.lr_finder``) is the user of every one of them."""
+
+    run_id_suffix: str | None = None  # the run directory is <time>__<run_id>__<suffix> (fresh runs)
+    loop: Any = None  # a TrainConfig whose loop settings (length, log and save interval) replace cfg.train's
+    model_view: Callable[[Any], Any] | None = None  # wraps the adapter as the loop sees it (e.g. another order)
+    observers: Sequence[Any] = ()  # attached after the built-in ones (an observer, or anything with attach_to)
+    saves: bool = True  # False: no LoRA files and no checkpoints
+    evaluation: bool = True  # False: no [validation] and no [sample] observers
+    before_run: Callable[[Any], None] | None = None  # called with the trainer right before its first step
+
+
+@attrs.define
+class PreparedRun:
+    """A validated run, nothing written yet. :meth:`execute` trains."""
+
+    cfg: Any
+    plain: dict[str, Any]
+    config_dir: Path | None
+    device: torch.device
+    data: Any
+    adapter: Any
+    extra_observers: list[type]
+    resume: ResumePoint | None = None
+    validation_data: Any = None  # the [validation] clips (build_validation_data)
+    sync: Any = attrs.field(factory=SingleProcess)  # core.distributed: SingleProcess, or ProcessGroupSync (torchrun)
+
+    def execute(self, options: RunOptions = RunOptions()) -> RunOutcome:
+        """Train (see the module docstring) as ``options`` say."""
+        cfg, data, resume, sync = self.cfg, self.data, self.resume, self.sync
+        if not sync.is_main:  # rank 0 alone creates the run directory and writes its files; the others learn it
+            run_dir = _run_dir_from_rank0(sync.broadcast_text(None))
+            return self._execute_in(run_dir, configure_logging(None, level=logging.WARNING), options)
+        try:
+            if resume is None:
+                run_id = "__".join(x for x in (cfg.run.run_id, options.run_id_suffix) if x) or None
+                run_dir = create_run_dir(cfg.run.output_dir, run_id)
+            else:
+                run_dir = resume.run_dir
+                keep_previous_config(run_dir, self.plain, resume.step)
+        except UserError as exc:
+            sync.broadcast_text("error:" + str(exc))  # the other ranks refuse with the same line
+            raise
+        sync.broadcast_text("path:" + str(run_dir))
+        (run_dir / "config.toml").write_text(tomli_w.dumps(self.plain), encoding="utf-8")
+        data.set_vram_estimate(rank=cfg.lora.rank, base_dtype=cfg.model.base_dtype,
+                               gradient_checkpointing=cfg.model.gradient_checkpointing)
+        _write_preflight(run_dir, data)
+        return self._execute_in(run_dir, configure_logging(run_dir / "log.jsonl"), options)
+
+    def _execute_in(self, run_dir: Path, log_handler: Any, options: RunOptions) -> RunOutcome:
+        data, resume, sync = self.data, self.resume, self.sync
+        for note in resume.warnings if resume is not None else ():
+            log.warning("resume_note", note=note)
+        control_ref: list[Any] = []
+        try:
+            with stop_on_signals(control_ref):
+                try:
+                    trainer = self._assemble(run_dir, control_ref, options)
+                except RunInterrupted as exc:
+                    log.warning("run_ended", step=resume.step if resume else 0, status="stopped",
+                                reason=f"{exc} before the first step (while preparing the cache)")
+                    return RunOutcome("stopped", f"{exc} before the first step", resume.step if resume else 0,
+                                      run_dir, ())
+                if options.before_run is not None:
+                    options.before_run(trainer)
+                result = trainer.run()
+        finally:
+            if sync.is_main:
+                _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
+            close_log_file(log_handler)
+        checkpoint = None
+        if trainer.checkpoints is not None:
+            best, _ = latest_complete(trainer.checkpoints.directory)
+            checkpoint = str(best.path) if best is not None else None
+        return RunOutcome(result.status, result.reason, result.steps, run_dir, tuple(result.saved), checkpoint,
+                          rank=sync.topology.rank)
+
+    def _assemble(self, run_dir: Path, control_ref: list[Any], options: RunOptions) -> Any:
+        cfg, data, adapter, resume, sync = self.cfg, self.data, self.adapter, self.resume, self.sync
+        main, rank = sync.is_main, sync.topology.rank
+        train_cfg = options.loop if options.loop is not None else cfg.train
+        model = options.model_view(adapter) if options.model_view is not None else adapter
+        # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
+        # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
+        # Under torchrun rank 0 fills the cache first; the others then find every entry in it.
+        if not main:
+            sync.barrier()
+        stats = ensure_cache(data, adapter, remove_orphans=False)
+        # caches the validation clips and encodes the sample prompts while the encoders are loaded
+        watchers = self._validation_observers(run_dir) if options.evaluation else []
+        if main:
+            sync.barrier()
+        adapter.release_encoders()
+        log.info("cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded,
+                 texts_hit=stats.texts_hit, texts_encoded=stats.texts_encoded, clips_failed=stats.clips_failed)
+        optimizer = build_optimizer(cfg, adapter.param_groups(), self.device)
+        scheduler = build_scheduler(cfg.lr_scheduler, optimizer, total_steps=cfg.train.max_steps)
+        bus = Bus()
+        for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain,
+                                        writes_files=main):
+            bus.attach(observer)
+        for observer in [*options.observers, *watchers]:
+            if hasattr(observer, "attach_to"):
+                observer.attach_to(bus)  # it emits events of its own (the finder; validation at step 0)
+            else:
+                bus.attach(observer)
+        if cfg.observers.record_events and main:
+            EventRecorder(event_log_path(run_dir, cfg.observers.record_compression),
+                          keep_through_step=resume.step if resume else 0).attach_to(bus)
+        state = TrainState()
+        policy = None
+        if cfg.checkpoint.enabled and options.saves:
+            policy = CheckpointPolicy(
+                directory=run_dir / "checkpoints", every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
+                keep_every=cfg.checkpoint.keep_every,
+                meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain)},
+            )
+        trainer = Trainer(
+            adapter=inject_faults(model, optimizer, cfg.faults, state, rank),
+            batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
+            saver=adapter.saver(run_dir, cfg.run.name) if options.saves and main else NullSaver(),
+            settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir, config=cfg,
+            seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,
+        )
+        if resume is not None:
+            if main:
+                tidy_for_resume(run_dir, resume.step)
+            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(resume.checkpoint)):
+                log.warning("resume_note", note=note)
+            log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
+        sync.broadcast_parameters(adapter.trainable_parameters())  # every rank starts from rank 0's LoRA
+        control_ref.append(trainer.control)
+        return trainer
+
+    def _validation_observers(self, run_dir: Path) -> list[Any]:
+        """The [validation] and [sample] observers, built while the encoders are still loaded."""
+        cfg, adapter, out = self.cfg, self.adapter, []
+        if self.validation_data is not None:
+            stats = ensure_cache(self.validation_data, adapter, remove_orphans=False)
+            log.info("validation_cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded)
+            v = cfg.validation
+            out.append(Validation(cached_batches(self.validation_data, adapter), timesteps=v.timesteps, seed=v.seed,
+                                  every=v.every))
+        if cfg.sample.enabled:
+            out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir))
+        return out
+
+
+def _without_faults(plain: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in plain.items() if k != "faults"}
+
+
+def _write_preflight(run_dir: Path, data: Any) -> None:
+    tmp = run_dir / "preflight.json.tmp"
+    tmp.write_text(json.dumps(data.report.to_json(), indent=2), encoding="utf-8")
+    tmp.replace(run_dir / "preflight.json")
+
+
+def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None) -> PreparedRun:
+    """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing."""
+    if cfg.run.run_id is not None:
+        sanitize_run_id(cfg.run.run_id)
+    plain = to_plain(cfg)
+    check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
+    extra_observers = resolve_extra_observers(cfg, config_dir)
+    point = load_resume_point(resume, cfg, plain) if resume is not None else None
+    topology = detect_topology()
+    if point is not None:
+        check_resume_world_size(point, topology.world_size)
+    if topology.distributed and (cfg.validation.enabled or cfg.sample.enabled):
+        raise UserError("[validation] and [sample] do not run under torchrun yet (several processes); set "
+                        "validation.enabled = false and sample.enabled = false, or train with one process")
+    device = resolve_device(cfg.train.device)
+    if topology.distributed and device.type == "cuda":
+        device = torch.device("cuda", topology.local_rank)  # one GPU per rank
+        torch.cuda.set_device(device)
+    check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
+    spec = variant_spec(cfg.model.variant)
+    data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
+    check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
+    validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
+    data.shard(topology.rank, topology.world_size)
+    if point is not None:
+        saved_data = point.tree.get("data") or {}
+        if saved_data.get("fingerprint") not in (None, data.fingerprint()):
+            raise UserError(
+                f"checkpoint '{point.checkpoint}' was trained on another clip list (files were added, removed or "
+                "renamed in the dataset folders since); restore the data or start a new run"
+            )
+    torch.manual_seed(cfg.run.seed)
+    adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
+    sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
+    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
+                       validation_data=validation_data, sync=sync)
+
+
+def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:
+    """The validation clips of ``cfg.validation`` (a ``RunConfig``) as a ``TrainingData`` of one-clip batches in
+    folder order: ``validation.path`` read with the ``[data]`` settings, or the first ``from_training`` training
+    clips; at most ``max_clips``. Decodes nothing (:func:`prepare` calls it: a missing or empty folder
+    is refused before the run directory exists)."""
+    v = cfg.validation
+    if v.path is not None:
+        data_cfg = attrs.evolve(cfg.data, path=v.path, datasets=[], repeats=1)
+    else:
+        data_cfg = attrs.evolve(cfg.data, datasets=[attrs.evolve(d, repeats=1) for d in cfg.data.datasets],
+                                repeats=1)
+    data_cfg = attrs.evolve(data_cfg, shuffle=False, remainder="smaller_batch")
+    full = build_dataset(data_cfg, spec=spec, seed=seed, batch_size=1)
+    limit = min(v.max_clips, v.from_training or v.max_clips)
+    return TrainingData(full.clips[:limit], full.report, batch_size=1, remainder="smaller_batch", shuffle=False,
+                        seed=seed, spec=spec)

@@ -1,0 +1,140 @@
+"""THE table of built-in observers (:data:`BUILT_IN`): per observer its ``--observers`` name, its class, the config
+switch that turns it on, whether only rank 0 runs it (a sink that writes files) and its factory. Whether it is
+replayable is the class's own ``replayable``. The assembly (:func:`build_observers`) and replay
+(``wantrain.app.replay``) both read this table; users' observers (``[observers] extra``) come after it.
+
+Classes are imported when a row is used (:meth:`BuiltIn.load`): a run without TensorBoard never imports tensorboardX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from wantrain.core.errors import UserError
+from wantrain.optimizers.registry import TYPES
+
+
+@attrs.frozen
+class Where:
+    """What a factory may use besides the config."""
+
+    run_dir: Path
+    hparams: dict[str, Any] | None
+    writes_files: bool  # False: a torchrun rank other than 0
+
+
+@attrs.frozen
+class BuiltIn:
+    key: str  # the --observers name
+    target: str  # "module:Class"
+    enabled: Callable[[Any], bool]  # from the run config
+    build: Callable[[type, Any, Where], Any]  # (class, config, where) -> the observer
+    flag: str | None = None  # the --set that turns it on (replay --observers KEY)
+    sink: bool = False  # writes files: rank 0 only
+
+    def load(self) -> type:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def observer_name(self) -> str:
+        """The built observer's ``name`` (its class name unless the class sets one)."""
+        cls = self.load()
+        name = cls.__dict__.get("name")
+        return name if isinstance(name, str) else cls.__name__
+
+    @property
+    def replayable(self) -> bool:
+        return bool(getattr(self.load(), "replayable", False))
+
+
+def _adaptive(cfg: Any) -> Any:
+    return getattr(TYPES.get(cfg.optimizer.type), "adaptive_lr", None)
+
+
+def _alpha_enabled(cfg: Any) -> bool:
+    return bool(getattr(getattr(cfg, "lora", None), "schedule_enabled", False))  # absent or off: nothing changes
+
+
+BUILT_IN: tuple[BuiltIn, ...] = (
+    BuiltIn("run_log", "wantrain.observers.run_log:RunLog", lambda cfg: True, lambda cls, cfg, w: cls()),
+    BuiltIn("memory_probe", "wantrain.observers.memory_probe:MemoryProbe", lambda cfg: cfg.observers.memory_probe,
+            lambda cls, cfg, w: cls(), flag="observers.memory_probe=true"),
+    BuiltIn("norms", "wantrain.observers.norms:Norms", lambda cfg: cfg.observers.norms, lambda cls, cfg, w: cls(),
+            flag="observers.norms=true"),
+    BuiltIn("tensorboard", "wantrain.observers.tensorboard:TensorBoardWriter", lambda cfg: cfg.observers.tensorboard,
+            lambda cls, cfg, w: cls(w.run_dir / "tensorboard", hparams=w.hparams),
+            flag="observers.tensorboard=true", sink=True),
+    BuiltIn("jsonl", "wantrain.observers.jsonl_metrics:JsonlMetrics", lambda cfg: cfg.observers.jsonl,
+            lambda cls, cfg, w: cls(w.run_dir / "metrics.jsonl"), flag="observers.jsonl=true", sink=True),
+    BuiltIn("progress", "wantrain.observers.progress:ProgressLine", lambda cfg: cfg.observers.progress,
+            lambda cls, cfg, w: cls(), flag="observers.progress=true", sink=True),
+    # every rank decides alike; only rank 0 writes alpha_metrics.jsonl
+    BuiltIn("alpha", "wantrain.observers.alpha_controller:AlphaController", _alpha_enabled,
+            lambda cls, cfg, w: cls(cfg.lora.alpha_schedule, cfg.model.trained_experts,
+                                    metrics_path=w.run_dir / "alpha_metrics.jsonl" if w.writes_files else None)),
+    # Prodigy: log d and d * lr (optimizer/effective_lr/<group>)
+    BuiltIn("adaptive_lr", "wantrain.observers.adaptive_lr:AdaptiveLR", lambda cfg: _adaptive(cfg) is not None,
+            lambda cls, cfg, w: cls(_adaptive(cfg))),
+)
+"""The built-in observers in attachment order."""
+
+BY_KEY = {row.key: row for row in BUILT_IN}
+
+
+def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
+                    hparams: dict[str, Any] | None = None, writes_files: bool = True) -> list[Any]:
+    """The observers a run config asks for, in attachment order. ``extra`` are the users' classes from
+    :func:`resolve_extra_observers`, built here with no arguments. ``writes_files`` False (torchrun ranks other
+    than 0): the same observers, minus the sinks (TensorBoard, JSONL, the progress line) and the alpha controller's
+    JSONL file, so that every rank computes and decides alike and only rank 0 writes."""
+    where = Where(Path(run_dir), hparams, writes_files)
+    observers = [row.build(row.load(), cfg, where) for row in BUILT_IN
+                 if row.enabled(cfg) and (writes_files or not row.sink)]
+    for i, (spec, cls) in enumerate(zip(cfg.observers.extra, extra, strict=True)):
+        try:
+            observers.append(cls())
+        except TypeError as exc:
+            raise UserError(f"observers.extra[{i}] = {spec!r}: cannot build it with no arguments ({exc})") from None
+    return observers
+
+
+def load_observer_class(spec: str, *, key: str = "observers.extra", search_dirs: tuple[Path, ...] = ()) -> type:
+    """Import ``package.module:ClassName``. ``search_dirs`` (the config file's folder, the working directory) are
+    tried before the installed packages. Errors are one line naming the config key."""
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        raise UserError(f"{key} = {spec!r} is not of the form 'package.module:ClassName'")
+    module_name, class_name = spec.split(":")
+    added = [str(d) for d in search_dirs if str(d) not in sys.path]
+    sys.path[:0] = added
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"{key} = {spec!r}: cannot import module {module_name!r} ({exc})") from None
+    finally:
+        for d in added:
+            sys.path.remove(d)
+    cls = getattr(module, class_name, None)
+    if not inspect.isclass(cls):
+        raise UserError(f"{key} = {spec!r}: module {module_name!r} has no class {class_name!r}")
+    if not callable(getattr(cls, "handlers", None)):
+        raise UserError(
+            f"{key} = {spec!r}: {class_name} is not an observer (subclass wantrain.observers.Observer and mark "
+            "handlers with @on(EventType))"
+        )
+    return cls
+
+
+def resolve_extra_observers(cfg: Any, config_dir: Path | None = None) -> list[type]:
+    """Import the classes of ``[observers] extra`` (one-line errors). Done before the run directory exists, so a
+    typo there leaves nothing behind."""
+    search = tuple(d for d in (config_dir, Path.cwd()) if d is not None)
+    return [load_observer_class(spec, key=f"observers.extra[{i}]", search_dirs=search)
+            for i, spec in enumerate(cfg.observers.extra)]

@@ -1,0 +1,225 @@
+"""Resuming a run: which config changes a checkpoint may continue under (:data:`RESUME_RULES`), the config hash a
+checkpoint carries, finding, reading and checking the checkpoint ``--resume`` names, and the run directory's
+housekeeping when a run continues in it (the previous config kept, stale temporaries removed, later checkpoints
+set aside). ``wantrain.app.assemble`` calls these; nothing here builds a run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+
+from wantrain.core.checkpoint import (
+    inspect_checkpoint,
+    latest_complete,
+    list_checkpoints,
+    read_checkpoint,
+    remove_stale_temporaries,
+)
+from wantrain.core.distributed import checkpoint_world_size
+from wantrain.core.errors import UserError
+
+log = structlog.get_logger("wantrain.run")
+
+# -- resume compatibility -----------------------------------------------------------------------------------------
+# What a checkpoint may continue under. The longest matching prefix decides; keys not listed warn.
+RESUME_RULES: dict[str, str] = {
+    # refused: the checkpoint's state would not mean the same thing (layout, data order, expert phase)
+    "model.variant": "refuse", "model.experts": "refuse", "model.switch_every": "refuse",
+    "lora.rank": "refuse", "lora.alpha": "refuse", "data.": "refuse", "train.batch_size": "refuse",
+    "train.grad_accum": "refuse", "run.seed": "refuse", "optimizer.type": "refuse",
+    # free: how the run is written, watched or placed in memory, not what it computes
+    "run.output_dir": "free", "run.run_id": "free", "train.log_every": "free", "train.save_every": "free",
+    "train.device": "free", "train.max_consecutive_oom": "free", "train.max_consecutive_nan": "free",
+    "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
+    "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
+    "lr_finder.": "free",
+    "validation.": "free", "sample.": "free",
+}
+"""Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``
+(silent); every other key (LR, schedule, step budget, model paths, timestep sampling, ...) is allowed with a
+warning. ``faults.*`` is a testing aid and never part of the config hash."""
+
+
+def resume_rule(key: str) -> str:
+    best = ""
+    for prefix in RESUME_RULES:
+        if (key == prefix or (prefix.endswith(".") and key.startswith(prefix))) and len(prefix) > len(best):
+            best = prefix
+    return RESUME_RULES[best] if best else "warn"
+
+
+def flatten_config(plain: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}``; lists (``data.datasets``) stay one value."""
+    out: dict[str, Any] = {}
+    for key, value in plain.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten_config(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_hash(plain: dict[str, Any]) -> str:
+    """sha256 (16 hex digits) of the keys a checkpoint depends on (the ``refuse`` class of :data:`RESUME_RULES`)."""
+    relevant = {k: v for k, v in sorted(flatten_config(plain).items()) if resume_rule(k) == "refuse"}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(refused differences, warned differences) between a checkpoint's config and the current one, as
+    ``key: old -> new`` strings."""
+    a, b = flatten_config(saved), flatten_config(current)
+    refused, warned = [], []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) == b.get(key):
+            continue
+        rule = resume_rule(key)
+        text = f"{key}: {_short(a.get(key))} -> {_short(b.get(key))}"
+        if rule == "refuse":
+            refused.append(text)
+        elif rule == "warn":
+            warned.append(text)
+    return refused, warned
+
+
+def _short(value: Any) -> str:
+    text = "unset" if value is None else json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# -- finding the checkpoint to resume from --------------------------------------------------------------------------
+@attrs.frozen
+class ResumePoint:
+    checkpoint: Path
+    run_dir: Path
+    step: int
+    tree: Any
+    meta: dict[str, Any]
+    warnings: tuple[str, ...] = ()
+
+
+def _run_name(run_dir: Path) -> str | None:
+    try:
+        with (run_dir / "config.toml").open("rb") as fh:
+            return tomllib.load(fh).get("run", {}).get("name")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+
+
+def find_resume_checkpoint(spec: str | Path, cfg: Any) -> tuple[Path, list[str]]:
+    """The checkpoint directory ``--resume`` means, and warnings about torn checkpoints passed over.
+
+    ``auto``: the newest run directory under ``run.output_dir`` whose ``run.name`` matches and that holds a complete
+    checkpoint; its latest complete one. A path: a checkpoint directory, or a run directory (its latest complete
+    checkpoint).
+    """
+    warnings: list[str] = []
+
+    def torn_note(torn: Sequence[Any]) -> None:
+        warnings.extend(f"skipped torn checkpoint '{c.path}': {c.problem}" for c in torn)
+
+    if str(spec) == "auto":
+        root = Path(cfg.run.output_dir)
+        runs = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name, reverse=True) \
+            if root.is_dir() else []
+        for run_dir in runs:
+            if _run_name(run_dir) != cfg.run.name:
+                continue
+            best, torn = latest_complete(run_dir / "checkpoints")
+            torn_note(torn)
+            if best is not None:
+                return best.path, warnings
+            warnings.append(f"run '{run_dir.name}' has no complete checkpoint; looked at older runs")
+        raise UserError(
+            f"--resume auto: no complete checkpoint of a run named {cfg.run.name!r} under '{root}'; start without "
+            "--resume, or pass --resume PATH (a run directory or a checkpoint directory)"
+        )
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UserError(f"--resume {str(spec)!r}: no such file or directory; pass 'auto', a run directory or a "
+                        "checkpoint directory (run_dir/checkpoints/step_NNNNNN)")
+    if (path / "checkpoints").is_dir():
+        best, torn = latest_complete(path / "checkpoints")
+        torn_note(torn)
+        if best is None:
+            raise UserError(f"--resume '{path}': the run directory holds no complete checkpoint")
+        return best.path, warnings
+    info = inspect_checkpoint(path)
+    if info.step < 0:
+        raise UserError(f"--resume '{path}' is neither a run directory nor a checkpoint directory (step_NNNNNN)")
+    if not info.complete:
+        raise UserError(f"--resume '{path}': the checkpoint is torn ({info.problem}); pass an earlier one or 'auto'")
+    return path, warnings
+
+
+def load_resume_point(spec: str | Path, cfg: Any, plain: dict[str, Any]) -> ResumePoint:
+    """Find, read and check a checkpoint against the config; refuses with one line naming the differing keys."""
+    path, warnings = find_resume_checkpoint(spec, cfg)
+    loaded = read_checkpoint(path)
+    saved_config = loaded.meta.get("config")
+    if not isinstance(saved_config, dict):
+        raise UserError(f"checkpoint '{path}' holds no config; it was not written by `wantrain run`")
+    refused, warned = compare_configs(saved_config, plain)
+    if refused:
+        raise UserError(
+            f"checkpoint '{path}' was trained with another config; these keys differ and cannot change on resume: "
+            + "; ".join(refused) + " (restore them, or start a new run)"
+        )
+    warnings.extend(f"resuming with a changed {w}" for w in warned)
+    return ResumePoint(path, path.parent.parent, loaded.step, loaded.tree, loaded.meta, tuple(warnings))
+
+
+def check_resume_world_size(point: ResumePoint, world_size: int) -> None:
+    """Refuse a checkpoint written by another number of ranks: each rank's data position and random streams are
+    its own, so they cannot be split or merged exactly."""
+    saved = checkpoint_world_size(point.tree)
+    if saved != world_size:
+        def launch(n: int) -> str:
+            return "one process (wantrain run)" if n == 1 else f"{n} processes (torchrun, {n} ranks in all)"
+        raise UserError(
+            f"checkpoint '{point.checkpoint}' was written by {launch(saved)} and this run has {world_size}; resume "
+            f"with {launch(saved)}, or start a new run"
+        )
+
+
+# -- the run directory on resume -----------------------------------------------------------------------------------
+def keep_previous_config(run_dir: Path, plain: dict[str, Any], step: int) -> None:
+    """On resume with a changed config, keep the one the run had as ``config.until_step_NNNNNN.toml``."""
+    path = run_dir / "config.toml"
+    try:
+        with path.open("rb") as fh:
+            old = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError):
+        return
+    if old != json.loads(json.dumps(plain, default=str)):
+        target = run_dir / f"config.until_step_{step:06d}.toml"
+        if not target.exists():
+            path.replace(target)
+
+
+def set_aside_later_checkpoints(directory: Path, step: int) -> None:
+    """Checkpoints newer than the one resumed from belong to an abandoned continuation: rename them out of the
+    ``step_*`` namespace (never deleted) so that ``--resume auto`` does not pick them later."""
+    stamp = time.strftime("%Y%m%d_%H%M%S")
+    for c in list_checkpoints(directory):
+        if c.complete and c.step > step:
+            c.path.replace(c.path.with_name(f"superseded_{c.path.name}_{stamp}"))
+            log.warning("checkpoint_set_aside", path=str(c.path), reason=f"resumed from step {step}")
+
+
+def tidy_for_resume(run_dir: Path, step: int) -> None:
+    """Before a run continues in ``run_dir`` from ``step`` (rank 0): remove what an interrupted save left (half-written
+    checkpoints, an unnamed LoRA file) and set aside the checkpoints of the abandoned continuation."""
+    remove_stale_temporaries(run_dir / "checkpoints")
+    for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
+        leftover.unlink(missing_ok=True)
+    set_aside_later_checkpoints(run_dir / "checkpoints", step)
