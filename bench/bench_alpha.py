@@ -23,7 +23,7 @@ from wantrain.core.control import Control
 from wantrain.core.events import GradsReady, LossComputed, MetricsLogged, OptimizerStepped, RunStarted, StepStarted
 from wantrain.models.wan22 import LoraConfig, ModelConfig, build_adapter
 from wantrain.models.wan22.config import AlphaScheduleConfig
-from wantrain.observers.alpha_controller import AlphaController
+from wantrain.observers.alpha.controller import AlphaController
 
 
 def _sync(device: torch.device) -> None:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from wantrain.cli.main import main as cli  # noqa: E402
-from wantrain.observers.lr_finder_math import centred  # noqa: E402
+from wantrain.observers.lr_finder.math import centred  # noqa: E402
 
 N, START, END = 100, 1e-7, 10.0
 

@@ -23,7 +23,7 @@ from wantrain.core.events import (
     from_record,
 )
 from wantrain.models.wan22.config import AlphaScheduleConfig
-from wantrain.observers.alpha_controller import AlphaChanged, AlphaController, AlphaPolicy
+from wantrain.observers.alpha.controller import AlphaChanged, AlphaController, AlphaPolicy
 
 from .fakes import FakeLoop, SyncCounter
 

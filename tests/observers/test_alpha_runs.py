@@ -16,7 +16,7 @@ from wantrain.cli.main import main
 from wantrain.core.events import MetricsLogged
 from wantrain.core.events.log import read_events
 from wantrain.models.wan22.config import AlphaScheduleConfig
-from wantrain.observers.alpha_controller import AlphaChanged, AlphaPolicy
+from wantrain.observers.alpha.controller import AlphaChanged, AlphaPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from wantrain.observers.alpha_stats import DeviceWindow, SignAgreement, loss_statistics, window_mean
+from wantrain.observers.alpha.stats import DeviceWindow, SignAgreement, loss_statistics, window_mean
 
 
 def _window(values, size):

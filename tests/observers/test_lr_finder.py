@@ -21,9 +21,9 @@ from wantrain.core.faults import inject_faults
 from wantrain.core.loop import LoopSettings, Trainer
 from wantrain.core.settings import FaultsConfig
 from wantrain.core.state import TrainState
-from wantrain.observers.lr_finder import LrFinder, LrFinderResult, LrFinderRung, van_der_corput
-from wantrain.observers.lr_finder_config import LrFinderConfig
-from wantrain.observers.lr_finder_math import sweep_lrs
+from wantrain.observers.lr_finder.config import LrFinderConfig
+from wantrain.observers.lr_finder.math import sweep_lrs
+from wantrain.observers.lr_finder.observer import LrFinder, LrFinderResult, LrFinderRung, van_der_corput
 
 
 def finder_trainer(cfg: LrFinderConfig, *, experts=(None,), optimizer: str = "sgd", run_dir: Path | None = None,

@@ -1,4 +1,4 @@
-"""The LR finder's arithmetic on synthetic curves with known answers (``wantrain.observers.lr_finder_math``)."""
+"""The LR finder's arithmetic on synthetic curves with known answers (``wantrain.observers.lr_finder.math``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from wantrain.observers.lr_finder_math import centred, diverged, ema, suggest, sweep_lrs, valley_index
+from wantrain.observers.lr_finder.math import centred, diverged, ema, suggest, sweep_lrs, valley_index
 
 
 def test_exp_and_linear_sweeps_hit_both_end_points_exactly():

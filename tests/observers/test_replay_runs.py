@@ -17,7 +17,7 @@ import pytest
 from wantrain.app.replay import alpha_whatif, read, replay
 from wantrain.cli.main import main
 from wantrain.core.errors import UserError
-from wantrain.observers.alpha_controller import AlphaChanged
+from wantrain.observers.alpha.controller import AlphaChanged
 
 from .test_alpha_runs import BASE, SCHEDULE
 

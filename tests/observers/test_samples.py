@@ -14,7 +14,7 @@ from wantrain.app.assemble import prepare
 from wantrain.app.config import load_config
 from wantrain.models.wan22.architecture import write_tiny_diffusers_dir
 from wantrain.models.wan22.variants import VARIANTS
-from wantrain.observers import samples as samples_module
+from wantrain.observers.evaluation import samples as samples_module
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo_data"
@@ -135,7 +135,7 @@ def test_training_sample_equals_diffusers_pipeline_with_the_saved_lora(variant, 
 
 def test_sampling_leaves_the_global_rng_and_train_mode_alone(tmp_path, monkeypatch):
     from tests.models.wan22_helpers import make_adapter
-    from wantrain.observers.samples import SampleVideos
+    from wantrain.observers.evaluation.samples import SampleVideos
 
     written = record_videos(monkeypatch)
     adapter = make_adapter("tiny-t2v", lora={"dropout": 0.2}, gradient_checkpointing=False)

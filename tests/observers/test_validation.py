@@ -134,7 +134,7 @@ def test_validation_loss_is_bitwise_repeatable_across_runs_with_the_same_seed(ru
 
 def test_validation_leaves_the_global_rng_train_mode_and_active_expert_alone():
     from tests.models.wan22_helpers import make_adapter, raw_batch
-    from wantrain.observers.validation import validate
+    from wantrain.observers.evaluation.validation import validate
 
     adapter = make_adapter("tiny-t2v", lora={"dropout": 0.3}, gradient_checkpointing=False)
     adapter.activate("low_noise", None)
@@ -152,7 +152,7 @@ def test_validation_leaves_the_global_rng_train_mode_and_active_expert_alone():
 
 def test_timesteps_of_an_untrained_expert_are_left_out():
     from tests.models.wan22_helpers import make_adapter, raw_batch
-    from wantrain.observers.validation import validate
+    from wantrain.observers.evaluation.validation import validate
 
     adapter = make_adapter("tiny-t2v", experts="low_noise", gradient_checkpointing=False)
     values = validate(adapter, [adapter.encode_batch(raw_batch())], [0.3, 0.9], seed=0)

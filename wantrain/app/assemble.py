@@ -53,10 +53,10 @@ from wantrain.data import build_dataset, ensure_cache
 from wantrain.data.training import TrainingData
 from wantrain.models.wan22 import build_adapter
 from wantrain.models.wan22.variants import variant_spec
+from wantrain.observers.evaluation.config import check_sections
+from wantrain.observers.evaluation.samples import build_sample_observer
+from wantrain.observers.evaluation.validation import Validation, cached_batches
 from wantrain.observers.event_recorder import EventRecorder
-from wantrain.observers.samples import build_sample_observer
-from wantrain.observers.validation import Validation, cached_batches
-from wantrain.observers.validation_config import check_sections
 from wantrain.optimizers import build_optimizer as _build_optimizer
 from wantrain.optimizers import check_optimizer
 from wantrain.schedulers import build_scheduler, check_scheduler

@@ -21,8 +21,8 @@ from wantrain.core.settings import (
 )
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
-from wantrain.observers.lr_finder_config import LrFinderConfig
-from wantrain.observers.validation_config import SampleConfig, ValidationConfig
+from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
+from wantrain.observers.lr_finder.config import LrFinderConfig
 from wantrain.optimizers.config import OptimizerConfig
 from wantrain.schedulers.config import SchedulerConfig
 

@@ -6,7 +6,7 @@
    with plain :class:`~wantrain.app.assemble.RunOptions`: a run directory ``<time>__lr_finder``
    (``<time>__<run_id>__lr_finder``), ``steps * steps_per_lr`` optimizer steps per trained expert with each
    expert's sweep in turn (:class:`SweepOrder`), every step logged, no LoRA files and no checkpoints, no
-   validation or samples. The :class:`~wantrain.observers.lr_finder.LrFinder` observer drives it.
+   validation or samples. The :class:`~wantrain.observers.lr_finder.observer.LrFinder` observer drives it.
 2. ``--lr-finder``: that is all; the suggestions are printed and the process exits (0 when the sweep ran to its
    end or to its stop rule).
 3. ``--lr-finder-then-train``: right before the sweep's first step the trainer's whole state is copied in memory
@@ -33,7 +33,7 @@ from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome
 from wantrain.app.config import to_plain
 from wantrain.core.checkpoint import copy_tree
 from wantrain.core.errors import UserError
-from wantrain.observers.lr_finder import LrFinder, summary_lines
+from wantrain.observers.lr_finder.observer import LrFinder, summary_lines
 from wantrain.optimizers import TYPES
 
 log = structlog.get_logger("wantrain.lr_finder")

@@ -77,7 +77,7 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn("progress", "wantrain.observers.progress:ProgressLine", lambda cfg: cfg.observers.progress,
             lambda cls, cfg, w: cls(), flag="observers.progress=true", sink=True),
     # every rank decides alike; only rank 0 writes alpha_metrics.jsonl
-    BuiltIn("alpha", "wantrain.observers.alpha_controller:AlphaController", _alpha_enabled,
+    BuiltIn("alpha", "wantrain.observers.alpha.controller:AlphaController", _alpha_enabled,
             lambda cls, cfg, w: cls(cfg.lora.alpha_schedule, cfg.model.trained_experts,
                                     metrics_path=w.run_dir / "alpha_metrics.jsonl" if w.writes_files else None)),
     # Prodigy: log d and d * lr (optimizer/effective_lr/<group>)

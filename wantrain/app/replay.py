@@ -211,7 +211,7 @@ def _toml(plain: dict[str, Any]) -> str:
 def alpha_whatif(result: ReplayResult) -> str:
     """Per expert, the recorded ``AlphaChanged`` transitions beside the replayed ones: step, phase change and the
     statistics at that step. Empty when the alpha controller was not replayed."""
-    from wantrain.observers.alpha_controller import AlphaChanged, expert_key
+    from wantrain.observers.alpha.controller import AlphaChanged, expert_key
 
     recorded = [e for e in result.recorded if isinstance(e, AlphaChanged)]
     replayed = [e for e in result.replayed if isinstance(e, AlphaChanged)]

@@ -49,7 +49,7 @@ def add_sampling_estimate(cfg, report) -> None:
     """With ``[sample]`` enabled, add the sampling footprint to the report's VRAM estimate."""
     from wantrain.data.report import estimate_sampling_vram_gb
     from wantrain.models.wan22.variants import variant_spec
-    from wantrain.observers.validation_config import sample_size
+    from wantrain.observers.evaluation.config import sample_size
 
     if not cfg.sample.enabled or not report.vram:
         return

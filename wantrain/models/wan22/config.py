@@ -149,7 +149,7 @@ def _trained_range(boundary: float | None, experts: str) -> tuple[float, float]:
     return (boundary, 1.0) if experts == "high_noise" else (0.0, boundary)
 
 
-# -- [lora.alpha_schedule]: the progressive alpha controller (wantrain.observers.alpha_controller) -----------------
+# -- [lora.alpha_schedule]: the progressive alpha controller (wantrain.observers.alpha.controller) -----------------
 
 ALPHA_PRESETS: dict[str, dict[str, float | int | None]] = {
     # Flow-matching video losses vary 10-100x more between steps than image losses (the timestep draw and the

@@ -178,7 +178,7 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path) -> S
     ``adapter.release_encoders()``) and keeps the embeddings on the CPU."""
     from PIL import Image
 
-    from wantrain.observers.validation_config import sample_size
+    from wantrain.observers.evaluation.config import sample_size
 
     s = cfg.sample
     width, height, frames = sample_size(s, spec)

@@ -54,7 +54,7 @@ from wantrain.core.events import (
 )
 from wantrain.core.events.log import cut_back
 from wantrain.models.wan22.config import CRITERIA, AlphaScheduleConfig
-from wantrain.observers.alpha_stats import DeviceWindow, SignAgreement, loss_statistics, window_mean
+from wantrain.observers.alpha.stats import DeviceWindow, SignAgreement, loss_statistics, window_mean
 
 STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss_samples", "gradient_stability")
 

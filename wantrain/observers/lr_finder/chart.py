@@ -19,7 +19,7 @@ def chart_figure(sweeps: Sequence[Any], cfg: Any) -> Any:
     """A matplotlib ``Figure`` of ``sweeps`` (``lr_finder._Sweep`` objects with rows and a result)."""
     from matplotlib.figure import Figure  # not pyplot: no global figure registry, no GUI backend
 
-    from wantrain.observers.lr_finder_math import centred
+    from wantrain.observers.lr_finder.math import centred
 
     fig = Figure(figsize=(7.0, 3.6 * max(1, len(sweeps))), layout="constrained")
     for i, sweep in enumerate(sweeps):

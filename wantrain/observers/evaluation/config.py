@@ -1,5 +1,5 @@
 """Config sections ``[validation]`` (fixed-timestep validation loss) and ``[sample]`` (sample videos), read by
-``wantrain/observers/validation.py`` and ``samples.py``; see docs/validation.md.
+``wantrain/observers/evaluation/validation.py`` and ``samples.py``; see docs/validation.md.
 
 Checks that need only the section happen here (one line naming the key); checks against the model variant (image
 count, sizes) happen in :func:`check_sections`, which ``wantrain.app.assemble.prepare`` calls.

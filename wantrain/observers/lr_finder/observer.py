@@ -43,8 +43,8 @@ import structlog
 
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import Event, MetricsLogged, RunEnded, RunStarted, StepStarted, register_event_type
-from wantrain.observers.lr_finder_config import LrFinderConfig
-from wantrain.observers.lr_finder_math import Smoother, Suggestion, centred, diverged, suggest, sweep_lrs
+from wantrain.observers.lr_finder.config import LrFinderConfig
+from wantrain.observers.lr_finder.math import Smoother, Suggestion, centred, diverged, suggest, sweep_lrs
 
 log = structlog.get_logger("wantrain.lr_finder")
 
@@ -246,7 +246,7 @@ class LrFinder(Observer):
         if emit:
             self._emit(result)
         if self._writer is not None and sweep.rows:
-            from wantrain.observers.lr_finder_chart import chart_figure
+            from wantrain.observers.lr_finder.chart import chart_figure
 
             tag = "lr_finder/chart" if len(self.sweeps) == 1 else f"lr_finder/chart/{sweep.expert}"
             self._writer.add_figure(tag, chart_figure([sweep], self.cfg), step, close=True)
@@ -258,7 +258,7 @@ class LrFinder(Observer):
     # -- files -------------------------------------------------------------------------------------------------
     def write_outputs(self, run_dir: Path) -> None:
         """``lr_finder.csv``, ``lr_finder.json`` and ``lr_finder.png`` in ``run_dir``."""
-        from wantrain.observers.lr_finder_chart import chart_figure
+        from wantrain.observers.lr_finder.chart import chart_figure
 
         rows = []
         for sweep in self.sweeps:
