@@ -13,7 +13,7 @@ default ``[train]`` has it, one cached 9x64x64 batch) and reads the loss on the 
   framework itself (events, control object, bookkeeping).
 * ``trainer_none`` -- ``wantrain.core.loop.Trainer`` on a bus with no observers (the core alone: per-step events
   not built, the non-finite guard's one check per step, one gather per log step).
-* ``trainer_all`` -- what a default ``wantrain run`` attaches: everything ``wantrain.observers.build_observers``
+* ``trainer_all`` -- what a default ``wantrain run`` attaches: everything ``wantrain.app.observers.build_observers``
   builds for a default config (RunLog, MemoryProbe, Norms, TensorBoardWriter, JsonlMetrics, ProgressLine) plus
   the EventRecorder journal (``observers.record_events``, on by default); ``trainer_default`` the same without
   the recorder (its share is the difference).
@@ -49,10 +49,10 @@ from pathlib import Path
 import torch
 
 from wantrain.app.config import RunConfig
+from wantrain.app.observers import build_observers
 from wantrain.core.bus import Bus
 from wantrain.core.loop import LoopSettings, Trainer
 from wantrain.models.wan22 import LoraConfig, ModelConfig, build_adapter
-from wantrain.observers import build_observers
 from wantrain.observers.event_recorder import EventRecorder
 
 CLIP = 1.0

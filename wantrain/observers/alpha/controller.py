@@ -19,7 +19,7 @@ logged at the log steps of the intervals in which that expert trained:
 
 * decision inputs: ``alpha/steps/<k>`` (optimizer steps the expert has trained in the run), ``alpha/loss_slope/<k>``
   (loss/step), ``alpha/loss_r2/<k>``, ``alpha/loss_cv/<k>``, ``alpha/loss_improvement_rate/<k>`` (relative decrease
-  per 100 steps), ``alpha/loss_samples/<k>``, ``alpha/gradient_stability/<k>`` (0..1) -- see ``alpha_stats``;
+  per 100 steps), ``alpha/loss_samples/<k>``, ``alpha/gradient_stability/<k>`` (0..1) -- see ``stats``;
 * state during the interval (before this log step's decision): ``alpha/phase/<k>`` (phase index),
   ``alpha/steps_in_phase/<k>``, ``alpha/linear_alpha/<k>``; and ``alpha/phase``, the lowest phase index over the
   experts (the run is in phase i once every expert has reached it; the report shades it).

@@ -18,7 +18,7 @@ Decisions come from host values in the event log only: at each ``MetricsLogged``
 device->host transfer per step: the finder's explicit, documented cost (a few bytes per step; the test is short).
 When a rung is complete the observer smooths it (bias-corrected EMA), emits :class:`LrFinderRung`, and applies the
 stop rule (non-finite loss, or smoothed > ``diverge_factor`` x best after ``burn_in`` rungs). An expert's sweep ends
-at its last rung or at the stop: :class:`LrFinderResult` carries its suggestions (``lr_finder_math.suggest``). A
+at its last rung or at the stop: :class:`LrFinderResult` carries its suggestions (``math.suggest``). A
 stopped expert that is not the last one skips its remaining optimizer steps (``skip_optimizer_step``; their forward
 and backward passes still run, the price of a loop without a finder branch); the last one asks the run to stop.
 
