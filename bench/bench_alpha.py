@@ -16,13 +16,14 @@ import time
 
 import torch
 
+from wantrain.app.config import LoraSection
 from wantrain.core.bus import Bus
 from wantrain.core.config import check_value
 from wantrain.core.context import Context, DeviceMetrics, Live, TrainState
 from wantrain.core.control import Control
 from wantrain.core.events import GradsReady, LossComputed, MetricsLogged, OptimizerStepped, RunStarted, StepStarted
-from wantrain.models.wan22 import LoraConfig, ModelConfig, build_adapter
-from wantrain.models.wan22.config import AlphaScheduleConfig
+from wantrain.models.wan22 import ModelConfig, build_adapter
+from wantrain.observers.alpha.config import AlphaScheduleConfig
 from wantrain.observers.alpha.controller import AlphaController
 
 
@@ -43,7 +44,7 @@ def main() -> None:
                                                          {"name": "b", "alpha": 8.0}], "phases")
     schedule = AlphaScheduleConfig(enabled=True, phases=phases)
     adapter = build_adapter(ModelConfig(variant=args.variant, experts="high_noise", gradient_checkpointing=False),
-                            LoraConfig(rank=args.rank, alpha_schedule=schedule), seed=0, device=device, base_lr=1e-3)
+                            LoraSection(rank=args.rank, alpha_schedule=schedule), seed=0, device=device, base_lr=1e-3)
     optimizer = torch.optim.AdamW(adapter.param_groups(), fused=True)
     g = torch.Generator().manual_seed(0)
     raw = {"pixels": torch.rand(1, 3, 9, 32, 32, generator=g) * 2 - 1, "captions": ["a red ball"]}

@@ -22,7 +22,7 @@ from wantrain.core.events import (
     StepStarted,
     from_record,
 )
-from wantrain.models.wan22.config import AlphaScheduleConfig
+from wantrain.observers.alpha.config import AlphaScheduleConfig
 from wantrain.observers.alpha.controller import AlphaChanged, AlphaController, AlphaPolicy
 
 from .fakes import FakeLoop, SyncCounter

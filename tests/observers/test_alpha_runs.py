@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from wantrain.cli.main import main
 from wantrain.core.events import MetricsLogged
 from wantrain.core.events.log import read_events
-from wantrain.models.wan22.config import AlphaScheduleConfig
+from wantrain.observers.alpha.config import AlphaScheduleConfig
 from wantrain.observers.alpha.controller import AlphaChanged, AlphaPolicy
 
 ROOT = Path(__file__).resolve().parents[2]

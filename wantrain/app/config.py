@@ -21,10 +21,40 @@ from wantrain.core.settings import (
 )
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
+from wantrain.observers.alpha.config import AlphaScheduleConfig
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
 from wantrain.observers.lr_finder.config import LrFinderConfig
 from wantrain.optimizers.config import OptimizerConfig
 from wantrain.schedulers.config import SchedulerConfig
+
+
+@section
+class LoraSection(LoraConfig):
+    """The LoRA adapters: one per trained expert on the 10 Linears of every block (see docs/models.md)."""
+
+    # the model plug-in's keys (LoraConfig) plus the alpha controller's table, which only that observer reads
+    alpha_schedule: AlphaScheduleConfig | None = setting(
+        None, doc="Progressive alpha phases (docs/alpha_schedule.md); absent or `enabled = false` changes nothing.")
+
+    def __attrs_post_init__(self) -> None:
+        schedule = self.alpha_schedule
+        if self.schedule_enabled and self.alpha is not None and self.alpha != schedule.phases[0].alpha:
+            raise ConfigError(
+                f"lora.alpha = {self.alpha:g} conflicts with lora.alpha_schedule: its first phase "
+                f"({schedule.phases[0].name!r}) sets alpha {schedule.phases[0].alpha:g} from the first step; remove "
+                "lora.alpha or make the two equal"
+            )
+
+    @property
+    def schedule_enabled(self) -> bool:
+        return self.alpha_schedule is not None and self.alpha_schedule.enabled
+
+    @property
+    def effective_alpha(self) -> float:
+        """The alpha the LoRA starts with: the first phase's when the alpha schedule is on."""
+        if self.schedule_enabled:
+            return float(self.alpha_schedule.phases[0].alpha)
+        return super().effective_alpha
 
 
 @section
@@ -33,7 +63,7 @@ class RunConfig:
 
     run: RunSection = setting(factory=RunSection, doc="Run directory and seed.")
     model: ModelConfig = setting(factory=ModelConfig, doc="Model.")
-    lora: LoraConfig = setting(factory=LoraConfig, doc="LoRA.")
+    lora: LoraSection = setting(factory=LoraSection, doc="LoRA.")
     data: DataConfig = setting(factory=DataConfig, doc="Data.")
     train: TrainConfig = setting(factory=TrainConfig, doc="Training loop.")
     optimizer: OptimizerConfig = setting(factory=OptimizerConfig, doc="Optimizer.")

@@ -53,7 +53,7 @@ from wantrain.core.events import (
     register_event_type,
 )
 from wantrain.core.events.log import cut_back
-from wantrain.models.wan22.config import CRITERIA, AlphaScheduleConfig
+from wantrain.observers.alpha.config import CRITERIA, AlphaScheduleConfig
 from wantrain.observers.alpha.stats import DeviceWindow, SignAgreement, loss_statistics, window_mean
 
 STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss_samples", "gradient_stability")

@@ -1,0 +1,147 @@
+"""``[lora.alpha_schedule]``: the progressive alpha controller's config (``wantrain.observers.alpha.controller``;
+docs/alpha_schedule.md). The root schema (``wantrain.app.config``) puts it in the ``[lora]`` table."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from wantrain.core.config import above, at_least, between, section, setting
+from wantrain.core.errors import ConfigError
+
+ALPHA_PRESETS: dict[str, dict[str, float | int | None]] = {
+    # Flow-matching video losses vary 10-100x more between steps than image losses (the timestep draw and the
+    # clip dominate), so the video preset looks over a longer window and tolerates ~11x the variance (CV 0.5 vs
+    # 0.15) and a 5x larger trend before it calls the loss flat. R^2 is not checked by default: on noisy video
+    # losses it is ~0.0004 whether or not the loss still falls (the seed's own finding).
+    "video": {"window": 200, "min_samples": 100, "min_steps": 500, "loss_improvement_rate_below": 0.05,
+              "min_gradient_stability": 0.50, "min_loss_r2": None, "max_loss_cv": 0.5},
+    "image": {"window": 100, "min_samples": 50, "min_steps": 500, "loss_improvement_rate_below": 0.01,
+              "min_gradient_stability": 0.50, "min_loss_r2": None, "max_loss_cv": 0.15},
+}
+"""Defaults per ``preset`` for every key a phase or the schedule leaves unset (docs/alpha_schedule.md)."""
+
+CRITERIA = ("loss_improvement_rate_below", "min_gradient_stability", "min_loss_r2", "max_loss_cv")
+
+
+@section
+class ExitCriteria:
+    """The seed's nested spelling of a phase's exit criteria (`[...phases.NAME.exit_criteria]`)."""
+
+    loss_improvement_rate_below: float | None = setting(
+        None, doc="The phase may end when |relative loss change per 100 steps| is below this.", range=above(0.0))
+    min_gradient_stability: float | None = setting(
+        None, doc="... and the gradient sign agreement is at least this.", range=between(0.0, 1.0))
+    min_loss_r2: float | None = setting(None, doc="... and the loss trend's R^2 is at least this.",
+                                        range=between(0.0, 1.0))
+    max_loss_cv: float | None = setting(None, doc="... and the loss's coefficient of variation is at most this.",
+                                        range=above(0.0))
+
+
+@section
+class AlphaPhase:
+    """One phase of the alpha schedule: its alpha, its minimum length and the criteria that end it. Unset
+    criteria come from the schedule's `preset`; the last phase never ends."""
+
+    name: str = setting(doc="Phase name (shown in metrics, events and the progress line).")
+    alpha: float = setting(doc="LoRA alpha during this phase (the LoRA output is scaled by alpha/rank).",
+                           range=above(0.0))
+    min_steps: int | None = setting(
+        None, doc="Optimizer steps of the expert in this phase before it may end (unset: the preset's).",
+        range=at_least(0))
+    loss_improvement_rate_below: float | None = setting(
+        None, doc="Exit when |relative loss change per 100 steps| < this (unset: the preset's).", range=above(0.0))
+    min_gradient_stability: float | None = setting(
+        None, doc="Exit needs gradient sign agreement >= this (unset: the preset's).", range=between(0.0, 1.0))
+    min_loss_r2: float | None = setting(
+        None, doc="Exit needs the loss trend's R^2 >= this (unset: the preset's; the presets do not check it).",
+        range=between(0.0, 1.0))
+    max_loss_cv: float | None = setting(
+        None, doc="Exit needs the loss's coefficient of variation <= this (unset: the preset's).", range=above(0.0))
+    exit_criteria: ExitCriteria | None = setting(
+        None, doc="The seed's spelling: the four criteria in a nested table (keys given directly win).")
+
+    def criterion(self, key: str, preset: str) -> float | None:
+        """The threshold in force for ``key`` (a name in :data:`CRITERIA` or ``min_steps``)."""
+        value = getattr(self, key)
+        if value is None and key != "min_steps" and self.exit_criteria is not None:
+            value = getattr(self.exit_criteria, key)
+        return ALPHA_PRESETS[preset][key] if value is None else value
+
+
+def _phases_from_table(table: dict, path: str) -> list[AlphaPhase]:
+    """The seed's ``conv_alpha_phases = {name = {alpha, min_steps, exit_criteria}}`` as a phase list."""
+    from wantrain.core.config import check_value
+
+    phases = []
+    for name, body in table.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"'{path}.{name}' must be a table with alpha, min_steps and exit_criteria")
+        try:
+            (phase,) = check_value(AlphaScheduleConfig, "phases", [{"name": name, **body}], f"{path}.{name}")
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace(f"{path}.{name}[0]", f"{path}.{name}")) from None
+        phases.append(phase)
+    return phases
+
+
+@section
+class AlphaScheduleConfig:
+    """Progressive alpha (seed 001): ordered phases with rising alpha, each expert moving on by itself when its
+    exit criteria hold (docs/alpha_schedule.md)."""
+
+    enabled: bool = setting(False, doc="Run the alpha controller. Off: no observer, no files, training unchanged.")
+    preset: Literal["video", "image"] = setting(
+        "video", doc="Defaults for the windows and the exit criteria: `video` tolerates far more loss variance.")
+    targets: Literal["linear", "conv", "all"] = setting(
+        "linear", doc="LoRA layers whose alpha the phases set. Wan 2.2's LoRA layers are all Linear, so `conv` "
+        "is refused (it would change nothing, the seed's defect).")
+    transition: Literal["preserve_output", "jump"] = setting(
+        "preserve_output", doc="`preserve_output` rescales LoRA B and the optimizer moments so the model's output "
+        "is unchanged at a transition; `jump` only changes alpha (the seed: the LoRA's output jumps by new/old).")
+    window: int | None = setting(
+        None, doc="Per-step losses and gradient-stability values per expert the statistics use (unset: preset).",
+        range=at_least(3))
+    min_samples: int | None = setting(
+        None, doc="Finite losses an expert's window needs before its phase may end (unset: preset).",
+        range=at_least(3))
+    phases: list[AlphaPhase] = setting(
+        factory=list, doc="The phases in order (`[[lora.alpha_schedule.phases]]`), at least two.")
+    conv_alpha_phases: dict | None = setting(
+        None, doc="The seed's spelling of `phases`: a table of phase name -> {alpha, min_steps, exit_criteria}, in "
+        "order; read as `phases` (applied to `targets`, not only to conv layers).")
+    linear_alpha: float | None = setting(
+        None, doc="The seed's fixed alpha of Linear layers while conv layers phase; accepted so the seed's files "
+        "load, and unused: wantrain phases the layers `targets` names.", range=above(0.0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.conv_alpha_phases is not None:
+            if self.phases:
+                raise ConfigError("lora.alpha_schedule: give the phases once, as phases or as conv_alpha_phases")
+            phases = _phases_from_table(self.conv_alpha_phases, "lora.alpha_schedule.conv_alpha_phases")
+            object.__setattr__(self, "phases", phases)
+            object.__setattr__(self, "conv_alpha_phases", None)
+        if not self.enabled:
+            return
+        if self.targets == "conv":
+            raise ConfigError(
+                "lora.alpha_schedule.targets = 'conv': Wan 2.2's LoRA has no conv layers (its targets are the blocks' "
+                "Linear layers), so the phases would change nothing; use 'linear' or 'all'"
+            )
+        if len(self.phases) < 2:
+            raise ConfigError(
+                f"lora.alpha_schedule has {len(self.phases)} phase(s); an enabled schedule needs at least two "
+                "([[lora.alpha_schedule.phases]] tables with name and alpha)"
+            )
+        names = [p.name for p in self.phases]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"lora.alpha_schedule.phases: phase names must differ, got {names}")
+        if self.resolved("min_samples") > self.resolved("window"):
+            raise ConfigError(
+                f"lora.alpha_schedule.min_samples = {self.resolved('min_samples')} exceeds window = "
+                f"{self.resolved('window')}; a phase could never end — lower min_samples or raise window"
+            )
+
+    def resolved(self, key: str) -> int:
+        """``window`` or ``min_samples`` as set, else the preset's."""
+        value = getattr(self, key)
+        return int(ALPHA_PRESETS[self.preset][key] if value is None else value)
