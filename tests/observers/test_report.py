@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from wantrain.app import report as dashboard
 from wantrain.cli import report
 from wantrain.core.errors import UserError
 
@@ -48,9 +49,9 @@ def test_report_writes_a_png_dashboard_into_the_run_dir(tmp_path, capsys):
 
 def test_report_panels_are_loss_lr_grad_norm_param_norm_memory_and_speed(tmp_path):
     write_metrics(tmp_path)
-    _, records = report.load_records(tmp_path)
-    fig = report.build_report(records)
-    assert report.panel_titles(fig) == ["Loss", "Learning rate", "Gradient norm", "Parameter norm",
+    _, records = dashboard.load_records(tmp_path)
+    fig = dashboard.build_report(records)
+    assert dashboard.panel_titles(fig) == ["Loss", "Learning rate", "Gradient norm", "Parameter norm",
                                         "Memory (GiB)", "Speed (steps/s)"]
     loss_labels = fig.axes[0].get_legend_handles_labels()[1]
     assert {"high_noise (raw)", "high_noise (EMA 0.9)", "low_noise (raw)", "low_noise (EMA 0.9)"} <= set(loss_labels)
@@ -58,17 +59,17 @@ def test_report_panels_are_loss_lr_grad_norm_param_norm_memory_and_speed(tmp_pat
 
 def test_report_shades_alpha_phases_when_the_metrics_have_them(tmp_path):
     write_metrics(tmp_path)
-    _, records = report.load_records(tmp_path)
-    assert report.phase_spans(records) == [(0.0, 10, 90), (1.0, 100, 190), (2.0, 200, 300)]
-    fig = report.build_report(records)
+    _, records = dashboard.load_records(tmp_path)
+    assert dashboard.phase_spans(records) == [(0.0, 10, 90), (1.0, 100, 190), (2.0, 200, 300)]
+    fig = dashboard.build_report(records)
     assert {"alpha phase 0", "alpha phase 1", "alpha phase 2"} <= set(fig.axes[0].get_legend_handles_labels()[1])
     assert all(len(ax.patches) == 3 for ax in fig.axes)
 
 
 def test_report_without_experts_or_phases_plots_the_overall_loss(tmp_path):
     write_metrics(tmp_path, experts=False, phases=False)
-    _, records = report.load_records(tmp_path)
-    fig = report.build_report(records)
+    _, records = dashboard.load_records(tmp_path)
+    fig = dashboard.build_report(records)
     assert fig.axes[0].get_legend_handles_labels()[1] == ["loss (raw)", "loss (EMA 0.9)"]
     assert all(not ax.patches for ax in fig.axes)
 

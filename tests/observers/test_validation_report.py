@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from wantrain.app import report as dashboard
 from wantrain.cli import report
 
 
@@ -23,8 +24,8 @@ def write_run(run_dir) -> None:
 
 def test_report_draws_val_loss_on_the_loss_panel_and_keeps_train_curves_whole(tmp_path, capsys):
     write_run(tmp_path / "run")
-    _, records = report.load_records(tmp_path / "run")
-    fig = report.build_report(records)
+    _, records = dashboard.load_records(tmp_path / "run")
+    fig = dashboard.build_report(records)
     loss_ax = fig.axes[0]
     lines = {line.get_label(): line for line in loss_ax.get_lines()}
     val = lines["val/loss"]

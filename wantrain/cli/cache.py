@@ -16,21 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from wantrain.app.preflight import fill_cache
 
-    from wantrain.data import build_dataset, ensure_cache
-    from wantrain.models.wan22 import build_adapter
-    from wantrain.models.wan22.variants import variant_spec
-
-    cfg = load_run_config(args)
-    data = build_dataset(cfg.data, spec=variant_spec(cfg.model.variant), seed=cfg.run.seed,
-                         batch_size=cfg.train.batch_size)
-    encoders = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=torch.device("cpu"),
-                             base_lr=cfg.optimizer.lr)
-    stats = ensure_cache(data, encoders)
+    stats, report = fill_cache(load_run_config(args))
     print(stats.format())
-    if data.report.verification:
-        print(f"{len(data.report.verification)} clips re-bucketed or skipped while decoding:")
-        for v in data.report.verification:
+    if report.verification:
+        print(f"{len(report.verification)} clips re-bucketed or skipped while decoding:")
+        for v in report.verification:
             print(f"  {v['path']}: {v['action']} ({v['reason']})")
     return 0

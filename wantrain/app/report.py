@@ -1,0 +1,236 @@
+"""What ``wantrain report RUN_DIR`` draws and prints (``wantrain.cli.report``): one PNG dashboard and a short text
+summary of a run.
+
+Reads ``RUN_DIR/metrics.jsonl`` (written by :class:`wantrain.observers.jsonl_metrics.JsonlMetrics`; schema in
+``docs/metrics.md``). The dashboard has six panels, always in this order and with these titles
+(:data:`PANEL_TITLES`): loss per expert (raw and EMA), learning rate per parameter group, gradient norm, parameter
+norm, memory, and speed (optimizer steps per second between log lines, from ``elapsed_s``). Where the file has an
+``alpha/phase`` field, each phase is shaded on every panel. ``val/loss`` (and ``val/loss/<expert>``) of the
+validation observer are drawn dashed with markers on the loss panel; lines that hold only ``val/*`` values are left
+out of the other curves. A panel without data says so instead of vanishing, so
+the layout is the same for every run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from wantrain.core.errors import UserError
+from wantrain.observers.jsonl_metrics import read_metrics
+from wantrain.observers.progress import format_duration
+
+METRICS_FILE = "metrics.jsonl"
+PANEL_TITLES = ("Loss", "Learning rate", "Gradient norm", "Parameter norm", "Memory (GiB)", "Speed (steps/s)")
+EMA_BETA = 0.9
+_PHASE_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+
+
+# -- input ---------------------------------------------------------------------------------------------------
+def load_records(run_dir: Path) -> tuple[Path, list[dict[str, Any]]]:
+    """The metrics file of ``run_dir`` and its records sorted by step. Raises :class:`UserError` (one line) when
+    the directory or the file is missing or holds no complete line."""
+    run_dir = Path(run_dir)
+    path = run_dir if run_dir.is_file() else run_dir / METRICS_FILE
+    if not run_dir.exists():
+        raise UserError(f"run directory not found: {run_dir}")
+    if not path.is_file():
+        raise UserError(f"no {METRICS_FILE} in {run_dir} (it is written by the JSONL metrics observer during "
+                        "training); pass a run directory of a run that logged at least one step")
+    records = read_metrics(path)
+    if not records:
+        raise UserError(f"{path} holds no metrics lines yet; run at least train.log_every steps first")
+    return path, sorted(records, key=lambda r: r["step"])
+
+
+def series(records: Sequence[dict[str, Any]], field: str) -> tuple[list[int], list[float]]:
+    """Steps and values of ``field`` over the lines that have it (null -> NaN, a gap in the plot)."""
+    steps, values = [], []
+    for r in records:
+        if field in r:
+            steps.append(r["step"])
+            values.append(float("nan") if r[field] is None else float(r[field]))
+    return steps, values
+
+
+def with_gaps(records: Sequence[dict[str, Any]], field: str, values: Sequence[float] | None = None,
+              ) -> tuple[list[int], list[float]]:
+    """Every line's step, with ``field``'s value (or the matching entry of ``values``, one per line that has the
+    field) and NaN where the line lacks it: a plotted line breaks where an expert was not trained."""
+    present = iter(values if values is not None else series(records, field)[1])
+    steps, out = [], []
+    for r in records:
+        steps.append(r["step"])
+        out.append(next(present) if field in r else float("nan"))
+    return steps, out
+
+
+def ema(values: Sequence[float], beta: float = EMA_BETA) -> list[float]:
+    """Exponential moving average, seeded with the first finite value; NaNs are carried over, not averaged."""
+    out, avg = [], None
+    for v in values:
+        if math.isfinite(v):
+            avg = v if avg is None else beta * avg + (1 - beta) * v
+        out.append(avg if avg is not None else float("nan"))
+    return out
+
+
+def _fields(records: Sequence[dict[str, Any]], prefix: str) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in records:
+        for k in r:
+            if k.startswith(prefix):
+                seen[k] = None
+    return sorted(seen)
+
+
+def loss_fields(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Per-expert loss fields when the run had experts, else ``train/loss``."""
+    per_expert = _fields(records, "train/loss/")
+    return per_expert or (["train/loss"] if _fields(records, "train/loss") else [])
+
+
+def phase_spans(records: Sequence[dict[str, Any]]) -> list[tuple[float, int, int]]:
+    """``(phase, first_step, last_step)`` runs of equal ``alpha/phase`` values, in step order."""
+    spans: list[tuple[float, int, int]] = []
+    for step, phase in zip(*series(records, "alpha/phase"), strict=True):
+        if not math.isfinite(phase):
+            continue
+        if spans and spans[-1][0] == phase:
+            spans[-1] = (phase, spans[-1][1], step)
+        else:
+            spans.append((phase, step, step))
+    return spans
+
+
+# -- figure --------------------------------------------------------------------------------------------------
+def build_report(records: Sequence[dict[str, Any]], title: str = ""):
+    """The dashboard as a matplotlib ``Figure`` (no pyplot state); :func:`panel_titles` lists its panels."""
+    from matplotlib.figure import Figure
+
+    every = records
+    records = [r for r in records if not is_validation_only(r)]  # val/ lines of their own would break the curves
+    fig = Figure(figsize=(14, 11), layout="constrained")
+    axes = fig.subplots(3, 2, sharex=True).ravel()
+    for ax, name in zip(axes, PANEL_TITLES, strict=True):
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    _plot_loss(axes[0], records)
+    _plot_validation(axes[0], every)
+    lr_fields = _fields(records, "train/lr/") or _fields(records, "train/lr")
+    _plot_lines(axes[1], records, lr_fields, log=True)
+    _plot_lines(axes[2], records, ["train/grad_norm", *_fields(records, "train/grad_norm/")], log=True)
+    _plot_lines(axes[3], records, ["train/total_param_norm", *_fields(records, "train/param_norm/")])
+    _plot_lines(axes[4], records, _fields(records, "memory/"))
+    _plot_speed(axes[5], records)
+    spans = phase_spans(records)
+    for ax in axes:
+        _shade_phases(ax, spans, label=ax is axes[0])
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small", loc="best")
+    for ax in axes[-2:]:
+        ax.set_xlabel("optimizer step")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def panel_titles(fig) -> list[str]:
+    """Titles of the figure's panels, in layout order."""
+    return [ax.get_title() for ax in fig.axes]
+
+
+def _no_data(ax) -> None:
+    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _plot_loss(ax, records) -> None:
+    fields = loss_fields(records)
+    if not fields:
+        return _no_data(ax)
+    for i, field in enumerate(fields):
+        values = series(records, field)[1]
+        color = f"C{i}"
+        name = field.removeprefix("train/loss/") if field != "train/loss" else "loss"
+        ax.plot(*with_gaps(records, field), color=color, alpha=0.35, linewidth=0.8, marker=".", markersize=2,
+                label=f"{name} (raw)")
+        ax.plot(*with_gaps(records, field, ema(values)), color=color, linewidth=1.8, label=f"{name} (EMA {EMA_BETA})")
+
+
+def is_validation_only(record: dict[str, Any]) -> bool:
+    """A line that holds only ``val/*`` metrics (a validation at step 0 or between log steps, docs/metrics.md)."""
+    return any(k.startswith("val/") for k in record) and not any(k.startswith("train/") for k in record)
+
+
+def _plot_validation(ax, records) -> None:
+    """``val/loss`` (and per expert) as dashed lines with markers over the training loss."""
+    fields = ["val/loss", *_fields(records, "val/loss/high_noise"), *_fields(records, "val/loss/low_noise")]
+    for i, field in enumerate(f for f in fields if series(records, f)[0]):
+        ax.plot(*series(records, field), color="black" if i == 0 else f"C{i + 3}", linestyle="--", marker="o",
+                markersize=3, linewidth=1.2, label=field)
+
+
+def _plot_lines(ax, records, fields: Sequence[str], log: bool = False) -> None:
+    drawn = False
+    for field in fields:
+        if series(records, field)[0]:
+            ax.plot(*with_gaps(records, field), linewidth=1.2, marker=".", markersize=2, label=field)
+            drawn = True
+    if not drawn:
+        return _no_data(ax)
+    if log and all(v > 0 for f in fields for v in series(records, f)[1] if math.isfinite(v)):
+        ax.set_yscale("log")
+
+
+def _plot_speed(ax, records) -> None:
+    steps, rates = [], []
+    previous = None
+    for r in records:
+        if not isinstance(r.get("elapsed_s"), int | float):
+            continue
+        if previous is not None and r["step"] > previous["step"] and r["elapsed_s"] > previous["elapsed_s"]:
+            steps.append(r["step"])
+            rates.append((r["step"] - previous["step"]) / (r["elapsed_s"] - previous["elapsed_s"]))
+        previous = r
+    if not steps:
+        return _no_data(ax)
+    ax.plot(steps, rates, linewidth=1.2, label="steps/s")
+
+
+def _shade_phases(ax, spans, label: bool) -> None:
+    for i, (phase, first, last) in enumerate(spans):
+        # a phase covers from its first logged step to the next phase's first step
+        end = spans[i + 1][1] if i + 1 < len(spans) else last
+        name = int(phase) if phase == int(phase) else phase
+        ax.axvspan(first, end, color=_PHASE_COLORS[i % len(_PHASE_COLORS)], alpha=0.08,
+                   label=f"alpha phase {name}" if label else None)
+
+
+# -- text summary --------------------------------------------------------------------------------------------
+def summarize(records: Sequence[dict[str, Any]]) -> str:
+    """A few lines: steps, wall time, best/last loss per expert, skipped steps, peak VRAM when known."""
+    last = records[-1]
+    lines = [f"steps: {last['step']} (first logged {records[0]['step']}, {len(records)} log lines)"]
+    elapsed = last.get("elapsed_s")
+    if isinstance(elapsed, int | float):
+        lines.append(f"time: {format_duration(elapsed)} ({elapsed:.1f} s)")
+    for field in loss_fields(records):
+        steps, values = series(records, field)
+        finite = [(v, s) for s, v in zip(steps, values, strict=True) if math.isfinite(v)]
+        name = field.removeprefix("train/loss/") if field != "train/loss" else "all"
+        if not finite:
+            lines.append(f"loss {name}: no finite values")
+            continue
+        best, best_step = min(finite)
+        lines.append(f"loss {name}: best {best:.5g} at step {best_step}, last {values[-1]:.5g} at step {steps[-1]}")
+    val_steps, val = series(records, "val/loss")
+    if val_steps:
+        lines.append(f"val/loss: {val[0]:.5g} at step {val_steps[0]}, last {val[-1]:.5g} at step {val_steps[-1]}")
+    skipped = [v for v in series(records, "train/skipped_steps")[1] if math.isfinite(v)]
+    lines.append(f"skipped steps: {int(skipped[-1]) if skipped else 0}")
+    peak = [v for v in series(records, "memory/vram_peak_gb")[1] if math.isfinite(v)]
+    if peak:
+        lines.append(f"peak VRAM: {max(peak):.2f} GiB")
+    return "\n".join(lines)
