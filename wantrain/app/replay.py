@@ -36,8 +36,11 @@ from wantrain.core.errors import UserError
 from wantrain.core.events import Event, RunStarted
 from wantrain.core.events.log import read, resolve_event_log
 from wantrain.core.state import TrainState
+from wantrain.observers.alpha.report import alpha_whatif
 
-log = structlog.get_logger("wantrain.app.replay")
+__all__ = ["ReplayResult", "alpha_whatif", "read", "replay"]  # read: the event log; alpha_whatif: the table
+
+log = structlog.get_logger("wantrain.replay")
 
 # keys a what-if may change and have an effect: everything else was computed when the run trained
 _REPLAYED_KEYS = ("observers.", "lora.alpha_schedule.")

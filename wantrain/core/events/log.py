@@ -40,7 +40,7 @@ import structlog
 from wantrain.core.errors import UserError
 from wantrain.core.events import CATALOGUE, SCHEMA_VERSION, Event, from_record, known_event_types
 
-log = structlog.get_logger("wantrain.events")
+log = structlog.get_logger("wantrain.replay")  # the name its warnings had when read() lived in replay
 
 EVENT_LOG_NAMES = {"none": "events.jsonl", "gzip": "events.jsonl.gz"}
 """The log's file name in the run directory per ``observers.record_compression``."""
