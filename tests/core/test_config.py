@@ -168,3 +168,27 @@ def test_largest_accepted_seed_seeds_torch():
     seed = structure(RunConfig, {"run": {"seed": 2**63 - 1}}).run.seed
     torch.manual_seed(seed)
     assert torch.Generator().manual_seed(seed).initial_seed() == seed
+
+
+def test_a_section_built_in_code_is_refused_naming_the_key_like_the_toml_file():
+    from wantrain.core.settings import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"^config key 'train\.max_steps' = -5 is out of range; expected >= 1$"):
+        TrainConfig(max_steps=-5)
+
+
+def test_an_evolve_with_a_bad_value_is_refused_naming_the_key():
+    import attrs
+
+    cfg = RunConfig()
+    with pytest.raises(ConfigError, match=r"'validation\.every' = 0 is out of range"):
+        attrs.evolve(cfg.validation, every=0)
+    with pytest.raises(ConfigError, match=r"'run\.name' = '\.\./x' is not valid"):
+        attrs.evolve(cfg.run, name="../x")
+    with pytest.raises(ConfigError, match=r"'train\.clip_grad_norm' = 'big' has the wrong type; expected a number"):
+        attrs.evolve(cfg.train, clip_grad_norm="big")
+
+
+def test_an_item_of_a_list_section_is_named_by_its_path_in_the_file():
+    with pytest.raises(ConfigError, match=r"^config key 'data\.datasets\[1\]\.repeats' = 0 is out of range"):
+        structure(RunConfig, {"data": {"datasets": [{"path": "a"}, {"path": "b", "repeats": 0}]}})

@@ -39,6 +39,7 @@ class LoraAdapter:
         g = torch.Generator().manual_seed(seed)
         self.experts = experts
         self.device = torch.device(device)
+        self.alpha_changes: list[tuple[float, str | None, bool]] = []
         self.params = {
             e: [torch.nn.Parameter((torch.randn(rank, 8, generator=g) * 0.5).to(self.device)),
                 torch.nn.Parameter((torch.randn(8, rank, generator=g) * 0.5).to(self.device))]
@@ -63,6 +64,11 @@ class LoraAdapter:
              ) -> torch.Tensor:
         down, up = self.params[expert]
         return (batch["x"] @ up @ down - batch["y"]).pow(2).mean()
+
+    def change_lora_alpha(self, alpha: float, expert: str | None, optimizer: torch.optim.Optimizer | None = None,
+                          *, preserve_output: bool = True) -> None:
+        """Records the change (``core.adapter.AlphaChangeable``; the alpha controller needs it)."""
+        self.alpha_changes.append((alpha, expert, preserve_output))
 
 
 class SyncCounter(TorchFunctionMode):

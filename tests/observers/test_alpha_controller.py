@@ -126,6 +126,8 @@ def drive(controller: AlphaController | None, losses: dict, grads: dict, *, step
         if log:
             bus.emit(MetricsLogged(step=step, expert=expert, values=ctx.metrics.gather(), elapsed_s=0.0,
                                    total_steps=steps))
+        for expert_asked, alpha, preserve in ctx.control.take_alpha_requests():  # what the core applies here
+            adapter.change_lora_alpha(alpha, expert_asked, None, preserve_output=preserve)
     return records, adapter
 
 

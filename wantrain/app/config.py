@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from wantrain.core.config import ConfigError, config_reference, section, setting, structure, unstructure
+from wantrain.core.config import ConfigError, config_reference, name_sections, section, setting, structure, unstructure
 from wantrain.core.settings import (
     CheckpointConfig,
     FaultsConfig,
@@ -76,6 +76,9 @@ class RunConfig:
     lr_finder: LrFinderConfig = setting(factory=LrFinderConfig, doc="Learning-rate range test.")
     validation: ValidationConfig = setting(factory=ValidationConfig, doc="Validation loss at fixed timesteps.")
     sample: SampleConfig = setting(factory=SampleConfig, doc="Sample videos during training.")
+
+
+name_sections(RunConfig)  # code-built sections name their keys in errors (``validation.every``)
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:

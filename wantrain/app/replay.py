@@ -91,8 +91,7 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
     skipped.extend(unimported)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    ctx = Context(control=Control(), state=TrainState(), metrics=DeviceMetrics(), live=Live(), run_dir=out_dir,
-                  config=cfg)
+    ctx = Context(control=Control(), state=TrainState(), metrics=DeviceMetrics(), live=Live(), run_dir=out_dir)
     bus = Bus(ctx)
     emitted_types: set[type[Event]] = set()
     for observer in chosen:

@@ -2,18 +2,21 @@
 
 Guarantees (each one has a test named after it in ``tests/core/test_bus.py``):
 
-* **One namespace per bus.** Every bus owns a ``blinker.Namespace`` with one signal per event class; nothing is
-  connected to blinker's process-global ``signal()``, so buses (and tests) never leak receivers into each other.
-  The signals hold the receivers in dispatch order; :meth:`Bus.emit` calls the same handlers in that order
-  directly (blinker's ``send`` bookkeeping cost more than a handler: ``bench/bench_bus.py``).
-* **Strong references.** The bus holds every handler strongly (blinker ``weak=False``): a lambda, a closure or a
-  bound method of an otherwise unreferenced object keeps firing until the bus is closed.
+* **One namespace per bus.** A bus keeps its own table of handlers per event class; nothing is registered
+  process-wide (no signal library's global namespace), so buses (and tests) never leak receivers into each other.
+  :meth:`Bus.emit` calls the handlers of the event's class from that table, in dispatch order (a signal
+  library's per-send bookkeeping, blinker's ``send``, cost more than a handler: ``bench/bench_bus.py``).
+* **Strong references.** The bus holds every handler strongly: a lambda, a closure or a bound method of an
+  otherwise unreferenced object keeps firing until the bus is closed.
 * **Deterministic order.** Handlers of an event run by priority, highest first -- ``Priority.CONTROLLER`` (observers
   that change the run through the control object), then ``Priority.SINK`` (writers, probes), then
   ``Priority.RECORDER`` -- and in subscription order within one priority. Journals (:meth:`Bus.add_journal`) see
   each event before any handler (write-ahead: a crashing handler still leaves its triggering event on record).
 * **Checked subscriptions.** Subscribing to a class that is not a registered event type, or with a handler that
   cannot be called as ``handler(event, ctx)``, raises ``TypeError`` at subscription time, not inside the loop.
+  An observer whose ``needs`` lists a capability the context's model adapter lacks is refused when attached
+  (``core.adapter.MissingCapability``, one line naming both; the trainer checks the observers attached before
+  it was built).
 * **Error policy.** A *critical* observer's exception stops the dispatch and reaches the trainer as
   :class:`CriticalObserverError`; the trainer ends the run cleanly (``RunEnded(status="failed")``, every observer
   closed) and re-raises. A *passive* observer's exception is logged, an ``ObserverFailed`` event is emitted once the
@@ -41,9 +44,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
-import blinker
 import structlog
 
+from wantrain.core.adapter import check_needs
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import Event, ObserverFailed, RunEnded, known_event_types, to_record
 
@@ -74,7 +77,8 @@ def on(*event_types: type[Event]) -> Callable[[Callable[..., Any]], Callable[...
 class Observer:
     """Base class of observers: mark handler methods with :func:`on`; override :meth:`close` to flush.
 
-    Class attributes: ``priority`` (a :class:`Priority`), ``critical`` (True: an exception stops the run).
+    Class attributes: ``priority`` (a :class:`Priority`), ``critical`` (True: an exception stops the run),
+    ``needs`` (the ``core.adapter`` capabilities it uses on ``ctx.adapter``; checked when it is attached).
     Observers reach live objects only through the ``ctx`` handed to each handler and request changes through
     ``ctx.control``; they never touch the trainer.
 
@@ -94,6 +98,7 @@ class Observer:
 
     priority: int = Priority.SINK
     critical: bool = False
+    needs: tuple[type, ...] = ()
     replayable: bool = False
     emits: tuple[type[Event], ...] = ()
 
@@ -111,45 +116,6 @@ class Observer:
         """Release resources. Runs exactly once, at the end of the run, also after a crash."""
 
 
-class _OrderedSet:
-    """The receiver-id set blinker keeps per sender, iterating in insertion order (blinker's ``set_class``)."""
-
-    def __init__(self, items: Any = ()) -> None:
-        self._d: dict[Any, None] = dict.fromkeys(items)
-
-    def add(self, item: Any) -> None:
-        self._d[item] = None
-
-    def discard(self, item: Any) -> None:
-        self._d.pop(item, None)
-
-    def copy(self) -> _OrderedSet:
-        return _OrderedSet(self._d)
-
-    def __or__(self, other: Any) -> _OrderedSet:
-        return _OrderedSet(itertools.chain(self._d, other))
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(list(self._d))
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def __contains__(self, item: Any) -> bool:
-        return item in self._d
-
-
-class _OrderedSignal(blinker.NamedSignal):
-    set_class = _OrderedSet  # type: ignore[assignment]
-
-
-class _Namespace(blinker.Namespace):
-    def signal(self, name: str, doc: str | None = None) -> blinker.NamedSignal:
-        if name not in self:
-            self[name] = _OrderedSignal(name, doc)
-        return self[name]
-
-
 @attrs.define(eq=False)
 class _Subscription:
     handler: Handler
@@ -158,7 +124,6 @@ class _Subscription:
     priority: int
     critical: bool
     seq: int
-    receiver: Callable[..., Any] | None = None
 
 
 def _check_handler(event_type: Any, handler: Any, name: str) -> None:
@@ -187,7 +152,6 @@ class Bus:
     def __init__(self, ctx: Any = None, *, max_failures: int = 3) -> None:
         self.ctx = ctx
         self.max_failures = max_failures
-        self._ns = _Namespace()
         self._subs: dict[type[Event], list[_Subscription]] = {}
         self._ordered: dict[type[Event], tuple[_Subscription, ...]] = {}  # dispatch order, rebuilt on subscribe
         self._observers: list[Any] = []  # strong references, attachment order
@@ -214,6 +178,7 @@ class Bus:
             raise TypeError(f"{name}: observer has no handlers (mark methods with @on(EventType))")
         for event_type, handler in handlers:
             _check_handler(event_type, handler, name)
+        check_needs(observer, getattr(self.ctx, "adapter", None))
         for event_type, handler in handlers:
             self._add(event_type, handler, observer, name, priority, critical)
         self._observers.append(observer)
@@ -245,26 +210,10 @@ class Bus:
 
     def _add(self, event_type: type[Event], handler: Handler, owner: Any, name: str, prio: int, crit: bool) -> None:
         sub = _Subscription(handler, owner, name, prio, crit, next(self._sub_seq))
-        sub.receiver = self._make_receiver(sub, event_type)
         subs = self._subs.setdefault(event_type, [])
         subs.append(sub)
         subs.sort(key=lambda s: (-s.priority, s.seq))
         self._ordered[event_type] = tuple(subs)
-        # Reconnect in dispatch order: blinker iterates the (ordered) receiver set in connection order.
-        signal = self._ns.signal(event_type.__name__)
-        for s in subs:
-            signal.disconnect(s.receiver)
-        for s in subs:
-            signal.connect(s.receiver, weak=False)
-
-    def _make_receiver(self, sub: _Subscription, event_type: type[Event]) -> Callable[..., Any]:
-        """The blinker receiver of ``sub`` (connected for introspection; :meth:`_dispatch` calls the same code
-        through :meth:`_deliver` without blinker's per-send bookkeeping)."""
-
-        def receiver(_sender: Any, *, event: Event) -> None:
-            self._deliver((sub,), event)
-
-        return receiver
 
     def _deliver(self, subs: tuple[_Subscription, ...], event: Event) -> None:
         """Call each subscription's handler in order, applying the error policy."""
@@ -297,9 +246,6 @@ class Bus:
         )
 
     # -- dispatch ----------------------------------------------------------------------------------------------
-    def has_handlers(self, event_type: type[Event]) -> bool:
-        return bool(self._subs.get(event_type)) or bool(self._journals)
-
     def wants(self, event_type: type[Event]) -> bool:
         """Whether an event of ``event_type`` would reach anyone (a handler or a journal): the core builds its
         per-step events only then. O(1)."""
@@ -359,13 +305,9 @@ class Bus:
                 journal(record)
         subs = self._ordered.get(type(event))
         if subs is not None:
-            # the handlers connected to this event's blinker signal, in the same order, called directly
             self._deliver(subs, event)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    def is_disabled(self, observer: Any) -> bool:
-        return id(observer) in self._disabled
-
     @property
     def observers(self) -> tuple[Any, ...]:
         return tuple(self._observers)
@@ -384,10 +326,6 @@ class Bus:
             except Exception as exc:
                 log.warning("observer_close_failed", observer=getattr(observer, "name", repr(observer)),
                             error=repr(exc), exc_info=exc)
-        for event_type, subs in self._subs.items():
-            signal = self._ns.signal(event_type.__name__)
-            for s in subs:
-                signal.disconnect(s.receiver)
         self._subs.clear()
         self._ordered.clear()
         self._journals.clear()

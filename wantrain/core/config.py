@@ -11,6 +11,10 @@ names the full key path and what would be valid:
 * out-of-range values and unknown choices, naming the range or the choices;
 * strings that break a key's :class:`Rule` (``run.name = "../x"``), and empty paths (``data.path = ""``).
 
+Types are checked while a TOML table is read; ranges, choices and rules are the keys' attrs validators (built by
+:func:`setting`), so a section built in code or changed with ``attrs.evolve`` is refused like the same value in
+a file, naming the key (``TrainConfig(max_steps=-5)``: ``config key 'train.max_steps' = -5 is out of range``).
+
 A path may start with ``~`` (the user's home folder); it is expanded here, when the key is read, so that nothing
 later mistakes it for a relative path.
 
@@ -110,19 +114,118 @@ def setting(
         _DOC: doc, _RANGE: range, _CHOICES: tuple(choices) if choices else None, _ALIASES: tuple(aliases),
         _RULE: rule,
     }
+    checks = _Checks(range, tuple(choices) if choices else None, rule)
+    validator = checks if checks.any else None
     if factory is not None:
-        return attrs.field(factory=factory, metadata=metadata)
-    return attrs.field(default=default, metadata=metadata)
+        return attrs.field(factory=factory, metadata=metadata, validator=validator)
+    return attrs.field(default=default, metadata=metadata, validator=validator)
 
 
-def section(cls: type) -> type:
-    """Make ``cls`` a frozen, slotted, keyword-only config section.
+class InvalidValue(ConfigError):
+    """A value broke its key's range, choices or rule (raised by the key's attrs validator at construction).
+
+    ``str()`` names the key as ``<section key>.<field>``; the TOML structurer and :func:`check_value` re-raise it
+    under the key's full path in the document (``data.datasets[0].repeats``)."""
+
+    def __init__(self, section_key: str, field: str, index: str, what: str) -> None:
+        super().__init__(f"config key '{section_key}.{field}{index}' {what}")
+        self.field, self.index, self.what = field, index, what
+
+    def at(self, path: str) -> ConfigError:
+        """The same error for the key at ``path`` (the field's full key path)."""
+        return ConfigError(f"config key '{path}{self.index}' {self.what}")
+
+
+@attrs.frozen
+class _Checks:
+    """The attrs validator of one key: its range, choices and rule, applied to the value (or to each item of a
+    list value); ``None`` passes (an unset optional key). Runs wherever the section is built -- from TOML, in code,
+    in ``attrs.evolve`` -- so a value is refused the same way everywhere."""
+
+    range: Range | None
+    choices: tuple[Any, ...] | None
+    rule: Rule | None
+
+    @property
+    def any(self) -> bool:
+        return self.range is not None or self.choices is not None or self.rule is not None
+
+    def __call__(self, instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        problem = self.problem(value)
+        if problem is not None:
+            index, what = problem
+            raise InvalidValue(section_key(type(instance)), attribute.name, index, what)
+
+    def problem(self, value: Any) -> tuple[str, str] | None:
+        """``(index suffix, what is wrong)`` for a bad value, else None."""
+        if isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                problem = self.problem(item)
+                if problem is not None:
+                    return f"[{i}]{problem[0]}", problem[1]
+            return None
+        if value is None:
+            return None
+        if self.range is not None:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return "", f"= {_fmt(value)} has the wrong type; expected a number"
+            if not self.range.contains(value):
+                return "", f"= {value!r} is out of range; expected {self.range.describe()}"
+        if isinstance(value, str):
+            if self.choices and value not in self.choices:
+                close = difflib.get_close_matches(value, [str(c) for c in self.choices], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                return "", (f"= {value!r} is not valid; expected one of "
+                            f"{', '.join(repr(c) for c in self.choices)}{hint}")
+            if self.rule is not None and not self.rule.test(value):
+                return "", f"= {value!r} is not valid; expected {self.rule.describe}"
+        return None
+
+
+def section(cls: type | None = None, *, key: str | None = None) -> Any:
+    """Make ``cls`` a frozen, slotted, keyword-only config section (``@section`` or ``@section(key="train")``).
+
+    ``key`` is the section's table in the root config: a value refused at construction in code names the key as
+    ``<key>.<field>`` (``train.max_steps``). Sections without one are named by :func:`name_sections`, or by their
+    class name until then.
 
     A section that sets the class attribute ``__wantrain_extra__ = "field_name"`` receives the keys it does not
     declare in that ``dict`` field instead of an unknown-key error, and must validate them itself (its attrs
     validator raises ``ConfigError`` naming the key and the valid keys).
     """
-    return attrs.frozen(kw_only=True)(cls)
+
+    def make(cls: type) -> type:
+        built = attrs.frozen(kw_only=True)(cls)
+        if key is not None:
+            built.__wantrain_key__ = key
+        return built
+
+    return make(cls) if cls is not None else make
+
+
+def section_key(cls: type) -> str:
+    """The table of section ``cls`` in the root config (``train``), or its class name when none is known."""
+    return cls.__dict__.get("__wantrain_key__") or cls.__name__
+
+
+def name_sections(root: type) -> None:
+    """Give every section reachable from ``root`` that has no key yet the key path it has under ``root`` (items
+    of a list of sections: ``data.datasets[]``), so errors raised at construction in code name the full key."""
+
+    def walk(cls: type, path: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in attrs.fields(cls):
+            inner = _Structurer._section_of(hints[f.name])
+            if inner is None:
+                continue
+            sub = f"{path}.{f.name}" if path else f.name
+            if typing.get_origin(hints[f.name]) in (list, tuple):
+                sub += "[]"
+            if "__wantrain_key__" not in inner.__dict__:
+                inner.__wantrain_key__ = sub
+            walk(inner, sub)
+
+    walk(root, "")
 
 
 def _is_section(tp: Any) -> bool:
@@ -238,6 +341,8 @@ class _Structurer:
             kwargs[extra_field] = {**kwargs.get(extra_field, {}), **extras}
         try:
             return cls(**kwargs)
+        except InvalidValue as exc:  # a key's own check (its attrs validator): name it by its path here
+            raise exc.at(f"{path}.{exc.field}" if path else exc.field) from None
         except ConfigError:
             raise
         except (ValueError, TypeError) as exc:
@@ -289,25 +394,14 @@ class _Structurer:
         if tp is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected an integer")
-            return self._check_range(value, path, f)
+            return value
         if tp is float:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a number")
-            return self._check_range(float(value), path, f)
+            return float(value)
         if tp is str:
             if not isinstance(value, str):
                 raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a string")
-            choices = f.metadata.get(_CHOICES) if f is not None else None
-            if choices and value not in choices:
-                close = difflib.get_close_matches(value, list(choices), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(
-                    f"config key '{path}' = {value!r} is not valid; expected one of "
-                    f"{', '.join(repr(c) for c in choices)}{hint}"
-                )
-            rule = f.metadata.get(_RULE) if f is not None else None
-            if rule is not None and not rule.test(value):
-                raise ConfigError(f"config key '{path}' = {value!r} is not valid; expected {rule.describe}")
             return value
         if tp is Path:
             if not isinstance(value, str):
@@ -325,13 +419,6 @@ class _Structurer:
                 ) from None
         raise TypeError(f"unsupported config type {tp!r} at {path}")  # a schema bug, not a user error
 
-    @staticmethod
-    def _check_range(value: float, path: str, f: attrs.Attribute | None) -> Any:
-        rng = f.metadata.get(_RANGE) if f is not None else None
-        if rng is not None and not rng.contains(value):
-            raise ConfigError(f"config key '{path}' = {value!r} is out of range; expected {rng.describe()}")
-        return value
-
 
 def structure(root: type, data: Mapping[str, Any]) -> Any:
     """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line)."""
@@ -341,7 +428,12 @@ def structure(root: type, data: Mapping[str, Any]) -> Any:
 def check_value(owner: type, name: str, value: Any, path: str) -> Any:
     """Validate one value against the declared key ``owner.name`` (used for ``--set`` and by tests)."""
     f = attrs.fields_dict(owner)[name]
-    return _Structurer(owner).value(typing.get_type_hints(owner)[name], value, path, f)
+    value = _Structurer(owner).value(typing.get_type_hints(owner)[name], value, path, f)
+    if isinstance(f.validator, _Checks):
+        problem = f.validator.problem(value)
+        if problem is not None:
+            raise InvalidValue(section_key(owner), name, *problem).at(path)
+    return value
 
 
 def unstructure(obj: Any) -> Any:

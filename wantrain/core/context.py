@@ -125,8 +125,10 @@ class DeviceMetrics:
 class Context:
     """Handed to every handler with its event. Observers read from it and request through ``control``.
 
-    ``adapter``, ``optimizer`` and ``scheduler`` are live objects: device operations on them are allowed, host
-    syncs are not (except in handlers of ``MetricsLogged``, ``RunStarted``, ``CheckpointSaved`` and ``RunEnded``).
+    ``adapter`` is the model, typed by the capabilities an observer declares in ``needs`` (``core.adapter``);
+    ``adapter``, ``optimizer`` and ``scheduler`` are live objects to read: device operations on them are allowed
+    (changes to the model or the optimizer go through ``control``), host syncs are not (except in handlers of
+    ``MetricsLogged``, ``RunStarted``, ``CheckpointSaved`` and ``RunEnded``).
     ``generator`` is the trainer's generator (timesteps and noise are drawn from it): read its state with
     ``get_state()`` (a host copy, no sync); never draw from it or set it -- ask ``control.set_generator_state``.
     """
@@ -136,9 +138,7 @@ class Context:
     metrics: DeviceMetrics
     live: Live
     run_dir: Path | None = None
-    config: Any = None
     adapter: Any = None
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None
     generator: torch.Generator | None = None
-    extras: dict[str, Any] = attrs.field(factory=dict)

@@ -18,14 +18,32 @@ them at fixed points (see the pseudocode in ``wantrain.core.events``):
   before the next forward pass, then cleared: that micro-step draws its timesteps and noise as it did when the
   state was read. The LR finder uses it to give every LR the same draws. It changes what the run computes, like
   ``set_lr``; the generator state is saved in checkpoints as usual.
+* ``set_lora_alpha`` -- a LoRA alpha transition of one expert (the alpha controller decides it from a log step's
+  ``MetricsLogged``). Applied by the core after each optimizer step's events (``OptimizerStepped`` and, on a log
+  step, ``MetricsLogged`` with what its handlers emitted) and before any save of that step, in the order asked,
+  then cleared: the core calls the adapter's ``change_lora_alpha`` (``core.adapter.AlphaChangeable``) with the
+  optimizer, whose moments follow a ``preserve_output`` rescale. Refused at the call (``ValueError``): an alpha
+  that is not a finite number > 0.
+* ``evaluation()`` -- a context for evaluating the model between optimizer steps (validation, samples), from
+  handlers of ``RunStarted``, ``OptimizerStepped``, ``MetricsLogged``, ``CheckpointSaved``: inside it the model is
+  in eval mode under ``torch.no_grad`` and ``bring_in(expert)`` (what the context yields) has the core move that
+  expert with its optimizer state onto the training device and the others off it; on exit, also after an error,
+  the expert that was training is back and train mode is restored. Unlike the other requests it acts at once: the
+  handler's evaluation runs inside it. Needs ``core.adapter.Evaluating``; outside a run (no trainer bound),
+  ``core.adapter.evaluation_session(adapter)`` does the same without an optimizer.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
+
+BringIn = Callable[[Any], None]
+"""``bring_in(expert)``: what :meth:`Control.evaluation` yields."""
 
 
 @attrs.define
@@ -37,6 +55,8 @@ class Control:
     _skip_reason: str | None = None
     _lr_requests: dict[str, float] = attrs.field(factory=dict)
     _generator_state: Any = None
+    _alpha_requests: list[tuple[Any, float, bool]] = attrs.field(factory=list)
+    _evaluation: Callable[[], AbstractContextManager[BringIn]] | None = None  # bound by the trainer
     group_names: tuple[str, ...] | None = None  # the optimizer's parameter groups, set by the trainer
 
     # -- stop (sticky) -----------------------------------------------------------------------------------------
@@ -104,3 +124,38 @@ class Control:
     def take_generator_state(self) -> Any:
         state, self._generator_state = self._generator_state, None
         return state
+
+    # -- LoRA alpha ----------------------------------------------------------------------------------------------
+    def set_lora_alpha(self, expert: Any, alpha: float, *, preserve_output: bool) -> None:
+        """Ask for ``expert``'s LoRA alpha to become ``alpha`` after this optimizer step's events, before its saves
+        (``preserve_output``: keep the model's function, rescaling ``B`` and its optimizer state)."""
+        try:
+            value = float(alpha)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not (math.isfinite(value) and value > 0.0):
+            raise ValueError(f"set_lora_alpha({expert!r}, {alpha!r}): alpha must be a finite number > 0")
+        self._alpha_requests.append((expert, value, bool(preserve_output)))
+
+    @property
+    def has_model_requests(self) -> bool:
+        """Whether a request that the core applies after a step's events is pending (one list check)."""
+        return bool(self._alpha_requests)
+
+    def take_alpha_requests(self) -> list[tuple[Any, float, bool]]:
+        """``(expert, alpha, preserve_output)`` in the order asked; cleared."""
+        requests, self._alpha_requests = self._alpha_requests, []
+        return requests
+
+    # -- experts brought in for an evaluation ----------------------------------------------------------------------
+    def bind_evaluation(self, factory: Callable[[], AbstractContextManager[BringIn]]) -> None:
+        """The trainer's: ``factory()`` opens an evaluation of its model with its optimizer."""
+        self._evaluation = factory
+
+    def evaluation(self) -> AbstractContextManager[BringIn]:
+        """Evaluate between optimizer steps: ``with ctx.control.evaluation() as bring_in: bring_in(expert); ...``
+        (see the module docstring)."""
+        if self._evaluation is None:
+            raise RuntimeError("control.evaluation(): no trainer is bound to this control object; outside a run use "
+                               "wantrain.core.adapter.evaluation_session(adapter)")
+        return self._evaluation()

@@ -9,7 +9,6 @@ interval.
 
 from __future__ import annotations
 
-import random
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -17,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
-from wantrain.core.adapter import ModelAdapter, NullSaver, Saver
+from wantrain.core.adapter import ModelAdapter, NullSaver, Saver, check_needs, evaluation_session
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import CheckpointWriteError, disk_error_line, prune, write_checkpoint
 from wantrain.core.context import Context, DeviceMetrics, Live
@@ -40,7 +38,7 @@ from wantrain.core.events import (
     StepStarted,
 )
 from wantrain.core.interval import LogInterval
-from wantrain.core.state import TrainState
+from wantrain.core.state import RunParts, TrainState, capture, restore
 
 
 @attrs.frozen(kw_only=True)
@@ -84,10 +82,6 @@ class RunResult:
     saved: tuple[str, ...]
 
 
-class _StopMicroSteps(Exception):
-    """Internal: the micro-step loop ended early (stop request or out of memory)."""
-
-
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for CUDA/MPS out-of-memory errors and the CPU allocator's "can't allocate memory"."""
     if isinstance(exc, torch.OutOfMemoryError):
@@ -121,7 +115,6 @@ class Trainer:
         saver: Saver | None = None,
         bus: Bus | None = None,
         run_dir: Path | None = None,
-        config: Any = None,
         seed: int = 0,
         state: TrainState | None = None,
         checkpoints: CheckpointPolicy | None = None,
@@ -139,14 +132,19 @@ class Trainer:
         self.state.total_steps = settings.max_steps
         self.ctx = Context(
             control=Control(), state=self.state, metrics=DeviceMetrics(), live=Live(), run_dir=run_dir,
-            config=config, adapter=adapter, optimizer=optimizer, scheduler=scheduler,
+            adapter=adapter, optimizer=optimizer, scheduler=scheduler,
         )
         self.bus = bus if bus is not None else Bus()
+        for observer in self.bus.observers:  # attached before the trainer: their capabilities are checked now
+            check_needs(observer, adapter)
         self.bus.ctx = self.ctx
         self.generator = torch.Generator(device=adapter.device).manual_seed(seed)
         self.ctx.generator = self.generator
         self._group_names = tuple(g.get("name", str(i)) for i, g in enumerate(optimizer.param_groups))
         self.ctx.control.group_names = self._group_names
+        self.ctx.control.bind_evaluation(
+            lambda: evaluation_session(adapter, optimizer, moved=self._expert_params.clear))  # type: ignore[arg-type]
+        self._active: object = _NO_EXPERT  # the expert on the training device, as the loop activated it
         self._saved: list[str] = []
         self._resumed_from: str | None = None
         # The interval's losses and the non-finite guard's per-step flags: device tensors, read at log steps only
@@ -159,6 +157,9 @@ class Trainer:
         # (the fused kernel then corrects every parameter's step count with one CPU op per tensor): read it there.
         self._device_skip = (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
                              and torch.device(adapter.device).type != "cpu")
+        self._parts = RunParts(state=self.state, generator=self.generator, adapter=adapter, optimizer=optimizer,
+                               scheduler=scheduler, batches=batches, metrics=self.ctx.metrics,
+                               interval=self._interval, bus=self.bus)
 
     @property
     def control(self) -> Control:
@@ -168,8 +169,8 @@ class Trainer:
     def run(self) -> RunResult:
         state, control, s = self.state, self.ctx.control, self.settings
         status, reason = "completed", None
-        started = time.perf_counter()
-        self._last_log_step, self._last_log_time, self._last_lrs = state.step, started, None
+        self._started = time.perf_counter()
+        self._last_log_step, self._last_log_time, self._last_lrs = state.step, self._started, None
         self._failure: str | None = None
         try:
             self.bus.emit(RunStarted(
@@ -179,16 +180,9 @@ class Trainer:
             ))
             batches = iter(self.batches)
             self._optimizer_mode("train")
-            active: object = _NO_EXPERT
             while state.step < s.max_steps and not self.sync.should_stop(control):
                 step = state.step + 1
-                expert = self.adapter.expert_for_step(step)
-                if expert != active:
-                    self.adapter.activate(expert, self.optimizer)
-                    self._expert_params.clear()  # a move may replace Parameters (to `meta`, for instance)
-                    if active is not _NO_EXPERT:
-                        self.bus.emit(ExpertSwitched(step=step, previous=active, expert=expert))  # type: ignore[arg-type]
-                    active = state.expert = expert
+                expert = self._switch_expert(step)
                 is_log_step = step % s.log_every == 0 or step == s.max_steps
 
                 ended = self._accumulate(step, expert, is_log_step, batches)
@@ -196,56 +190,19 @@ class Trainer:
                 if ended == "stopped":
                     self.optimizer.zero_grad(set_to_none=True)
                     break  # stopped mid-accumulation: the partial step is dropped, not applied
-                skip_reason = ended  # None, or "out of memory"
-                params: list[torch.Tensor] = []
-                norm = None
-                if skip_reason is None:
-                    params, norm = self._gradients_ready(expert)
-                    if self.bus.wants(GradsReady):  # per-step events are built only when someone listens
-                        self.bus.emit(GradsReady(step=step, is_log_step=is_log_step, expert=expert))
-                    skip_reason = control.take_skip_request()
-                lrs, skip_reason = self._optimizer_step(step, expert, skip_reason, params, norm)
-                self.ctx.live.clear()  # the norm: nothing keeps a device tensor alive between steps
-                state.step = step
-                if skip_reason is not None:
-                    state.skipped_steps += 1
-                if skip_reason == "out of memory":
-                    state.consecutive_oom += 1  # counted per optimizer step: reset only when a step is applied
-                elif skip_reason is None:
-                    state.consecutive_oom = 0
-                self._last_lrs = lrs
-                if self.bus.wants(OptimizerStepped):
-                    self.bus.emit(OptimizerStepped(
-                        step=step, expert=expert, skipped=skip_reason is not None, skip_reason=skip_reason,
-                        lrs=lrs, group_names=self._group_names, is_log_step=is_log_step,
-                    ))
+                self._step(step, expert, is_log_step, ended)  # ended: None, or "out of memory" (the step is skipped)
                 if state.consecutive_oom >= s.max_consecutive_oom:
-                    self._fail(f"out of memory on {state.consecutive_oom} optimizer steps in a row "
-                               f"(train.max_consecutive_oom = {s.max_consecutive_oom}); lower the resolution, "
-                               "frames or batch size, or enable memory options")
-                    self._save(step, final=False, reason="emergency: out of memory", lora=False)
+                    self._save_emergency(step)
                     break
                 if is_log_step:
-                    self._log(step, expert, lrs, started)
-                    if self._failure is not None:
-                        break  # the non-finite guard tripped: keep the last good checkpoint, save nothing
+                    self._log(step, expert, self._last_lrs)
+                if control.has_model_requests:
+                    self._apply_model_requests()
+                if self._failure is not None:
+                    break  # the non-finite guard tripped: keep the last good checkpoint, save nothing
                 self.sync.agree_requests(control)  # a stop or save request on any rank reaches every rank
-                save_reason = control.take_save_request()
-                if save_reason is None and s.save_every and step % s.save_every == 0 and step < s.max_steps:
-                    save_reason = f"every {s.save_every} steps"
-                if save_reason is not None:
-                    self._save(step, final=False, reason=save_reason)
-                elif self._checkpoint_due(step):
-                    self._save(step, final=False, reason=f"checkpoint every {self.checkpoints.every} steps",
-                               lora=False)
-            if state.step > self._last_log_step and self._last_lrs is not None:
-                self._log(state.step, state.expert, self._last_lrs, started)  # the partial interval of a stop
-            if self._failure is not None:
-                status, reason = "failed", self._failure
-            elif control.stop_requested:
-                status, reason = "stopped", control.stop_reason
-            if status != "failed":
-                self._save(state.step, final=True, reason=status)
+                self._save_if_due(step)
+            status, reason = self._finish()
         except CriticalObserverError as exc:
             status, reason = "failed", str(exc)
             raise
@@ -259,6 +216,67 @@ class Trainer:
                 self.bus.close()
                 self.ctx.live.clear()
         return RunResult(status=status, reason=reason, steps=state.step, saved=tuple(self._saved))
+
+    def _switch_expert(self, step: int) -> str | None:
+        """Activate the expert that trains ``step`` when it is not the one on the device (and emit
+        ``ExpertSwitched`` at a switch; not before the first step)."""
+        expert = self.adapter.expert_for_step(step)
+        if expert != self._active:
+            self.adapter.activate(expert, self.optimizer)
+            self._expert_params.clear()  # a move may replace Parameters (to `meta`, for instance)
+            if self._active is not _NO_EXPERT:
+                self.bus.emit(ExpertSwitched(step=step, previous=self._active, expert=expert))  # type: ignore[arg-type]
+            self._active = self.state.expert = expert
+        return expert
+
+    def _step(self, step: int, expert: str | None, is_log_step: bool, skip_reason: str | None) -> None:
+        """After the micro-steps: the gradients' norm and ``GradsReady`` (unless the step is already skipped), the
+        optimizer step, the step's bookkeeping and ``OptimizerStepped``."""
+        params: list[torch.Tensor] = []
+        norm = None
+        if skip_reason is None:
+            params, norm = self._gradients_ready(expert)
+            if self.bus.wants(GradsReady):  # per-step events are built only when someone listens
+                self.bus.emit(GradsReady(step=step, is_log_step=is_log_step, expert=expert))
+            skip_reason = self.ctx.control.take_skip_request()
+        lrs, skip_reason = self._optimizer_step(step, expert, skip_reason, params, norm)
+        self.ctx.live.clear()  # the norm: nothing keeps a device tensor alive between steps
+        self._count_step(step, skip_reason, lrs)
+        if self.bus.wants(OptimizerStepped):
+            self.bus.emit(OptimizerStepped(
+                step=step, expert=expert, skipped=skip_reason is not None, skip_reason=skip_reason,
+                lrs=lrs, group_names=self._group_names, is_log_step=is_log_step,
+            ))
+
+    def _count_step(self, step: int, skip_reason: str | None, lrs: tuple[float, ...]) -> None:
+        state = self.state
+        state.step = step
+        if skip_reason is not None:
+            state.skipped_steps += 1
+        if skip_reason == "out of memory":
+            state.consecutive_oom += 1  # counted per optimizer step: reset only when a step is applied
+        elif skip_reason is None:
+            state.consecutive_oom = 0
+        self._last_lrs = lrs
+
+    def _apply_model_requests(self) -> None:
+        """The control object's model changes (``set_lora_alpha``), in the order asked: after a step's events,
+        before its saves."""
+        for expert, alpha, preserve_output in self.ctx.control.take_alpha_requests():
+            self.adapter.change_lora_alpha(alpha, expert, self.optimizer, preserve_output=preserve_output)
+
+    def _finish(self) -> tuple[str, str | None]:
+        """After the last step: log a stop's partial interval, apply what it requested, save unless failed."""
+        state, control = self.state, self.ctx.control
+        if state.step > self._last_log_step and self._last_lrs is not None:
+            self._log(state.step, state.expert, self._last_lrs)  # the partial interval of a stop
+            if control.has_model_requests:
+                self._apply_model_requests()
+        if self._failure is not None:
+            return "failed", self._failure
+        status, reason = ("stopped", control.stop_reason) if control.stop_requested else ("completed", None)
+        self._save(state.step, final=True, reason=status)
+        return status, reason
 
     def _fail(self, reason: str) -> None:
         if self._failure is None:
@@ -384,7 +402,7 @@ class Trainer:
         ))
 
     # -- host values, once per log interval --------------------------------------------------------------------
-    def _log(self, step: int, expert: str | None, lrs: tuple[float, ...], started: float) -> None:
+    def _log(self, step: int, expert: str | None, lrs: tuple[float, ...]) -> None:
         metrics, s = self.ctx.metrics, self.settings
         metrics.put("train/lr", lrs[0])
         if len(lrs) > 1 or self._group_names[0] != "0":
@@ -402,7 +420,7 @@ class Trainer:
             values["train/step_time_s"] = (now - self._last_log_time) / steps
         self._last_log_step, self._last_log_time = step, now
         self.bus.emit(MetricsLogged(
-            step=step, expert=expert, values=values, elapsed_s=time.perf_counter() - started,
+            step=step, expert=expert, values=values, elapsed_s=time.perf_counter() - self._started,
             total_steps=s.max_steps,
         ))
         # The guard decides from the logged host value, so replaying the event log reproduces the decision.
@@ -411,10 +429,25 @@ class Trainer:
                        f"a row (train.max_consecutive_nan = {s.max_consecutive_nan}); those steps were skipped. "
                        "Lower the learning rate or check the data; the last good checkpoint is kept")
 
-    # -- saving ------------------------------------------------------------------------------------------------
-    def _checkpoint_due(self, step: int) -> bool:
-        c = self.checkpoints
-        return c is not None and bool(c.every) and step % c.every == 0 and step < self.settings.max_steps
+    # -- saving: on request or schedule, the emergency checkpoint, the final save -----------------------------
+    def _save_if_due(self, step: int) -> None:
+        """A LoRA save (with a checkpoint) on a save request or every ``save_every`` steps; else a checkpoint alone
+        every ``checkpoints.every`` steps. Never at the last step: the final save covers it."""
+        s, c = self.settings, self.checkpoints
+        reason = self.ctx.control.take_save_request()
+        if reason is None and s.save_every and step % s.save_every == 0 and step < s.max_steps:
+            reason = f"every {s.save_every} steps"
+        if reason is not None:
+            self._save(step, final=False, reason=reason)
+        elif c is not None and c.every and step % c.every == 0 and step < s.max_steps:
+            self._save(step, final=False, reason=f"checkpoint every {c.every} steps", lora=False)
+
+    def _save_emergency(self, step: int) -> None:
+        """Too many out-of-memory steps in a row: stop, with a checkpoint (no LoRA files) to resume from."""
+        oom, limit = self.state.consecutive_oom, self.settings.max_consecutive_oom
+        self._fail(f"out of memory on {oom} optimizer steps in a row (train.max_consecutive_oom = {limit}); lower "
+                   "the resolution, frames or batch size, or enable memory options")
+        self._save(step, final=False, reason="emergency: out of memory", lora=False)
 
     def _optimizer_mode(self, mode: str) -> None:
         """Optimizers with ``train()``/``eval()`` modes (schedule-free ones) hold the training iterate in the
@@ -455,120 +488,16 @@ class Trainer:
             self.bus.emit(CheckpointSaved(step=step, paths=paths, final=final, reason=reason,
                                           checkpoint=str(checkpoint) if checkpoint is not None else None))
 
-    # -- state: everything needed to continue bitwise ----------------------------------------------------------
+    # -- state: everything needed to continue bitwise (core.state) ---------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The run's state as a tree of tensors and JSON values (live references: ``core.checkpoint`` copies)."""
-        adapter = self.adapter
-        if callable(getattr(adapter, "state_dict", None)):
-            model = adapter.state_dict()
-        else:
-            model = {f"{e}/{i}": p for e in adapter.experts for i, p in enumerate(adapter.trainable_parameters(e))}
-        observers = {}
-        for name, obs in _stateful_observers(self.bus.observers):
-            observers[name] = obs.state_dict()
-        return {
-            "train_state": attrs.asdict(self.state),
-            "generator": self.generator.get_state(),
-            "rng": capture_rng(),
-            "model": model,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "data": self.batches.state_dict() if callable(getattr(self.batches, "state_dict", None)) else None,
-            "metrics": self.ctx.metrics.state_dict(),
-            "interval": self._interval.state_dict(),
-            "observers": observers,
-        }
+        return capture(self._parts)
 
     def load_state_dict(self, tree: Mapping[str, Any], *, source: str | None = None) -> list[str]:
-        """Restore :meth:`state_dict` output before :meth:`run`. The optimizer's hyperparameters (LR, betas, ...)
-        stay those of the current config, except group keys the optimizer names in ``group_state_keys``;
-        everything else is the saved state. Returns warnings (observers whose
-        state was saved but that are not attached now, or attached but without saved state)."""
-        for f in attrs.fields(TrainState):
-            if f.name != "total_steps" and f.name in tree["train_state"]:
-                setattr(self.state, f.name, tree["train_state"][f.name])
-        self.generator.set_state(tree["generator"].to(torch.uint8))
-        adapter = self.adapter
-        if callable(getattr(adapter, "load_state_dict", None)):
-            adapter.load_state_dict(tree["model"])
-        else:
-            with torch.no_grad():
-                for e in adapter.experts:
-                    for i, p in enumerate(adapter.trainable_parameters(e)):
-                        p.copy_(tree["model"][f"{e}/{i}"])
-        # Group keys an optimizer names in ``group_state_keys`` are its state (Prodigy's d, schedule-free's k), not
-        # hyperparameters: they keep their saved values.
-        evolving = {"params", *getattr(self.optimizer, "group_state_keys", ())}
-        fresh = [{k: v for k, v in g.items() if k not in evolving} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(tree["optimizer"])
-        for group, hyper in zip(self.optimizer.param_groups, fresh, strict=True):
-            group.update(hyper)  # the config's hyperparameters win (a changed LR is allowed on resume)
-        if self.scheduler is not None and tree.get("scheduler") is not None:
-            self.scheduler.load_state_dict(tree["scheduler"])
-            if callable(getattr(self.scheduler, "get_last_lr", None)):
-                # torch's schedulers restore their counters but not the groups' LR: put back the saved step's LR
-                for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
-                    group["lr"] = lr
-        if tree.get("data") is not None and callable(getattr(self.batches, "load_state_dict", None)):
-            self.batches.load_state_dict(tree["data"])
-        metric_state = {"sums": dict(tree["metrics"].get("sums", {}))}
-        if "interval" in tree:
-            self._interval.load_state_dict(tree["interval"])
-        else:  # written before core.interval existed: device-side guard counters, loss sums in the metrics
-            self._interval.load_legacy(tree["nonfinite_guard"], metric_state["sums"])
-        self.ctx.metrics.load_state_dict(metric_state)
-        warnings_out = []
-        saved = dict(tree.get("observers", {}))
-        for name, obs in _stateful_observers(self.bus.observers):
-            if name in saved:
-                obs.load_state_dict(saved.pop(name))
-            else:
-                warnings_out.append(f"observer {name} has no state in the checkpoint; it starts fresh")
-        warnings_out += [f"the checkpoint holds state of observer {name}, which is not attached; ignored"
-                         for name in saved]
-        restore_rng(tree["rng"])
+        """Restore :meth:`state_dict` output before :meth:`run` (``core.state.restore``); returns its warnings."""
+        warnings_out = restore(self._parts, tree)
         self._resumed_from = source
         return warnings_out
-
-
-def _stateful_observers(observers: Iterable[Any]) -> list[tuple[str, Any]]:
-    """(unique name, observer) of every observer with ``state_dict``/``load_state_dict``, in attachment order;
-    a second observer of the same name is keyed ``name#2``."""
-    out, seen = [], {}
-    for obs in observers:
-        if callable(getattr(obs, "state_dict", None)) and callable(getattr(obs, "load_state_dict", None)):
-            name = getattr(obs, "name", type(obs).__name__)
-            seen[name] = seen.get(name, 0) + 1
-            out.append((name if seen[name] == 1 else f"{name}#{seen[name]}", obs))
-    return out
-
-
-def capture_rng() -> dict[str, Any]:
-    """Python's, numpy's and torch's global random states (CUDA's when it is in use)."""
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state(legacy=False)
-    out: dict[str, Any] = {
-        "python": {"version": version, "state": list(internal), "gauss": gauss},
-        "numpy": {"bit_generator": np_state["bit_generator"], "key": np_state["state"]["key"].tolist(),
-                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
-                  "gauss": float(np_state["gauss"])},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = list(torch.cuda.get_rng_state_all())
-    return out
-
-
-def restore_rng(rng: Mapping[str, Any]) -> None:
-    py = rng["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    n = rng["numpy"]
-    np.random.set_state({"bit_generator": n["bit_generator"],
-                         "state": {"key": np.array(n["key"], dtype=np.uint32), "pos": n["pos"]},
-                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
-    torch.set_rng_state(rng["torch"].to(torch.uint8))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([t.to(torch.uint8) for t in rng["cuda"]])
 
 
 class _NoExpert:

@@ -13,7 +13,7 @@ from wantrain.core.rundir import SAFE_NAME_RULE, is_safe_name
 _SAFE_NAME = Rule(is_safe_name, SAFE_NAME_RULE)
 
 
-@section
+@section(key="run")
 class RunSection:
     """Where and how the run is written."""
 
@@ -30,7 +30,7 @@ class RunSection:
     )
 
 
-@section
+@section(key="train")
 class TrainConfig:
     """The training loop."""
 
@@ -58,7 +58,7 @@ class TrainConfig:
     )
 
 
-@section
+@section(key="observers")
 class ObserversConfig:
     """Built-in observers and users' own."""
 
@@ -79,7 +79,7 @@ class ObserversConfig:
     )
 
 
-@section
+@section(key="checkpoint")
 class CheckpointConfig:
     """Resumable checkpoints (`<run_dir>/checkpoints/step_NNNNNN/`; see docs/resume.md)."""
 
@@ -96,7 +96,7 @@ class CheckpointConfig:
     )
 
 
-@section
+@section(key="faults")
 class FaultsConfig:
     """Fault injection, a testing aid: makes out-of-memory errors and NaN losses happen on purpose to exercise the
     guards and resume. Not part of the config hash that resume compares."""

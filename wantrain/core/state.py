@@ -1,8 +1,21 @@
-"""Counters of a run, owned and updated by the core."""
+"""The run's counters and its state tree: everything a checkpoint needs to continue bitwise.
+
+:class:`TrainState` holds the counters the core updates. :func:`capture` builds the tree that ``core.checkpoint``
+writes -- the counters, the trainer's generator and every global random stream (Python, numpy, torch, CUDA), the
+model's trainable weights, the optimizer, the scheduler, the data position, the pending interval sums and each
+stateful observer's state -- and :func:`restore` puts one back before a run resumes. The trainer calls both
+(``Trainer.state_dict`` / ``Trainer.load_state_dict``) with the parts it was built from (:class:`RunParts`).
+"""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterable, Mapping
+from typing import Any
+
 import attrs
+import numpy as np
+import torch
 
 
 @attrs.define
@@ -15,3 +28,138 @@ class TrainState:
     expert: str | None = None
     consecutive_oom: int = 0
     skipped_steps: int = 0
+
+
+@attrs.define(eq=False)
+class RunParts:
+    """The live objects whose state the tree holds (the trainer's; ``bus`` gives the attached observers)."""
+
+    state: TrainState
+    generator: torch.Generator
+    adapter: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    batches: Any
+    metrics: Any  # core.context.DeviceMetrics
+    interval: Any  # core.interval.LogInterval
+    bus: Any
+
+
+def capture(parts: RunParts) -> dict[str, Any]:
+    """The run's state as a tree of tensors and JSON values (live references: ``core.checkpoint`` copies)."""
+    adapter = parts.adapter
+    if callable(getattr(adapter, "state_dict", None)):
+        model = adapter.state_dict()
+    else:
+        model = {f"{e}/{i}": p for e in adapter.experts for i, p in enumerate(adapter.trainable_parameters(e))}
+    batches, scheduler = parts.batches, parts.scheduler
+    return {
+        "train_state": attrs.asdict(parts.state),
+        "generator": parts.generator.get_state(),
+        "rng": capture_rng(),
+        "model": model,
+        "optimizer": parts.optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data": batches.state_dict() if callable(getattr(batches, "state_dict", None)) else None,
+        "metrics": parts.metrics.state_dict(),
+        "interval": parts.interval.state_dict(),
+        "observers": {name: obs.state_dict() for name, obs in stateful_observers(parts.bus.observers)},
+    }
+
+
+def restore(parts: RunParts, tree: Mapping[str, Any]) -> list[str]:
+    """Put :func:`capture` output back before a run. The optimizer's hyperparameters (LR, betas, ...) stay those
+    of the current config, except group keys the optimizer names in ``group_state_keys``; everything else is the
+    saved state. Returns warnings (observers whose state was saved but that are not attached now, or attached but
+    without saved state)."""
+    for f in attrs.fields(TrainState):
+        if f.name != "total_steps" and f.name in tree["train_state"]:
+            setattr(parts.state, f.name, tree["train_state"][f.name])
+    parts.generator.set_state(tree["generator"].to(torch.uint8))
+    _restore_model(parts.adapter, tree["model"])
+    _restore_optimizer(parts.optimizer, tree["optimizer"])
+    scheduler, batches = parts.scheduler, parts.batches
+    if scheduler is not None and tree.get("scheduler") is not None:
+        scheduler.load_state_dict(tree["scheduler"])
+        if callable(getattr(scheduler, "get_last_lr", None)):
+            # torch's schedulers restore their counters but not the groups' LR: put back the saved step's LR
+            for group, lr in zip(parts.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
+    if tree.get("data") is not None and callable(getattr(batches, "load_state_dict", None)):
+        batches.load_state_dict(tree["data"])
+    metric_state = {"sums": dict(tree["metrics"].get("sums", {}))}
+    if "interval" in tree:
+        parts.interval.load_state_dict(tree["interval"])
+    else:  # written before core.interval existed: device-side guard counters, loss sums in the metrics
+        parts.interval.load_legacy(tree["nonfinite_guard"], metric_state["sums"])
+    parts.metrics.load_state_dict(metric_state)
+    warnings = []
+    saved = dict(tree.get("observers", {}))
+    for name, obs in stateful_observers(parts.bus.observers):
+        if name in saved:
+            obs.load_state_dict(saved.pop(name))
+        else:
+            warnings.append(f"observer {name} has no state in the checkpoint; it starts fresh")
+    warnings += [f"the checkpoint holds state of observer {name}, which is not attached; ignored" for name in saved]
+    restore_rng(tree["rng"])
+    return warnings
+
+
+def _restore_model(adapter: Any, model: Mapping[str, Any]) -> None:
+    if callable(getattr(adapter, "load_state_dict", None)):
+        adapter.load_state_dict(model)
+        return
+    with torch.no_grad():
+        for e in adapter.experts:
+            for i, p in enumerate(adapter.trainable_parameters(e)):
+                p.copy_(model[f"{e}/{i}"])
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    # Group keys an optimizer names in ``group_state_keys`` are its state (Prodigy's d, schedule-free's k), not
+    # hyperparameters: they keep their saved values.
+    evolving = {"params", *getattr(optimizer, "group_state_keys", ())}
+    fresh = [{k: v for k, v in g.items() if k not in evolving} for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, hyper in zip(optimizer.param_groups, fresh, strict=True):
+        group.update(hyper)  # the config's hyperparameters win (a changed LR is allowed on resume)
+
+
+def stateful_observers(observers: Iterable[Any]) -> list[tuple[str, Any]]:
+    """(unique name, observer) of every observer with ``state_dict``/``load_state_dict``, in attachment order;
+    a second observer of the same name is keyed ``name#2``."""
+    out, seen = [], {}
+    for obs in observers:
+        if callable(getattr(obs, "state_dict", None)) and callable(getattr(obs, "load_state_dict", None)):
+            name = getattr(obs, "name", type(obs).__name__)
+            seen[name] = seen.get(name, 0) + 1
+            out.append((name if seen[name] == 1 else f"{name}#{seen[name]}", obs))
+    return out
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python's, numpy's and torch's global random states (CUDA's when it is in use)."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    out: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss": gauss},
+        "numpy": {"bit_generator": np_state["bit_generator"], "key": np_state["state"]["key"].tolist(),
+                  "pos": int(np_state["state"]["pos"]), "has_gauss": int(np_state["has_gauss"]),
+                  "gauss": float(np_state["gauss"])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = list(torch.cuda.get_rng_state_all())
+    return out
+
+
+def restore_rng(rng: Mapping[str, Any]) -> None:
+    py = rng["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    n = rng["numpy"]
+    np.random.set_state({"bit_generator": n["bit_generator"],
+                         "state": {"key": np.array(n["key"], dtype=np.uint32), "pos": n["pos"]},
+                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+    torch.set_rng_state(rng["torch"].to(torch.uint8))
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.to(torch.uint8) for t in rng["cuda"]])

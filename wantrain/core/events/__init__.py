@@ -4,7 +4,8 @@ The loop, written as pseudocode with each event where it fires (``Trainer.run`` 
 Python)::
 
     restore the checkpoint (resume)           # observers' load_state_dict() runs here, before RunStarted
-    emit RunStarted                            # observers may: read ctx, request stop
+    emit RunStarted                            # observers may: read ctx, request stop, evaluate the model
+                                               #   (`with control.evaluation() as bring_in:` -- see below)
     optimizer.train()                          # only optimizers with modes (schedule-free)
     for step in start_step+1 .. total_steps:   # `step` counts optimizer steps, 1-based
         expert = adapter.expert_for_step(step) # None for single-transformer models
@@ -32,16 +33,25 @@ Python)::
                                                #   one fused check per step writes the step's flag
         optimizer.zero_grad(); scheduler.step()
         emit OptimizerStepped                  # says whether the step was skipped (host-known reasons) and the LRs
+                                               # may: evaluate the model (validation, samples) inside
+                                               #   control.evaluation(): the core brings experts in with their
+                                               #   optimizer state and puts the training expert back at exit
+        if too many out-of-memory steps in a row: emergency checkpoint; end `failed`
         if step is a log step:                 # every train.log_every steps, and the last step
             values = ctx.metrics.gather()      # THE one device->host transfer of the interval (with the
                                                #   interval's losses and non-finite flags: core.interval)
             emit MetricsLogged                 # host floats only: sinks write them (TensorBoard, JSONL, bar)
-            non-finite guard: stop `failed` after train.max_consecutive_nan non-finite steps in a row
+                                               # may: decide from the values; request an alpha transition
+                                               #   (control.set_lora_alpha); emit its own events (AlphaChanged)
+        apply model requests                   # control.set_lora_alpha: adapter.change_lora_alpha(..., optimizer)
+                                               #   in the order asked, before any save of this step
+        non-finite guard (log steps): stop `failed` after train.max_consecutive_nan non-finite steps in a row
         if step % save_every == 0 or control.save_now:
             saver.save(...); write checkpoint; emit CheckpointSaved   # in optimizer.eval() mode, then train()
         elif step % checkpoint.every == 0: write checkpoint; emit CheckpointSaved
         if control.stop_requested: break
     emit MetricsLogged                         # the partial interval, if the run stopped between log steps
+    apply model requests                       # what its handlers requested
     saver.save(final); write checkpoint        # unless the run failed; optimizer.eval() mode, and it stays
     emit CheckpointSaved
     emit RunEnded                              # always, also after a failure (status says which)
@@ -70,8 +80,6 @@ import cattrs
 from cattrs.strategies import configure_tagged_union
 
 SCHEMA_VERSION = 1
-
-Expert = Literal["high_noise", "low_noise"] | None
 
 
 @attrs.frozen(slots=True, kw_only=True)

@@ -280,6 +280,15 @@ class Wan22Adapter:
         )[0].to(torch.float32)
         return ((pred - (noise - x0)) ** 2).mean()
 
+    @property
+    def boundary_ratio(self) -> float | None:
+        """The variant's expert boundary (``spec.boundary_ratio``; None: one transformer)."""
+        return self.spec.boundary_ratio
+
+    def load_vae(self) -> nn.Module:
+        """A fresh VAE from the model folder (the sample observer loads one per round and drops it)."""
+        return self.source.vae()
+
     def sampling_scheduler(self):
         """The sampling scheduler: ``scheduler/scheduler_config.json`` of ``model.path`` when it has one; else
         (the tiny twins, single-file transformers) the one diffusers' Wan conversion writes:

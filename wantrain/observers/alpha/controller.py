@@ -10,8 +10,9 @@ Where it acts (the loop's pseudocode is in ``wantrain.core.events``)::
                        (device tensors) and its phase, alpha and step counts (host numbers)
     [core gathers]     the one device->host transfer of the interval carries them into MetricsLogged.values
     MetricsLogged      decide from those host values and the controller's state (AlphaPolicy, pure); for each
-                       transition change alpha through ``adapter.change_lora_alpha`` -- between optimizer steps,
-                       before the checkpoint of this step is written -- and emit AlphaChanged
+                       transition request it (``ctx.control.set_lora_alpha``) and emit AlphaChanged
+    [core applies]     the core changes alpha (the adapter's ``change_lora_alpha``, with the optimizer) after the
+                       step's events -- between optimizer steps, before the checkpoint of this step is written
     CheckpointSaved    (write_sidecars) <checkpoint>/<stem>_alpha_scheduler.json beside the checkpoint's state
 
 Metrics, per expert key ``<k>`` (``high_noise``, ``low_noise``, or ``lora`` for a single-transformer model), each
@@ -40,6 +41,7 @@ from typing import Any
 import attrs
 import torch
 
+from wantrain.core.adapter import AlphaChangeable
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import (
     Event,
@@ -63,7 +65,8 @@ STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss
 @attrs.frozen(slots=True, kw_only=True)
 class AlphaChanged(Event):
     """The alpha controller moved ``expert`` to its next phase at log step ``step`` (emitted from its
-    ``MetricsLogged`` handler, after the change was applied and before this step's checkpoint). ``statistics``
+    ``MetricsLogged`` handler with the request to the core, which changes alpha once the step's events are
+    dispatched and before this step's checkpoint). ``statistics``
     are the logged values that justified it; ``steps_in_phase`` the expert's steps in the phase it left. Sinks
     may record it; nobody needs to act on it."""
 
@@ -177,12 +180,13 @@ class AlphaPolicy:
 
 
 class AlphaController(Observer):
-    """Attached by ``build_observers`` when ``lora.alpha_schedule.enabled``. A controller: it changes the LoRA's
-    alpha (through the adapter, at a log step), and it is critical -- a failure mid-change must stop the run
-    rather than leave a half-rescaled model training on."""
+    """Attached by ``build_observers`` when ``lora.alpha_schedule.enabled``. A controller: it has the LoRA's alpha
+    changed (a ``ctx.control.set_lora_alpha`` request, at a log step; it holds neither model nor optimizer), and
+    it is critical -- a failure mid-decision must stop the run rather than leave the experts on diverging phases."""
 
     priority = Priority.CONTROLLER
     critical = True
+    needs = (AlphaChangeable,)
     replayable = True  # the decisions come from MetricsLogged.values; without an adapter no alpha is changed
     emits = (AlphaChanged,)
 
@@ -278,9 +282,9 @@ class AlphaController(Observer):
         transitions = self.policy.observe(event.step, event.values)
         self._write_seed_metrics(event, before)
         for t in transitions:
-            if ctx is not None and ctx.adapter is not None:
-                ctx.adapter.change_lora_alpha(t["to_alpha"], t["expert"], ctx.optimizer,
-                                              preserve_output=t["transition"] == "preserve_output")
+            if ctx is not None:  # replay: nobody applies the request (there is no model)
+                ctx.control.set_lora_alpha(t["expert"], t["to_alpha"],
+                                           preserve_output=t["transition"] == "preserve_output")
             if self._bus is not None:
                 self._bus.emit(AlphaChanged(**t))
 

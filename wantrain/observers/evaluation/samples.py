@@ -16,7 +16,8 @@ the transformers run in eval mode under ``torch.no_grad``.
 
 Memory: with two experts only one is on the device at a time -- the high-noise expert comes in (with its optimizer
 state) for the high-noise steps, the low-noise one replaces it at the boundary, and the training expert is active
-again afterwards. Each round logs ``samples_written`` with its wall time in the run log.
+again afterwards; the core moves them (``ctx.control.evaluation()``). Each round logs ``samples_written`` with its
+wall time in the run log.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import structlog
 import torch
 
+from wantrain.core.adapter import SamplingCapable, TextEncoding, check_needs, evaluation_session
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import OptimizerStepped, RunStarted
 
@@ -80,6 +82,7 @@ class SampleVideos(Observer):
     ``negative_embeds``: [1, L, D] or None (guidance 1); ``images``: PIL images, one per prompt, or empty."""
 
     priority = Priority.SINK
+    needs = (SamplingCapable,)
 
     def __init__(self, *, out_dir: Path, prompt_embeds: Sequence[torch.Tensor], negative_embeds: torch.Tensor | None,
                  images: Sequence[Any], width: int, height: int, frames: int, steps: int, guidance_scale: float,
@@ -103,31 +106,30 @@ class SampleVideos(Observer):
             self._writer = SummaryWriter(logdir=str(self.tensorboard_dir), filename_suffix=".samples",
                                          purge_step=event.step + 1 if event.step > 0 else None)
         if event.step == 0:
-            self.sample(0, ctx.adapter, ctx.optimizer)
+            self.sample(0, ctx.adapter, ctx.control)
 
     @on(OptimizerStepped)
     def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
         if event.step % self.every == 0 or event.step == ctx.state.total_steps or ctx.control.stop_requested:
-            self.sample(event.step, ctx.adapter, ctx.optimizer)
+            self.sample(event.step, ctx.adapter, ctx.control)
 
-    def sample(self, step: int, adapter: Any, optimizer: Any = None) -> list[Path]:
-        """Generate and write every sample of ``step``; returns the mp4 paths."""
+    def sample(self, step: int, adapter: SamplingCapable, control: Any = None) -> list[Path]:
+        """Generate and write every sample of ``step``; returns the mp4 paths. The experts are brought in by the
+        core (``control.evaluation()``; without ``control``, outside a run: ``core.adapter.evaluation_session``)."""
         started = time.perf_counter()
-        training_expert = adapter.active
-        vae = adapter.source.vae().to(adapter.device).requires_grad_(False)
+        vae = adapter.load_vae().to(adapter.device).requires_grad_(False)
         paths = []
         try:
             pipe = adapter.sampling_pipeline(vae, image_to_video=bool(self.images))
-            with adapter.evaluating():
+            with control.evaluation() if control is not None else evaluation_session(adapter) as bring_in:
                 for index, embeds in enumerate(self.prompt_embeds):
-                    frames = to_uint8(self._generate(pipe, adapter, optimizer, index, embeds)[0])
+                    frames = to_uint8(self._generate(pipe, adapter, bring_in, index, embeds)[0])
                     path = sample_path(self.out_dir, step, index)
                     write_video(path, frames, self.fps)
                     paths.append(path)
                     if self._writer is not None:
                         self._writer.add_image(f"samples/{index:02d}", frame_strip(frames), step, dataformats="HWC")
         finally:
-            adapter.activate(training_expert, optimizer)
             del vae
             gc.collect()
             if adapter.device.type == "cuda":
@@ -140,17 +142,18 @@ class SampleVideos(Observer):
                  paths=[str(p) for p in paths])
         return paths
 
-    def _generate(self, pipe: Any, adapter: Any, optimizer: Any, index: int, embeds: torch.Tensor) -> np.ndarray:
+    def _generate(self, pipe: Any, adapter: SamplingCapable, bring_in: Any, index: int,
+                  embeds: torch.Tensor) -> np.ndarray:
         device = adapter.device
-        boundary = adapter.spec.boundary_ratio
+        boundary = adapter.boundary_ratio
         if boundary is not None:
-            adapter.activate("high_noise", optimizer)  # the first steps are high-noise ones
+            bring_in("high_noise")  # the first steps are high-noise ones
 
         def swap_at_boundary(pipe: Any, i: int, t: Any, kwargs: dict) -> dict:
             timesteps = pipe.scheduler.timesteps
             if (boundary is not None and adapter.active == "high_noise" and i + 1 < len(timesteps)
                     and float(timesteps[i + 1]) < boundary * pipe.scheduler.config.num_train_timesteps):
-                adapter.activate("low_noise", optimizer)
+                bring_in("low_noise")
             return {}
 
         kwargs: dict[str, Any] = dict(
@@ -181,6 +184,7 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path) -> S
     from wantrain.observers.evaluation.config import sample_size
 
     s = cfg.sample
+    check_needs("SampleVideos", adapter, needs=(*SampleVideos.needs, TextEncoding))  # before encoding anything
     width, height, frames = sample_size(s, spec)
     embeds = [adapter.encode_text([p])["text_embeds"].cpu() for p in s.prompts]
     negative = adapter.encode_text([s.negative_prompt])["text_embeds"].cpu() if s.guidance_scale > 1 else None

@@ -18,8 +18,8 @@ values join the step's ``MetricsLogged`` through ``ctx.metrics`` (one line, one 
 steps the observer emits a ``MetricsLogged`` of its own holding only ``val/*``. Each validation syncs the device
 once (it is rare) and logs ``validation`` with its wall time in the run log.
 
-With two experts, the inactive one comes onto the device for its timesteps (with its optimizer state) and goes
-back; the training expert is active again afterwards.
+With two experts, the inactive one comes onto the device for its timesteps (the core brings it in with its
+optimizer state: ``ctx.control.evaluation()``) and goes back; the training expert is active again afterwards.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 import torch
 
+from wantrain.core.adapter import ValidationCapable, evaluation_session
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import MetricsLogged, OptimizerStepped, RunStarted
 
@@ -46,12 +47,13 @@ def metric_name(t: float) -> str:
     return f"val/loss/t_{t:g}"
 
 
-def validate(adapter: Any, batches: Sequence[Mapping[str, Any]], timesteps: Sequence[float], seed: int,
-             optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], timesteps: Sequence[float],
+             seed: int, control: Any = None) -> dict[str, float]:
     """The ``val/*`` metrics of ``adapter`` on ``batches`` (cached batches: ``latents``, ``text_embeds``, ...).
 
     Timesteps whose expert is not trained are left out. Experts are visited in the adapter's order starting with
-    the active one; the active expert is restored at the end. One device->host transfer.
+    the active one, brought in by the core (``control.evaluation()``; without ``control``, outside a run:
+    ``core.adapter.evaluation_session``); the active expert is restored at the end. One device->host transfer.
     """
     training_expert = adapter.active
     owners: dict[Any, list[int]] = {}
@@ -61,17 +63,14 @@ def validate(adapter: Any, batches: Sequence[Mapping[str, Any]], timesteps: Sequ
             owners.setdefault(expert, []).append(i)
     order = sorted(owners, key=lambda e: (e != training_expert, adapter.experts.index(e)))
     losses: dict[int, list[torch.Tensor]] = {}
-    try:
-        with adapter.evaluating():
-            for expert in order:
-                adapter.activate(expert, optimizer)
-                for i in owners[expert]:
-                    for c, batch in enumerate(batches):
-                        shape = batch["latents"].shape
-                        noise = torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(seed, c, i)))
-                        losses.setdefault(i, []).append(adapter.validation_loss(batch, timesteps[i], noise))
-    finally:
-        adapter.activate(training_expert, optimizer)
+    with control.evaluation() if control is not None else evaluation_session(adapter) as bring_in:
+        for expert in order:
+            bring_in(expert)
+            for i in owners[expert]:
+                for c, batch in enumerate(batches):
+                    shape = batch["latents"].shape
+                    noise = torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(seed, c, i)))
+                    losses.setdefault(i, []).append(adapter.validation_loss(batch, timesteps[i], noise))
     if not losses:
         return {}
     indices = sorted(losses)
@@ -91,6 +90,7 @@ class Validation(Observer):
     """Computes the ``val/*`` metrics on a fixed set of cached batches (see the module docstring)."""
 
     priority = Priority.SINK
+    needs = (ValidationCapable,)
 
     def __init__(self, batches: Sequence[Mapping[str, Any]], *, timesteps: Sequence[float], seed: int,
                  every: int) -> None:
@@ -129,7 +129,7 @@ class Validation(Observer):
 
     def _run(self, step: int, ctx) -> dict[str, float]:
         started = time.perf_counter()
-        values = validate(ctx.adapter, self.batches, self.timesteps, self.seed, ctx.optimizer)
+        values = validate(ctx.adapter, self.batches, self.timesteps, self.seed, ctx.control)
         seconds = time.perf_counter() - started
         self.seconds += seconds
         log.info("validation", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),

@@ -41,6 +41,7 @@ from typing import Any
 import attrs
 import structlog
 
+from wantrain.core.adapter import TimestepPinning
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import Event, MetricsLogged, RunEnded, RunStarted, StepStarted, register_event_type
 from wantrain.observers.lr_finder.config import LrFinderConfig
@@ -175,9 +176,8 @@ class LrFinder(Observer):
                 ctx.control.set_generator_state(sweep.generator_states[micro])
         elif self.cfg.noise == "stratified":
             per_rung = self.cfg.steps_per_lr * self.grad_accum
-            pin = getattr(ctx.adapter, "set_timestep_quantile", None)
-            if callable(pin):
-                pin(van_der_corput(rung * per_rung + micro + 1))
+            if isinstance(ctx.adapter, TimestepPinning):  # optional: without it the draws stay random
+                ctx.adapter.set_timestep_quantile(van_der_corput(rung * per_rung + micro + 1))
             elif not self._warned_no_quantile:
                 self._warned_no_quantile = True
                 log.warning("lr_finder_no_stratified_timesteps", reason="the model adapter has no "
