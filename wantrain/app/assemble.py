@@ -237,7 +237,7 @@ class PreparedRun:
             adapter=inject_faults(model, optimizer, cfg.faults, state, rank),
             batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
             saver=adapter.saver(run_dir, cfg.run.name) if options.saves and main else NullSaver(),
-            settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir, config=cfg,
+            settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir,
             seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,
         )
         if resume is not None:
