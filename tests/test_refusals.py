@@ -57,3 +57,21 @@ def test_a_one_step_smoke_run_of_the_quickstart_trains_and_saves(tmp_path):
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
     assert (run_dir / "quickstart_high_noise.safetensors").stat().st_size > 0
     assert Path(run_dir / "checkpoints" / "step_000001" / "complete.json").exists()
+
+
+def test_an_extra_observer_needing_a_capability_the_model_lacks_is_refused_before_the_run_directory(tmp_path, capsys):
+    config = copy_examples(tmp_path)
+    (config.parent / "needy_observers.py").write_text(
+        "from typing import Protocol, runtime_checkable\n"
+        "from wantrain.observers import Observer\n\n"
+        "@runtime_checkable\n"
+        "class Teleporting(Protocol):\n"
+        "    def teleport(self) -> None: ...\n\n"
+        "class Needy(Observer):\n"
+        "    needs = (Teleporting,)\n",
+        encoding="utf-8")
+    code = main(["run", str(config), "--set", 'observers.extra=["needy_observers:Needy"]'])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Needy" in err and "Teleporting" in err and "teleport" in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -39,7 +39,7 @@ from wantrain.app.resume import (
     tidy_for_resume,
 )
 from wantrain.app.signals import RunInterrupted, stop_on_signals
-from wantrain.core.adapter import NullSaver
+from wantrain.core.adapter import NullSaver, check_needs
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import latest_complete
 from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology, rank_seed, rank_view
@@ -307,6 +307,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
             )
     torch.manual_seed(cfg.run.seed)
     adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
+    for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
+        check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync)
