@@ -3,7 +3,8 @@
 1. Checkpoint write and read: ``Trainer.state_dict()`` -> ``write_checkpoint`` (atomic, fsync'ed) and
    ``read_checkpoint`` + ``Trainer.load_state_dict`` for the tiny-t2v twin (both experts, rank 8, fused AdamW),
    medians of ``--repeats`` writes; then the write throughput on a synthetic tree of ``--synthetic-mb`` MB of fp32
-   tensors, to extrapolate to an A14B LoRA's checkpoint (12 bytes per LoRA parameter).
+   tensors, to extrapolate to an A14B LoRA's checkpoint (12 bytes per LoRA parameter), with the time of the
+   integrity check alone (sha256 of every file, what both the write and the read pay) and of a verified read.
 2. Non-finite guard: median optimizer-step time with the fused AdamW (the guard hands the kernel ``found_inf``: no
    host sync) against a foreach AdamW (the fallback reads one boolean per step), interleaved rounds. On a CPU a
    "sync" costs nothing, so this shows the guard's arithmetic; on a GPU run it with ``--device cuda``.
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from wantrain.core.checkpoint import read_checkpoint, write_checkpoint
+from wantrain.core.checkpoint import read_checkpoint, verify_checkpoint, write_checkpoint
 from wantrain.core.loop import LoopSettings, Trainer
 from wantrain.models.wan22 import LoraConfig, ModelConfig, build_adapter
 
@@ -57,15 +58,24 @@ def checkpoint_figures(device: str, repeats: int, synthetic_mb: int) -> dict:
         size = sum(p.stat().st_size for p in path.iterdir())
         n = synthetic_mb * 2**20 // 4 // 64
         tree = {"model": {f"w{i}": torch.randn(64, n // 64) for i in range(64)}}
-        synth = []
+        synth, verify, read = [], [], []
         for i in range(3):
             start = time.perf_counter()
-            write_checkpoint(Path(tmp) / "synthetic", i, tree)
+            written = write_checkpoint(Path(tmp) / "synthetic", i, tree)
             synth.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            verify_checkpoint(written)  # what the integrity check costs: the same hashing the write did
+            verify.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            read_checkpoint(written)  # verifies, then loads and checks every tensor reference
+            read.append(time.perf_counter() - start)
     return {"tiny_checkpoint_bytes": size, "tiny_write_s_median": statistics.median(writes),
             "tiny_read_and_restore_s_median": statistics.median(reads),
             "synthetic_mb": synthetic_mb, "synthetic_write_s_median": statistics.median(synth),
-            "write_mb_per_s": synthetic_mb / statistics.median(synth)}
+            "write_mb_per_s": synthetic_mb / statistics.median(synth),
+            "synthetic_checksums_s_median": statistics.median(verify),
+            "checksum_share_of_write": statistics.median(verify) / statistics.median(synth),
+            "synthetic_read_s_median": statistics.median(read)}
 
 
 def guard_figures(device: str, steps: int, rounds: int) -> dict:

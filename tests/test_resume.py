@@ -338,3 +338,4 @@ def test_the_faults_example_in_docs_resume_md_is_a_valid_config(tmp_path):
     config.write_text("[data]\npath = '.'\n" + "\n".join(blocks))
     cfg = load_config(config)
     assert cfg.faults.oom_at_steps == [13, 14, 15] and cfg.checkpoint.keep_every == 500
+    assert cfg.faults.kill_at_steps == [12] and cfg.faults.kill_phase == "step"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -152,3 +153,47 @@ def test_the_same_tensors_and_metadata_always_give_the_same_bytes(tmp_path):
         contents.add(path.read_bytes())
     assert len(contents) == 1
     assert all(torch.equal(load_file(str(path))[k], v) for k, v in tensors.items())
+
+
+def test_the_marker_holds_each_files_sha256_and_a_changed_byte_is_damage(tmp_path):
+    import hashlib
+
+    from wantrain.core.checkpoint import CheckpointDamaged, verify_checkpoint
+
+    path = write_checkpoint(tmp_path, 3, sample_tree())
+    marker = json.loads((path / MARKER).read_text())
+    assert marker["sha256"] == {name: hashlib.sha256((path / name).read_bytes()).hexdigest()
+                                for name in marker["files"]}
+    verify_checkpoint(path)
+    data = bytearray((path / "tensors.safetensors").read_bytes())
+    data[-3] ^= 0x01  # a flipped bit in the tensor data: same size, so the checkpoint is not torn
+    (path / "tensors.safetensors").write_bytes(bytes(data))
+    assert latest_complete(tmp_path)[0].path == path
+    with pytest.raises(CheckpointDamaged, match="'tensors.safetensors' does not match its sha256 checksum"):
+        read_checkpoint(path)
+
+
+def test_a_tensor_reference_records_dtype_and_shape_and_a_file_that_disagrees_is_damage(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from wantrain.core.checkpoint import CheckpointDamaged, file_checksum
+
+    path = write_checkpoint(tmp_path, 3, {"w": torch.zeros(2, 3)})
+    state = json.loads((path / "state.json").read_text())
+    assert state["tree"]["w"] == {"__tensor__": "w", "dtype": "float32", "shape": [2, 3]}
+
+    def replace_tensors(tensors):
+        save_file(tensors, str(path / "tensors.safetensors"))
+        marker = json.loads((path / MARKER).read_text())  # a marker that agrees: only the references can tell
+        marker["files"]["tensors.safetensors"] = (path / "tensors.safetensors").stat().st_size
+        marker["sha256"]["tensors.safetensors"] = file_checksum(path / "tensors.safetensors")
+        (path / MARKER).write_text(json.dumps(marker))
+
+    original = load_file(str(path / "tensors.safetensors"))
+    for tensors, says in (({"w": torch.zeros(3, 2)}, "has shape [3, 2] in tensors.safetensors, state.json records"),
+                          ({"w": torch.zeros(2, 3, dtype=torch.int32)}, "'w' is int32 in tensors.safetensors"),
+                          ({}, "'w' named by state.json is missing from tensors.safetensors"),
+                          ({**original, "x": torch.zeros(1)}, "holds 1 tensors state.json does not name")):
+        replace_tensors(tensors)
+        with pytest.raises(CheckpointDamaged, match=re.escape(says)):
+            read_checkpoint(path)

@@ -203,3 +203,72 @@ def test_a_restored_trainer_continues_bitwise_like_the_uninterrupted_run(tmp_pat
     a, b = full.state_dict(), resumed.state_dict()
     for key in ("train_state", "scheduler", "data"):
         assert a[key] == b[key], key
+
+
+def _signatures(rec, after_step=0):
+    out = []
+    for e in rec.events:
+        if e.step > after_step and type(e).__name__ in ("ExpertSwitched", "CheckpointSaved", "OptimizerStepped"):
+            out.append((type(e).__name__, e.step, getattr(e, "expert", None), getattr(e, "checkpoint", None)))
+    return out
+
+
+def test_a_run_resumed_at_an_expert_boundary_emits_the_expert_switch_the_uninterrupted_run_emitted(tmp_path):
+    full, _, full_rec = build(tmp_path / "full", save_every=3, log_every=3)  # switch_every 3: boundaries 4, 7, 10
+    assert full.run().status == "completed"
+    checkpoint = read_checkpoint(tmp_path / "full" / "checkpoints" / "step_000006")
+    resumed, _, rec = build(tmp_path / "resumed", save_every=3, log_every=3)
+    resumed.load_state_dict(checkpoint.tree, source=str(checkpoint.path), meta=checkpoint.meta)
+    assert resumed.run().status == "completed"
+    switches = [(e.step, e.previous, e.expert) for e in rec.events if type(e).__name__ == "ExpertSwitched"]
+    assert switches == [(7, "low_noise", "high_noise"), (10, "high_noise", "low_noise")]
+
+
+def test_a_checkpoint_whose_event_was_cut_off_has_it_delivered_by_the_resumed_run(tmp_path):
+    from wantrain.core.checkpoint import ANNOUNCED
+
+    first, _, _ = build(tmp_path / "part", save_every=3, log_every=3, max_steps=6)
+    assert first.run().status == "completed"
+    path = tmp_path / "part" / "checkpoints" / "step_000003"
+    assert (path / ANNOUNCED).exists()  # delivered in the run that wrote it
+    (path / ANNOUNCED).unlink()  # as a kill right after the rename leaves it
+    checkpoint = read_checkpoint(path)
+    resumed, _, rec = build(tmp_path / "resumed", save_every=3, log_every=3, max_steps=6)
+    resumed.load_state_dict(checkpoint.tree, source=str(path), meta=checkpoint.meta)
+    assert resumed.run().status == "completed"
+    saved = [e for e in rec.events if type(e).__name__ == "CheckpointSaved"]
+    assert (saved[0].step, saved[0].checkpoint, saved[0].reason) == (3, str(path), "every 3 steps")
+    assert saved[0].paths == tuple(checkpoint.meta["lora_paths"]) and saved[0].final is False
+    assert [type(e).__name__ for e in rec.events[:2]] == ["RunStarted", "CheckpointSaved"]
+    assert (path / ANNOUNCED).exists()
+    # an announced checkpoint is not delivered again
+    again, _, rec2 = build(tmp_path / "again", save_every=3, log_every=3, max_steps=6)
+    again.load_state_dict(checkpoint.tree, source=str(path), meta=checkpoint.meta)
+    again.run()
+    assert [e.step for e in rec2.events if type(e).__name__ == "CheckpointSaved"] == [6]
+
+
+def test_kill_faults_kill_at_the_step_or_right_after_the_checkpoint_rename(tmp_path, monkeypatch):
+    import signal as signals
+
+    import wantrain.core.faults as faults_module
+
+    kills = []
+    monkeypatch.setattr(faults_module.os, "kill", lambda pid, sig: kills.append((sig, state.step + 1)))
+    state = TrainState()
+    adapter = LinearAdapter()
+    model = inject_faults(adapter, torch.optim.SGD(adapter.param_groups()), FaultsConfig(kill_at_steps=[2]), state)
+    for step in (1, 2):
+        state.step, state.micro_step = step - 1, step
+        model.loss(next(iter(LinearBatches())), None, torch.Generator())
+    assert kills == [(signals.SIGKILL, 2)]  # at step 2's first micro-step, nowhere else
+
+    kills.clear()
+    policy = CheckpointPolicy(directory=tmp_path, keep_last=None)
+    faults = FaultsConfig(kill_at_steps=[3], kill_phase="after_checkpoint")
+    inject_faults(adapter, torch.optim.SGD(adapter.param_groups()), faults, TrainState(), checkpoints=policy)
+    policy.write(tmp_path, 2, {"x": torch.zeros(1)})
+    assert kills == []
+    policy.write(tmp_path, 3, {"x": torch.zeros(1)})
+    assert [k for k, _ in kills] == [signals.SIGKILL]
+    assert (tmp_path / "step_000003" / "complete.json").exists()  # renamed into place before the kill

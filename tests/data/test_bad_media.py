@@ -70,9 +70,9 @@ def test_missing_data_folder_is_a_user_error(tmp_path, tiny_spec):
 def test_files_of_other_types_are_listed_as_ignored(tmp_path, tiny_spec):
     make_image(tmp_path, "ok")
     (tmp_path / "notes.json").write_text("{}")
-    (tmp_path / "clip.gif").write_bytes(b"GIF89a")
+    (tmp_path / "layers.xcf").write_bytes(b"gimp xcf")
     data = build_dataset(data_config(tmp_path), spec=tiny_spec, seed=0, batch_size=1)
-    assert sorted(p.rsplit("/", 1)[-1] for p in data.report.ignored_files) == ["clip.gif", "notes.json"]
+    assert sorted(p["path"].rsplit("/", 1)[-1] for p in data.report.ignored_files) == ["layers.xcf", "notes.json"]
     assert "ignored files" in data.report.format()
 
 

@@ -69,3 +69,26 @@ def test_non_finite_values_and_registered_events_are_recorded_exactly():
         assert json.dumps(attrs.asdict(back)) == json.dumps(attrs.asdict(event)), line
     line = encode_record(to_record(events[0], 0, 0.0))
     assert b'"train/x":NaN' in line and b'"train/grad_norm":Infinity' in line  # not turned into null
+
+
+def test_a_checkpoint_saved_delivered_again_after_a_resume_is_recorded_once(tmp_path):
+    from wantrain.core.bus import Bus
+    from wantrain.core.events import CheckpointSaved, RunStarted
+    from wantrain.observers.event_recorder import EventRecorder
+
+    path = tmp_path / "events.jsonl"
+    saved = CheckpointSaved(step=4, paths=(), final=False, reason="every 4 steps", checkpoint="ck/step_000004")
+    bus = Bus()
+    EventRecorder(path).attach_to(bus)
+    bus.emit(saved)  # on record: the kill came while observers handled it
+    bus.close()
+    bus = Bus()
+    EventRecorder(path, keep_through_step=4).attach_to(bus)
+    bus.emit(RunStarted(step=4, run_dir="r", total_steps=8, grad_accum=1, experts=(None,), log_every=1,
+                        resumed_from="ck/step_000004"))
+    bus.emit(saved)  # delivered again by the resumed run (core.loop): not written twice
+    bus.emit(CheckpointSaved(step=8, paths=(), final=True, reason="completed", checkpoint="ck/step_000008"))
+    bus.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["_type"], r["step"]) for r in records] == [
+        ("CheckpointSaved", 4), ("RunStarted", 4), ("CheckpointSaved", 8)]

@@ -34,6 +34,7 @@ from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
     config_hash,
+    confirm_resume_point,
     keep_previous_config,
     load_resume_point,
     tidy_for_resume,
@@ -47,8 +48,9 @@ from wantrain.core.errors import UserError
 from wantrain.core.events.log import event_log_path
 from wantrain.core.faults import inject_faults
 from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
-from wantrain.core.rundir import create_run_dir, sanitize_run_id
+from wantrain.core.rundir import create_run_dir, refuse_links, sanitize_run_id
 from wantrain.core.state import TrainState
+from wantrain.core.state_check import check_state_tree
 from wantrain.data import build_dataset, ensure_cache
 from wantrain.data.training import TrainingData
 from wantrain.models.wan22 import build_adapter
@@ -234,7 +236,7 @@ class PreparedRun:
                 meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain)},
             )
         trainer = Trainer(
-            adapter=inject_faults(model, optimizer, cfg.faults, state, rank),
+            adapter=inject_faults(model, optimizer, cfg.faults, state, rank, checkpoints=policy),
             batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
             saver=adapter.saver(run_dir, cfg.run.name) if options.saves and main else NullSaver(),
             settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir,
@@ -243,7 +245,8 @@ class PreparedRun:
         if resume is not None:
             if main:
                 tidy_for_resume(run_dir, resume.step)
-            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(resume.checkpoint)):
+            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(resume.checkpoint),
+                                                meta=resume.meta if main else None):
                 log.warning("resume_note", note=note)
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
         sync.broadcast_parameters(adapter.trainable_parameters())  # every rank starts from rank 0's LoRA
@@ -274,6 +277,27 @@ def _write_preflight(run_dir: Path, data: Any) -> None:
     tmp.replace(run_dir / "preflight.json")
 
 
+def _schema_check(rank: int) -> Callable[[Any], str | None]:
+    """The resume check that needs no model: the core's state tree schema (``core.state_check``)."""
+    return lambda tree: check_state_tree(rank_view(tree, rank))
+
+
+def _run_check(adapter: Any, rank: int) -> Callable[[Any], str | None]:
+    """The resume check against the built model: its LoRA tensors and the optimizer's parameter groups."""
+    model = adapter.state_dict() if callable(getattr(adapter, "state_dict", None)) else None
+    groups = [list(g["params"]) for g in adapter.param_groups()]
+    return lambda tree: check_state_tree(rank_view(tree, rank), model=model, param_groups=groups)
+
+
+def _check_clip_list(point: ResumePoint, data: Any) -> None:
+    saved_data = point.tree.get("data") or {}
+    if saved_data.get("fingerprint") not in (None, data.fingerprint()):
+        raise UserError(
+            f"checkpoint '{point.checkpoint}' was trained on another clip list (files were added, removed or "
+            "renamed in the dataset folders since); restore the data or start a new run"
+        )
+
+
 def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None) -> PreparedRun:
     """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing."""
     if cfg.run.run_id is not None:
@@ -281,9 +305,11 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     plain = to_plain(cfg)
     check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
-    point = load_resume_point(resume, cfg, plain) if resume is not None else None
     topology = detect_topology()
-    if point is not None:
+    point = None
+    if resume is not None:
+        point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank))
+        refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
         check_resume_world_size(point, topology.world_size)
     if topology.distributed and (cfg.validation.enabled or cfg.sample.enabled):
         raise UserError("[validation] and [sample] do not run under torchrun yet (several processes); set "
@@ -299,16 +325,18 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
     data.shard(topology.rank, topology.world_size)
     if point is not None:
-        saved_data = point.tree.get("data") or {}
-        if saved_data.get("fingerprint") not in (None, data.fingerprint()):
-            raise UserError(
-                f"checkpoint '{point.checkpoint}' was trained on another clip list (files were added, removed or "
-                "renamed in the dataset folders since); restore the data or start a new run"
-            )
+        _check_clip_list(point, data)
     torch.manual_seed(cfg.run.seed)
     adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
     for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
+    if point is not None:  # the tensors against the model: one that does not fit is damage (auto: an older one)
+        confirmed = confirm_resume_point(point, plain, _run_check(adapter, topology.rank))
+        if confirmed is not point:
+            point = confirmed
+            refuse_links(point.run_dir)
+            check_resume_world_size(point, topology.world_size)
+            _check_clip_list(point, data)
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import structlog
 
+from wantrain.core.rundir import open_append
+
 _SHARED = [
     structlog.contextvars.merge_contextvars,
     structlog.stdlib.add_log_level,
@@ -52,7 +54,7 @@ def configure_logging(log_file: Path | None = None, *, level: int = logging.INFO
 
     file_handler = None
     if log_file is not None:
-        file_handler = logging.FileHandler(log_file, encoding="utf-8")
+        file_handler = _NoFollowFileHandler(log_file, encoding="utf-8")
         file_handler.setFormatter(structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=_SHARED,
             processors=[
@@ -63,6 +65,13 @@ def configure_logging(log_file: Path | None = None, *, level: int = logging.INFO
         ))
         root.addHandler(file_handler)
     return file_handler
+
+
+class _NoFollowFileHandler(logging.FileHandler):
+    """A ``FileHandler`` that never appends through a symbolic link (``core.rundir.open_append``)."""
+
+    def _open(self):  # type: ignore[override]
+        return open_append(Path(self.baseFilename), text=True, encoding=self.encoding or "utf-8")
 
 
 def close_log_file(handler: logging.Handler | None) -> None:

@@ -1,5 +1,6 @@
 """What ``wantrain check`` and ``wantrain cache`` do with a config (the CLI parses and prints): the pre-flight data
-report, and filling the latent/text cache."""
+report, and filling the latent/text cache. A dataset with nothing usable raises :class:`NoUsableSample`, which
+carries the full report (every skipped and ignored file) for ``wantrain check`` to print."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import Any
 import torch
 
 from wantrain.data import CacheStats, build_dataset, ensure_cache
+from wantrain.data.dataset import NoUsableSample
 from wantrain.data.report import PreflightReport, estimate_sampling_vram_gb
 from wantrain.models.wan22 import build_adapter
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import sample_size
+
+__all__ = ["NoUsableSample", "dataset", "fill_cache", "preflight_report"]
 
 
 def dataset(cfg: Any) -> Any:

@@ -1,7 +1,12 @@
 """Resuming a run: which config changes a checkpoint may continue under (:data:`RESUME_RULES`), the config hash a
 checkpoint carries, finding, reading and checking the checkpoint ``--resume`` names, and the run directory's
 housekeeping when a run continues in it (the previous config kept, stale temporaries removed, later checkpoints
-set aside). ``wantrain.app.assemble`` calls these; nothing here builds a run."""
+set aside). ``wantrain.app.assemble`` calls these; nothing here builds a run.
+
+A damaged checkpoint (``core.checkpoint.CheckpointDamaged``: a checksum, a tensor reference, the state tree's
+schema, a tensor that does not fit the run, ``core.state_check``) is passed over with a warning naming it under
+``--resume auto`` and refused in one line for a path. Whether a tree fits the run is known only once the model is
+built: :func:`load_resume_point` checks everything else early, :func:`confirm_resume_point` the rest."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import hashlib
 import json
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,7 @@ import attrs
 import structlog
 
 from wantrain.core.checkpoint import (
+    CheckpointDamaged,
     inspect_checkpoint,
     latest_complete,
     list_checkpoints,
@@ -105,6 +111,10 @@ class ResumePoint:
     tree: Any
     meta: dict[str, Any]
     warnings: tuple[str, ...] = ()
+    passed_over: tuple[str, ...] = ()  # the torn and damaged checkpoints skipped on the way (in ``warnings`` too)
+    # --resume auto: the older complete checkpoints to fall back to, newest first, should this one not fit the run
+    # once the model is built (``confirm_resume_point``); None for a path (refused instead)
+    fallbacks: tuple[Path, ...] | None = None
 
 
 def _run_name(run_dir: Path) -> str | None:
@@ -115,12 +125,14 @@ def _run_name(run_dir: Path) -> str | None:
         return None
 
 
-def find_resume_checkpoint(spec: str | Path, cfg: Any) -> tuple[Path, list[str]]:
-    """The checkpoint directory ``--resume`` means, and warnings about torn checkpoints passed over.
+def resume_candidates(spec: str | Path, cfg: Any) -> tuple[list[Path], list[str]]:
+    """The checkpoint directories ``--resume`` may mean, in the order to try them, and warnings about torn
+    checkpoints passed over.
 
-    ``auto``: the newest run directory under ``run.output_dir`` whose ``run.name`` matches and that holds a complete
-    checkpoint; its latest complete one. A path: a checkpoint directory, or a run directory (its latest complete
-    checkpoint).
+    ``auto``: the complete checkpoints of the newest run directory under ``run.output_dir`` whose ``run.name``
+    matches and that holds one, newest first, then those of older such runs (a damaged one is passed over, see
+    :func:`load_resume_point`). A path: a checkpoint directory, or a run directory (its latest complete
+    checkpoint); exactly one candidate.
     """
     warnings: list[str] = []
 
@@ -131,14 +143,19 @@ def find_resume_checkpoint(spec: str | Path, cfg: Any) -> tuple[Path, list[str]]
         root = Path(cfg.run.output_dir)
         runs = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name, reverse=True) \
             if root.is_dir() else []
+        found: list[Path] = []
         for run_dir in runs:
             if _run_name(run_dir) != cfg.run.name:
                 continue
-            best, torn = latest_complete(run_dir / "checkpoints")
-            torn_note(torn)
-            if best is not None:
-                return best.path, warnings
-            warnings.append(f"run '{run_dir.name}' has no complete checkpoint; looked at older runs")
+            complete = [c.path for c in reversed(list_checkpoints(run_dir / "checkpoints")) if c.complete]
+            if not found:
+                best, torn = latest_complete(run_dir / "checkpoints")
+                torn_note(torn)
+                if best is None:
+                    warnings.append(f"run '{run_dir.name}' has no complete checkpoint; looked at older runs")
+            found.extend(complete)
+        if found:
+            return found, warnings
         raise UserError(
             f"--resume auto: no complete checkpoint of a run named {cfg.run.name!r} under '{root}'; start without "
             "--resume, or pass --resume PATH (a run directory or a checkpoint directory)"
@@ -152,30 +169,86 @@ def find_resume_checkpoint(spec: str | Path, cfg: Any) -> tuple[Path, list[str]]
         torn_note(torn)
         if best is None:
             raise UserError(f"--resume '{path}': the run directory holds no complete checkpoint")
-        return best.path, warnings
+        return [best.path], warnings
     info = inspect_checkpoint(path)
     if info.step < 0:
         raise UserError(f"--resume '{path}' is neither a run directory nor a checkpoint directory (step_NNNNNN)")
     if not info.complete:
         raise UserError(f"--resume '{path}': the checkpoint is torn ({info.problem}); pass an earlier one or 'auto'")
-    return path, warnings
+    return [path], warnings
 
 
-def load_resume_point(spec: str | Path, cfg: Any, plain: dict[str, Any]) -> ResumePoint:
-    """Find, read and check a checkpoint against the config; refuses with one line naming the differing keys."""
-    path, warnings = find_resume_checkpoint(spec, cfg)
-    loaded = read_checkpoint(path)
-    saved_config = loaded.meta.get("config")
+def load_resume_point(spec: str | Path, cfg: Any, plain: dict[str, Any], *,
+                      expect: Callable[[Any], str | None] | None = None) -> ResumePoint:
+    """Find, read, verify and check a checkpoint against the config (and, given ``expect``, against the run:
+    ``expect(tree)`` returns a problem or None). A damaged checkpoint (``CheckpointDamaged``: checksums, tensor
+    references, the state tree's schema, a tensor the run cannot take) is passed over with a warning naming it
+    under ``auto`` and refused in one line for a path; a config that differs is refused either way, naming the
+    differing keys."""
+    candidates, warnings = resume_candidates(spec, cfg)
+    return _first_usable(candidates, warnings, plain, expect, auto=str(spec) == "auto")
+
+
+def confirm_resume_point(point: ResumePoint, plain: dict[str, Any],
+                         expect: Callable[[Any], str | None]) -> ResumePoint:
+    """``point`` if its tree fits the run (``expect``, which needs the model: called once it is built), else,
+    under ``--resume auto``, the newest older checkpoint that does (a warning names the one passed over)."""
+    problem = expect(point.tree)
+    if problem is None:
+        return point
+    _blame_config(point.checkpoint, point.meta.get("config"), plain, problem)
+    if point.fallbacks is None:  # a path: refused
+        raise CheckpointDamaged(point.checkpoint, problem)
+    passed = [*point.passed_over, f"skipped damaged checkpoint '{point.checkpoint}': {problem}"]
+    return _first_usable(list(point.fallbacks), passed, plain, expect, auto=True,
+                         damaged=[(point.checkpoint, problem)])
+
+
+def _first_usable(candidates: list[Path], passed: list[str], plain: dict[str, Any],
+                  expect: Callable[[Any], str | None] | None, *, auto: bool,
+                  damaged: list[tuple[Path, str]] | None = None) -> ResumePoint:
+    damaged = list(damaged or [])
+    for i, path in enumerate(candidates):
+        try:
+            loaded = read_checkpoint(path)
+            saved_config = loaded.meta.get("config")
+            if not isinstance(saved_config, dict):
+                raise UserError(f"checkpoint '{path}' holds no config; it was not written by `wantrain run`")
+            refused, warned = compare_configs(saved_config, plain)
+            if refused:
+                raise UserError(
+                    f"checkpoint '{path}' was trained with another config; these keys differ and cannot change on "
+                    "resume: " + "; ".join(refused) + " (restore them, or start a new run)"
+                )
+            problem = expect(loaded.tree) if expect is not None else None
+            if problem is not None:
+                _blame_config(path, saved_config, plain, problem)
+                raise CheckpointDamaged(path, problem)
+        except CheckpointDamaged as exc:
+            if not auto:
+                raise
+            passed.append(f"skipped damaged checkpoint '{path}': {exc.problem}")
+            damaged.append((path, exc.problem))
+            continue
+        notes = (*passed, *(f"resuming with a changed {w}" for w in warned))
+        return ResumePoint(path, path.parent.parent, loaded.step, loaded.tree, loaded.meta, notes,
+                           passed_over=tuple(passed), fallbacks=tuple(candidates[i + 1:]) if auto else None)
+    (newest, problem), *older = damaged
+    raise UserError(f"--resume auto: every complete checkpoint found is damaged: '{newest}' ({problem})"
+                    + (f" and {len(older)} older ones" if older else "") + "; start a new run")
+
+
+def _blame_config(path: Path, saved_config: Any, plain: dict[str, Any], problem: str) -> None:
+    """A tensor that does not fit the run while the checkpoint's own config differs in the model, LoRA or
+    optimizer settings: the change is the cause (a ``UserError`` naming the keys), not damage."""
     if not isinstance(saved_config, dict):
-        raise UserError(f"checkpoint '{path}' holds no config; it was not written by `wantrain run`")
-    refused, warned = compare_configs(saved_config, plain)
-    if refused:
-        raise UserError(
-            f"checkpoint '{path}' was trained with another config; these keys differ and cannot change on resume: "
-            + "; ".join(refused) + " (restore them, or start a new run)"
-        )
-    warnings.extend(f"resuming with a changed {w}" for w in warned)
-    return ResumePoint(path, path.parent.parent, loaded.step, loaded.tree, loaded.meta, tuple(warnings))
+        return
+    a, b = flatten_config(saved_config), flatten_config(plain)
+    changed = [f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in sorted(set(a) | set(b))
+               if k.split(".")[0] in ("model", "lora", "optimizer") and a.get(k) != b.get(k)]
+    if changed:
+        raise UserError(f"checkpoint '{path}' does not fit this run ({problem}) and its config differs: "
+                        + "; ".join(changed) + " (resume with the settings the run was started with)")
 
 
 def check_resume_world_size(point: ResumePoint, world_size: int) -> None:

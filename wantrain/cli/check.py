@@ -20,11 +20,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wantrain.app.preflight import preflight_report
+    from wantrain.app.preflight import NoUsableSample, preflight_report
+    from wantrain.core.errors import UserError
 
-    report = preflight_report(load_run_config(args), verify=args.verify)
-    print(report.format())
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    try:
+        report = preflight_report(load_run_config(args), verify=args.verify)
+    except NoUsableSample as exc:  # the report is what the user needs: every skipped and ignored file
+        _print(exc.report, args.json)
+        raise UserError(exc.summary + " (every file is listed above)") from None
+    _print(report, args.json)
     return 0
+
+
+def _print(report, json_path: Path | None) -> None:
+    print(report.format())
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")

@@ -1,14 +1,17 @@
-"""Fault injection (``[faults]``), a testing aid: out-of-memory errors and NaN losses on purpose, so that the
-out-of-memory guard, the non-finite guard and resume can be exercised on a CPU with a tiny model.
+"""Fault injection (``[faults]``), a testing aid: out-of-memory errors, NaN losses and kills on purpose, so that
+the out-of-memory guard, the non-finite guard and resume can be exercised on a CPU with a tiny model.
 
 The training loop has no fault branch: :func:`inject_faults` wraps the model adapter's ``loss`` (forward and
-backward faults, NaN losses) and the optimizer's ``step`` (optimizer-phase faults). Every decision is a pure
+backward faults, NaN losses, kills at a step), the optimizer's ``step`` (optimizer-phase faults) and the checkpoint
+policy's writer (a kill between a checkpoint's rename and its ``CheckpointSaved`` event). Every decision is a pure
 function of the config and the run's counters (``TrainState.step`` and ``micro_step``), never of a hidden random
 state, so a resumed run meets exactly the faults the uninterrupted run met.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import types
 from typing import Any
 
@@ -61,6 +64,13 @@ class FaultPlan:
     def nan_now(self) -> bool:
         return self._current_step() in self.cfg.nan_at_steps
 
+    def kill_now(self) -> None:
+        """SIGKILL this process at the first micro-step of a step in ``kill_at_steps`` (``kill_phase = "step"``)."""
+        cfg, step = self.cfg, self._current_step()
+        first = self._first_micro == (step, self.state.micro_step)
+        if cfg.kill_phase == "step" and step in cfg.kill_at_steps and first:
+            os.kill(os.getpid(), signal.SIGKILL)
+
 
 class FaultyAdapter:
     """Wraps a model adapter; everything but ``loss`` is delegated unchanged."""
@@ -74,7 +84,8 @@ class FaultyAdapter:
 
     def loss(self, batch: Any, expert: Any, generator: torch.Generator) -> torch.Tensor:
         plan = self._plan
-        oom = plan.cfg.oom_phase != "optimizer" and plan.oom_now()
+        oom = plan.cfg.oom_phase != "optimizer" and plan.oom_now()  # oom_now() first: it tracks the first micro-step
+        plan.kill_now()
         if oom and plan.cfg.oom_phase == "forward":
             raise InjectedOutOfMemory("out of memory (injected by [faults] in the forward pass)")
         loss = self._adapter.loss(batch, expert, generator)
@@ -86,13 +97,24 @@ class FaultyAdapter:
 
 
 def inject_faults(adapter: Any, optimizer: torch.optim.Optimizer, faults: Any, state: TrainState,
-                  rank: int = 0) -> Any:
+                  rank: int = 0, checkpoints: Any = None) -> Any:
     """Return the adapter to train with: ``adapter`` itself when ``faults`` is inactive, else a wrapper. With
-    ``oom_phase = "optimizer"`` the optimizer's ``step`` is wrapped in place. ``rank``: this process's torchrun
-    rank (``faults.oom_ranks``)."""
+    ``oom_phase = "optimizer"`` the optimizer's ``step`` is wrapped in place; with ``kill_phase =
+    "after_checkpoint"`` the writer of ``checkpoints`` (a ``CheckpointPolicy``) is. ``rank``: this process's
+    torchrun rank (``faults.oom_ranks``)."""
     if not faults.active:
         return adapter
     plan = FaultPlan(faults, state, rank)
+    if faults.kill_at_steps and faults.kill_phase == "after_checkpoint" and checkpoints is not None:
+        write = checkpoints.write
+
+        def write_then_kill(directory: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+            path = write(directory, step, *args, **kwargs)
+            if step in faults.kill_at_steps:
+                os.kill(os.getpid(), signal.SIGKILL)  # renamed into place, CheckpointSaved not yet emitted
+            return path
+
+        checkpoints.write = write_then_kill
     if faults.oom_phase == "optimizer":
         original = optimizer.step
 

@@ -20,7 +20,14 @@ import torch
 
 from wantrain.core.adapter import ModelAdapter, NullSaver, Saver, check_needs, evaluation_session
 from wantrain.core.bus import Bus
-from wantrain.core.checkpoint import CheckpointWriteError, disk_error_line, prune, write_checkpoint
+from wantrain.core.checkpoint import (
+    CheckpointWriteError,
+    disk_error_line,
+    mark_announced,
+    prune,
+    was_announced,
+    write_checkpoint,
+)
 from wantrain.core.context import Context, DeviceMetrics, Live
 from wantrain.core.control import Control
 from wantrain.core.distributed import SingleProcess
@@ -64,7 +71,9 @@ class CheckpointPolicy:
 
     ``every``: also write one every N optimizer steps (None: only with LoRA saves, at a stop and at the end).
     ``keep_last`` / ``keep_every``: retention (None keeps all). ``meta`` is stored in each checkpoint (the
-    assembly puts the config and its hash there).
+    assembly puts the config and its hash there; the core adds the save's reason, LoRA paths and ``final``, from
+    which a resumed run delivers a ``CheckpointSaved`` a kill cut off). ``write`` has the signature of
+    ``core.checkpoint.write_checkpoint`` (``[faults]`` wraps it).
     """
 
     directory: Path
@@ -72,6 +81,7 @@ class CheckpointPolicy:
     keep_last: int | None = 2
     keep_every: int | None = None
     meta: dict[str, Any] = attrs.field(factory=dict)
+    write: Any = write_checkpoint
 
 
 @attrs.frozen
@@ -147,6 +157,7 @@ class Trainer:
         self._active: object = _NO_EXPERT  # the expert on the training device, as the loop activated it
         self._saved: list[str] = []
         self._resumed_from: str | None = None
+        self._undelivered: CheckpointSaved | None = None  # see load_state_dict
         # The interval's losses and the non-finite guard's per-step flags: device tensors, read at log steps only
         self._interval = LogInterval(adapter.device, settings.log_every)
         self._step_losses: list[torch.Tensor] = []  # the current optimizer step's micro-step losses
@@ -178,6 +189,9 @@ class Trainer:
                 grad_accum=s.grad_accum, experts=tuple(self.adapter.experts), log_every=s.log_every,
                 resumed_from=self._resumed_from,
             ))
+            if self._undelivered is not None:  # resumed from a checkpoint whose CheckpointSaved a kill cut off
+                self.bus.emit(self._undelivered)
+                mark_announced(Path(self._undelivered.checkpoint))  # type: ignore[arg-type]
             batches = iter(self.batches)
             self._optimizer_mode("train")
             while state.step < s.max_steps and not self.sync.should_stop(control):
@@ -218,15 +232,20 @@ class Trainer:
         return RunResult(status=status, reason=reason, steps=state.step, saved=tuple(self._saved))
 
     def _switch_expert(self, step: int) -> str | None:
-        """Activate the expert that trains ``step`` when it is not the one on the device (and emit
-        ``ExpertSwitched`` at a switch; not before the first step)."""
+        """Activate the expert that trains ``step`` when it is not the one on the device, and emit
+        ``ExpertSwitched`` when it is not the expert of the previous step (not before a run's first step; a run
+        resumed at a boundary switches there as the uninterrupted run did: the previous step's expert is the
+        checkpoint's ``state.expert``)."""
         expert = self.adapter.expert_for_step(step)
         if expert != self._active:
             self.adapter.activate(expert, self.optimizer)
             self._expert_params.clear()  # a move may replace Parameters (to `meta`, for instance)
-            if self._active is not _NO_EXPERT:
-                self.bus.emit(ExpertSwitched(step=step, previous=self._active, expert=expert))  # type: ignore[arg-type]
-            self._active = self.state.expert = expert
+            self._active = expert
+        previous = self.state.expert if step > 1 else _NO_EXPERT
+        if expert != previous:
+            if previous is not _NO_EXPERT:
+                self.bus.emit(ExpertSwitched(step=step, previous=previous, expert=expert))  # type: ignore[arg-type]
+            self.state.expert = expert
         return expert
 
     def _step(self, step: int, expert: str | None, is_log_step: bool, skip_reason: str | None) -> None:
@@ -481,22 +500,31 @@ class Trainer:
         if tree is not None:  # None on ranks other than 0: rank 0 writes every rank's state
             c = self.checkpoints
             sidecars = [o.write_sidecars for o in self.bus.observers if callable(getattr(o, "write_sidecars", None))]
-            checkpoint = write_checkpoint(c.directory, step, tree, meta={**c.meta, "reason": reason},
-                                          sidecars=sidecars)
+            meta = {**c.meta, "reason": reason, "lora_paths": list(paths), "final": final}
+            checkpoint = c.write(c.directory, step, tree, meta=meta, sidecars=sidecars)
             prune(c.directory, keep_last=c.keep_last, keep_every=c.keep_every, protect=(step,))
         if paths or checkpoint is not None:
             self.bus.emit(CheckpointSaved(step=step, paths=paths, final=final, reason=reason,
                                           checkpoint=str(checkpoint) if checkpoint is not None else None))
+            if checkpoint is not None:
+                mark_announced(checkpoint)  # delivered: a resume from it does not deliver it again
 
     # -- state: everything needed to continue bitwise (core.state) ---------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The run's state as a tree of tensors and JSON values (live references: ``core.checkpoint`` copies)."""
         return capture(self._parts)
 
-    def load_state_dict(self, tree: Mapping[str, Any], *, source: str | None = None) -> list[str]:
-        """Restore :meth:`state_dict` output before :meth:`run` (``core.state.restore``); returns its warnings."""
+    def load_state_dict(self, tree: Mapping[str, Any], *, source: str | None = None,
+                        meta: Mapping[str, Any] | None = None) -> list[str]:
+        """Restore :meth:`state_dict` output before :meth:`run` (``core.state.restore``); returns its warnings.
+        ``source`` is the checkpoint directory and ``meta`` its metadata: when its ``CheckpointSaved`` was never
+        delivered (a kill right after the rename), :meth:`run` delivers it right after ``RunStarted``."""
         warnings_out = restore(self._parts, tree)
         self._resumed_from = source
+        if source is not None and meta is not None and "lora_paths" in meta and not was_announced(Path(source)):
+            self._undelivered = CheckpointSaved(
+                step=self.state.step, paths=tuple(meta["lora_paths"]), final=bool(meta.get("final")),
+                reason=str(meta.get("reason", "")), checkpoint=str(source))
         return warnings_out
 
 

@@ -1,10 +1,18 @@
-"""Run directories: ``<output_dir>/<YYYYmmdd_HHMMSS>[__<run_id>]``, created once, never overwritten."""
+"""Run directories: ``<output_dir>/<YYYYmmdd_HHMMSS>[__<run_id>]``, created once, never overwritten.
+
+Nothing wantrain writes leaves its run directory: a resume refuses a run directory that holds a symbolic link
+(:func:`refuse_links`, before anything is written), and the files a run appends to are opened without following
+links (:func:`open_append`), so a link put there later is refused too instead of being written through.
+"""
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import time
 from pathlib import Path
+from typing import IO, Any
 
 from wantrain.core.errors import UserError
 
@@ -51,3 +59,36 @@ def create_run_dir(output_dir: Path, run_id: str | None = None, *, now: float | 
         except OSError as exc:
             raise UserError(f"cannot create run directory '{candidate}': {exc.strerror}") from None
     raise UserError(f"cannot find a free run directory name under '{output_dir}'")
+
+
+def links_inside(run_dir: Path) -> list[Path]:
+    """Every symbolic link under ``run_dir`` (links are not followed), sorted."""
+    found = []
+    for folder, dirs, files in os.walk(run_dir):
+        found.extend(Path(folder, name) for name in [*dirs, *files] if Path(folder, name).is_symlink())
+    return sorted(found)
+
+
+def refuse_links(run_dir: Path) -> None:
+    """One line (``UserError``) if ``run_dir`` holds a symbolic link: a resume appends to the run's logs and
+    writes checkpoints there, and would write through a link to wherever it points."""
+    links = links_inside(run_dir)
+    if links:
+        first = links[0]
+        raise UserError(f"run directory '{run_dir}' holds {len(links)} symbolic link(s), e.g. "
+                        f"'{first.relative_to(run_dir)}' -> '{os.readlink(first)}'; a resume writes only regular "
+                        "files inside its run directory: replace the link with a copy of its target, or remove it")
+
+
+def open_append(path: Path, *, text: bool = False, encoding: str = "utf-8") -> IO[Any]:
+    """``path`` opened to append (created if missing), refusing a symbolic link with one line (``UserError``)
+    instead of writing to its target (``O_NOFOLLOW``)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(f"'{path}' is a symbolic link; wantrain appends only to regular files in a run "
+                            "directory: replace the link with a copy of its target, or remove it") from None
+        raise
+    return os.fdopen(fd, "a", encoding=encoding) if text else os.fdopen(fd, "ab")

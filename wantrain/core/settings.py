@@ -114,7 +114,14 @@ class FaultsConfig:
         factory=list, doc="Under torchrun: the ranks on which the out-of-memory faults happen (empty: every rank)."
     )
     seed: int = setting(0, doc="Seed of `oom_probability`.", range=at_least(0))
+    kill_at_steps: list[int] = setting(
+        factory=list, doc="Optimizer steps at which the process kills itself with SIGKILL (resume tests)."
+    )
+    kill_phase: Literal["step", "after_checkpoint"] = setting(
+        "step", doc="Where the kill happens: at the start of the step's first forward pass, or right after the "
+        "step's checkpoint is renamed into place (before its `CheckpointSaved` event)."
+    )
 
     @property
     def active(self) -> bool:
-        return bool(self.oom_at_steps or self.oom_probability > 0 or self.nan_at_steps)
+        return bool(self.oom_at_steps or self.oom_probability > 0 or self.nan_at_steps or self.kill_at_steps)

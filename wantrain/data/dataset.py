@@ -8,6 +8,7 @@ budget), each in a bucket ``(width, height, frames)``; unusable files are skippe
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from wantrain.data.plan import (
     retimed_count,
     size_buckets,
 )
-from wantrain.data.report import PreflightReport
+from wantrain.data.report import PreflightReport, display_path
 from wantrain.data.training import TrainingData
 
 log = structlog.get_logger("wantrain.data")
@@ -38,19 +39,67 @@ def _normalise_ext(ext: str) -> str:
     return ext if ext.startswith(".") else "." + ext
 
 
-def _media_files(root: Path, caption_ext: str) -> tuple[list[Path], list[Path]]:
-    """Media files under ``root`` (recursively) and the other files that are not captions; hidden files and
-    folders (the cache) excluded; both sorted."""
-    media, other = [], []
-    for p in root.rglob("*"):
-        rel = p.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+def _scan(root: Path, caption_ext: str, cache_dir: Path) -> tuple[list[Path], list[Path], list[dict[str, str]],
+                                                                   list[dict[str, str]]]:
+    """Every file under ``root``, each in one list: media files (by extension), caption files, files skipped with a
+    reason (a broken symbolic link, a folder reached twice through links) and files ignored with a reason (not a
+    supported extension, hidden). Symbolic links to folders are followed (each real folder is scanned once); the
+    cache folder is wantrain's own and not listed. Each list sorted."""
+    media: list[Path] = []
+    captions: list[Path] = []
+    skipped: list[dict[str, str]] = []
+    ignored: list[dict[str, str]] = []
+    seen: set[str] = set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        here = Path(folder)
+        real = os.path.realpath(here)
+        if real in seen:
+            skipped.append({"path": str(here), "reason": f"a link to folder '{real}', which is scanned already"})
+            dirs[:] = []
             continue
-        if kind_of(p) is not None:
-            media.append(p)
-        elif p.suffix.lower() != caption_ext.lower():
-            other.append(p)
-    return sorted(media), sorted(other)
+        seen.add(real)
+        for name in sorted(dirs):
+            path = here / name
+            if name.startswith(".") and not _same_folder(path, cache_dir):
+                ignored.append({"path": str(path), "reason": "hidden folder (not scanned)"})
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            path = here / name
+            if name.startswith("."):
+                ignored.append({"path": str(path), "reason": "hidden file"})
+            elif path.is_symlink() and not path.exists():
+                skipped.append({"path": str(path), "reason": f"broken symbolic link (its target "
+                                                            f"'{os.readlink(path)}' does not exist)"})
+            elif not path.is_file():
+                ignored.append({"path": str(path), "reason": "not a regular file"})
+            elif kind_of(path) is not None:
+                media.append(path)
+            elif path.suffix.lower() == caption_ext.lower():
+                captions.append(path)
+            else:
+                ignored.append({"path": str(path), "reason": f"not a supported image or video extension "
+                                                            f"({path.suffix or 'none'}; docs/data.md)"})
+    return sorted(media), sorted(captions), skipped, sorted(ignored, key=lambda r: r["path"])
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+class NoUsableSample(UserError):
+    """No file of the dataset folders can train. ``report`` lists every skipped and ignored file (``wantrain
+    check`` prints it); the message names the first skipped one."""
+
+    def __init__(self, report: PreflightReport) -> None:
+        first = report.skipped[0] if report.skipped else None
+        detail = f"; first: {display_path(first['path'])}: {first['reason']}" if first else "; no media files found"
+        self.summary = (f"no usable sample in {', '.join(d['path'] for d in report.datasets)}: "
+                        f"{len(report.skipped)} files skipped{detail}")
+        super().__init__(self.summary + " (run 'wantrain check' for the full list)")
+        self.report = report
 
 
 def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> TrainingData:
@@ -95,8 +144,13 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
             report.skipped.append({"path": str(path), "reason": reason})
             skipped_here += 1
 
-        media, other = _media_files(r.path, ext)
-        report.ignored_files.extend(str(p) for p in other)
+        media, captions, broken, ignored = _scan(r.path, ext, cache_dir)
+        for entry in broken:
+            skip(Path(entry["path"]), entry["reason"])
+        report.ignored_files.extend(ignored)
+        with_media = {p.with_suffix(ext) for p in [*media, *(Path(b["path"]) for b in broken)]}
+        report.ignored_files.extend({"path": str(p), "reason": "caption of no medium (no image or video of its name)"}
+                                    for p in captions if p not in with_media)
         for path in media:
             kind = kind_of(path)
             counts[kind] += 1
@@ -165,10 +219,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
         reasons = Counter(s["reason"].split(":")[0] for s in report.skipped)
         log.warning("data.files_skipped", count=len(report.skipped), reasons=dict(reasons))
     if not clips:
-        first = report.skipped[0] if report.skipped else None
-        detail = f"; first: {first['path']}: {first['reason']}" if first else "; no media files found"
-        raise UserError(f"no usable sample in {', '.join(d['path'] for d in report.datasets)}: "
-                        f"{len(report.skipped)} files skipped{detail} (run 'wantrain check' for the full list)")
+        raise NoUsableSample(report)
     report.pixels_cropped_pct = 100.0 * float(np.mean(cropped))
     report.frames_left_over_pct = (100.0 * report.frames_left_over / report.source_frames_total
                                    if report.source_frames_total else 0.0)

@@ -1,6 +1,12 @@
 """Reading media: probe (cheap facts), decode (pixels), fingerprint (cache identity), resize-to-cover + centre-crop.
 
-Videos are read with PyAV, images with Pillow. Pixels stay ``uint8`` until a batch is assembled.
+Videos are read with PyAV, images with Pillow. Pixels stay ``uint8`` until a batch is assembled. A video frame is
+scaled to its cover size by FFmpeg's scaler while it is converted to RGB (``VideoFrame.reformat``), so a 16K source
+never becomes a full-size RGB picture; images are resized with Pillow. High-bit-depth images (16-bit grayscale
+PNG/TIFF, 32-bit integer or float ones) are scaled to 8 bits, not clipped.
+
+Size limit: a source larger than :data:`MAX_SOURCE_PIXELS` (16K UHD, 15360 x 8640) is skipped by the probe with a
+reason, images and videos alike; Pillow's own decompression-bomb check never prints its warning.
 
 Probing a video never trusts the container's frame count alone: it demuxes the stream and counts the packets that
 carry data, which catches truncated files whose header still announces every frame. It decodes only the first
@@ -13,20 +19,27 @@ the reason shown in the report.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import attrs
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, features
 
 VIDEO_EXTENSIONS = frozenset({".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"})
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
+# every still format Pillow reads here (animated GIF/WebP/AVIF: the first frame); AVIF needs Pillow's AVIF plug-in
+IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+                             | ({".avif"} if features.check("avif") else set()))
+MAX_SOURCE_PIXELS = 15360 * 8640
+"""Largest source (width x height, as stored) the pipeline decodes: 16K UHD, 132.7 megapixels. Larger ones are
+skipped with a reason (docs/data.md): a bigger frame costs the decoder more memory than training one clip."""
 
 _EXIF_ORIENTATION = 0x0112
 _ROTATION_PACKETS = 32  # packets to feed the decoder for the first frame (its reorder delay) before giving up
-RESIZE_VERSION = "cover-centre-crop/pil-bicubic-antialias/v1"  # part of every latent cache key
+RESIZE_VERSION = "cover-centre-crop/pil-bicubic-antialias+swscale-bicubic/v2"  # part of every latent cache key
 
 
 class MediaError(Exception):
@@ -83,14 +96,39 @@ def probe(path: Path) -> MediaInfo:
     raise MediaError(f"not a supported media type ({path.suffix or 'no extension'})")
 
 
+@contextlib.contextmanager
+def _pillow_quiet():
+    """Pillow's decompression-bomb check as an error, not a printed warning: :data:`MAX_SOURCE_PIXELS` decides."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
+
+
+def _too_large(width: int, height: int) -> str | None:
+    if width * height <= MAX_SOURCE_PIXELS:
+        return None
+    return (f"source is {width}x{height} ({width * height / 1e6:.1f} megapixels), above the "
+            f"{MAX_SOURCE_PIXELS / 1e6:.1f} megapixel limit (16K UHD); downscale it first (docs/data.md)")
+
+
 def _probe_image(path: Path) -> MediaInfo:
     try:
-        with Image.open(path) as im:
-            im.verify()  # checks structure (PNG CRCs, ...) without a full decode; must come right after open
-        with Image.open(path) as im:
-            width, height = im.size
-            if im.getexif().get(_EXIF_ORIENTATION) in (5, 6, 7, 8):  # shown rotated by 90 degrees
-                width, height = height, width
+        with _pillow_quiet():
+            with Image.open(path) as im:
+                width, height = im.size
+                too_large = _too_large(width, height)
+                if too_large is None:
+                    im.verify()  # checks structure (PNG CRCs, ...) without a full decode; must come right after open
+            if too_large is not None:
+                raise MediaError(too_large)
+            with Image.open(path) as im:
+                if im.getexif().get(_EXIF_ORIENTATION) in (5, 6, 7, 8):  # shown rotated by 90 degrees
+                    width, height = height, width
+    except MediaError:
+        raise
+    except Image.DecompressionBombError:  # beyond Pillow's own hard limit: the size is not even readable
+        raise MediaError(f"image is larger than Pillow opens ({2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels), "
+                         f"above the {MAX_SOURCE_PIXELS / 1e6:.1f} megapixel limit; downscale it first") from None
     except Exception as exc:  # Pillow raises many types for bad files
         raise MediaError(f"unreadable image: {_one_line(exc)}") from None
     return MediaInfo(kind="image", width=width, height=height, frames=1, fps=None, container_frames=1)
@@ -126,6 +164,9 @@ def _probe_video(path: Path) -> MediaInfo:
         raise MediaError("video stream holds no frames (truncated or corrupt)")
     if not width or not height:
         raise MediaError("video stream has no frame size")
+    too_large = _too_large(width, height)
+    if too_large is not None:
+        raise MediaError(too_large)
     if fps is None or fps <= 0:
         raise MediaError("video stream has no frame rate")
     rotation = rotation or 0
@@ -188,12 +229,26 @@ def fit(image: Image.Image, dst_w: int, dst_h: int) -> np.ndarray:
     return np.asarray(image.crop((left, top, left + dst_w, top + dst_h)), dtype=np.uint8)
 
 
+def to_8bit(image: Image.Image) -> Image.Image:
+    """``image`` with 8 bits per channel: 16-bit grayscale (``I;16*``) and 32-bit integer (``I``, 16-bit PNGs in
+    some Pillow versions) keep their top 8 bits of the 16-bit range; float (``F``) maps 0..1 to 0..255. Pillow's
+    own ``convert("RGB")`` clips these modes at 255, which turns a 16-bit picture white."""
+    if image.mode.startswith("I;16") or image.mode == "I":
+        values = np.asarray(image).astype(np.int64)
+        return Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8), "L")
+    if image.mode == "F":
+        values = np.asarray(image, dtype=np.float64)
+        return Image.fromarray(np.round(np.clip(values, 0.0, 1.0) * 255).astype(np.uint8), "L")
+    return image
+
+
 def load_image(path: Path, dst_w: int, dst_h: int) -> np.ndarray:
-    """One image as ``uint8 [1, H, W, 3]`` (transparency composited on white). Raises MediaError."""
+    """One image as ``uint8 [1, H, W, 3]`` (transparency composited on white; high bit depths scaled to 8 bits,
+    :func:`to_8bit`). Raises MediaError."""
     try:
-        with Image.open(path) as im:
+        with _pillow_quiet(), Image.open(path) as im:
             im.load()
-            im = ImageOps.exif_transpose(im)  # camera orientation, as viewers show it
+            im = to_8bit(ImageOps.exif_transpose(im))  # camera orientation, as viewers show it
             if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
                 rgba = im.convert("RGBA")
                 im = Image.new("RGB", rgba.size, (255, 255, 255))
@@ -236,7 +291,7 @@ def decode_video(path: Path, source_indices: list[int], dst_w: int, dst_h: int, 
                 index += 1
                 if index < want[pos]:
                     continue
-                picture = fit(upright(frame.to_image(), rotation), dst_w, dst_h)
+                picture = fit_frame(frame, dst_w, dst_h, rotation)
                 while pos < len(want) and want[pos] == index:
                     out[pos] = picture
                     pos += 1
@@ -247,6 +302,20 @@ def decode_video(path: Path, source_indices: list[int], dst_w: int, dst_h: int, 
     if pos < len(want):
         return Decoded(frames=None, complete=False, available=index + 1, error=error)
     return Decoded(frames=np.stack(out), complete=True, available=index + 1, error=None)
+
+
+def fit_frame(frame, dst_w: int, dst_h: int, rotation: int = 0) -> np.ndarray:
+    """A decoded ``av.VideoFrame`` turned upright, resized to cover ``dst_w`` x ``dst_h`` and centre-cropped:
+    ``uint8 [H, W, 3]``. FFmpeg's scaler resizes (bicubic, filter widened when it shrinks) while it converts to RGB,
+    so nothing of the source's size is allocated in RGB."""
+    turned = rotation in (90, 270)
+    shown_w, shown_h = (frame.height, frame.width) if turned else (frame.width, frame.height)
+    rw, rh, left, top = cover_geometry(shown_w, shown_h, dst_w, dst_h)
+    pixels = frame.reformat(width=rh if turned else rw, height=rw if turned else rh, format="rgb24",
+                            interpolation="BICUBIC").to_ndarray()
+    if rotation in (90, 180, 270):
+        pixels = np.rot90(pixels, k=rotation // 90)  # counter-clockwise, as :func:`upright` turns images
+    return np.ascontiguousarray(pixels[top:top + dst_h, left:left + dst_w])
 
 
 def read_caption(path: Path) -> str:

@@ -112,6 +112,13 @@ def estimate_sampling_vram_gb(spec: Any, width: int, height: int, frames: int, r
     return (_FRAGMENTATION * (weights + max(denoise, decode)) + _OVERHEAD_GB * 2**30) / 2**30
 
 
+def display_path(path: str | Path) -> str:
+    """``path`` for one report line: as it is, or quoted with escapes (``'a\\nb.mp4'``) when it holds a character
+    that is not printable (a newline would split the line)."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
 @attrs.define
 class BucketRow:
     width: int
@@ -138,7 +145,7 @@ class PreflightReport:
     retimed: list[dict[str, Any]] = attrs.field(factory=list)  # per video: source frames/fps -> frames
     frame_count_mismatches: list[dict[str, Any]] = attrs.field(factory=list)  # container header vs demuxed
     clip_modes: list[str] = attrs.field(factory=list)
-    ignored_files: list[str] = attrs.field(factory=list)  # neither media (by extension) nor captions
+    ignored_files: list[dict[str, str]] = attrs.field(factory=list)  # {"path", "reason"}: not media, hidden, ...
     pixels_cropped_pct: float = 0.0
     frames_left_over_pct: float = 0.0
     source_frames_total: int = 0
@@ -185,25 +192,25 @@ class PreflightReport:
         if changed:
             lines.append(f"retimed videos: {len(changed)}")
             for r in changed[:max_listed]:
-                lines.append(f"  {r['path']}: {r['source_frames']} frames at {r['source_fps']:g} fps -> "
+                lines.append(f"  {display_path(r['path'])}: {r['source_frames']} frames at {r['source_fps']:g} fps -> "
                              f"{r['frames']} frames at {r['target_fps']:g} fps")
             if len(changed) > max_listed:
                 lines.append(f"  ... and {len(changed) - max_listed} more (see the JSON report)")
         if self.frame_count_mismatches:
             lines.append(f"container frame counts that were wrong: {len(self.frame_count_mismatches)}")
             for r in self.frame_count_mismatches[:max_listed]:
-                lines.append(f"  {r['path']}: container says {r['container_frames']}, stream holds {r['frames']}")
-        if self.ignored_files:
-            shown = ", ".join(Path(p).name for p in self.ignored_files[:5])
-            more = f", ... ({len(self.ignored_files)} in all)" if len(self.ignored_files) > 5 else ""
-            lines.append(f"ignored files (not a supported image or video extension): {shown}{more}")
+                lines.append(f"  {display_path(r['path'])}: container says {r['container_frames']}, "
+                             f"stream holds {r['frames']}")
+        lines.append(f"ignored files: {len(self.ignored_files)}")
+        for s in self.ignored_files:  # every one: a file a user expected to train must be findable here
+            lines.append(f"  {display_path(s['path'])}: {s['reason']}")
         lines.append(f"skipped files: {len(self.skipped)}")
         for s in self.skipped:  # every one: this is the list a user acts on
-            lines.append(f"  {s['path']}: {s['reason']}")
+            lines.append(f"  {display_path(s['path'])}: {s['reason']}")
         if self.verification:
             lines.append(f"decode verification events: {len(self.verification)}")
             for v in self.verification[:max_listed]:
-                lines.append(f"  {v['path']}: {v['action']} ({v['reason']})")
+                lines.append(f"  {display_path(v['path'])}: {v['action']} ({v['reason']})")
         if self.vram:
             v = self.vram
             lines.append("")

@@ -41,7 +41,11 @@ class EventRecorder:
 
     def __init__(self, path: Path, *, keep_through_step: int = 0) -> None:
         self.path = Path(path)
-        cut_back(self.path, keep_through_step)
+        kept = cut_back(self.path, keep_through_step)
+        # A resumed run delivers again a CheckpointSaved a kill may have cut short (core.loop); one already on
+        # record (the kill came while observers handled it) is not written twice.
+        self._on_record = {(r["step"], r.get("checkpoint")) for r in kept
+                           if r.get("_type") == "CheckpointSaved" and r["step"] == keep_through_step}
         self._fh = open_append(self.path)
 
     @property
@@ -52,6 +56,11 @@ class EventRecorder:
         bus.add_journal(self.write, owner=self)
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._on_record and record["_type"] == "CheckpointSaved":
+            key = (record["step"], record.get("checkpoint"))
+            if key in self._on_record:
+                self._on_record.discard(key)
+                return
         self._fh.write(encode_record(record))
         if record["_type"] not in _NOT_FLUSHED:
             self._fh.flush()

@@ -24,6 +24,7 @@ import structlog
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import MetricsLogged, RunStarted
 from wantrain.core.events.log import cut_back
+from wantrain.core.rundir import open_append
 
 log = structlog.get_logger("wantrain.observers.jsonl_metrics")
 
@@ -88,7 +89,7 @@ class JsonlMetrics(Observer):
     def _open(self) -> IO[bytes]:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab")  # noqa: SIM115 - held across events
+            self._file = open_append(self.path)  # held across events; never through a symbolic link
         return self._file
 
     def _close_file(self) -> None:

@@ -3,8 +3,8 @@ line (``wantrain.core.events.to_record``: the event's fields, ``_type``, ``seq``
 
 * Encode: :func:`encode_record` (orjson where that is exact, the ``json`` module for non-finite floats and events
   of registered types, whose fields are unknown here: ``NaN``/``Infinity`` as Python's ``json.loads`` reads them).
-* Append: :func:`open_append` (a gzip log is appended as further members; ``GzipFile.flush()`` is a
-  ``Z_SYNC_FLUSH``, so a killed run's file decompresses up to its last flush).
+* Append: :func:`open_append` (never through a symbolic link; a gzip log is appended as further members;
+  ``GzipFile.flush()`` is a ``Z_SYNC_FLUSH``, so a killed run's file decompresses up to its last flush).
 * Cut back to a step: :func:`cut_back` (any JSONL file of step records, plain or gzip: the event log and the
   metrics files on resume).
 * Iterate: :func:`iter_log_lines` (plain or gzip, a torn tail marked ``complete=False``).
@@ -39,6 +39,7 @@ import structlog
 
 from wantrain.core.errors import UserError
 from wantrain.core.events import CATALOGUE, SCHEMA_VERSION, Event, from_record, known_event_types
+from wantrain.core.rundir import open_append as open_append_no_follow
 
 log = structlog.get_logger("wantrain.replay")  # the name its warnings had when read() lived in replay
 
@@ -88,12 +89,27 @@ def encode_record(record: dict[str, Any]) -> bytes:
     return (_ENCODE(record) + "\n").encode()
 
 
+class _GzipAppend(gzip.GzipFile):
+    """A ``GzipFile`` over a file it was handed, closing that file too."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        super().__init__(fileobj=raw, mode="ab", compresslevel=6)
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
+
+
 def open_append(path: Path) -> IO[bytes]:
-    """The log opened for appending; a path ending in ``.gz`` is written gzip-compressed."""
-    if path.suffix == ".gz":
-        # GzipFile.flush() is a Z_SYNC_FLUSH: a readable prefix at every flush
-        return gzip.GzipFile(path, "ab", compresslevel=6)
-    return path.open("ab")
+    """The log opened for appending, never through a symbolic link (``core.rundir.open_append``: one line
+    instead); a path ending in ``.gz`` is written gzip-compressed."""
+    raw = open_append_no_follow(Path(path))
+    if Path(path).suffix == ".gz":
+        return _GzipAppend(raw)  # GzipFile.flush() is a Z_SYNC_FLUSH: a readable prefix at every flush
+    return raw
 
 
 def iter_log_lines(path: Path) -> Iterator[tuple[int, str, bool]]:
@@ -144,14 +160,15 @@ def _decodable_prefix(decompressor: Any, raw: bytes) -> bytes:
     return b"".join(out)
 
 
-def cut_back(path: Path, step: int) -> None:
+def cut_back(path: Path, step: int) -> list[dict[str, Any]]:
     """Keep only the complete lines of the JSONL file ``path`` (plain or gzip) that are records with an integer
     ``step <= step``, byte for byte, rewritten atomically; nothing happens when the file does not exist. Resume
-    cuts the event log and every metrics file back to the checkpoint's step with it (a torn tail goes too)."""
+    cuts the event log and every metrics file back to the checkpoint's step with it (a torn tail goes too).
+    Returns the kept records, parsed."""
     path = Path(path)
     if not path.exists():
-        return
-    kept = []
+        return []
+    kept, records = [], []
     for _, line, complete in iter_log_lines(path):
         try:
             record = json.loads(line)
@@ -159,6 +176,7 @@ def cut_back(path: Path, step: int) -> None:
             continue  # a blank or torn line
         if complete and isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line + "\n")
+            records.append(record)
     tmp = path.with_name(path.name + ".tmp")
     if path.suffix == ".gz":
         with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as fh:
@@ -166,6 +184,7 @@ def cut_back(path: Path, step: int) -> None:
     else:
         tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+    return records
 
 
 def read(path: str | Path, *, until: int | None = None) -> Iterator[Event]:

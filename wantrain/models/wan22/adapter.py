@@ -451,7 +451,8 @@ class Wan22Adapter:
                 value = saved[key]
                 if value.shape != param.shape:
                     raise UserError(f"the checkpoint's LoRA tensor {key!r} has shape {tuple(value.shape)}, this model "
-                                    f"has {tuple(param.shape)}; resume with the LoRA rank the run was started with")
+                                    f"has {tuple(param.shape)}; the checkpoint is damaged or from other LoRA "
+                                    "settings (core.state_check names which before a resume)")
                 param.copy_(value)
         for e in self.experts:
             self.set_lora_alpha(float(state["alpha"][e or "single"]), e)

@@ -55,6 +55,7 @@ from wantrain.core.events import (
     register_event_type,
 )
 from wantrain.core.events.log import cut_back
+from wantrain.core.rundir import open_append
 from wantrain.observers.alpha.config import CRITERIA, AlphaScheduleConfig
 from wantrain.observers.alpha.stats import DeviceWindow, SignAgreement, loss_statistics, window_mean
 
@@ -309,7 +310,7 @@ class AlphaController(Observer):
             })
         if lines:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.metrics_path, "a", encoding="utf-8") as f:
+            with open_append(self.metrics_path, text=True) as f:  # never through a symbolic link
                 f.writelines(json.dumps(line, allow_nan=False) + "\n" for line in lines)
 
     # -- checkpoint state --------------------------------------------------------------------------------------
