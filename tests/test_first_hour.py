@@ -1,0 +1,53 @@
+"""What a newcomer meets in the first hour (issue 29): a stop saves before anything else, ``check`` refuses a
+missing model, ``cache`` keeps other configs' entries, the stop message names the real config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_end_to_end import copy_examples
+from wantrain.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+STOP_AT = """
+from wantrain.core.events import OptimizerStepped
+from wantrain.observers import Observer, on
+
+
+class StopAt3(Observer):
+    @on(OptimizerStepped)
+    def stop(self, event, ctx):
+        if event.step == 3:
+            ctx.control.request_stop("test stop")
+"""
+
+
+def log_lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def test_a_stop_saves_first_and_skips_the_end_of_run_validation_and_samples(tmp_path, capsys):
+    config = copy_examples(tmp_path, validation_and_samples=True)
+    (tmp_path / "stop_observers.py").write_text(STOP_AT, encoding="utf-8")
+    text = config.read_text().replace("[train]", '[observers]\nextra = ["stop_observers:StopAt3"]\n\n[train]')
+    config.write_text(text, encoding="utf-8")
+    code = main(["run", str(config), "--max-steps", "10", "--set", "observers.progress=false"])
+    assert code == 3
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert [p.name for p in (run_dir / "samples").glob("*.mp4")] == ["step_000000_00.mp4"]  # the baseline only
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val/loss" in r] == [0]
+    events = [x["event"] for x in log_lines(run_dir)]
+    validations = [x for x in log_lines(run_dir) if x["event"] == "validation"]
+    assert [x["step"] for x in validations] == [0]
+    saved = events.index("lora_saved")
+    assert events.index("validation skipped: stopping") < saved
+    assert events.index("samples skipped: stopping") < saved
+    assert (run_dir / "checkpoints" / "step_000003" / "complete.json").exists()
+    err = capsys.readouterr().err
+    resume = f"wantrain run {config} --set observers.progress=false --max-steps 10 --resume auto"
+    assert f"continue with: {resume}" in err  # the real config and overrides, not a literal CONFIG
