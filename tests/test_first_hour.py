@@ -4,6 +4,7 @@ missing model, ``cache`` keeps other configs' entries, the stop message names th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,26 @@ def test_a_stop_saves_first_and_skips_the_end_of_run_validation_and_samples(tmp_
     err = capsys.readouterr().err
     resume = f"wantrain run {config} --set observers.progress=false --max-steps 10 --resume auto"
     assert f"continue with: {resume}" in err  # the real config and overrides, not a literal CONFIG
+
+
+def test_cache_keeps_other_configs_entries_and_prunes_only_on_request_saying_what_first(tmp_path, capsys):
+    config = copy_examples(tmp_path)
+    other = ["--set", "data.frames=[5]"]  # another config on the same data: shorter clips, other latents
+    latents = tmp_path / "demo_data" / ".wantrain_cache" / "latents"
+    assert main(["cache", str(config), *other]) == 0
+    theirs = {p.name for p in latents.iterdir()}
+    capsys.readouterr()
+    assert main(["cache", str(config)]) == 0
+    both = {p.name for p in latents.iterdir()}
+    assert theirs < both  # nothing of the other config deleted
+    out = capsys.readouterr().out
+    unused = int(re.search(r"cache: (\d+) latents and 0 text embeddings \(.*\) in .* are not used by this config",
+                           out).group(1))
+    assert 0 < unused <= len(theirs)  # the images' latents are shared: the same in both configs
+    assert f"`wantrain cache {config} --prune` deletes them" in out
+    assert main(["cache", str(config), "--prune"]) == 0
+    out = capsys.readouterr().out
+    assert out.index(f"cache: removing {unused} latents") < out.index(f"cache: {unused} entries removed")
+    assert len(list(latents.iterdir())) == len(both) - unused
+    assert main(["cache", str(config)]) == 0  # everything this config uses is still there
+    assert "0 latents and 0 text embeddings encoded" in capsys.readouterr().out

@@ -32,11 +32,12 @@ def preflight_report(cfg: Any, *, verify: bool = False) -> PreflightReport:
 
 
 def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
-    """Encode what the cache lacks (``wantrain cache``), on the CPU; the stats and the data report."""
+    """Encode what the cache lacks (``wantrain cache``), on the CPU; the stats (with the entries this config does
+    not use, left in place) and the data report."""
     data = dataset(cfg)
     encoders = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=torch.device("cpu"),
                              base_lr=cfg.optimizer.lr)
-    return ensure_cache(data, encoders), data.report
+    return ensure_cache(data, encoders, remove_orphans=False), data.report
 
 
 def memory_options(cfg) -> dict:
