@@ -75,3 +75,17 @@ def test_cache_keeps_other_configs_entries_and_prunes_only_on_request_saying_wha
     assert len(list(latents.iterdir())) == len(both) - unused
     assert main(["cache", str(config)]) == 0  # everything this config uses is still there
     assert "0 latents and 0 text embeddings encoded" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override, expected", [
+    ('model.path="does/not/exist"', "does/not/exist' is not a directory"),
+    ('model.variant="t2v-a14b"', "model.path is required for t2v-a14b"),
+])
+def test_check_refuses_a_missing_model_as_run_does(tmp_path, capsys, override, expected):
+    config = copy_examples(tmp_path)
+    assert main(["check", str(config), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert main(["run", str(config), "--set", override]) == 2  # the same line from run
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

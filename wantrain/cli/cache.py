@@ -22,8 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wantrain.app.preflight import fill_cache
-    from wantrain.data.cache import describe_entries, remove_entries
+    from wantrain.app.preflight import describe_entries, fill_cache, remove_entries
 
     stats, report = fill_cache(load_run_config(args))
     print(stats.format())
