@@ -89,3 +89,54 @@ def test_check_refuses_a_missing_model_as_run_does(tmp_path, capsys, override, e
     assert main(["run", str(config), "--set", override]) == 2  # the same line from run
     assert expected in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+DOUBLE_CTRL_C = """
+import os
+import signal
+
+from wantrain.core.events import OptimizerStepped
+from wantrain.observers import Observer, on
+
+
+class DoubleCtrlC(Observer):
+    @on(OptimizerStepped)
+    def press(self, event, ctx):
+        if event.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # the first stops after this step
+            os.kill(os.getpid(), signal.SIGINT)  # the second aborts at once
+"""
+
+
+def test_a_second_ctrl_c_aborts_with_code_130_logged_as_aborted(tmp_path, capsys):
+    config = copy_examples(tmp_path)
+    (tmp_path / "ctrl_c_observers.py").write_text(DOUBLE_CTRL_C, encoding="utf-8")
+    text = config.read_text().replace("[train]", '[observers]\nextra = ["ctrl_c_observers:DoubleCtrlC"]\n\n[train]')
+    config.write_text(text, encoding="utf-8")
+    assert main(["run", str(config), "--max-steps", "10", "--set", "observers.progress=false"]) == 130
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    ended = log_lines(run_dir)[-1]
+    assert ended["event"] == "run_ended" and ended["status"] == "aborted"
+    err = capsys.readouterr().err
+    assert "wantrain run: aborted" in err and "Traceback" not in err
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
+
+
+def test_inspect_lora_into_a_closed_pipe_stops_without_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "lora.safetensors"
+    save_file({f"diffusion_model.blocks.{i}.self_attn.q.{part}.weight": torch.zeros(4, 4)
+               for i in range(40) for part in ("lora_A", "lora_B")}, str(path))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "wantrain", "inspect-lora", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # `| head` that has already gone: every write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
