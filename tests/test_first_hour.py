@@ -140,3 +140,29 @@ def test_inspect_lora_into_a_closed_pipe_stops_without_a_traceback(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_expert_switches_stay_in_log_jsonl_and_off_the_console(tmp_path, capsys):
+    import structlog
+
+    from wantrain.app.logs import close_log_file, configure_logging
+
+    handler = configure_logging(tmp_path / "log.jsonl")
+    log = structlog.get_logger("wantrain.run")
+    log.info("expert_switched", step=11, previous="high_noise", expert="low_noise")
+    log.info("run_started", total_steps=20)
+    close_log_file(handler)
+    err = capsys.readouterr().err
+    assert "run_started" in err and "expert_switched" not in err
+    assert [x["event"] for x in log_lines(tmp_path)] == ["expert_switched", "run_started"]
+
+
+def test_importing_the_sampling_pipelines_logs_no_torchvision_notice(capfd):
+    import subprocess
+    import sys
+
+    code = "from wantrain.models.wan22.architecture import wan_pipelines; wan_pipelines(); print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.strip() == "ok", done.stderr
+    assert "torchvision" not in done.stderr and "CLIPImageProcessor" not in done.stderr
