@@ -81,16 +81,17 @@ def test_readme_observer_example_runs_and_receives_events(tmp_path, capsys):
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     block = re.search(r"<!-- observer-example:start -->\s*```python\n(.*?)```", readme, re.S)
     assert block, "README lost its observer example"
-    config = copy_examples(tmp_path)
+    config = copy_examples(tmp_path, validation_and_samples=True)  # the quickstart as a user has it
     (tmp_path / "my_observers.py").write_text(block.group(1), encoding="utf-8")
     toml_snippet = re.search(r"```toml\n(\[observers\]\nextra = .*?)```", readme, re.S).group(1)
     config.write_text(config.read_text().replace("[train]", toml_snippet + "\n[train]"), encoding="utf-8")
     code = main(["run", str(config), "--max-steps", "10", "--set", "train.log_every=5",
                  "--set", "observers.progress=false"])
-    assert code == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert code == 0, err
     assert "step 5: loss" in out and "step 10: loss" in out
     assert "LossWatch saw 2 log steps; run completed" in out
+    assert "Traceback" not in out + err and "observer_error" not in err
 
 
 def test_check_prints_the_preflight_report_for_the_quickstart(tmp_path, capsys):

@@ -120,3 +120,11 @@ def test_a_plain_stream_reads_the_clock_at_log_steps_only():
     drive(ProgressLine(stream=out, clock=clock), clock, steps=10, log_every=5)
     assert clock.calls == 3  # the run's start and the two log steps, not every step
     assert "2.00 it/s" in out.getvalue().splitlines()[-1]
+
+
+def test_progress_shows_an_adaptive_optimizers_effective_lr_beside_its_multiplier():
+    clock, out = FakeClock(), io.StringIO()
+    progress = ProgressLine(stream=out, clock=clock)
+    drive(progress, clock, values={"train/loss": 0.5, "optimizer/effective_lr/high_noise": 3e-5,
+                                   "optimizer/effective_lr/low_noise": 4e-5})
+    assert "| lr 0.0002 (effective 4e-05) |" in progress.render()  # the active expert's group

@@ -110,3 +110,31 @@ def test_a_backend_that_cannot_step_on_the_device_is_one_line(monkeypatch):
 @pytest.mark.parametrize("kind", ["adamw", "adamw8bit", "prodigy", "adafactor", "adamw_schedulefree"])
 def test_every_type_steps_on_the_cpu(kind):
     check_optimizer(optimizer({"type": kind}), torch.device("cpu"))  # raises UserError when it cannot
+
+
+@pytest.mark.parametrize("table, key", [
+    ({"optimizer": {"type": "prodigy", "lr": 2e-3}}, "optimizer.lr = 0.002"),  # the quickstart's AdamW LR kept
+    ({"optimizer": {"type": "prodigy", "lr": 50.0}}, "optimizer.lr = 50"),
+    ({"optimizer": {"type": "prodigy"}, "model": {"lr_low_noise": 1e-4}}, "model.lr_low_noise = 0.0001"),
+])
+def test_an_adaptive_optimizers_multiplier_far_from_its_documented_value_is_refused(table, key):
+    with pytest.raises(ConfigError) as info:
+        structure(RunConfig, table)
+    message = str(info.value)
+    assert message.startswith(key) and "documented value 1" in message and "0.1 to 10" in message
+
+
+def test_an_adaptive_optimizers_multiplier_near_its_documented_value_is_accepted():
+    cfg = structure(RunConfig, {"optimizer": {"type": "prodigy", "lr": 0.5}, "model": {"lr_high_noise": 2.0}})
+    assert cfg.optimizer.lr == 0.5 and cfg.model.lr_high_noise == 2.0
+    assert structure(RunConfig, {"optimizer": {"lr": 2e-3}}).optimizer.lr == 2e-3  # AdamW: any positive LR
+
+
+def test_prodigy_over_the_quickstart_is_refused_before_the_run_directory(tmp_path, capsys):
+    from tests.test_end_to_end import copy_examples
+
+    config = copy_examples(tmp_path)
+    assert main(["run", str(config), "--set", 'optimizer.type="prodigy"']) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.lr = 0.002 with optimizer.type = 'prodigy'" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()

@@ -25,6 +25,7 @@ from wantrain.observers.alpha.config import AlphaScheduleConfig
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
 from wantrain.observers.lr_finder.config import LrFinderConfig
 from wantrain.optimizers.config import OptimizerConfig
+from wantrain.optimizers.registry import check_lr_multiplier
 from wantrain.schedulers.config import SchedulerConfig
 
 
@@ -76,6 +77,13 @@ class RunConfig:
     lr_finder: LrFinderConfig = setting(factory=LrFinderConfig, doc="Learning-rate range test.")
     validation: ValidationConfig = setting(factory=ValidationConfig, doc="Validation loss at fixed timesteps.")
     sample: SampleConfig = setting(factory=SampleConfig, doc="Sample videos during training.")
+
+    def __attrs_post_init__(self) -> None:
+        for key in ("lr_high_noise", "lr_low_noise"):  # per-expert LRs multiply an adaptive optimizer's estimate too
+            try:
+                check_lr_multiplier(self.optimizer.type, f"model.{key}", getattr(self.model, key))
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 name_sections(RunConfig)  # code-built sections name their keys in errors (``validation.every``)

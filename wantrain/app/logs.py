@@ -21,6 +21,15 @@ _SHARED = [
     structlog.processors.TimeStamper(fmt="iso", utc=True),
 ]
 
+# Events written to log.jsonl but not to the console: routine, frequent, and shown by the progress line anyway
+# (``expert_switched`` comes every ``model.switch_every`` steps; the progress line names the expert).
+FILE_ONLY = frozenset({"expert_switched"})
+
+
+def _not_file_only(record: logging.LogRecord) -> bool:
+    event = record.msg.get("event") if isinstance(record.msg, dict) else None
+    return event not in FILE_ONLY
+
 
 def configure_logging(log_file: Path | None = None, *, level: int = logging.INFO) -> logging.Handler | None:
     """Send wantrain's logs to stderr (readable) and, if given, ``log_file`` (one JSON object per line).
@@ -50,6 +59,7 @@ def configure_logging(log_file: Path | None = None, *, level: int = logging.INFO
             ),
         ],
     ))
+    console.addFilter(_not_file_only)
     root.addHandler(console)
 
     file_handler = None

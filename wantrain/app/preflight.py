@@ -4,16 +4,20 @@ carries the full report (every skipped and ignored file) for ``wantrain check`` 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from wantrain.app.observers import resolve_extra_observers
 from wantrain.data import CacheStats, build_dataset, ensure_cache
+from wantrain.data.cache import describe_entries, remove_entries
 from wantrain.data.dataset import NoUsableSample
 from wantrain.data.report import PreflightReport, estimate_sampling_vram_gb
-from wantrain.models.wan22 import build_adapter
+from wantrain.models.wan22 import build_adapter, check_model_files
 from wantrain.models.wan22.variants import variant_spec
-from wantrain.observers.evaluation.config import sample_size
+from wantrain.observers.evaluation.config import check_sections, sample_size
+from wantrain.schedulers import check_scheduler
 
 __all__ = ["NoUsableSample", "dataset", "fill_cache", "preflight_report"]
 
@@ -24,9 +28,15 @@ def dataset(cfg: Any) -> Any:
                          batch_size=cfg.train.batch_size)
 
 
-def preflight_report(cfg: Any, *, verify: bool = False) -> PreflightReport:
+def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None = None) -> PreflightReport:
     """The pre-flight data report of ``wantrain check`` (``verify``: decode every clip first), with the VRAM
-    estimate of training and, with ``[sample]`` on, of sampling."""
+    estimate of training and, with ``[sample]`` on, of sampling. First the checks ``wantrain run`` makes before it
+    loads anything (the schedule, users' observers, the model files, [validation]/[sample]): the same one-line
+    refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys go."""
+    check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
+    resolve_extra_observers(cfg, config_dir)
+    check_model_files(cfg.model)
+    check_sections(cfg.validation, cfg.sample, variant_spec(cfg.model.variant), cfg.model.trained_experts)
     data = dataset(cfg)
     if verify:
         data.verify_all()
@@ -36,11 +46,16 @@ def preflight_report(cfg: Any, *, verify: bool = False) -> PreflightReport:
 
 
 def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
-    """Encode what the cache lacks (``wantrain cache``), on the CPU; the stats and the data report."""
+    """Encode what the cache lacks (``wantrain cache``), on the CPU; the stats (with the entries this config does
+    not use, left in place) and the data report."""
     data = dataset(cfg)
     encoders = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=torch.device("cpu"),
                              base_lr=cfg.optimizer.lr)
-    return ensure_cache(data, encoders), data.report
+    return ensure_cache(data, encoders, remove_orphans=False), data.report
+
+
+__all__ = ["add_sampling_estimate", "dataset", "describe_entries", "fill_cache", "memory_options", "preflight_report",
+           "remove_entries"]
 
 
 def memory_options(cfg) -> dict:

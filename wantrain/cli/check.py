@@ -1,6 +1,8 @@
 """``wantrain check CONFIG``: the pre-flight data report (buckets, skipped files, waste, steps, VRAM estimate).
 
-Probes and plans only (no decoding, no model) unless ``--verify`` asks for every clip to be decoded.
+First the checks ``wantrain run`` makes before loading anything (model files, schedule, users' observers, the
+[validation]/[sample] sections), with the same one-line refusals and exit code 2. Probes and plans only (no
+decoding, no model loaded) unless ``--verify`` asks for every clip to be decoded.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from wantrain.core.errors import UserError
 
     try:
-        report = preflight_report(load_run_config(args), verify=args.verify)
+        report = preflight_report(load_run_config(args), verify=args.verify, config_dir=Path(args.config).parent)
     except NoUsableSample as exc:  # the report is what the user needs: every skipped and ignored file
         _print(exc.report, args.json)
         raise UserError(exc.summary + " (every file is listed above)") from None

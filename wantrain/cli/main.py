@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from wantrain.core.errors import UserError
@@ -44,12 +45,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        code = int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # the reader closed the pipe: stop quietly, as `cat` does; stdout goes to /dev/null so that the
+        # interpreter's own flush at exit does not raise again (the recipe of Python's signal docs)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what the shell reports for a tool killed by a closed pipe
     except UserError as exc:
         print(f"wantrain {args.command}: error: {exc}", file=sys.stderr)
         return UserError.exit_code
     except KeyboardInterrupt:
-        print(f"wantrain {args.command}: interrupted", file=sys.stderr)
+        print(f"wantrain {args.command}: aborted (Ctrl-C); nothing was saved after the last checkpoint",
+              file=sys.stderr)
         return 130
 
 

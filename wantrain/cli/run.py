@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from wantrain.cli.common import add_config_arguments
@@ -57,6 +58,16 @@ def lr_finder_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def continue_command(args: argparse.Namespace) -> str:
+    """The command that resumes this run: the config as given, the same overrides, ``--resume auto``."""
+    words = ["wantrain", "run", str(args.config)]
+    for item in args.set or []:
+        words += ["--set", item]
+    if args.max_steps is not None:
+        words += ["--max-steps", str(args.max_steps)]
+    return shlex.join([*words, "--resume", "auto"])
+
+
 def run(args: argparse.Namespace) -> int:
     from wantrain.app.train import train
 
@@ -81,5 +92,5 @@ def run(args: argparse.Namespace) -> int:
     if outcome.checkpoint:
         print(f"  checkpoint: {outcome.checkpoint}", file=sys.stderr)
     if outcome.status == "stopped" and outcome.checkpoint:
-        print("  continue with: wantrain run CONFIG --resume auto", file=sys.stderr)
+        print(f"  continue with: {continue_command(args)}", file=sys.stderr)
     return outcome.exit_code

@@ -220,6 +220,9 @@ class Trainer:
         except CriticalObserverError as exc:
             status, reason = "failed", str(exc)
             raise
+        except KeyboardInterrupt:
+            status, reason = "aborted", "interrupted (a second Ctrl-C): nothing saved since the last checkpoint"
+            raise
         except BaseException as exc:
             status, reason = "failed", f"{type(exc).__name__}: {exc}"
             raise

@@ -11,7 +11,8 @@ clip's pixels (start, frames, source and target fps, bucket size, resize version
 key hashes the caption and :func:`text_identity` (which adds the text encoder's dtype, text length and prompt
 cleaning). Changing one processing parameter therefore misses exactly the entries it affects. Writes go to a
 temporary file in the same folder and are renamed into place, so a killed run never leaves a half-written entry.
-:func:`remove_orphans` deletes entries no current clip or caption uses.
+:func:`find_orphans` lists entries no current clip or caption uses (they may be another config's: every config
+on one data folder shares its cache); :func:`remove_orphans` deletes them (``wantrain cache --prune``).
 
 This module owns the storage (keys, files, orphans) and knows nothing of datasets; ``training.py`` fills it
 (``TrainingData.fill_cache``, :func:`wantrain.data.training.ensure_cache`).
@@ -19,6 +20,7 @@ This module owns the storage (keys, files, orphans) and knows nothing of dataset
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -120,6 +122,7 @@ class CacheStats:
     texts_encoded: int
     orphans_removed: int
     clips_failed: int  # clips that could not be decoded (now in the report's verification list)
+    orphans: tuple[Path, ...] = ()  # entries no clip or caption of this config uses (found, removed or not)
 
     @property
     def hits(self) -> int:
@@ -132,22 +135,22 @@ class CacheStats:
     def format(self) -> str:
         return (f"cache: {self.latents_hit} latents and {self.texts_hit} text embeddings already cached, "
                 f"{self.latents_encoded} latents and {self.texts_encoded} text embeddings encoded, "
-                f"{self.orphans_removed} orphaned entries removed, {self.clips_failed} clips failed to decode")
+                f"{self.clips_failed} clips failed to decode")
 
 
-def remove_orphans(expected: dict[Path, set[Path]], *, now: float | None = None) -> int:
-    """Delete entries in the ``latents``/``text`` folders of each cache folder that are not in
-    ``expected[cache_dir]``, and temporary files older than :data:`STALE_TMP_SECONDS` (a killed writer's). Younger
-    temporary files may belong to a run writing right now (``wantrain run`` encodes on first use): deleting one
-    would fail that writer's rename."""
+def find_orphans(expected: dict[Path, set[Path]], *, now: float | None = None) -> list[Path]:
+    """Entries in the ``latents``/``text`` folders of each cache folder that are not in ``expected[cache_dir]``,
+    and temporary files older than :data:`STALE_TMP_SECONDS` (a killed writer's). Younger temporary files may belong
+    to a run writing right now (``wantrain run`` encodes on first use): deleting one would fail that writer's rename.
+    Other configs on the same data share its cache folder: an entry this config does not use may be theirs."""
     now = time.time() if now is None else now
-    removed = 0
+    found = []
     for cache_dir, keep in expected.items():
         for kind in ("latents", "text"):
             folder = cache_dir / kind
             if not folder.is_dir():
                 continue
-            for f in folder.iterdir():
+            for f in sorted(folder.iterdir()):
                 if not f.is_file() or f in keep:
                     continue
                 try:
@@ -156,6 +159,35 @@ def remove_orphans(expected: dict[Path, set[Path]], *, now: float | None = None)
                 except FileNotFoundError:  # renamed into place by its writer meanwhile
                     continue
                 if orphan:
-                    f.unlink(missing_ok=True)
-                    removed += 1
+                    found.append(f)
+    return found
+
+
+def remove_entries(paths: list[Path] | tuple[Path, ...]) -> int:
+    """Delete these cache files (those :func:`find_orphans` found); returns how many were still there."""
+    removed = 0
+    for f in paths:
+        try:
+            f.unlink()
+        except FileNotFoundError:
+            continue
+        removed += 1
     return removed
+
+
+def remove_orphans(expected: dict[Path, set[Path]], *, now: float | None = None) -> int:
+    """Delete what :func:`find_orphans` finds; returns how many files were deleted."""
+    return remove_entries(find_orphans(expected, now=now))
+
+
+def describe_entries(paths: list[Path] | tuple[Path, ...]) -> str:
+    """``"12 latents and 3 text embeddings (4.1 MB) in /data/.wantrain_cache"`` for a list of cache files."""
+    size, kinds, folders = 0, {"latents": 0, "text": 0}, []
+    for f in paths:
+        with contextlib.suppress(FileNotFoundError):
+            size += f.stat().st_size
+        kinds[f.parent.name] = kinds.get(f.parent.name, 0) + 1
+        if str(f.parent.parent) not in folders:
+            folders.append(str(f.parent.parent))
+    return (f"{kinds['latents']} latents and {kinds['text']} text embeddings ({size / 1e6:.1f} MB) in "
+            f"{', '.join(folders)}")

@@ -373,18 +373,21 @@ class TrainingData:
         for cap in {c.caption for c in self.clips if c.active}:
             d = self._caption_dir(cap)
             expected[d].add(cachelib.entry_path(d, "text", cachelib.text_key(cap, cachelib.text_identity(encoders))))
-        removed = cachelib.remove_orphans(expected) if remove_orphans else 0
+        orphans = tuple(cachelib.find_orphans(expected))
+        removed = cachelib.remove_entries(orphans) if remove_orphans else 0
         texts_total = len({c.caption for c in self.clips if c.active})
         return cachelib.CacheStats(
             latents_hit=stats["latents_hit"], latents_encoded=stats["latents_encoded"],
             texts_hit=texts_total - stats["texts_encoded"], texts_encoded=stats["texts_encoded"],
-            orphans_removed=removed, clips_failed=stats["clips_failed"],
+            orphans_removed=removed, clips_failed=stats["clips_failed"], orphans=orphans,
         )
 
 
 def ensure_cache(data: TrainingData, encoders: Any, *, remove_orphans: bool = True) -> cachelib.CacheStats:
-    """Encode and cache every clip and caption that is not cached yet, then (``wantrain cache``) remove orphaned
-    entries; ``wantrain run`` calls it with ``remove_orphans=False`` and never deletes anything.
+    """Encode and cache every clip and caption that is not cached yet, then remove the entries no clip or caption
+    of ``data`` uses (``remove_orphans``; they are listed in the stats' ``orphans`` either way). ``wantrain run`` and
+    ``wantrain cache`` call it with ``remove_orphans=False``: other configs on the same data share the cache
+    folder, and only ``wantrain cache --prune`` deletes.
 
     Decodes only the clips whose latents are missing; calls the encoders only when something is missing. Clips that
     fail to decode are re-bucketed or skipped (recorded in ``data.report.verification``).

@@ -65,6 +65,7 @@ class ProgressLine(Observer):
         self.step = 0
         self.expert: str | None = None
         self.lr: float | None = None
+        self.effective_lr: float | None = None  # an adaptive optimizer's d x lr (optimizer/effective_lr/<group>)
         self._stepped: OptimizerStepped | None = None  # the latest step's event, read when the line is drawn
         self.loss_ema: dict[str | None, float] = {}
         self.alpha_phase: float | None = None
@@ -118,6 +119,10 @@ class ProgressLine(Observer):
                 continue  # a NaN would poison the average forever; the sinks still record it
             previous = self.loss_ema.get(expert)
             self.loss_ema[expert] = loss if previous is None else self.beta * previous + (1 - self.beta) * loss
+        effective = {k.removeprefix("optimizer/effective_lr/"): v for k, v in values.items()
+                     if k.startswith("optimizer/effective_lr/")}
+        if effective:  # the active expert's group, else the first one
+            self.effective_lr = effective.get(self.expert, next(iter(effective.values())))
         if "alpha/phase" in values:
             self.alpha_phase = values["alpha/phase"]
         if "train/skipped_steps" in values and math.isfinite(values["train/skipped_steps"]):
@@ -166,6 +171,8 @@ class ProgressLine(Observer):
         loss = self.loss_ema.get(self.expert, self.loss_ema.get(None))
         parts.append(f"loss {loss:.4g}" if loss is not None else "loss ?")
         parts.append(f"lr {self.lr:.3g}" if self.lr is not None else "lr ?")
+        if self.effective_lr is not None:  # Prodigy: lr is a multiplier; this is the step size it takes
+            parts[-1] += f" (effective {self.effective_lr:.3g})"
         if self.expert is not None:
             parts.append(f"expert {self.expert}")
         if self.alpha_phase is not None and math.isfinite(self.alpha_phase):

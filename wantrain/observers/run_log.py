@@ -50,5 +50,5 @@ class RunLog(Observer):
 
     @on(RunEnded)
     def ended(self, event: RunEnded, ctx) -> None:
-        method = log.info if event.status != "failed" else log.error
+        method = {"failed": log.error, "aborted": log.warning}.get(event.status, log.info)
         method("run_ended", step=event.step, status=event.status, reason=event.reason)

@@ -38,7 +38,8 @@ from wantrain.core.events import MetricsLogged, RunEnded, RunStarted
 
 HPARAM_METRICS = ("train/loss",)
 _INVALID_TAG_CHARACTERS = re.compile(r"[^-/\w\.]")
-_END_STATUS = {"completed": "STATUS_SUCCESS", "stopped": "STATUS_SUCCESS", "failed": "STATUS_FAILURE"}
+_END_STATUS = {"completed": "STATUS_SUCCESS", "stopped": "STATUS_SUCCESS", "aborted": "STATUS_FAILURE",
+               "failed": "STATUS_FAILURE"}
 
 
 def flatten_hparams(config: Mapping[str, Any], prefix: str = "") -> dict[str, bool | int | float | str]:

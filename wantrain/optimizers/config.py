@@ -22,7 +22,15 @@ from typing import Any
 
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
-from wantrain.optimizers.registry import COMMON_KEYS, EXTERNAL, RESERVED, TYPE_NAMES, TYPES, resolve_type_class
+from wantrain.optimizers.registry import (
+    COMMON_KEYS,
+    EXTERNAL,
+    RESERVED,
+    TYPE_NAMES,
+    TYPES,
+    check_lr_multiplier,
+    resolve_type_class,
+)
 
 log = logging.getLogger("wantrain.optimizers")
 TABLE = "optimizer"
@@ -163,6 +171,10 @@ def _validate(cfg: OptimizerConfig) -> dict[str, Any]:
         required = [p for p in _required(cls) if p not in given]
         if required:
             raise ConfigError(f"{TABLE}.{required[0]} is required by {label} (add it to the [{TABLE}] table)")
+    try:
+        check_lr_multiplier(cfg.type, f"{TABLE}.lr", cfg.lr)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _trial_construction(cfg, cls, label, defaults)
     return {k: v for k, v in defaults.items() if k in COMMON_KEYS}
 

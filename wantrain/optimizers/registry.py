@@ -31,6 +31,8 @@ class OptimizerType:
     group_state_keys: tuple[str, ...] = ()
     modes: bool = False  # train()/eval(): eval-mode weights are the ones saved
     adaptive_lr: str | None = None  # parameter-group key of the optimizer's own step-size estimate
+    # with adaptive_lr, lr multiplies the estimate: the accepted multipliers around the documented one (inclusive)
+    lr_range: tuple[float, float] | None = None
     summary: str = ""
     shown: str = ""  # how messages name the class (the library's, where wantrain subclasses it)
 
@@ -66,7 +68,7 @@ TYPES: dict[str, OptimizerType] = {
             "prodigy", "wantrain.optimizers.prodigy.ExpertProdigy", "prodigyopt", {**_ADAM_DEFAULTS, "lr": 1.0},
             refused={"fsdp_in_use": "wantrain does not train with FSDP"},
             group_state_keys=("d", "d_max", "d_numerator", "d_denom", "d_hat", "k"),
-            adaptive_lr="d", shown="prodigyopt.Prodigy",
+            adaptive_lr="d", shown="prodigyopt.Prodigy", lr_range=(0.1, 10.0),
             summary="Prodigy: estimates the step size d itself; lr is a multiplier (keep 1.0)",
         ),
         OptimizerType(
@@ -100,3 +102,22 @@ def resolve_type_class(spec: OptimizerType) -> type:
             f"optimizer.type = {spec.name!r} needs the Python package {spec.package or spec.class_path.split('.')[0]}"
             f", which cannot be imported ({exc}); {INSTALL_HINT}"
         ) from None
+
+
+def check_lr_multiplier(type_name: str, key: str, value: float | None) -> None:
+    """An adaptive optimizer's ``lr`` multiplies its own step-size estimate (Prodigy: ``d``, documented lr 1.0): a
+    value far from that -- an AdamW learning rate such as 2e-3 left in the config -- makes the effective LR ~1000x
+    smaller and the LoRA trains nothing, without a word. Refused (ValueError: the config layer words it)."""
+    spec = TYPES.get(type_name)
+    if value is None or spec is None or spec.lr_range is None:
+        return
+    low, high = spec.lr_range
+    if not low <= value <= high:
+        default = spec.defaults["lr"]
+        ratio = f"{default / value:.0f}x smaller" if value < default else f"{value / default:.0f}x larger"
+        raise ValueError(
+            f"{key} = {value:g} with optimizer.type = {type_name!r}: {spec.shown or spec.class_path}'s lr multiplies "
+            f"the step size it estimates itself (documented value {default:g}; accepted {low:g} to {high:g}), so "
+            f"{value:g} would make the effective LR {ratio} than it chooses; remove {key} or set it within "
+            f"{low:g} to {high:g}"
+        )

@@ -204,10 +204,11 @@ class ObserverFailed(Event):
 
 @attrs.frozen(slots=True, kw_only=True)
 class RunEnded(Event):
-    """The run is over: ``status`` is ``completed`` (all steps), ``stopped`` (an observer or a signal asked) or
-    ``failed`` (an exception; ``reason`` names it)."""
+    """The run is over: ``status`` is ``completed`` (all steps), ``stopped`` (an observer or a signal asked),
+    ``aborted`` (a second Ctrl-C: ``KeyboardInterrupt``, nothing saved) or ``failed`` (an exception; ``reason``
+    names it)."""
 
-    status: Literal["completed", "stopped", "failed"]
+    status: Literal["completed", "stopped", "aborted", "failed"]
     reason: str | None
 
 

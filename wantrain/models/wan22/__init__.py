@@ -3,6 +3,7 @@
 Public API used by the core, the data code and the CLI::
 
     build_adapter(model, lora, *, seed, device, base_lr) -> Wan22Adapter
+    check_model_files(model)   # the model-file checks of build_adapter, loading nothing (wantrain check)
     Wan22Adapter, VariantSpec, VARIANTS, variant_spec, ModelConfig, LoraConfig
 """
 
@@ -12,9 +13,11 @@ import torch
 
 from wantrain.models.wan22.adapter import Wan22Adapter
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
+from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec, variant_spec
 
-__all__ = ["VARIANTS", "LoraConfig", "ModelConfig", "VariantSpec", "Wan22Adapter", "build_adapter", "variant_spec"]
+__all__ = ["VARIANTS", "LoraConfig", "ModelConfig", "VariantSpec", "Wan22Adapter", "build_adapter",
+           "check_model_files", "variant_spec"]
 
 
 def build_adapter(
@@ -26,3 +29,10 @@ def build_adapter(
     Raises ``UserError`` (one line) for a missing/incomplete model directory, a bad single file, or fp8 on CPU.
     """
     return Wan22Adapter(model, lora, seed=seed, device=torch.device(device), base_lr=base_lr)
+
+
+def check_model_files(model: ModelConfig) -> None:
+    """The checks ``build_adapter`` makes before loading anything -- ``model.path`` (or the single files) exists
+    and holds every part the run needs, each transformer config matches the variant -- with the same one-line
+    ``UserError``; reads only config files. ``wantrain check`` runs them, so it refuses what ``run`` would."""
+    WeightSource(model, seed=0)

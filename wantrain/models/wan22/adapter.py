@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
+from wantrain.models.wan22 import architecture
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.models.wan22.export import (
     ADAPTER_NAME,
@@ -312,8 +313,7 @@ class Wan22Adapter:
         """diffusers' own ``WanPipeline`` / ``WanImageToVideoPipeline`` around the training transformers (LoRA
         active, no copies) and ``vae``; no text encoder (pass ``prompt_embeds`` and ``negative_prompt_embeds``).
         Both experts of an A14B variant must be trained. The caller places the experts (:meth:`activate`)."""
-        from diffusers import WanImageToVideoPipeline, WanPipeline
-
+        WanPipeline, WanImageToVideoPipeline = architecture.wan_pipelines()
         parts: dict[str, Any] = dict(tokenizer=None, text_encoder=None, vae=vae, scheduler=self.sampling_scheduler())
         if self.spec.boundary_ratio is None:
             parts.update(transformer=self._transformers[None], expand_timesteps=True)

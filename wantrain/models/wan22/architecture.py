@@ -147,13 +147,29 @@ def tiny_text_encoder(spec: VariantSpec, seed: int):
         return UMT5EncoderModel(config).eval()
 
 
+def wan_pipelines() -> tuple[type, type]:
+    """diffusers' ``WanPipeline`` and ``WanImageToVideoPipeline``. Importing the second makes transformers log, once,
+    that ``CLIPImageProcessor`` falls back to its PIL twin when torchvision is not installed; wantrain never builds
+    that processor (``image_processor=None``: Wan 2.2 has no CLIP image branch), so the notice is kept quiet."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        from diffusers import WanImageToVideoPipeline, WanPipeline
+    finally:
+        hf_logging.set_verbosity(level)
+    return WanPipeline, WanImageToVideoPipeline
+
+
 def write_tiny_diffusers_dir(spec: VariantSpec, seed: int, path) -> None:
     """Write a complete tiny diffusers pipeline directory (what ``WanPipeline.from_pretrained`` reads).
 
     Used by tests and by anyone who wants to see the layout wantrain expects from a real model directory.
     """
-    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
+    from diffusers import UniPCMultistepScheduler
 
+    WanPipeline, WanImageToVideoPipeline = wan_pipelines()
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         flow_shift=5.0 if spec.vae == "wan2.2" else 3.0)
     parts = dict(tokenizer=tiny_tokenizer(spec), text_encoder=tiny_text_encoder(spec, seed), vae=tiny_vae(spec, seed),

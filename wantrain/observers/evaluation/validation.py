@@ -13,7 +13,8 @@ Metrics (host floats, docs/metrics.md):
 * ``val/loss/t_<t>`` -- the mean over the clips at one timestep (``val/loss/t_0.5``).
 
 When: at step 0 (the baseline, at ``RunStarted`` of a fresh run), every ``validation.every`` optimizer steps and
-at the last step (also when a stop was requested before the step's ``OptimizerStepped``). On a log step the
+at the last step. A stop (Ctrl-C, SIGTERM, an observer's request) skips the validation of its step, so the LoRA and
+the checkpoint are saved at once (a preemption's grace period is short); the run log says so. On a log step the
 values join the step's ``MetricsLogged`` through ``ctx.metrics`` (one line, one event); at step 0 and at other
 steps the observer emits a ``MetricsLogged`` of its own holding only ``val/*``. Each validation syncs the device
 once (it is rare) and logs ``validation`` with its wall time in the run log.
@@ -117,11 +118,14 @@ class Validation(Observer):
     @on(OptimizerStepped)
     def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
         total = ctx.state.total_steps
-        stopping = ctx.control.stop_requested
-        if not (event.step % self.every == 0 or event.step == total or stopping):
+        if ctx.control.stop_requested:  # the run's last step: no end-of-run validation, the saves come first
+            log.info("validation skipped: stopping", step=event.step,
+                     reason="a stop saves the LoRA and the checkpoint first")
+            return
+        if not (event.step % self.every == 0 or event.step == total):
             return
         values = self._run(event.step, ctx)
-        if event.is_log_step or stopping:  # the core logs this step (a stop logs its partial interval)
+        if event.is_log_step:  # the core logs this step
             for name, value in values.items():
                 ctx.metrics.put(name, value)
         else:
