@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
+from wantrain.app.epochs import resolve_epochs
 from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.report import PreflightReport, estimate_sampling_vram_gb
 from wantrain.models.wan22 import build_adapter
+from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import sample_size
 
@@ -20,12 +23,23 @@ def dataset(cfg: Any) -> Any:
                          batch_size=cfg.train.batch_size)
 
 
+def resolved_config(cfg: Any) -> Any:
+    """``cfg`` with its epoch keys as optimizer steps (the dataset is planned only when one is set)."""
+    from wantrain.app.epochs import uses_epochs
+
+    return resolve_epochs(cfg, dataset(cfg)) if uses_epochs(cfg) else cfg
+
+
 def preflight_report(cfg: Any, *, verify: bool = False) -> PreflightReport:
     """The pre-flight data report of ``wantrain check`` (``verify``: decode every clip first), with the VRAM
     estimate of training and, with ``[sample]`` on, of sampling."""
     data = dataset(cfg)
     if verify:
         data.verify_all()
+    cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
+    if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
+        lora, _ = resolve_init(cfg.lora, cfg.model)
+        cfg = attrs.evolve(cfg, lora=lora)
     data.set_vram_estimate(**memory_options(cfg))
     add_sampling_estimate(cfg, data.report)
     return data.report
