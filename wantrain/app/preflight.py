@@ -40,6 +40,7 @@ def preflight_report(cfg: Any, *, verify: bool = False) -> PreflightReport:
     if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
+    data.report.model_files = model_plan(cfg)
     data.set_vram_estimate(**memory_options(cfg))
     add_sampling_estimate(cfg, data.report)
     return data.report
@@ -51,6 +52,19 @@ def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
     encoders = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=torch.device("cpu"),
                              base_lr=cfg.optimizer.lr)
     return ensure_cache(data, encoders), data.report
+
+
+def model_plan(cfg: Any) -> list[str]:
+    """What the run will load from where (checked as the run checks it; a problem is reported as its one line)."""
+    from wantrain.core.errors import UserError
+    from wantrain.models.wan22.loading import WeightSource
+    from wantrain.models.wan22.model_files import plan_lines
+
+    try:
+        source = WeightSource(cfg.model, cfg.run.seed)
+    except UserError as exc:
+        return [f"problem: {exc}"]
+    return plan_lines(cfg.model, source.spec, random=source.random)
 
 
 def memory_options(cfg) -> dict:

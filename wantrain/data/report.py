@@ -150,6 +150,8 @@ class PreflightReport:
     captions: dict[str, Any] = attrs.field(factory=dict)
     # epoch keys resolved to optimizer steps (filled by the run assembly / `wantrain check`, wantrain.app.epochs)
     epochs: dict[str, Any] = attrs.field(factory=dict)
+    # what the run loads from where, one line per part (filled by `wantrain check`; a problem is its one line)
+    model_files: list[str] = attrs.field(factory=list)
 
     def set_captions(self, clips: list[Any]) -> None:
         """Fill :attr:`captions` from the clips (``Clip.texts``, ``caption_dropout``, ``repeats``)."""
@@ -245,6 +247,9 @@ class PreflightReport:
             lines.append(f"decode verification events: {len(self.verification)}")
             for v in self.verification[:max_listed]:
                 lines.append(f"  {v['path']}: {v['action']} ({v['reason']})")
+        if self.model_files:
+            lines.append("model files:")
+            lines.extend(f"  {line}" for line in self.model_files)
         if self.vram:
             v = self.vram
             lines.append("")

@@ -32,15 +32,26 @@ class ModelConfig:
         "`tokenizer/`). Required for real variants; a tiny variant with a path loads it instead of random weights.",
     )
     high_noise_file: Path | None = setting(
-        None, doc="Single-file (original Wan or ComfyUI keys) .safetensors of the A14B high-noise expert; "
-        "replaces `transformer/`.",
+        None, doc="Single-file (original Wan or ComfyUI keys) .safetensors of the A14B high-noise expert, or the "
+        "original repos' `high_noise_model/` folder of shards with its index; replaces `transformer/`.",
     )
     low_noise_file: Path | None = setting(
-        None, doc="Single-file .safetensors of the A14B low-noise expert; replaces `transformer_2/`.",
+        None, doc="Single-file .safetensors (or `low_noise_model/` folder of shards) of the A14B low-noise expert; "
+        "replaces `transformer_2/`.",
     )
     transformer_file: Path | None = setting(
-        None, doc="Single-file .safetensors of the TI2V-5B transformer; replaces `transformer/`.",
+        None, doc="Single-file .safetensors (or folder of shards) of the TI2V-5B transformer; replaces "
+        "`transformer/`.",
     )
+    vae_file: Path | None = setting(
+        None, doc="The Wan 2.1 VAE as one file in the original layout (ComfyUI's `wan_2.1_vae.safetensors`, the "
+        "original repos' `Wan2.1_VAE.pth`, read with weights_only); replaces `vae/`.")
+    text_encoder_file: Path | None = setting(
+        None, doc="UMT5 as one file: transformers/ComfyUI keys (`umt5_xxl_fp16.safetensors`) or the original repos' "
+        "`models_t5_umt5-xxl-enc-bf16.pth` (read with weights_only); replaces `text_encoder/`.")
+    tokenizer_path: Path | None = setting(
+        None, doc="A local folder with the UMT5 tokenizer's files (the original repos' `google/umt5-xxl/`); "
+        "replaces `tokenizer/`. With every part given as a file or folder, `model.path` is not needed.")
     experts: Literal["both", "high_noise", "low_noise"] = setting(
         "both", doc="A14B experts to train (single-transformer variants accept only `both`)."
     )
