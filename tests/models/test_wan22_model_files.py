@@ -60,7 +60,8 @@ def vae_to_original(state):
 
 
 _T5 = [(r"^shared\.weight$", "token_embedding.weight"), (r"^encoder\.final_layer_norm\.weight$", "norm.weight"),
-       (r"layer\.0\.layer_norm", "norm1"), (r"layer\.0\.SelfAttention\.relative_attention_bias", "pos_embedding.embedding"),
+       (r"layer\.0\.layer_norm", "norm1"),
+       (r"layer\.0\.SelfAttention\.relative_attention_bias", "pos_embedding.embedding"),
        (r"layer\.0\.SelfAttention\.", "attn."), (r"layer\.1\.layer_norm", "norm2"),
        (r"layer\.1\.DenseReluDense\.wi_0", "ffn.gate.0"), (r"layer\.1\.DenseReluDense\.wi_1", "ffn.fc1"),
        (r"layer\.1\.DenseReluDense\.wo", "ffn.fc2"), (r"^encoder\.block\.", "blocks.")]
