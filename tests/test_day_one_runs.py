@@ -104,7 +104,7 @@ def test_max_epochs_trains_the_steps_check_prints(tmp_path, capsys):
     config.write_text(text)
     assert main(["check", str(config), *[a for s in epochs for a in ("--set", s)]]) == 0
     out = capsys.readouterr().out
-    assert "epochs: one epoch = 1 optimizer steps (micro-batches per epoch: 2, 3, 2; grad_accum 2)" in out
+    assert "epochs: the first is 1 optimizer steps (micro-batches per epoch: 2, 3, 2; grad_accum 2)" in out
     assert "train.max_epochs = 3 -> train.max_steps = 4" in out  # ceil((2 + 3 + 2) / 2)
     assert "train.save_every_epochs = 1 -> train.save_every = 1" in out
     outcome = train(config, overrides=epochs)

@@ -26,7 +26,8 @@ def resolve_epochs(cfg: Any, data: Any) -> Any:
     if not uses_epochs(cfg):
         return cfg
     t = cfg.train
-    plan = EpochSteps.of(data, t.max_epochs or 1, t.grad_accum)
+    intervals = [t.save_every_epochs, cfg.validation.every_epochs, cfg.sample.every_epochs]
+    plan = EpochSteps.of(data, max([t.max_epochs or 1, *(n for n in intervals if n)]), t.grad_accum)
     resolved: dict[str, Any] = {"steps_per_epoch": plan.steps_per_epoch, "micro_batches": list(plan.micro_batches),
                                 "grad_accum": t.grad_accum}
     train = t

@@ -52,7 +52,7 @@ class TrainConfig:
         None, doc="Save the LoRA every N optimizer steps; unset saves at the end only.", range=at_least(1)
     )
     save_every_epochs: int | None = setting(
-        None, doc="Save the LoRA every N epochs (N x the first epoch's optimizer steps) instead of `save_every`.",
+        None, doc="Save the LoRA every N epochs (the optimizer steps of the first N epochs) instead of `save_every`.",
         range=at_least(1))
     device: str = setting("auto", doc="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.")
     max_consecutive_oom: int = setting(

@@ -2,9 +2,10 @@
 
 One optimizer step takes ``grad_accum`` micro-batches (plan entries). ``max_epochs = E`` is the number of optimizer
 steps that covers the micro-batches of the first E epochs of the plan, rounded up (the last step may reach into the
-next epoch when an epoch is not a multiple of ``grad_accum``). "Every N epochs" is N times the optimizer steps of the
-first epoch (rounded up): a fixed interval, as the loop's ``save_every`` is; with ``remainder = "carry"`` a later
-epoch may be up to one batch per bucket longer, so such a save may land a few steps before the epoch's end.
+next epoch when an epoch is not a multiple of ``grad_accum``). "Every N epochs" is the optimizer steps that cover the
+first N epochs, then the same interval again (the loop's ``save_every`` is a fixed interval): the first such save
+lands exactly at the end of epoch N; with ``remainder = "carry"`` epochs may differ by up to one batch per bucket, so
+a later one may land a few steps off an epoch's end.
 """
 
 from __future__ import annotations
@@ -37,5 +38,5 @@ class EpochSteps:
         return math.ceil(sum(self.micro_batches[:epochs]) / self.grad_accum)
 
     def every(self, epochs: int) -> int:
-        """Optimizer steps of "every ``epochs`` epochs"."""
-        return epochs * self.steps_per_epoch
+        """Optimizer steps of "every ``epochs`` epochs": those of the first ``epochs`` epochs."""
+        return self.steps_for(epochs)

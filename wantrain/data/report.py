@@ -205,8 +205,8 @@ class PreflightReport:
         if self.epochs:
             e = self.epochs
             per = ", ".join(str(n) for n in e["micro_batches"])
-            lines.append(f"epochs: one epoch = {e['steps_per_epoch']} optimizer steps (micro-batches per epoch: {per}; "
-                         f"grad_accum {e['grad_accum']})")
+            lines.append(f"epochs: the first is {e['steps_per_epoch']} optimizer steps (micro-batches per epoch: "
+                         f"{per}; grad_accum {e['grad_accum']})")
             for key in ("max_epochs", "save_every_epochs", "validation.every_epochs", "sample.every_epochs"):
                 if key in e:
                     name = key if "." in key else f"train.{key}"

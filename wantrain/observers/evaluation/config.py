@@ -30,7 +30,7 @@ class ValidationConfig:
     )
     every: int = setting(100, doc="Validate every N optimizer steps (besides step 0 and the end).", range=at_least(1))
     every_epochs: int | None = setting(
-        None, doc="Validate every N epochs instead (N x the first epoch's optimizer steps; replaces `every`).",
+        None, doc="Validate every N epochs instead (the optimizer steps of the first N epochs; replaces `every`).",
         range=at_least(1))
     timesteps: list[float] = setting(
         factory=lambda: list(DEFAULT_TIMESTEPS),
@@ -63,7 +63,7 @@ class SampleConfig:
     )
     every: int = setting(200, doc="Sample every N optimizer steps (besides step 0 and the end).", range=at_least(1))
     every_epochs: int | None = setting(
-        None, doc="Sample every N epochs instead (N x the first epoch's optimizer steps; replaces `every`).",
+        None, doc="Sample every N epochs instead (the optimizer steps of the first N epochs; replaces `every`).",
         range=at_least(1))
     frames: int | None = setting(None, doc="Frames per video (4k+1); unset: the variant's default.",
                                  range=at_least(1))
