@@ -107,6 +107,9 @@ def test_max_epochs_trains_the_steps_check_prints(tmp_path, capsys):
     assert "epochs: the first is 1 optimizer steps (micro-batches per epoch: 2, 3, 2; grad_accum 2)" in out
     assert "train.max_epochs = 3 -> train.max_steps = 4" in out  # ceil((2 + 3 + 2) / 2)
     assert "train.save_every_epochs = 1 -> train.save_every = 1" in out
+    assert main(["schedule", str(config), "--out", str(tmp_path / "lr.png"),
+                 *[a for s in epochs for a in ("--set", s)]]) == 0
+    assert "over 4 optimizer steps" in capsys.readouterr().out
     outcome = train(config, overrides=epochs)
     assert outcome.status == "completed" and outcome.steps == 4
     saved = json.loads((run_dir_of(outcome) / "preflight.json").read_text())
@@ -178,3 +181,18 @@ def test_a_metadata_file_dataset_trains(tmp_path):
     report = json.loads((run_dir_of(outcome) / "preflight.json").read_text())
     assert [s["reason"] for s in report["skipped"]] == [f"line 7: {data / 'missing.png'} does not exist"]
     assert report["captions"]["distinct_texts"] == 7
+
+
+def test_validation_and_sample_intervals_in_epochs_resolve_to_steps(tmp_path):
+    from wantrain.app.config import load_config
+    from wantrain.app.epochs import resolve_epochs
+    from wantrain.app.preflight import dataset
+
+    config = workspace(tmp_path, images=5)  # epochs of 2, 3, 2 micro-batches at batch 2
+    cfg = load_config(config, ["validation.every_epochs=2", "sample.every_epochs=1", "train.save_every_epochs=3"])
+    data = dataset(cfg)
+    resolved = resolve_epochs(cfg, data)
+    assert (resolved.validation.every, resolved.sample.every, resolved.train.save_every) == (5, 2, 7)
+    assert resolved.train.max_steps == 8  # given in steps: unchanged
+    assert data.report.epochs["validation.every_epochs"] == {"epochs": 2, "steps": 5}
+    assert "validation.every_epochs = 2 -> validation.every = 5" in data.report.format()

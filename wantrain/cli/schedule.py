@@ -40,7 +40,7 @@ def group_base_lrs(cfg) -> dict[str, float]:  # cfg: wantrain.config.RunConfig
         for name in experts:
             lr = getattr(cfg.model, f"lr_{name}", None)
             out[name] = cfg.optimizer.lr if lr is None else lr
-    ratio = getattr(cfg.lora, "plus_lr_ratio", None)
+    ratio = getattr(getattr(cfg, "lora", None), "plus_lr_ratio", None)
     if ratio is not None:  # LoRA+: each group's B matrices at ratio x its LR, on the same curve
         out = {k: v for name, lr in out.items() for k, v in ((name, lr), (f"{name}_B", lr * ratio))}
     return out
