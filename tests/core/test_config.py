@@ -33,7 +33,7 @@ def run_cli(tmp_path: Path, toml: str, capsys, *extra: str) -> tuple[int, str]:
         ("[train]\nmax_step = 5\n", "unknown config key 'train.max_step': did you mean 'train.max_steps'?"),
         ("[train]\nmax_steps = 'ten'\n",
          "config key 'train.max_steps' = 'ten' has the wrong type; expected an integer"),
-        ("[optimizer]\nlr = -1.0\n", "config key 'optimizer.lr' = -1.0 is out of range; expected > 0"),
+        ("[optimizer]\nlr = -1.0\n", "config key 'optimizer.lr' = -1.0 is out of range; expected >= 0"),
         ("[nonsense]\nx = 1\n", "unknown config key 'nonsense'"),
     ],
     ids=["misplaced", "unknown", "wrong-type", "out-of-range", "unknown-table"],

@@ -73,3 +73,10 @@ def test_external_preview_lists_steps_where_the_lr_rises():
     cfg = sched_cfg(type="external", **{"class": "torch.optim.lr_scheduler.CosineAnnealingWarmRestarts"}, T_0=10)
     lrs = sample(cfg, {"lora": 1e-4}, 25)
     assert [s for s, label in key_points(cfg, lrs, 25) if label == "LR rises"] == [10, 20]
+
+
+def test_preview_has_the_loraplus_b_groups_at_the_ratio():
+    cfg = model_cfg("tiny-i2v", lr_high_noise=3e-4, lr_low_noise=None)
+    cfg.lora = SimpleNamespace(plus_lr_ratio=16.0)
+    assert schedule.group_base_lrs(cfg) == {"high_noise": 3e-4, "high_noise_B": 3e-4 * 16, "low_noise": 1e-4,
+                                            "low_noise_B": 1e-4 * 16}

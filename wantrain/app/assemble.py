@@ -28,6 +28,7 @@ import tomli_w
 import torch
 
 from wantrain.app.config import to_plain
+from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, resolve_extra_observers
 from wantrain.app.resume import (
@@ -303,7 +304,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
     plain = to_plain(cfg)
-    check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
+    if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
+        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
     topology = detect_topology()
     point = None
@@ -324,6 +326,9 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
     data.shard(topology.rank, topology.world_size)
+    if uses_epochs(cfg):
+        cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
+        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     if point is not None:
         _check_clip_list(point, data)
     torch.manual_seed(cfg.run.seed)
@@ -337,6 +342,9 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
             refuse_links(point.run_dir)
             check_resume_world_size(point, topology.world_size)
             _check_clip_list(point, data)
+    if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
+        cfg = attrs.evolve(cfg, lora=attrs.evolve(cfg.lora, rank=adapter.lora_config.rank,
+                                                  alpha=adapter.lora_config.alpha))
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync)
@@ -349,7 +357,7 @@ def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:
     is refused before the run directory exists)."""
     v = cfg.validation
     if v.path is not None:
-        data_cfg = attrs.evolve(cfg.data, path=v.path, datasets=[], repeats=1)
+        data_cfg = attrs.evolve(cfg.data, path=v.path, metadata=None, datasets=[], repeats=1)
     else:
         data_cfg = attrs.evolve(cfg.data, datasets=[attrs.evolve(d, repeats=1) for d in cfg.data.datasets],
                                 repeats=1)
@@ -357,4 +365,4 @@ def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:
     full = build_dataset(data_cfg, spec=spec, seed=seed, batch_size=1)
     limit = min(v.max_clips, v.from_training or v.max_clips)
     return TrainingData(full.clips[:limit], full.report, batch_size=1, remainder="smaller_batch", shuffle=False,
-                        seed=seed, spec=spec)
+                        seed=seed, spec=spec, draw_captions=False)

@@ -38,6 +38,7 @@ class LoraSection(LoraConfig):
         None, doc="Progressive alpha phases (docs/alpha_schedule.md); absent or `enabled = false` changes nothing.")
 
     def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
         schedule = self.alpha_schedule
         if self.schedule_enabled and self.alpha is not None and self.alpha != schedule.phases[0].alpha:
             raise ConfigError(

@@ -7,20 +7,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
+from wantrain.app.epochs import resolve_epochs
 from wantrain.app.observers import resolve_extra_observers
 from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.cache import describe_entries, remove_entries
 from wantrain.data.dataset import NoUsableSample
 from wantrain.data.report import PreflightReport, estimate_sampling_vram_gb
 from wantrain.models.wan22 import build_adapter, check_model_files
+from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections, sample_size
 from wantrain.schedulers import check_scheduler
-
-__all__ = ["NoUsableSample", "dataset", "fill_cache", "preflight_report"]
-
 
 def dataset(cfg: Any) -> Any:
     """The run's training data as ``prepare()`` reads it (probes and plans; decodes nothing)."""
@@ -28,18 +28,35 @@ def dataset(cfg: Any) -> Any:
                          batch_size=cfg.train.batch_size)
 
 
+def resolved_config(cfg: Any) -> Any:
+    """``cfg`` with its epoch keys as optimizer steps (the dataset is planned only when one is set)."""
+    from wantrain.app.epochs import uses_epochs
+
+    return resolve_epochs(cfg, dataset(cfg)) if uses_epochs(cfg) else cfg
+
+
 def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None = None) -> PreflightReport:
     """The pre-flight data report of ``wantrain check`` (``verify``: decode every clip first), with the VRAM
     estimate of training and, with ``[sample]`` on, of sampling. First the checks ``wantrain run`` makes before it
     loads anything (the schedule, users' observers, the model files, [validation]/[sample]): the same one-line
     refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys go."""
-    check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
+    from wantrain.app.epochs import uses_epochs
+
+    if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
+        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     resolve_extra_observers(cfg, config_dir)
     check_model_files(cfg.model)
     check_sections(cfg.validation, cfg.sample, variant_spec(cfg.model.variant), cfg.model.trained_experts)
     data = dataset(cfg)
     if verify:
         data.verify_all()
+    if uses_epochs(cfg):
+        cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
+        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
+    if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
+        lora, _ = resolve_init(cfg.lora, cfg.model)
+        cfg = attrs.evolve(cfg, lora=lora)
+    data.report.model_files = model_plan(cfg)
     data.set_vram_estimate(**memory_options(cfg))
     add_sampling_estimate(cfg, data.report)
     return data.report
@@ -54,8 +71,21 @@ def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
     return ensure_cache(data, encoders, remove_orphans=False), data.report
 
 
-__all__ = ["add_sampling_estimate", "dataset", "describe_entries", "fill_cache", "memory_options", "preflight_report",
-           "remove_entries"]
+__all__ = ["NoUsableSample", "add_sampling_estimate", "dataset", "describe_entries", "fill_cache", "memory_options",
+           "preflight_report", "remove_entries", "resolved_config"]
+
+
+def model_plan(cfg: Any) -> list[str]:
+    """What the run will load from where (checked as the run checks it; a problem is reported as its one line)."""
+    from wantrain.core.errors import UserError
+    from wantrain.models.wan22.loading import WeightSource
+    from wantrain.models.wan22.model_files import plan_lines
+
+    try:
+        source = WeightSource(cfg.model, cfg.run.seed)
+    except UserError as exc:
+        return [f"problem: {exc}"]
+    return plan_lines(cfg.model, source.spec, random=source.random)
 
 
 def memory_options(cfg) -> dict:

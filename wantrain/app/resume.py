@@ -41,12 +41,15 @@ RESUME_RULES: dict[str, str] = {
     "model.variant": "refuse", "model.experts": "refuse", "model.switch_every": "refuse",
     "lora.rank": "refuse", "lora.alpha": "refuse", "data.": "refuse", "train.batch_size": "refuse",
     "train.grad_accum": "refuse", "run.seed": "refuse", "optimizer.type": "refuse",
+    "lora.plus_lr_ratio": "refuse",  # LoRA+ on or off changes the optimizer's parameter groups
     # free: how the run is written, watched or placed in memory, not what it computes
     "run.output_dir": "free", "run.run_id": "free", "train.log_every": "free", "train.save_every": "free",
     "train.device": "free", "train.max_consecutive_oom": "free", "train.max_consecutive_nan": "free",
     "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
     "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
-    "lr_finder.": "free",
+    "lr_finder.": "free", "train.save_every_epochs": "free",
+    "lora.init_from": "free", "lora.init_from_high_noise": "free", "lora.init_from_low_noise": "free",  # the
+    # checkpoint's LoRA replaces the one a run starts from
     "validation.": "free", "sample.": "free",
 }
 """Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``

@@ -34,18 +34,23 @@ def group_base_lrs(cfg) -> dict[str, float]:  # cfg: wantrain.config.RunConfig
     except (ImportError, KeyError):
         experts = ["high_noise", "low_noise"] if cfg.model.variant in _TWO_EXPERT_VARIANTS else []
     if len(experts) < 2:
-        return {"lora": cfg.optimizer.lr}
-    out = {}
-    for name in experts:
-        lr = getattr(cfg.model, f"lr_{name}", None)
-        out[name] = cfg.optimizer.lr if lr is None else lr
+        out = {"lora": cfg.optimizer.lr}
+    else:
+        out = {}
+        for name in experts:
+            lr = getattr(cfg.model, f"lr_{name}", None)
+            out[name] = cfg.optimizer.lr if lr is None else lr
+    ratio = getattr(getattr(cfg, "lora", None), "plus_lr_ratio", None)
+    if ratio is not None:  # LoRA+: each group's B matrices at ratio x its LR, on the same curve
+        out = {k: v for name, lr in out.items() for k, v in ((name, lr), (f"{name}_B", lr * ratio))}
     return out
 
 
 def run(args: argparse.Namespace) -> int:
+    from wantrain.app.preflight import resolved_config
     from wantrain.schedulers.preview import format_table, key_points, plot, sample
 
-    cfg = load_run_config(args)
+    cfg = resolved_config(load_run_config(args))  # train.max_epochs: the steps of the data plan
     total = cfg.train.max_steps
     sched = cfg.lr_scheduler
     lrs = sample(sched, group_base_lrs(cfg), total)

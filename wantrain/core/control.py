@@ -8,7 +8,9 @@ them at fixed points (see the pseudocode in ``wantrain.core.events``):
 * ``request_save`` -- read after each optimizer step; cleared when the core has saved.
 * ``skip_optimizer_step`` -- read right before the optimizer step (after ``GradsReady``); cleared after that
   step. The gradients are dropped and the scheduler still advances, so the schedule stays a function of the step.
-* ``set_lr`` -- per parameter group (by name); applied right before the next optimizer step, then cleared, so it
+* ``set_lr`` -- per parameter group (by name); a group that follows another (``follows``/``lr_ratio`` in its
+  param group: LoRA+'s ``<group>_B``) gets ``lr_ratio`` x its leader's LR unless set itself; applied right before
+  the next optimizer step, then cleared, so it
   overrides the scheduler for that one step: after ``optimizer.step()`` and before ``scheduler.step()`` the core
   puts the group's scheduled LR back, so schedulers that compute the next LR from the current one (ExponentialLR,
   StepLR) continue as if there had been no override. An observer that wants to hold an LR sets it at every step.

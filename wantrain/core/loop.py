@@ -372,6 +372,10 @@ class Trainer:
         requests = self.ctx.control.take_lr_requests()
         scheduled: dict[int, float] = {}  # group index -> its LR before the one-step override
         if requests:
+            for group, name in zip(self.optimizer.param_groups, self._group_names, strict=True):
+                leader = group.get("follows")  # a group that keeps a ratio to another's LR (LoRA+'s B matrices)
+                if leader in requests and name not in requests:
+                    requests[name] = requests[leader] * float(group.get("lr_ratio", 1.0))
             for index, (group, name) in enumerate(zip(self.optimizer.param_groups, self._group_names, strict=True)):
                 if name in requests:
                     scheduled[index] = group["lr"]

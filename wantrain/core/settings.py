@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from wantrain.core.config import Rule, above, at_least, between, section, setting
+from wantrain.core.errors import ConfigError
 from wantrain.core.rundir import SAFE_NAME_RULE, is_safe_name
 
 # run.name and run.run_id become parts of file and folder names: the same rule keeps both inside the output folder.
@@ -34,7 +35,12 @@ class RunSection:
 class TrainConfig:
     """The training loop."""
 
-    max_steps: int = setting(100, doc="Optimizer steps to train.", range=at_least(1))
+    max_steps: int | None = setting(
+        None, doc="Optimizer steps to train; unset: 100, or what `max_epochs` resolves to. Give `max_steps` or "
+        "`max_epochs`, not both.", range=at_least(1))
+    max_epochs: int | None = setting(
+        None, doc="Train this many epochs of the data plan instead of `max_steps`; resolved to optimizer steps "
+        "before anything is written (`wantrain check` prints it; docs/data.md).", range=at_least(1))
     grad_accum: int = setting(1, doc="Micro-batches accumulated per optimizer step.", range=at_least(1))
     batch_size: int = setting(1, doc="Samples per micro-batch.", range=at_least(1))
     clip_grad_norm: float | None = setting(
@@ -45,6 +51,9 @@ class TrainConfig:
     save_every: int | None = setting(
         None, doc="Save the LoRA every N optimizer steps; unset saves at the end only.", range=at_least(1)
     )
+    save_every_epochs: int | None = setting(
+        None, doc="Save the LoRA every N epochs (the optimizer steps of the first N epochs) instead of `save_every`.",
+        range=at_least(1))
     device: str = setting("auto", doc="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`.")
     max_consecutive_oom: int = setting(
         3, doc="Optimizer steps in a row skipped by out-of-memory errors after which the run stops with an "
@@ -56,6 +65,20 @@ class TrainConfig:
         "the run stops, keeping the last good checkpoint; checked at log steps.",
         range=at_least(1),
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_steps is not None and self.max_epochs is not None:
+            raise ConfigError(f"config keys 'train.max_steps' = {self.max_steps} and 'train.max_epochs' = "
+                              f"{self.max_epochs} are both set; give exactly one (the run length in optimizer steps "
+                              "or in epochs)")
+        if self.save_every is not None and self.save_every_epochs is not None:
+            raise ConfigError("config keys 'train.save_every' and 'train.save_every_epochs' are both set; give one")
+        if self.max_steps is None and self.max_epochs is None:
+            object.__setattr__(self, "max_steps", 100)  # the default length
+
+    @property
+    def uses_epochs(self) -> bool:
+        return self.max_epochs is not None or self.save_every_epochs is not None
 
 
 @section(key="observers")

@@ -58,6 +58,14 @@ class Clip:
     frame_buckets: tuple[int, ...] = (1,)  # of its dataset, for re-bucketing
     active: bool = True
     rotation: int = 0  # display rotation of a video, degrees counter-clockwise (``MediaInfo.rotation``)
+    # every text this clip may train with (``captions.caption_texts``; ``caption`` is the first) and the share of its
+    # samples trained with the empty prompt instead
+    texts: tuple[str, ...] = ()
+    caption_dropout: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if not self.texts:
+            self.texts = (self.caption,)
 
     @property
     def bucket(self) -> Bucket:

@@ -4,7 +4,8 @@ Two forms, which may not be mixed:
 
 * simple: ``[data] path = "demo_data"`` is one dataset with the ``[data]`` defaults;
 * full: one ``[[data.datasets]]`` table per folder; each may override ``repeats``, ``caption_extension``,
-  ``resolutions``, ``frames`` and ``clip_mode``; every other key is read from ``[data]``.
+  ``resolutions``, ``frames``, ``clip_mode`` and the caption keys (``caption_dropout``, ``caption_prefix``,
+  ``caption_variants``, ``tag_shuffles``, ``keep_tags``); every other key is read from ``[data]``.
 
 Unset ``resolutions``, ``frames`` and ``fps`` come from the model variant (``VariantSpec``) when the dataset is
 built, so one config trains any variant.
@@ -17,10 +18,12 @@ from typing import Literal
 
 import attrs
 
-from wantrain.core.config import above, at_least, section, setting
+from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.data.captions import CaptionSettings
 
 ClipMode = Literal["head", "uniform", "slide"]
+CaptionVariants = Literal["whole", "lines"]
 
 DEFAULT_ASPECT_RATIOS = (0.5, 0.5625, 0.6667, 0.75, 1.0, 1.3333, 1.5, 1.7778, 2.0)  # 1:2 ... 9:16, 3:4, 1:1 ... 2:1
 
@@ -38,6 +41,11 @@ def _check_frames(where: str, frames: list[int] | None) -> None:
         )
 
 
+def _check_metadata_suffix(where: str, path: Path | None) -> None:
+    if path is not None and path.suffix.lower() not in (".jsonl", ".csv"):
+        raise ConfigError(f"config key '{where}' = '{path}' is neither a .jsonl nor a .csv file")
+
+
 def _check_resolutions(where: str, resolutions: list[int] | None) -> None:
     if resolutions is None:
         return
@@ -52,7 +60,11 @@ def _check_resolutions(where: str, resolutions: list[int] | None) -> None:
 class DatasetConfig:
     """One folder of media. Unset keys are taken from `[data]`."""
 
-    path: Path = setting(doc="Folder of images and videos; each has a same-named caption file (searched recursively).")
+    path: Path | None = setting(
+        None, doc="Folder of images and videos; each has a same-named caption file (searched recursively).")
+    metadata: Path | None = setting(
+        None, doc="Instead of `path`: a `.jsonl` or `.csv` file listing media (relative to the file), their captions "
+        "and optional `repeats` (docs/data.md).")
     repeats: int | None = setting(None, doc="Times each clip of this folder appears per epoch.", range=at_least(1))
     caption_extension: str | None = setting(None, doc="Caption file extension, for example `.txt`.")
     resolutions: list[int] | None = setting(
@@ -60,10 +72,27 @@ class DatasetConfig:
     )
     frames: list[int] | None = setting(None, doc="Frame-count buckets of this folder's videos (each 4k+1).")
     clip_mode: ClipMode | None = setting(None, doc="How clips are cut from this folder's videos.")
+    caption_dropout: float | None = setting(
+        None, doc="Share of this folder's samples trained with the empty prompt.", range=between(0.0, 1.0))
+    caption_prefix: str | None = setting(None, doc="Text put in front of each of this folder's captions.")
+    caption_variants: CaptionVariants | None = setting(None, doc="`whole` or `lines` for this folder's captions.")
+    tag_shuffles: int | None = setting(None, doc="Shuffled orders per caption for this folder (0: off).",
+                                       range=at_least(0))
+    keep_tags: int | None = setting(None, doc="Leading tags kept in place when shuffling this folder's captions.",
+                                    range=at_least(0))
 
     def __attrs_post_init__(self) -> None:
-        _check_frames(f"data.datasets (path = {str(self.path)!r}).frames", self.frames)
-        _check_resolutions(f"data.datasets (path = {str(self.path)!r}).resolutions", self.resolutions)
+        if (self.path is None) == (self.metadata is None):
+            raise ConfigError("a [[data.datasets]] table needs exactly one of 'path' (a folder of media with caption "
+                              "files) and 'metadata' (a .jsonl or .csv file listing them)")
+        _check_metadata_suffix("data.datasets.metadata", self.metadata)
+        _check_frames(f"data.datasets (path = {str(self.source)!r}).frames", self.frames)
+        _check_resolutions(f"data.datasets (path = {str(self.source)!r}).resolutions", self.resolutions)
+
+    @property
+    def source(self) -> Path:
+        """The folder or the metadata file."""
+        return self.path if self.path is not None else self.metadata
 
 
 @section
@@ -74,7 +103,9 @@ class DataConfig:
         None, doc="Simple form: one folder of images and videos with same-named caption files. "
         "Use either this or `[[data.datasets]]`."
     )
-    datasets: list[DatasetConfig] = setting(factory=list, doc="One table per folder (full form).")
+    metadata: Path | None = setting(
+        None, doc="Simple form, instead of `path`: a `.jsonl` or `.csv` file listing media and captions.")
+    datasets: list[DatasetConfig] = setting(factory=list, doc="One table per folder or metadata file (full form).")
     repeats: int = setting(1, doc="Times each clip appears per epoch (default for every dataset).", range=at_least(1))
     caption_extension: str = setting(".txt", doc="Caption file extension (default for every dataset).")
     missing_caption: Literal["skip", "empty"] = setting(
@@ -117,6 +148,25 @@ class DataConfig:
     cache_dir: Path | None = setting(
         None, doc="Folder for cached latents and text embeddings; unset: `.wantrain_cache` inside each dataset folder."
     )
+    caption_dropout: float = setting(
+        0.0, doc="Share of samples trained with the empty prompt (each sample drawn from the run seed; the empty "
+        "prompt's embedding is cached once).", range=between(0.0, 1.0)
+    )
+    caption_prefix: str = setting(
+        "", doc="Text put in front of every caption, verbatim (a trigger word: `\"ohwx, \"`); not in front of the "
+        "empty prompt of a dropped caption."
+    )
+    caption_variants: CaptionVariants = setting(
+        "whole", doc="`whole`: a caption file is one caption (whitespace and line breaks collapsed); `lines`: each "
+        "non-empty line is a caption of its own, one of them drawn per sample."
+    )
+    tag_shuffles: int = setting(
+        0, doc="Shuffled orders of each caption's tags (split at `tag_separator`) cached per caption; one is drawn "
+        "per sample. 0: captions are used as written.", range=at_least(0)
+    )
+    keep_tags: int = setting(0, doc="Leading tags that stay in place when `tag_shuffles` shuffles the rest.",
+                             range=at_least(0))
+    tag_separator: str = setting(",", doc="What separates the tags of a caption (for `tag_shuffles`).")
 
     def __attrs_post_init__(self) -> None:
         if self.path is not None and self.datasets:
@@ -124,8 +174,15 @@ class DataConfig:
                 "config keys 'data.path' and '[[data.datasets]]' are both set; use 'data.path' for one folder "
                 "or one [[data.datasets]] table per folder, not both"
             )
+        if self.metadata is not None and (self.path is not None or self.datasets):
+            raise ConfigError("config key 'data.metadata' is set with 'data.path' or '[[data.datasets]]'; give one "
+                              "dataset as 'data.path' or 'data.metadata', or one [[data.datasets]] table each")
+        _check_metadata_suffix("data.metadata", self.metadata)
         _check_frames("data.frames", self.frames)
         _check_resolutions("data.resolutions", self.resolutions)
+        if not self.tag_separator.strip():
+            raise ConfigError("config key 'data.tag_separator' is empty or blank; give the character that separates "
+                              "tags, for example \",\"")
         if not self.aspect_ratios or any(r <= 0 for r in self.aspect_ratios):
             raise ConfigError(
                 f"config key 'data.aspect_ratios' = {self.aspect_ratios!r}: give positive width/height ratios"
@@ -135,25 +192,41 @@ class DataConfig:
         """The datasets of either form; empty when neither ``path`` nor ``datasets`` is set."""
         if self.path is not None:
             return [DatasetConfig(path=self.path)]
+        if self.metadata is not None:
+            return [DatasetConfig(metadata=self.metadata)]
         return list(self.datasets)
 
     def resolved(self, ds: DatasetConfig) -> ResolvedDataset:
         """``ds`` with every unset key taken from ``[data]`` (variant defaults are applied later)."""
         return ResolvedDataset(
-            path=ds.path,
+            path=ds.source, metadata=ds.metadata is not None,
             repeats=ds.repeats if ds.repeats is not None else self.repeats,
             caption_extension=ds.caption_extension if ds.caption_extension is not None else self.caption_extension,
             resolutions=ds.resolutions if ds.resolutions is not None else self.resolutions,
             frames=ds.frames if ds.frames is not None else self.frames,
             clip_mode=ds.clip_mode if ds.clip_mode is not None else self.clip_mode,
+            captions=CaptionSettings(
+                prefix=_pick(ds.caption_prefix, self.caption_prefix),
+                variants=_pick(ds.caption_variants, self.caption_variants),
+                tag_shuffles=_pick(ds.tag_shuffles, self.tag_shuffles),
+                keep_tags=_pick(ds.keep_tags, self.keep_tags),
+                tag_separator=self.tag_separator,
+                dropout=float(_pick(ds.caption_dropout, self.caption_dropout)),
+            ),
         )
+
+
+def _pick(value, default):
+    return default if value is None else value
 
 
 @attrs.frozen
 class ResolvedDataset:
-    path: Path
+    path: Path  # the folder, or the metadata file
+    metadata: bool
     repeats: int
     caption_extension: str
     resolutions: list[int] | None
     frames: list[int] | None
     clip_mode: str
+    captions: CaptionSettings = attrs.field(factory=CaptionSettings)

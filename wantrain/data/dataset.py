@@ -18,9 +18,11 @@ import structlog
 
 from wantrain.core.errors import UserError
 from wantrain.data import cache as cachelib
+from wantrain.data.captions import caption_texts, split_variants
 from wantrain.data.clips import Clip
 from wantrain.data.config import DataConfig
-from wantrain.data.media import MediaError, cropped_fraction, fingerprint, kind_of, probe, read_caption
+from wantrain.data.media import MediaError, cropped_fraction, fingerprint, kind_of, probe, read_caption_text
+from wantrain.data.metadata import read_metadata
 from wantrain.data.plan import (
     clip_starts,
     covered_frames,
@@ -110,7 +112,8 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
     """
     datasets = cfg.dataset_list()
     if not datasets:
-        raise UserError("no training data: set 'data.path' to a folder of media, or add [[data.datasets]] tables")
+        raise UserError("no training data: set 'data.path' to a folder of media (or 'data.metadata' to a JSONL/CSV "
+                        "file listing them), or add [[data.datasets]] tables")
     target_fps = None if cfg.retime == "off" else float(cfg.fps or spec.target_fps)
     report = PreflightReport(variant=spec.name, target_fps=target_fps, retime=cfg.retime, batch_size=batch_size,
                              remainder_policy=cfg.remainder)
@@ -118,7 +121,11 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
     cropped: list[float] = []
     for ds in datasets:
         r = cfg.resolved(ds)
-        if not r.path.is_dir():
+        if r.metadata:
+            if not r.path.is_file():
+                raise UserError(f"metadata file '{r.path}' does not exist (set 'data.metadata' or 'metadata' in "
+                                "[[data.datasets]] to a .jsonl or .csv file)")
+        elif not r.path.is_dir():
             raise UserError(f"data path '{r.path}' is not a folder (set 'data.path' or 'path' in [[data.datasets]])")
         default_side = round(math.sqrt(spec.default_resolution[0] * spec.default_resolution[1]))
         sides = sorted(set(r.resolutions or [default_side]))
@@ -131,51 +138,48 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
             raise UserError(f"frame bucket 1 in 'data.frames' does not suit {spec.name}: it conditions on a clip's "
                             f"first frame, so a clip needs more than one; use 5, 9, ..., {spec.default_frames}")
         sizes = {s: size_buckets(s, cfg.aspect_ratios, spec.spatial_multiple) for s in sides}
-        cache_dir = (cfg.cache_dir or (r.path / cachelib.CACHE_DIRNAME)).resolve()
+        home = r.path.parent if r.metadata else r.path  # a metadata dataset's cache sits next to its file
+        cache_dir = (cfg.cache_dir or (home / cachelib.CACHE_DIRNAME)).resolve()
         verified = cachelib.read_verified(cache_dir)
         ext = _normalise_ext(r.caption_extension)
         if r.clip_mode not in report.clip_modes:
             report.clip_modes.append(r.clip_mode)
         counts = Counter()
         skipped_here = 0
+        clips_before = len(clips)
 
         def skip(path: Path, reason: str) -> None:
             nonlocal skipped_here
             report.skipped.append({"path": str(path), "reason": reason})
             skipped_here += 1
 
-        media, captions, broken, ignored = _scan(r.path, ext, cache_dir)
-        for entry in broken:
-            skip(Path(entry["path"]), entry["reason"])
-        report.ignored_files.extend(ignored)
-        with_media = {p.with_suffix(ext) for p in [*media, *(Path(b["path"]) for b in broken)]}
-        report.ignored_files.extend({"path": str(p), "reason": "caption of no medium (no image or video of its name)"}
-                                    for p in captions if p not in with_media)
-        for path in media:
+        for path, caption_source, repeats, where in _entries(r, ext, report, skip, cache_dir):
             kind = kind_of(path)
             counts[kind] += 1
             if kind == "image" and spec.conditioning == "i2v":
-                skip(path, f"an image cannot train {spec.name}: its condition (the first frame) would be the target "
-                           "itself, which teaches only copying; train images with t2v-a14b or ti2v-5b")
+                skip(where, f"an image cannot train {spec.name}: its condition (the first frame) would be the target "
+                            "itself, which teaches only copying; train images with t2v-a14b or ti2v-5b")
                 continue
-            caption_path = path.with_suffix(ext)
-            if caption_path.is_file():
+            if isinstance(caption_source, tuple):  # a metadata line's caption(s)
+                variants = [v for c in caption_source for v in split_variants(c, r.captions.variants)]
+            elif caption_source is not None and caption_source.is_file():
                 try:
-                    caption = read_caption(caption_path)
+                    variants = split_variants(read_caption_text(caption_source), r.captions.variants)
                 except MediaError as exc:
-                    skip(path, str(exc))
+                    skip(where, str(exc))
                     continue
             elif cfg.missing_caption == "empty":
-                caption = ""
+                variants = [""]
             else:
-                skip(path, f"no caption file {caption_path.name} (set data.missing_caption = \"empty\" to train "
-                           "it with an empty caption)")
+                missing = (f"no caption file {caption_source.name}" if caption_source is not None
+                           else "the line has no caption")
+                skip(where, f"{missing} (set data.missing_caption = \"empty\" to train it with an empty caption)")
                 continue
             try:
                 info = probe(path)
                 content = _fingerprint(path)
             except MediaError as exc:
-                skip(path, str(exc))
+                skip(where, str(exc))
                 continue
             frames_real = info.frames
             if content in verified:
@@ -190,7 +194,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
                 length = pick_frame_bucket(available, frame_buckets)
                 if length is None:
                     via = "" if available == frames_real else f" ({frames_real} at {info.fps:g} fps)"
-                    skip(path, f"too short: {available} frames at {target_fps or info.fps:g} fps{via}; "
+                    skip(where, f"too short: {available} frames at {target_fps or info.fps:g} fps{via}; "
                                f"the shortest frame bucket is {frame_buckets[0]}")
                     continue
                 starts = clip_starts(available, length, r.clip_mode, clips_per_video=cfg.clips_per_video,
@@ -199,18 +203,20 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
                 report.frames_left_over += available - covered_frames(starts, length)
             else:
                 length, starts = 1, [0]
+            texts = caption_texts(variants, r.captions, seed=seed, path=str(path))
             for side in sides:
                 sb = nearest_bucket(info.width, info.height, sizes[side])
                 for start in starts:
                     clips.append(Clip(
-                        path=path, kind=info.kind, caption=caption, width=sb.width, height=sb.height, frames=length,
+                        path=path, kind=info.kind, caption=texts[0], width=sb.width, height=sb.height, frames=length,
                         start=start, source_fps=info.fps, target_fps=target_fps if info.kind == "video" else None,
                         source_frames=frames_real, source_width=info.width, source_height=info.height,
-                        fingerprint=content, cache_dir=cache_dir, repeats=r.repeats,
-                        frame_buckets=tuple(frame_buckets), rotation=info.rotation,
+                        fingerprint=content, cache_dir=cache_dir, repeats=repeats,
+                        frame_buckets=tuple(frame_buckets), rotation=info.rotation, texts=texts,
+                        caption_dropout=r.captions.dropout,
                     ))
                     cropped.append(cropped_fraction(info.width, info.height, sb.width, sb.height))
-        n_clips = sum(1 for c in clips if c.path.is_relative_to(r.path))
+        n_clips = len(clips) - clips_before
         report.datasets.append({"path": str(r.path), "videos": counts["video"], "images": counts["image"],
                                 "clips": n_clips, "repeats": r.repeats, "skipped": skipped_here,
                                 "resolutions": sides, "frames": frame_buckets, "clip_mode": r.clip_mode,
@@ -220,11 +226,44 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
         log.warning("data.files_skipped", count=len(report.skipped), reasons=dict(reasons))
     if not clips:
         raise NoUsableSample(report)
+    report.set_captions(clips)
     report.pixels_cropped_pct = 100.0 * float(np.mean(cropped))
     report.frames_left_over_pct = (100.0 * report.frames_left_over / report.source_frames_total
                                    if report.source_frames_total else 0.0)
     return TrainingData(clips, report, batch_size=batch_size, remainder=cfg.remainder, shuffle=cfg.shuffle,
                         seed=seed, spec=spec)
+
+
+def _entries(r, ext: str, report: PreflightReport, skip, cache_dir: Path) -> list[tuple[Path, Any, int, str]]:
+    """``(medium, caption source, repeats, where)`` of each medium of dataset ``r``: a folder's media with their
+    caption files (a ``Path``), or a metadata file's lines with their captions (a tuple, or None when the line has
+    none); ``where`` names the medium in the report (``file:line`` for a metadata line). Lines and files that
+    cannot be used are skipped through ``skip``."""
+    if not r.metadata:
+        media, captions, broken, ignored = _scan(r.path, ext, cache_dir)
+        for entry in broken:
+            skip(Path(entry["path"]), entry["reason"])
+        report.ignored_files.extend(ignored)
+        with_media = {p.with_suffix(ext) for p in [*media, *(Path(b["path"]) for b in broken)]}
+        report.ignored_files.extend({"path": str(p), "reason": "caption of no medium (no image or video of its name)"}
+                                    for p in captions if p not in with_media)
+        return [(p, p.with_suffix(ext), r.repeats, str(p)) for p in media]
+    try:
+        items, problems = read_metadata(r.path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"metadata file '{r.path}' cannot be read as UTF-8 text ({exc})") from None
+    for problem in problems:
+        skip(f"{r.path}:{problem.line}", f"line {problem.line}: {problem.reason}")
+    out = []
+    for item in items:
+        where = f"{r.path}:{item.line}"
+        if not item.path.is_file():
+            skip(where, f"line {item.line}: {item.path} does not exist")
+        elif kind_of(item.path) is None:
+            skip(where, f"line {item.line}: {item.path.name} is not a supported image or video")
+        else:
+            out.append((item.path, item.captions, item.repeats or r.repeats, where))
+    return out
 
 
 def _fingerprint(path: Path) -> str:

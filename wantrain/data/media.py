@@ -319,13 +319,17 @@ def fit_frame(frame, dst_w: int, dst_h: int, rotation: int = 0) -> np.ndarray:
 
 
 def read_caption(path: Path) -> str:
-    """Caption text, stripped. Raises MediaError when the file is not UTF-8."""
+    """Caption text, whitespace (line breaks included) collapsed. Raises MediaError when the file is not UTF-8."""
+    return " ".join(read_caption_text(path).split())
+
+
+def read_caption_text(path: Path) -> str:
+    """A caption file's text as written (line breaks kept). Raises MediaError when the file is not UTF-8."""
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8-sig")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise MediaError(f"caption {path.name} is not UTF-8 text (byte {exc.start})") from None
-    return " ".join(text.split())
 
 
 def file_stamp(path: Path) -> tuple[int, int]:

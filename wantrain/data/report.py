@@ -153,6 +153,30 @@ class PreflightReport:
     steps_per_epoch: int = 0
     vram: dict[str, Any] = attrs.field(factory=dict)
     verification: list[dict[str, Any]] = attrs.field(factory=list)  # appended while decoding
+    # texts per medium, distinct texts to encode, expected share of samples trained with the empty prompt
+    captions: dict[str, Any] = attrs.field(factory=dict)
+    # epoch keys resolved to optimizer steps (filled by the run assembly / `wantrain check`, wantrain.app.epochs)
+    epochs: dict[str, Any] = attrs.field(factory=dict)
+    # what the run loads from where, one line per part (filled by `wantrain check`; a problem is its one line)
+    model_files: list[str] = attrs.field(factory=list)
+
+    def set_captions(self, clips: list[Any]) -> None:
+        """Fill :attr:`captions` from the clips (``Clip.texts``, ``caption_dropout``, ``repeats``)."""
+        per_medium: dict[str, int] = {}
+        for c in clips:
+            per_medium[str(c.path)] = len(c.texts)
+        samples = sum(c.repeats for c in clips)
+        dropped = sum(c.repeats * c.caption_dropout for c in clips)
+        texts = {t for c in clips for t in c.texts}
+        if dropped:
+            texts.add("")
+        counts = list(per_medium.values()) or [0]
+        self.captions = {
+            "variants_min": min(counts), "variants_max": max(counts),
+            "variants_mean": round(sum(counts) / len(counts), 3), "distinct_texts": len(texts),
+            "dropped_pct": round(100.0 * dropped / samples, 3) if samples else 0.0,
+            "dropout": sorted({c.caption_dropout for c in clips}),
+        }
 
     @property
     def clips(self) -> int:
@@ -185,6 +209,25 @@ class PreflightReport:
         lines.append(f"  {'total':>16} {self.clips:>6} {samples:>8} {self.steps_per_epoch:>8}")
         lines.append("")
         lines.append(f"steps per epoch: {self.steps_per_epoch} micro-batches")
+        if self.epochs:
+            e = self.epochs
+            per = ", ".join(str(n) for n in e["micro_batches"])
+            lines.append(f"epochs: the first is {e['steps_per_epoch']} optimizer steps (micro-batches per epoch: "
+                         f"{per}; grad_accum {e['grad_accum']})")
+            for key in ("max_epochs", "save_every_epochs", "validation.every_epochs", "sample.every_epochs"):
+                if key in e:
+                    name = key if "." in key else f"train.{key}"
+                    target = {"max_epochs": "train.max_steps", "save_every_epochs": "train.save_every"}.get(
+                        key, key.replace("every_epochs", "every"))
+                    lines.append(f"  {name} = {e[key]['epochs']} -> {target} = {e[key]['steps']}")
+        if self.captions:
+            c = self.captions
+            spread = (f"{c['variants_min']}" if c["variants_min"] == c["variants_max"] else
+                      f"{c['variants_mean']:g} on average ({c['variants_min']}-{c['variants_max']})")
+            rates = ", ".join(f"{d:g}" for d in c["dropout"])
+            lines.append(f"captions: {spread} per medium, {c['distinct_texts']} distinct texts to encode; "
+                         f"{c['dropped_pct']:.1f}% of samples trained with the empty prompt "
+                         f"(caption_dropout {rates})")
         lines.append(f"pixels cropped: {self.pixels_cropped_pct:.1f}% (resize to cover, then centre crop)")
         lines.append(f"frames left over: {self.frames_left_over_pct:.1f}% ({self.frames_left_over} of "
                      f"{self.source_frames_total} frames after retiming not in any clip)")
@@ -211,6 +254,9 @@ class PreflightReport:
             lines.append(f"decode verification events: {len(self.verification)}")
             for v in self.verification[:max_listed]:
                 lines.append(f"  {display_path(v['path'])}: {v['action']} ({v['reason']})")
+        if self.model_files:
+            lines.append("model files:")
+            lines.extend(f"  {line}" for line in self.model_files)
         if self.vram:
             v = self.vram
             lines.append("")

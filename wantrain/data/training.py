@@ -1,5 +1,8 @@
 """An endless, seeded stream of bucketed batches, decoded, encoded and cached on first use.
 
+Captions: each sample trains with one of its clip's texts, or with the empty prompt (``caption_dropout``), drawn from
+the run seed and the plan position (``wantrain.data.captions``); every text is in the text cache before training.
+
 Decode-time verification: when a video yields fewer frames than planned, the clip is re-bucketed to the longest
 frame bucket that still fits (from the next epoch on) or skipped; either way it is logged and appended to
 ``report.verification``, the real count is remembered in the cache folder's ``verified.json``, and training goes
@@ -24,6 +27,7 @@ import torch
 
 from wantrain.core.errors import UserError
 from wantrain.data import cache as cachelib
+from wantrain.data.captions import CAPTION_STREAM, EMPTY, batch_draws, draw
 from wantrain.data.clips import Bucket, Clip, MediaEncoders
 from wantrain.data.media import MediaError, decode_video, load_image
 from wantrain.data.plan import pick_frame_bucket, retimed_count
@@ -43,7 +47,7 @@ class TrainingData:
     """
 
     def __init__(self, clips: list[Clip], report: PreflightReport, *, batch_size: int, remainder: str,
-                 shuffle: bool, seed: int, spec: Any) -> None:
+                 shuffle: bool, seed: int, spec: Any, draw_captions: bool = True) -> None:
         self.clips = clips
         self.report = report
         self.batch_size = batch_size
@@ -51,6 +55,7 @@ class TrainingData:
         self.shuffle = shuffle
         self.seed = seed
         self.spec = spec
+        self.draw_captions = draw_captions  # False (validation): every sample uses its clip's first text
         self.steps_per_epoch = 0
         self.rank, self.ranks = 0, 1
         self._dirs: list[Path] | None = None
@@ -68,7 +73,7 @@ class TrainingData:
         self.rank, self.ranks = rank, ranks
         self._refresh_report()
 
-    def rank_share(self, idx: list[int]) -> list[int]:
+    def rank_share(self, idx: list[Any]) -> list[Any]:
         """This rank's part of the global batch ``idx``: the ``rank``-th contiguous slice of ``batch_size``. A short
         global batch (the end of a bucket) is split evenly, samples repeated from its start so that every rank has
         one: the ranks always step together."""
@@ -141,6 +146,17 @@ class TrainingData:
             raise UserError("no usable sample left: every clip failed to decode (see the report's verification list)")
         return batches, next_carry
 
+    def micro_batches_per_epoch(self, epochs: int) -> list[int]:
+        """Plan entries (micro-batches; global batches under torchrun) of each of the first ``epochs`` epochs, read
+        off the plan itself: with ``remainder = "carry"`` a later epoch may hold one more batch per bucket than the
+        first. Decodes nothing."""
+        out: list[int] = []
+        carry: dict[Bucket, list[int]] = {}
+        for epoch in range(epochs):
+            batches, carry = self._usable_epoch(epoch, carry)
+            out.append(len(batches))
+        return out
+
     def plan(self) -> Iterator[tuple[int, Bucket, list[int]]]:
         """Endless ``(epoch, bucket, clip indices)``; reflects re-bucketing from the next epoch on."""
         carry: dict[Bucket, list[int]] = {}
@@ -168,9 +184,20 @@ class TrainingData:
         """Endless batches with a resumable position (what ``wantrain run`` trains on)."""
         return BatchStream(self, encoders, cache=cache)
 
-    def _batch_for(self, key: Bucket, idx: list[int], encoders: MediaEncoders | None,
+    def sample_texts(self, epoch: int, index: int, idx: list[int]) -> list[str]:
+        """The text each sample of plan entry (epoch, index) trains with (``idx``: the global batch's clips):
+        the empty prompt with its clip's ``caption_dropout``, else one of the clip's texts; a pure function of the
+        run seed and the position (``captions.batch_draws``)."""
+        if not self.draw_captions:
+            return [self.clips[i].caption for i in idx]
+        coins, picks = batch_draws(self.seed, epoch, index, len(idx))
+        return [draw(self.clips[i].texts, self.clips[i].caption_dropout, float(coin), float(pick))
+                for i, coin, pick in zip(idx, coins, picks, strict=True)]
+
+    def _batch_for(self, key: Bucket, samples: list[tuple[int, str]], encoders: MediaEncoders | None,
                    cache: bool) -> dict[str, Any] | None:
-        members = [i for i in idx if self.clips[i].active and self.clips[i].bucket == key]
+        """The batch of ``samples`` (clip index, text) that are still in bucket ``key``."""
+        members = [(i, t) for i, t in samples if self.clips[i].active and self.clips[i].bucket == key]
         if not members:
             return None
         if encoders is None:
@@ -185,29 +212,29 @@ class TrainingData:
             h.update(f"{c.path}\0{c.start}\0{c.repeats}\n".encode())
         return h.hexdigest()[:16]
 
-    def _pixel_batch(self, members: list[int], key: Bucket, cache: bool) -> dict[str, Any] | None:
-        loaded = [(i, self._load_pixels(i, remember=False)) for i in members]
-        loaded = [(i, px) for i, px in loaded if px is not None]
+    def _pixel_batch(self, members: list[tuple[int, str]], key: Bucket, cache: bool) -> dict[str, Any] | None:
+        loaded = [(i, t, self._load_pixels(i, remember=False)) for i, t in members]
+        loaded = [(i, t, px) for i, t, px in loaded if px is not None]
         if not loaded:
             return None
-        return {"pixels": torch.stack([px for _, px in loaded]), "captions": [self.clips[i].caption for i, _ in loaded],
-                "bucket": key, "paths": [str(self.clips[i].path) for i, _ in loaded]}
+        return {"pixels": torch.stack([px for _, _, px in loaded]), "captions": [t for _, t, _ in loaded],
+                "bucket": key, "paths": [str(self.clips[i].path) for i, _, _ in loaded]}
 
-    def _encoded_batch(self, members: list[int], key: Bucket, encoders: MediaEncoders, cache: bool,
+    def _encoded_batch(self, members: list[tuple[int, str]], key: Bucket, encoders: MediaEncoders, cache: bool,
                        stats: Counter | None) -> dict[str, Any] | None:
-        media = self._media_entries(members, encoders, cache, stats)
-        kept = [(i, m) for i, m in zip(members, media, strict=True) if m is not None]
+        media = self._media_entries([i for i, _ in members], encoders, cache, stats)
+        kept = [(i, t, m) for (i, t), m in zip(members, media, strict=True) if m is not None]
         if not kept:
             return None
-        captions = [self.clips[i].caption for i, _ in kept]
+        captions = [t for _, t, _ in kept]
         texts = self._text_entries(captions, encoders, cache, stats)
         batch: dict[str, Any] = {}
-        for part in ([m for _, m in kept], texts):
+        for part in ([m for _, _, m in kept], texts):
             for k in part[0]:
                 if k in batch:
                     raise TypeError(f"encode_media and encode_text both returned {k!r}; keys must differ")
                 batch[k] = torch.stack([p[k] for p in part])
-        batch.update({"captions": captions, "bucket": key, "paths": [str(self.clips[i].path) for i, _ in kept]})
+        batch.update({"captions": captions, "bucket": key, "paths": [str(self.clips[i].path) for i, _, _ in kept]})
         return batch
 
     def _media_entries(self, members: list[int], encoders: MediaEncoders, cache: bool,
@@ -279,12 +306,27 @@ class TrainingData:
         return self._dirs
 
     def _caption_dir(self, caption: str) -> Path:
-        """Text entries live in the cache folder of the first clip with that caption."""
+        """Text entries live in the cache folder of the first clip with that text (the empty prompt of dropped
+        captions: the first clip with ``caption_dropout``)."""
         if self._caption_dirs is None:
             self._caption_dirs = {}
             for c in self.clips:
-                self._caption_dirs.setdefault(c.caption, c.cache_dir)
+                for text in c.texts:
+                    self._caption_dirs.setdefault(text, c.cache_dir)
+                if c.caption_dropout:
+                    self._caption_dirs.setdefault(EMPTY, c.cache_dir)
         return self._caption_dirs.get(caption, self.clips[0].cache_dir)
+
+    def texts(self) -> list[str]:
+        """Every distinct text training may use, in clip order: the texts of the active clips, and the empty prompt
+        when one of them has ``caption_dropout``. Each is encoded once into the text cache."""
+        out: dict[str, None] = {}
+        for c in self.clips:
+            if c.active:
+                out.update(dict.fromkeys(c.texts))
+                if c.caption_dropout:
+                    out[EMPTY] = None
+        return list(out)
 
     # ---- decoding and verification -------------------------------------------------------------------------
     def _load_pixels(self, i: int, *, remember: bool) -> torch.Tensor | None:
@@ -359,23 +401,23 @@ class TrainingData:
                 for s in range(0, len(idx), self.batch_size):
                     chunk = idx[s:s + self.batch_size]
                     done.update((i, key) for i in chunk)
-                    media = self._media_entries(chunk, encoders, True, stats)
-                    ok = [self.clips[i].caption for i, m in zip(chunk, media, strict=True) if m is not None]
-                    if ok:
-                        self._text_entries(ok, encoders, True, stats)
-        # a caption shared by many clips is one entry: count each once
+                    self._media_entries(chunk, encoders, True, stats)
+        # every text once (a caption shared by many clips is one entry), the empty prompt included when dropped
+        texts = self.texts()
+        for s in range(0, len(texts), self.batch_size):
+            self._text_entries(texts[s:s + self.batch_size], encoders, True, stats)
         ident = encoders.encoder_identity
         expected: dict[Path, set[Path]] = {d: set() for d in self._cache_dirs()}
         for c in self.clips:
             if c.active:
                 expected[c.cache_dir].add(cachelib.entry_path(
                     c.cache_dir, "latents", cachelib.latent_key(c.latent_params(), ident)))
-        for cap in {c.caption for c in self.clips if c.active}:
+        for cap in texts:
             d = self._caption_dir(cap)
             expected[d].add(cachelib.entry_path(d, "text", cachelib.text_key(cap, cachelib.text_identity(encoders))))
         orphans = tuple(cachelib.find_orphans(expected))
         removed = cachelib.remove_entries(orphans) if remove_orphans else 0
-        texts_total = len({c.caption for c in self.clips if c.active})
+        texts_total = len(texts)
         return cachelib.CacheStats(
             latents_hit=stats["latents_hit"], latents_encoded=stats["latents_encoded"],
             texts_hit=texts_total - stats["texts_encoded"], texts_encoded=stats["texts_encoded"],
@@ -445,9 +487,11 @@ class BatchStream:
         self.consumed = 0  # batches yielded (informative)
 
     def state_dict(self) -> dict[str, Any]:
+        # the caption draws are keyed by (seed, epoch, index): restoring the position restores the caption stream
         return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed,
                 "carry": [[list(key), list(idx)] for key, idx in sorted(self.carry.items())],
-                "seed": self.data.seed, "fingerprint": self.data.fingerprint()}
+                "seed": self.data.seed, "fingerprint": self.data.fingerprint(),
+                "caption_stream": f"philox:{CAPTION_STREAM:x}:seed,epoch,index"}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("fingerprint") != self.data.fingerprint():
@@ -483,7 +527,8 @@ class BatchStream:
             for index in range(skip, len(batches)):
                 key, idx = batches[index]
                 self.epoch, self.index, self.carry = epoch, index + 1, carry
-                batch = data._batch_for(key, data.rank_share(idx), self.encoders, self.cache)
+                samples = list(zip(idx, data.sample_texts(epoch, index, idx), strict=True))
+                batch = data._batch_for(key, data.rank_share(samples), self.encoders, self.cache)
                 if batch is None:
                     empty_in_a_row += 1
                     if empty_in_a_row > max(1, 2 * data.steps_per_epoch) + 1:

@@ -52,7 +52,8 @@ class OptimizerConfig:
     )
     lr: float | None = setting(
         None, doc="Base learning rate of every parameter group (unset: 1.0 for `prodigy`, where it multiplies the "
-        "estimated step size, 1e-4 otherwise).", range=above(0.0)
+        "estimated step size, 1e-4 otherwise). 0 trains nothing (a check that a run exports what it started from).",
+        range=at_least(0.0)
     )
     weight_decay: float | None = setting(None, doc="Decoupled weight decay (unset: 0).", range=at_least(0.0))
     beta1: float | None = setting(

@@ -33,6 +33,7 @@ from wantrain.models.wan22.export import (
     set_live_alpha,
 )
 from wantrain.models.wan22.loading import WeightSource
+from wantrain.models.wan22.lora_files import LoraFile, check_fits, resolve_init
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
@@ -83,7 +84,8 @@ class Wan22Adapter:
     def __init__(self, model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float):
         self.spec: VariantSpec = VARIANTS[model.variant]
         self.model_config = model
-        self.lora_config = lora
+        # lora.init_from*: rank and alpha come from the files (read and checked before any weight loads)
+        self.lora_config, init_files = resolve_init(lora, model)
         self.device = torch.device(device)
         self.offload_device = torch.device(model.offload_device)
         self.experts: tuple[str | None, ...] = model.trained_experts
@@ -105,6 +107,8 @@ class Wan22Adapter:
         for i, expert in enumerate(self.experts):
             transformer = self.source.transformer(expert, load_dtype)
             self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8")
+            if expert in init_files:
+                self._start_from(expert, init_files[expert])
             # The first expert starts on the training device, the others wait off it (activate() swaps them).
             target = self.device if i == 0 else self.offload_device
             self._transformers[expert].to(target)
@@ -135,6 +139,19 @@ class Wan22Adapter:
                 param.requires_grad_(True)
         return transformer.train()
 
+    def _start_from(self, expert: str | None, lora: LoraFile) -> None:
+        """Copy the LoRA of a file into ``expert``'s LoRA layers (fp32) with each module's alpha; modules the file
+        does not hold keep their fresh start (B = 0)."""
+        layers = dict(lora_layers(self._transformers[expert]))
+        check_fits(lora, {n: (layer.base_layer.out_features, layer.base_layer.in_features)
+                          for n, layer in layers.items()})
+        with torch.no_grad():
+            for module, down in lora.down.items():
+                layer = layers[module]
+                layer.lora_A[ADAPTER_NAME].weight.copy_(down.to(torch.float32))
+                layer.lora_B[ADAPTER_NAME].weight.copy_(lora.up[module].to(torch.float32))
+                set_live_alpha(layer, lora.alpha[module])
+
     # -- the ModelAdapter contract -------------------------------------------------------------------------
     def transformer_for(self, expert: str | None) -> nn.Module:
         """The peft-wrapped diffusers transformer of ``expert`` (``None`` for the 5B model)."""
@@ -145,11 +162,23 @@ class Wan22Adapter:
         return [p for e in experts for p in self._transformers[e].parameters() if p.requires_grad]
 
     def param_groups(self) -> list[dict[str, Any]]:
+        """One group per trained expert (``high_noise``, ``low_noise``, or ``lora``) at its LR. With LoRA+
+        (``lora.plus_lr_ratio``) each expert's B matrices get a group of their own, ``<group>_B``, at ratio x the
+        expert's LR, which follows the expert's group: an LR set on that group for one step (``control.set_lr``)
+        sets ratio x it on the B group too (``follows`` / ``lr_ratio``, read by the core)."""
         lrs = {"high_noise": self.model_config.lr_high_noise, "low_noise": self.model_config.lr_low_noise}
-        return [
-            {"params": self.trainable_parameters(e), "lr": lrs.get(e) or self.base_lr, "name": GROUP_NAME[e]}
-            for e in self.experts
-        ]
+        ratio = self.lora_config.plus_lr_ratio
+        groups = []
+        for e in self.experts:
+            lr, name, params = lrs.get(e) or self.base_lr, GROUP_NAME[e], self.trainable_parameters(e)
+            if ratio is None:
+                groups.append({"params": params, "lr": lr, "name": name})
+                continue
+            b = {id(layer.lora_B[ADAPTER_NAME].weight) for _, layer in lora_layers(self._transformers[e])}
+            groups.append({"params": [p for p in params if id(p) not in b], "lr": lr, "name": name})
+            groups.append({"params": [p for p in params if id(p) in b], "lr": lr * ratio, "name": f"{name}_B",
+                           "follows": name, "lr_ratio": ratio})
+        return groups
 
     def expert_for_step(self, step: int) -> str | None:
         """Step 1..switch_every trains ``experts[0]``, the next ``switch_every`` steps ``experts[1]``, ..."""

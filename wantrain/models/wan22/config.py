@@ -32,15 +32,26 @@ class ModelConfig:
         "`tokenizer/`). Required for real variants; a tiny variant with a path loads it instead of random weights.",
     )
     high_noise_file: Path | None = setting(
-        None, doc="Single-file (original Wan or ComfyUI keys) .safetensors of the A14B high-noise expert; "
-        "replaces `transformer/`.",
+        None, doc="Single-file (original Wan or ComfyUI keys) .safetensors of the A14B high-noise expert, or the "
+        "original repos' `high_noise_model/` folder of shards with its index; replaces `transformer/`.",
     )
     low_noise_file: Path | None = setting(
-        None, doc="Single-file .safetensors of the A14B low-noise expert; replaces `transformer_2/`.",
+        None, doc="Single-file .safetensors (or `low_noise_model/` folder of shards) of the A14B low-noise expert; "
+        "replaces `transformer_2/`.",
     )
     transformer_file: Path | None = setting(
-        None, doc="Single-file .safetensors of the TI2V-5B transformer; replaces `transformer/`.",
+        None, doc="Single-file .safetensors (or folder of shards) of the TI2V-5B transformer; replaces "
+        "`transformer/`.",
     )
+    vae_file: Path | None = setting(
+        None, doc="The Wan 2.1 VAE as one file in the original layout (ComfyUI's `wan_2.1_vae.safetensors`, the "
+        "original repos' `Wan2.1_VAE.pth`, read with weights_only); replaces `vae/`.")
+    text_encoder_file: Path | None = setting(
+        None, doc="UMT5 as one file: transformers/ComfyUI keys (`umt5_xxl_fp16.safetensors`) or the original repos' "
+        "`models_t5_umt5-xxl-enc-bf16.pth` (read with weights_only); replaces `text_encoder/`.")
+    tokenizer_path: Path | None = setting(
+        None, doc="A local folder with the UMT5 tokenizer's files (the original repos' `google/umt5-xxl/`); "
+        "replaces `tokenizer/`. With every part given as a file or folder, `model.path` is not needed.")
     experts: Literal["both", "high_noise", "low_noise"] = setting(
         "both", doc="A14B experts to train (single-transformer variants accept only `both`)."
     )
@@ -153,13 +164,33 @@ def _trained_range(boundary: float | None, experts: str) -> tuple[float, float]:
 class LoraConfig:
     """The LoRA adapters: one per trained expert on the 10 Linears of every block (see docs/models.md)."""
 
-    rank: int = setting(16, doc="LoRA rank.", range=at_least(1))
+    rank: int | None = setting(
+        None, doc="LoRA rank; unset: 16, or the rank of the `init_from` file(s).", range=at_least(1))
     alpha: float | None = setting(
         None, doc="LoRA alpha; the LoRA output is scaled by alpha/rank. Unset means alpha = rank (scale 1).",
         range=above(0.0),
     )
     dropout: float = setting(0.0, doc="Dropout on the LoRA input during training.", range=between(0.0, 0.99))
     save_dtype: Literal["bf16", "fp32"] = setting("bf16", doc="dtype of the LoRA matrices in the saved files.")
+    plus_lr_ratio: float | None = setting(
+        None, doc="LoRA+: the B matrices train at this multiple of the LR of the A matrices, in a parameter group "
+        "of their own per expert (`<group>_B`, e.g. `high_noise_B`); unset: one LR per expert.", range=above(0.0))
+    init_from: Path | None = setting(
+        None, doc="Start the LoRA from this file (wantrain, ComfyUI, diffusers or musubi-tuner keys): the TI2V-5B "
+        "LoRA, or the one expert an A14B run trains. Rank and alpha are read from it; the optimizer starts fresh.")
+    init_from_high_noise: Path | None = setting(
+        None, doc="A14B: start the high-noise expert's LoRA from this file (as `init_from`).")
+    init_from_low_noise: Path | None = setting(
+        None, doc="A14B: start the low-noise expert's LoRA from this file (as `init_from`).")
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank is None and not self.starts_from_files:
+            object.__setattr__(self, "rank", 16)  # unset and no file to read it from: the default
+
+    @property
+    def starts_from_files(self) -> bool:
+        """Some ``init_from*`` key names a file (rank and alpha then come from it, ``lora_files.resolve_init``)."""
+        return any(v is not None for v in (self.init_from, self.init_from_high_noise, self.init_from_low_noise))
 
     @property
     def effective_alpha(self) -> float:

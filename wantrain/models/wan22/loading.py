@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from wantrain.core.errors import UserError
-from wantrain.models.wan22 import architecture
+from wantrain.models.wan22 import architecture, model_files, sharded
 from wantrain.models.wan22.config import ModelConfig
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
 
@@ -36,30 +36,26 @@ class WeightSource:
         self.path = Path(model.path).expanduser() if model.path is not None else None
         self.random = self.spec.tiny and self.path is None and not any(
             getattr(model, _EXPERT_FILE_KEY[e]) is not None for e in self.experts
-        )
+        ) and not model_files.everything_from_files(model)
         if not self.random:
             self._check()
 
     # -- checks --------------------------------------------------------------------------------------------
     def _check(self) -> None:
+        model_files.check_files(self.model, self.spec)  # vae_file, text_encoder_file, tokenizer_path, expert files
+        if self.path is None and model_files.everything_from_files(self.model):
+            return
         if self.path is None:
             raise UserError(
                 f"model.path is required for {self.spec.name}: point it at a local diffusers-format directory "
-                "with vae/, text_encoder/ and tokenizer/ (and the transformer folders)"
+                "with vae/, text_encoder/ and tokenizer/ (and the transformer folders), or give every part as a "
+                "file (model.vae_file, model.text_encoder_file, model.tokenizer_path and each expert's *_file)"
             )
         if not self.path.is_dir():
             raise UserError(f"model.path '{self.path}' is not a directory (expected a diffusers-format model folder)")
         for expert in self.experts:
-            file = self._expert_file(expert)
-            if file is not None:
-                if not file.is_file():
-                    raise UserError(f"model.{_EXPERT_FILE_KEY[expert]} '{file}' does not exist")
-                if file.suffix != ".safetensors":
-                    raise UserError(
-                        f"model.{_EXPERT_FILE_KEY[expert]} '{file}' is not a .safetensors file (only safetensors "
-                        "single files are read; convert .pt/.ckpt first)"
-                    )
-                continue
+            if self._expert_file(expert) is not None:
+                continue  # checked by model_files.check_files
             folder = EXPERT_FOLDER[expert]
             role = {"high_noise": "the high-noise expert", "low_noise": "the low-noise expert"}.get(
                 expert, "the transformer"
@@ -67,18 +63,23 @@ class WeightSource:
             why = f"needed with model.experts = '{self.model.experts}'" if expert else "needed to train"
             self._require(folder, f"{role}, {why}; or set model.{_EXPERT_FILE_KEY[expert]}")
             self._check_transformer_config(folder)
+        if self.model.vae_file is None:
+            self._check_vae_folder()
+        if self.model.text_encoder_file is None:
+            self._require("text_encoder", "the UMT5 text encoder")
+        if self.model.tokenizer_path is None and not any(
+                (self.path / "tokenizer" / n).is_file() for n in model_files.TOKENIZER_FILES):
+            raise UserError(
+                f"model.path '{self.path}' has no tokenizer/ folder with tokenizer files (the UMT5 tokenizer)"
+            )
+
+    def _check_vae_folder(self) -> None:
         self._require("vae", "the VAE")
         vae_z = self._read_config("vae").get("z_dim")
         if vae_z != self.spec.latent_channels:
             raise UserError(
                 f"model.path '{self.path}': vae/config.json has z_dim = {vae_z}, but {self.spec.name} uses the "
                 f"{self.spec.vae} VAE with {self.spec.latent_channels} latent channels"
-            )
-        self._require("text_encoder", "the UMT5 text encoder")
-        if not any((self.path / "tokenizer" / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
-                                                                      "spiece.model")):
-            raise UserError(
-                f"model.path '{self.path}' has no tokenizer/ folder with tokenizer files (the UMT5 tokenizer)"
             )
 
     def _check_transformer_config(self, folder: str) -> None:
@@ -122,11 +123,19 @@ class WeightSource:
     def encoder_identity(self) -> str:
         """Identity of the VAE + text encoder + tokenizer, computed without loading them: the variant plus the
         seed and architecture hash (tiny random) or every file's relative path, size and mtime (directory)."""
-        if self.random or self.path is None:
+        files = model_files.files_digest(self.model)  # model.vae_file, text_encoder_file, tokenizer_path
+        if self.random or (self.path is None and not files):
             arch = architecture.tiny_config_hash(self.spec)
             return f"wan22:{self.spec.name}:tiny-random:seed={self.seed}:arch={arch}"
+        if self.path is None:
+            return f"wan22:{self.spec.name}:files:{files}"
         digest = hashlib.sha256()
+        replaced = {"vae": self.model.vae_file, "text_encoder": self.model.text_encoder_file,
+                    "tokenizer": self.model.tokenizer_path}
+        digest.update(files.encode())
         for part in _ENCODER_PARTS:
+            if replaced[part] is not None:
+                continue
             for file in sorted(p for p in (self.path / part).rglob("*") if p.is_file()):
                 stat = file.stat()
                 digest.update(f"{file.relative_to(self.path)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
@@ -159,12 +168,13 @@ class WeightSource:
 
         key = _EXPERT_FILE_KEY[expert]
         _refuse_wan21_image_branch(file, key, self.spec.name)
+        source = sharded.read_folder(file, key) if file.is_dir() else str(file)  # the original repos' shards
         with tempfile.TemporaryDirectory() as tmp:
             config = {"_class_name": "WanTransformer3DModel", **architecture.transformer_kwargs(self.spec)}
             config["patch_size"] = list(config["patch_size"])
             Path(tmp, "config.json").write_text(json.dumps(config))
             try:
-                transformer = WanTransformer3DModel.from_single_file(str(file), config=tmp, local_files_only=True)
+                transformer = WanTransformer3DModel.from_single_file(source, config=tmp, local_files_only=True)
             except (ValueError, RuntimeError, KeyError, OSError, SafetensorError) as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise UserError(
@@ -175,6 +185,10 @@ class WeightSource:
     def vae(self):
         from diffusers import AutoencoderKLWan
 
+        if self.model.vae_file is not None and not self.random:
+            from wantrain.models.wan22.vae_file import load_vae
+
+            return load_vae(Path(self.model.vae_file), latent_channels=self.spec.latent_channels)
         if self.random or self.path is None:
             return architecture.tiny_vae(self.spec, self.seed)
         return AutoencoderKLWan.from_pretrained(str(self.path), subfolder="vae", torch_dtype=torch.float32,
@@ -184,9 +198,20 @@ class WeightSource:
         """(tokenizer, encoder)."""
         from transformers import AutoTokenizer, UMT5EncoderModel
 
-        if self.random or self.path is None:
+        if self.random:
             return architecture.tiny_tokenizer(self.spec), architecture.tiny_text_encoder(self.spec, self.seed)
-        tokenizer = AutoTokenizer.from_pretrained(str(self.path / "tokenizer"), local_files_only=True)
+        m = self.model
+        if m.tokenizer_path is None and self.path is None:
+            tokenizer = architecture.tiny_tokenizer(self.spec)
+        else:
+            folder = Path(m.tokenizer_path).expanduser() if m.tokenizer_path is not None else self.path / "tokenizer"
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if m.text_encoder_file is not None:
+            from wantrain.models.wan22.text_file import load_text_encoder
+
+            return tokenizer, load_text_encoder(Path(m.text_encoder_file), dtype)
+        if self.path is None:
+            return tokenizer, architecture.tiny_text_encoder(self.spec, self.seed)
         encoder = UMT5EncoderModel.from_pretrained(str(self.path / "text_encoder"), torch_dtype=dtype,
                                                    local_files_only=True)
         return tokenizer, encoder.eval()
@@ -200,13 +225,7 @@ def _normalise(value):
 def _refuse_wan21_image_branch(file: Path, key: str, variant: str) -> None:
     """A Wan 2.1 I2V file has the same shapes as I2V-A14B plus a CLIP image branch, which diffusers would drop with
     a mere warning; read the key names (the header only) and refuse it."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), framework="pt") as fh:
-            names = list(fh.keys())
-    except (SafetensorError, OSError) as exc:
-        raise UserError(f"model.{key} '{file}' is not a readable safetensors file ({exc})") from None
+    names = sharded.tensor_names(file, key)
     found = next((n for n in names if "img_emb." in n or ".k_img." in n or ".v_img." in n), None)
     if found is not None:
         raise UserError(

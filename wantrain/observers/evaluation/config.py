@@ -29,6 +29,9 @@ class ValidationConfig:
         None, doc="Validate on the first N training clips (in folder order) instead of a folder.", range=at_least(1)
     )
     every: int = setting(100, doc="Validate every N optimizer steps (besides step 0 and the end).", range=at_least(1))
+    every_epochs: int | None = setting(
+        None, doc="Validate every N epochs instead (the optimizer steps of the first N epochs; replaces `every`).",
+        range=at_least(1))
     timesteps: list[float] = setting(
         factory=lambda: list(DEFAULT_TIMESTEPS),
         doc="Timesteps t in (0, 1) evaluated, each by the expert that owns it (`val/loss/t_0.5`, ...).",
@@ -59,6 +62,9 @@ class SampleConfig:
         "when given), refused for T2V."
     )
     every: int = setting(200, doc="Sample every N optimizer steps (besides step 0 and the end).", range=at_least(1))
+    every_epochs: int | None = setting(
+        None, doc="Sample every N epochs instead (the optimizer steps of the first N epochs; replaces `every`).",
+        range=at_least(1))
     frames: int | None = setting(None, doc="Frames per video (4k+1); unset: the variant's default.",
                                  range=at_least(1))
     width: int | None = setting(None, doc="Width in pixels; unset: the variant's default.", range=at_least(16))
