@@ -22,6 +22,7 @@ from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections, sample_size
 from wantrain.schedulers import check_scheduler
 
+
 def dataset(cfg: Any) -> Any:
     """The run's training data as ``prepare()`` reads it (probes and plans; decodes nothing)."""
     return build_dataset(cfg.data, spec=variant_spec(cfg.model.variant), seed=cfg.run.seed,
