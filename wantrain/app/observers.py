@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from wantrain.core.errors import UserError
+from wantrain.observers.alpha.config import stability_applicable
 from wantrain.optimizers.registry import TYPES
 
 
@@ -79,7 +80,9 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     # every rank decides alike; only rank 0 writes alpha_metrics.jsonl
     BuiltIn("alpha", "wantrain.observers.alpha.controller:AlphaController", _alpha_enabled,
             lambda cls, cfg, w: cls(cfg.lora.alpha_schedule, cfg.model.trained_experts,
-                                    metrics_path=w.run_dir / "alpha_metrics.jsonl" if w.writes_files else None)),
+                                    metrics_path=w.run_dir / "alpha_metrics.jsonl" if w.writes_files else None,
+                                    stability_applicable=stability_applicable(cfg.model.trained_experts,
+                                                                              cfg.model.switch_every))),
     # Prodigy: log d and d * lr (optimizer/effective_lr/<group>)
     BuiltIn("adaptive_lr", "wantrain.observers.adaptive_lr:AdaptiveLR", lambda cfg: _adaptive(cfg) is not None,
             lambda cls, cfg, w: cls(_adaptive(cfg))),
