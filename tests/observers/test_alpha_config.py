@@ -87,3 +87,12 @@ def test_switch_every_one_with_two_experts_warns_that_stability_does_not_apply(t
         _load(tmp_path, "[model]\nvariant = 'tiny-t2v'\nexperts = 'both'\nswitch_every = 1\n"
                         "[lora.alpha_schedule]\nenabled = true\n" + PHASES)
     assert any("switch_every = 1" in r.getMessage() and "not applied" in r.getMessage() for r in caplog.records)
+
+
+def test_built_in_observers_can_be_left_out_by_name_as_the_lr_finders_sweep_leaves_out_alpha(tmp_path):
+    from wantrain.app.observers import build_observers
+
+    cfg = _load(tmp_path, "[lora.alpha_schedule]\nenabled = true\n" + PHASES)
+    names = {type(o).__name__ for o in build_observers(cfg, tmp_path)}
+    assert "AlphaController" in names
+    assert "AlphaController" not in {type(o).__name__ for o in build_observers(cfg, tmp_path, without=("alpha",))}

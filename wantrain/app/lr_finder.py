@@ -163,6 +163,7 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
 
     sweep = RunOptions(
         run_id_suffix="lr_finder", observers=[finder], saves=False, evaluation=False, before_run=before_sweep,
+        without=("alpha",),  # the sweep's LRs are no training: no alpha phases (then-train's run has them)
         loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None),
         model_view=lambda model: SweepOrder(model, finder.steps_per_expert),
     )

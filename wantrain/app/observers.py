@@ -93,14 +93,16 @@ BY_KEY = {row.key: row for row in BUILT_IN}
 
 
 def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
-                    hparams: dict[str, Any] | None = None, writes_files: bool = True) -> list[Any]:
+                    hparams: dict[str, Any] | None = None, writes_files: bool = True,
+                    without: Sequence[str] = ()) -> list[Any]:
     """The observers a run config asks for, in attachment order. ``extra`` are the users' classes from
     :func:`resolve_extra_observers`, built here with no arguments. ``writes_files`` False (torchrun ranks other
     than 0): the same observers, minus the sinks (TensorBoard, JSONL, the progress line) and the alpha controller's
-    JSONL file, so that every rank computes and decides alike and only rank 0 writes."""
+    JSONL file, so that every rank computes and decides alike and only rank 0 writes. ``without``: names of built-in
+    rows left out (the LR finder's sweep runs no alpha controller)."""
     where = Where(Path(run_dir), hparams, writes_files)
     observers = [row.build(row.load(), cfg, where) for row in BUILT_IN
-                 if row.enabled(cfg) and (writes_files or not row.sink)]
+                 if row.enabled(cfg) and (writes_files or not row.sink) and row.key not in without]
     for i, (spec, cls) in enumerate(zip(cfg.observers.extra, extra, strict=True)):
         try:
             observers.append(cls())
