@@ -35,6 +35,10 @@ REFUSALS = {
     "alpha schedule with one phase": [
         "--set", "lora.alpha_schedule.enabled=true",
         "--set", 'lora.alpha_schedule.phases=[{name="only", alpha=4, min_steps=5}]'],
+    "preserve_output with Prodigy": [
+        "--set", 'optimizer.type="prodigy"', "--set", "optimizer.lr=1.0", "--set", "lora.alpha=null",
+        "--set", "lora.alpha_schedule.enabled=true",
+        "--set", 'lora.alpha_schedule.phases=[{name="a", alpha=4}, {name="b", alpha=8}]'],
 }
 
 

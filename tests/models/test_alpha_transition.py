@@ -74,10 +74,12 @@ def test_jump_scales_every_lora_layers_contribution_by_new_over_old_alpha():
 
 
 def test_other_optimizer_state_is_refused_not_silently_ignored():
-    from wantrain.models.wan22.adapter import rescale_optimizer_state
+    from wantrain.core.optim_state import check_rescalable
 
     with pytest.raises(TypeError, match="lr_mask"):
-        rescale_optimizer_state({"lr_mask": torch.ones(3)}, 2.0)
+        check_rescalable("adam", {"lr_mask": torch.ones(3)})
+    with pytest.raises(TypeError, match="no known way"):
+        check_rescalable(None, {"d": torch.ones(3)})
 
 
 @pytest.mark.slow

@@ -55,6 +55,7 @@ SCHEDULE = """
 enabled = {enabled}
 window = 10
 min_samples = 5
+plateau_windows = 1
 [[lora.alpha_schedule.phases]]
 name = "foundation"
 alpha = 4

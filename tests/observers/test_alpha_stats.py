@@ -92,3 +92,18 @@ def test_sign_agreement_restarts_after_reset_and_window_mean_ignores_nan():
     signs.reset()
     assert signs.update([torch.ones(3)]) is None
     assert window_mean(_window([0.2, math.nan, 0.6], 5)).item() == pytest.approx(0.4)
+
+
+def test_a_window_saved_with_another_size_keeps_its_newest_values_in_order():
+    # lora.alpha_schedule.window changed between a run and its resume (issue 25.8: a shape crash before)
+    saved = DeviceWindow(5, "cpu")
+    for v in range(7):
+        saved.push(torch.tensor(float(v)))
+    smaller, larger = DeviceWindow(3, "cpu"), DeviceWindow(10, "cpu")
+    smaller.load_state_dict(saved.state_dict())
+    larger.load_state_dict(saved.state_dict())
+    assert smaller.host_values() == [4.0, 5.0, 6.0]
+    assert larger.host_values() == [2.0, 3.0, 4.0, 5.0, 6.0]
+    larger.push(torch.tensor(7.0))
+    assert larger.host_values() == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert float(loss_statistics(larger)["loss_slope"]) == 1.0  # positions stay chronological

@@ -90,8 +90,13 @@ def test_then_train_continues_exactly_like_a_run_started_with_the_suggested_lr(w
     assert not list(finder_dir.glob("*.safetensors"))
     finder = json.loads((finder_dir / "lr_finder.json").read_text())["experts"]
     resolved = tomllib.loads((trained_dir / "config.toml").read_text())
-    assert resolved["model"]["lr_high_noise"] == finder["high_noise"]["suggested_lr"]
-    assert resolved["model"]["lr_low_noise"] == finder["low_noise"]["suggested_lr"]
+    printed = capsys.readouterr().out
+    for expert in ("high_noise", "low_noise"):  # the suggestion, or the config's LR when a warning invalidates it
+        if finder[expert]["invalid"]:
+            assert resolved["model"].get(f"lr_{expert}") is None and resolved["optimizer"]["lr"] == 2e-3
+            assert f"lr_finder [{expert}]: not training with the suggestion (" in printed
+        else:
+            assert resolved["model"][f"lr_{expert}"] == finder[expert]["suggested_lr"]
     assert resolved["lr_finder"]["enabled"] is False and resolved["lr_finder"]["then_train"] is False
     log = [json.loads(x) for x in (trained_dir / "log.jsonl").read_text().splitlines()]
     restored = [x for x in log if x["event"] == "lr_finder_state_restored"]

@@ -41,9 +41,10 @@ def test_steepest_descent_in_log_lr_is_the_inflection_of_a_tanh_curve():
         assert s.lrs["steepest"] == lrs[60]
 
 
-def test_valley_is_the_middle_of_the_longest_decreasing_stretch():
-    assert valley_index([5, 4, 3, 2, 1, 2, 3]) == 2  # decreasing 0..4 -> middle 2
-    assert valley_index([1, 9, 8, 7, 6, 5, 4, 3, 9]) == 4  # 1..7 -> 4
+def test_valley_is_half_way_down_the_descent():
+    assert valley_index([5, 4, 3, 2, 1]) == 2  # 10 % of the drop done at 1, within 10 % of the minimum at 4
+    assert valley_index([1, 9, 8, 7, 6, 5, 4, 3]) == 4  # from the highest point (1) to the end (7)
+    assert valley_index([9, 9, 9, 9, 8, 5, 2, 1, 1]) == 5  # a plateau before the descent does not count
     lrs = _grid()
     losses = [100.0 - k if k <= 70 else 30.0 + (k - 70) ** 2 for k in range(101)]  # V, bottom at rung 70
     s = suggest(lrs, losses, beta=0.0)

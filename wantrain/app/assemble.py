@@ -127,6 +127,7 @@ class RunOptions:
     observers: Sequence[Any] = ()  # attached after the built-in ones (an observer, or anything with attach_to)
     saves: bool = True  # False: no LoRA files and no checkpoints
     evaluation: bool = True  # False: no [validation] and no [sample] observers
+    without: Sequence[str] = ()  # built-in observers left out, by name (wantrain.app.observers.BUILT_IN)
     before_run: Callable[[Any], None] | None = None  # called with the trainer right before its first step
 
 
@@ -218,7 +219,7 @@ class PreparedRun:
         scheduler = build_scheduler(cfg.lr_scheduler, optimizer, total_steps=cfg.train.max_steps)
         bus = Bus()
         for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain,
-                                        writes_files=main):
+                                        writes_files=main, without=options.without):
             bus.attach(observer)
         for observer in [*options.observers, *watchers]:
             if hasattr(observer, "attach_to"):

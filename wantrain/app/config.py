@@ -21,7 +21,7 @@ from wantrain.core.settings import (
 )
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
-from wantrain.observers.alpha.config import AlphaScheduleConfig
+from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
 from wantrain.observers.lr_finder.config import LrFinderConfig
 from wantrain.optimizers.config import OptimizerConfig
@@ -85,6 +85,41 @@ class RunConfig:
                 check_lr_multiplier(self.optimizer.type, f"model.{key}", getattr(self.model, key))
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+        _check_alpha_schedule(self)
+
+
+def _check_alpha_schedule(cfg: RunConfig) -> None:
+    """The alpha schedule against the other tables (read time, before anything is written)."""
+    if not cfg.lora.schedule_enabled:
+        return
+    schedule = cfg.lora.alpha_schedule
+    if schedule.transition == "preserve_output":
+        from wantrain.core.optim_state import STATE_MAPS
+        from wantrain.optimizers.registry import EXTERNAL, TYPES
+
+        if cfg.optimizer.type == EXTERNAL:
+            import torch
+
+            cls = cfg.optimizer.optimizer_class()
+            known = issubclass(cls, torch.optim.Adam | torch.optim.AdamW | torch.optim.SGD)
+            what = f"optimizer.class = {cfg.optimizer.class_path!r}"
+        else:
+            known = TYPES[cfg.optimizer.type].state_kind in STATE_MAPS
+            what = f"optimizer.type = {cfg.optimizer.type!r}"
+        if not known:
+            why = (" (Prodigy's step size d is one estimate over A and B together)" if cfg.optimizer.type == "prodigy"
+                   else "")
+            mapped = ", ".join(name for name, spec in TYPES.items() if spec.state_kind in STATE_MAPS)
+            raise ConfigError(
+                f"lora.alpha_schedule.transition = 'preserve_output' cannot carry the state of {what} across an "
+                f"alpha change{why}; use transition = 'jump' or optimizer.type = one of {mapped}"
+            )
+    if not stability_applicable(cfg.model.trained_experts, cfg.model.switch_every):
+        import logging
+
+        logging.getLogger("wantrain.alpha").warning(
+            "lora.alpha_schedule: with model.switch_every = 1 and two experts every stint is one step, so gradient "
+            "stability has no samples; min_gradient_stability is not applied (raise switch_every to use it)")
 
 
 name_sections(RunConfig)  # code-built sections name their keys in errors (``validation.every``)

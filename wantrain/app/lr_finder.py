@@ -109,15 +109,40 @@ def _paired_tensors(a: Any, b: Any, path: str) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
-def suggested_config(cfg: Any, results: dict[str | None, Any]) -> Any:
-    """``cfg`` with each trained expert's suggested LR and ``[lr_finder]`` off."""
+def configured_lr(cfg: Any, expert: str | None) -> float:
+    """The LR the config gives ``expert``'s parameter group (``model.lr_<expert>`` if set, else ``optimizer.lr``)."""
+    own = getattr(cfg.model, f"lr_{expert}", None) if expert is not None else None
+    return float(cfg.optimizer.lr if own is None else own)
+
+
+def training_lrs(cfg: Any, experts: tuple[str | None, ...], results: dict[str | None, Any]
+                 ) -> tuple[dict[str | None, float], list[str]]:
+    """The LR each expert trains with after the sweep: its suggestion when ``trusted``; else the config's, with one
+    line saying so (the first invalidating warning as the reason). Returns (trusted LRs, the fallback lines)."""
+    lrs, fallbacks = {}, []
+    for expert in experts:
+        result = results.get(expert)
+        if result is not None and result.trusted:
+            lrs[expert] = result.suggested_lr
+            continue
+        configured = configured_lr(cfg, expert)
+        why = result.invalid[0] if result is not None and result.invalid else "the sweep gave no suggestion"
+        fallbacks.append(f"lr_finder [{expert or 'lora'}]: not training with the suggestion ({why}); training "
+                         f"with the config's LR {configured:.3g}")
+        log.warning("lr_finder_fallback", expert=expert or "lora", lr=configured, reason=why)
+    return lrs, fallbacks
+
+
+def suggested_config(cfg: Any, lrs: dict[str | None, float]) -> Any:
+    """``cfg`` with the given experts' LRs (the trusted suggestions; the others keep the config's) and
+    ``[lr_finder]`` off."""
     changes: dict[str, Any] = {}
     model = cfg.model
-    for expert, result in results.items():
+    for expert, lr in lrs.items():
         if expert is None:
-            changes["optimizer"] = attrs.evolve(cfg.optimizer, lr=result.suggested_lr)
+            changes["optimizer"] = attrs.evolve(cfg.optimizer, lr=lr)
         else:
-            model = attrs.evolve(model, **{f"lr_{expert}": result.suggested_lr})
+            model = attrs.evolve(model, **{f"lr_{expert}": lr})
     return attrs.evolve(cfg, model=model, lr_finder=attrs.evolve(cfg.lr_finder, enabled=False, then_train=False),
                         **changes)
 
@@ -138,6 +163,7 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
 
     sweep = RunOptions(
         run_id_suffix="lr_finder", observers=[finder], saves=False, evaluation=False, before_run=before_sweep,
+        without=("alpha",),  # the sweep's LRs are no training: no alpha phases (then-train's run has them)
         loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None),
         model_view=lambda model: SweepOrder(model, finder.steps_per_expert),
     )
@@ -149,18 +175,14 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
     outcome = attrs.evolve(outcome, status=status, reason=reason, lr_finder=summary, lr_finder_dir=outcome.run_dir)
     if not cfg.lr_finder.then_train or status != "completed":
         return outcome
-    missing = [e or "lora" for e in adapter.experts if finder.results.get(e) is None
-               or finder.results[e].suggested_lr is None]
-    if missing:
-        return attrs.evolve(outcome, status="failed",
-                            reason=f"lr_finder: no suggested LR for {', '.join(missing)}; nothing was trained "
-                                   "(see the warnings and the chart)")
-    new_cfg = suggested_config(cfg, {e: finder.results[e] for e in adapter.experts})
+    lrs, fallbacks = training_lrs(cfg, adapter.experts, finder.results)
+    summary = (*summary, *fallbacks)
+    new_cfg = suggested_config(cfg, lrs)
     # The adapter was built for the old LR; it now serves the new config (param_groups() reads these two).
     adapter.base_lr = new_cfg.optimizer.lr
     adapter.model_config = new_cfg.model
     log.info("lr_finder_then_train", finder_run=str(outcome.run_dir),
-             lrs={e or "lora": finder.results[e].suggested_lr for e in adapter.experts})
+             lrs={e or "lora": lrs.get(e, configured_lr(cfg, e)) for e in adapter.experts})
     follow = PreparedRun(new_cfg, to_plain(new_cfg), prepared.config_dir, prepared.device, prepared.data, adapter,
                          prepared.extra_observers, sync=prepared.sync, validation_data=prepared.validation_data)
     trained = follow.execute(RunOptions(before_run=lambda trainer: load_initial_state(trainer, snapshot["tree"])))

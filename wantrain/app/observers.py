@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from wantrain.core.errors import UserError
+from wantrain.observers.alpha.config import stability_applicable
 from wantrain.optimizers.registry import TYPES
 
 
@@ -79,7 +80,9 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     # every rank decides alike; only rank 0 writes alpha_metrics.jsonl
     BuiltIn("alpha", "wantrain.observers.alpha.controller:AlphaController", _alpha_enabled,
             lambda cls, cfg, w: cls(cfg.lora.alpha_schedule, cfg.model.trained_experts,
-                                    metrics_path=w.run_dir / "alpha_metrics.jsonl" if w.writes_files else None)),
+                                    metrics_path=w.run_dir / "alpha_metrics.jsonl" if w.writes_files else None,
+                                    stability_applicable=stability_applicable(cfg.model.trained_experts,
+                                                                              cfg.model.switch_every))),
     # Prodigy: log d and d * lr (optimizer/effective_lr/<group>)
     BuiltIn("adaptive_lr", "wantrain.observers.adaptive_lr:AdaptiveLR", lambda cfg: _adaptive(cfg) is not None,
             lambda cls, cfg, w: cls(_adaptive(cfg))),
@@ -90,14 +93,16 @@ BY_KEY = {row.key: row for row in BUILT_IN}
 
 
 def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
-                    hparams: dict[str, Any] | None = None, writes_files: bool = True) -> list[Any]:
+                    hparams: dict[str, Any] | None = None, writes_files: bool = True,
+                    without: Sequence[str] = ()) -> list[Any]:
     """The observers a run config asks for, in attachment order. ``extra`` are the users' classes from
     :func:`resolve_extra_observers`, built here with no arguments. ``writes_files`` False (torchrun ranks other
     than 0): the same observers, minus the sinks (TensorBoard, JSONL, the progress line) and the alpha controller's
-    JSONL file, so that every rank computes and decides alike and only rank 0 writes."""
+    JSONL file, so that every rank computes and decides alike and only rank 0 writes. ``without``: names of built-in
+    rows left out (the LR finder's sweep runs no alpha controller)."""
     where = Where(Path(run_dir), hparams, writes_files)
     observers = [row.build(row.load(), cfg, where) for row in BUILT_IN
-                 if row.enabled(cfg) and (writes_files or not row.sink)]
+                 if row.enabled(cfg) and (writes_files or not row.sink) and row.key not in without]
     for i, (spec, cls) in enumerate(zip(cfg.observers.extra, extra, strict=True)):
         try:
             observers.append(cls())

@@ -47,6 +47,8 @@ def build_optimizer(cfg: OptimizerConfig, param_groups: list[dict[str, Any]], de
     optimizer = cls(param_groups, **{**cfg.keyword_arguments(), **_device_arguments(cfg, device)})
     spec = TYPES.get(cfg.type)
     optimizer.group_state_keys = spec.group_state_keys if spec is not None else ()  # type: ignore[attr-defined]
+    if spec is not None:  # external classes: wantrain.core.optim_state knows torch's Adam/AdamW/SGD by class
+        optimizer.state_kind = spec.state_kind  # type: ignore[attr-defined]
     return optimizer
 
 

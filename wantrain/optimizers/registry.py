@@ -33,6 +33,7 @@ class OptimizerType:
     adaptive_lr: str | None = None  # parameter-group key of the optimizer's own step-size estimate
     # with adaptive_lr, lr multiplies the estimate: the accepted multipliers around the documented one (inclusive)
     lr_range: tuple[float, float] | None = None
+    state_kind: str | None = None  # how its state follows an alpha rescale (wantrain.core.optim_state); None: no map
     summary: str = ""
     shown: str = ""  # how messages name the class (the library's, where wantrain subclasses it)
 
@@ -57,12 +58,12 @@ TYPES: dict[str, OptimizerType] = {
         OptimizerType(
             "adamw", "torch.optim.AdamW", None, dict(_ADAM_DEFAULTS),
             refused={"differentiable": "wantrain does not differentiate through the optimizer step"},
-            summary="torch's AdamW; fused kernel on CPU and CUDA (the default)",
+            state_kind="adam", summary="torch's AdamW; fused kernel on CPU and CUDA (the default)",
         ),
         OptimizerType(
             "adamw8bit", "bitsandbytes.optim.AdamW8bit", "bitsandbytes", dict(_ADAM_DEFAULTS),
             refused={"args": "set the keyword arguments directly", "optim_bits": "use type = 'adamw' for 32-bit"},
-            summary="AdamW with 8-bit block-wise quantized moments (bitsandbytes)",
+            state_kind="adam8bit", summary="AdamW with 8-bit block-wise quantized moments (bitsandbytes)",
         ),
         OptimizerType(
             "prodigy", "wantrain.optimizers.prodigy.ExpertProdigy", "prodigyopt", {**_ADAM_DEFAULTS, "lr": 1.0},
@@ -78,12 +79,13 @@ TYPES: dict[str, OptimizerType] = {
             refused={"eps": "Adafactor's eps is a pair of regularisation constants; it keeps its defaults"},
             refused_values={"relative_step": (True, "the LR schedule ([lr_scheduler]) owns the learning rate; "
                                               "Adafactor's relative step would ignore it")},
+            state_kind="adafactor",
             summary="Adafactor: factored second moments (row and column sums), no first moment by default",
         ),
         OptimizerType(
             "adamw_schedulefree", "schedulefree.AdamWScheduleFree", "schedulefree", dict(_ADAM_DEFAULTS),
             group_state_keys=("k", "train_mode", "weight_sum", "lr_max", "scheduled_lr"),
-            modes=True,
+            modes=True, state_kind="schedulefree",
             summary="schedule-free AdamW: iterate averaging instead of a decaying schedule",
         ),
     )

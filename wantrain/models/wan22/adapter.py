@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
+from wantrain.core.optim_state import check_rescalable, rescale_state, state_kind
 from wantrain.models.wan22 import architecture
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.models.wan22.export import (
@@ -56,26 +57,6 @@ def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device) 
         return torch.bfloat16, torch.bfloat16
     dtype = torch.float32 if choice == "fp32" else torch.bfloat16
     return dtype, dtype
-
-
-_LINEAR_STATE = ("exp_avg", "momentum_buffer")  # scale with the gradient
-_SQUARED_STATE = ("exp_avg_sq", "max_exp_avg_sq")  # scale with the gradient squared
-
-
-def rescale_optimizer_state(state: dict[str, Any], factor: float) -> None:
-    """Scale a parameter's optimizer state as if its gradients had always been ``factor`` times larger (Adam/AdamW,
-    also fused or foreach, and SGD with momentum). Scalars (``step``) are left alone; another tensor of the
-    parameter's size means an optimizer whose state this cannot map: ``TypeError``."""
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            continue
-        if key in _LINEAR_STATE:
-            value.mul_(factor)
-        elif key in _SQUARED_STATE:
-            value.mul_(factor * factor)
-        else:
-            raise TypeError(f"cannot rescale optimizer state {key!r} for an alpha change: supported are Adam/AdamW "
-                            "and SGD states (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer)")
 
 
 class Wan22Adapter:
@@ -433,21 +414,28 @@ class Wan22Adapter:
 
         ``preserve_output``: keep the model's function: each layer's ``B`` becomes ``B * old/new`` so that
         ``(new/r) * B' A = (old/r) * B A``, and its optimizer state follows the gradients of the new
-        parametrisation (dL/dB' = new/old * dL/dB): Adam's ``exp_avg`` (and SGD's ``momentum_buffer``) times
-        ``c = new/old``, ``exp_avg_sq`` / ``max_exp_avg_sq`` times ``c**2``. A's weights, gradients and state do
-        not change. Optimizer state of another form raises ``TypeError`` (a bug: the optimizer is not supported).
-        Without ``preserve_output`` only alpha changes and the LoRA's output is scaled by new/old (the seed's jump).
-        In place, device ops only (no sync); the expert may sit on the offload device.
+        parametrisation (dL/dB' = new/old * dL/dB), by the optimizer's map in :mod:`wantrain.core.optim_state`
+        (Adam/AdamW, SGD, 8-bit AdamW, Adafactor, schedule-free AdamW). A's weights, gradients and state do not
+        change. Every layer's state is checked first: state no map knows raises ``TypeError`` before anything
+        changed (the config check refuses such optimizers earlier, so this is a bug). Without ``preserve_output``
+        only alpha changes and the LoRA's output is scaled by new/old (the seed's jump). In place, device ops only
+        (no sync); the expert may sit on the offload device.
         """
         alpha = float(alpha)
+        layers = [layer for _, layer in lora_layers(self._transformers[expert])]
+        kind = state_kind(optimizer)
+        if preserve_output and optimizer is not None:
+            for layer in layers:  # the check pass: nothing is changed unless every layer's state can follow
+                if live_alpha(layer) != alpha:
+                    check_rescalable(kind, optimizer.state.get(layer.lora_B[ADAPTER_NAME].weight, {}))
         with torch.no_grad():
-            for _, layer in lora_layers(self._transformers[expert]):
+            for layer in layers:
                 old = live_alpha(layer)
                 if preserve_output and old != alpha:
                     weight = layer.lora_B[ADAPTER_NAME].weight
                     weight.mul_(old / alpha)
                     if optimizer is not None and optimizer.state.get(weight):
-                        rescale_optimizer_state(optimizer.state[weight], alpha / old)
+                        rescale_state(kind, optimizer.state[weight], alpha / old)
                 set_live_alpha(layer, alpha)
 
     def saver(self, run_dir: Path, name: str) -> Wan22Saver:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import structlog
 import torch
 
 from wantrain.core.adapter import AlphaChangeable
@@ -56,10 +57,13 @@ from wantrain.core.events import (
 )
 from wantrain.core.events.log import cut_back
 from wantrain.core.rundir import open_append
-from wantrain.observers.alpha.config import CRITERIA, AlphaScheduleConfig
+from wantrain.observers.alpha.config import AlphaScheduleConfig
 from wantrain.observers.alpha.stats import DeviceWindow, SignAgreement, loss_statistics, window_mean
 
-STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss_samples", "gradient_stability")
+log = structlog.get_logger("wantrain.alpha")
+
+STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss_improvement_rate_se", "loss_samples",
+              "gradient_stability")
 
 
 @register_event_type
@@ -67,9 +71,10 @@ STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss
 class AlphaChanged(Event):
     """The alpha controller moved ``expert`` to its next phase at log step ``step`` (emitted from its
     ``MetricsLogged`` handler with the request to the core, which changes alpha once the step's events are
-    dispatched and before this step's checkpoint). ``statistics``
-    are the logged values that justified it; ``steps_in_phase`` the expert's steps in the phase it left. Sinks
-    may record it; nobody needs to act on it."""
+    dispatched and before this step's checkpoint). ``statistics`` are the logged values that justified it,
+    ``checks`` each exit check's value and threshold (``earlier_window``: the expert step of the plateau test one
+    window earlier that also passed); ``steps_in_phase`` the expert's steps in the phase it left. It also goes to
+    the console and log.jsonl (``alpha_changed``). Sinks may record it; nobody needs to act on it."""
 
     expert: str | None
     from_phase: str
@@ -80,18 +85,26 @@ class AlphaChanged(Event):
     steps_in_phase: int
     transition: str
     statistics: dict[str, float]
+    checks: dict[str, dict[str, float]] = attrs.field(factory=dict)
 
 
 def expert_key(expert: str | None) -> str:
     return expert or "lora"
 
 
+PLATEAU_Z = 1.645
+"""The plateau test's one-sided normal quantile (95 % per bound): the 90 % interval I ± 1.645·se(I) of the loss's
+improvement rate must lie inside (-δ, δ)."""
+
+
 @attrs.define
 class ExpertPhase:
-    """Where one expert stands: its phase index and its step count (``alpha/steps/<k>``) when that phase began."""
+    """Where one expert stands: its phase index, its step count (``alpha/steps/<k>``) when that phase began, and
+    the plateau tests of this phase so far as ``[steps, passed]`` pairs (only the last window's worth is kept)."""
 
     phase: int = 0
     phase_start: int = 0
+    tests: list[list[float]] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -102,19 +115,33 @@ class Check:
     ok: bool
 
 
+def plateau_holds(rate: float, se: float, delta: float) -> bool:
+    """Whether the loss is flat with confidence: ``rate ± PLATEAU_Z·se`` inside ``(-delta, delta)`` (NaN: no)."""
+    return (math.isfinite(rate) and math.isfinite(se)
+            and rate + PLATEAU_Z * se < delta and rate - PLATEAU_Z * se > -delta)
+
+
 class AlphaPolicy:
     """The decisions, on host values only: no tensors, no clock, no randomness.
 
     :meth:`observe` takes a log step's ``MetricsLogged.values`` and returns the transitions it decides (updating
-    the phase state). Per expert, every check must hold: ``steps_in_phase >= min_steps``,
-    ``loss_samples >= min_samples``, ``|loss_improvement_rate| < loss_improvement_rate_below``,
-    ``gradient_stability >= min_gradient_stability``, ``loss_r2 >= min_loss_r2``, ``loss_cv <= max_loss_cv``
-    (a criterion whose threshold is unset is not checked; a NaN value fails its check). The last phase never ends.
+    the phase state). Per expert, every check must hold (docs/alpha_schedule.md, "Transitions"):
+    ``steps_in_phase >= min_steps``; ``loss_samples >= min_samples``; the plateau test -- the 90 % interval of
+    ``loss_improvement_rate`` (``± PLATEAU_Z · loss_improvement_rate_se``) inside ``(-δ, δ)``, δ =
+    ``loss_improvement_rate_below`` -- on this window and on the ``plateau_windows - 1`` windows before it
+    (``window``, 2x``window``, ... steps earlier; disjoint, all in this phase, each with ``min_samples``);
+    ``gradient_stability >= min_gradient_stability`` unless stability is not
+    applicable (``stability_applicable`` False: every stint of an expert is one step); ``loss_r2 >= min_loss_r2``
+    and ``loss_cv <= max_loss_cv`` only where those are set (the presets leave them advisory). A NaN value fails
+    its check. The last phase never ends.
     """
 
-    def __init__(self, schedule: AlphaScheduleConfig, experts: tuple[str | None, ...]) -> None:
+    def __init__(self, schedule: AlphaScheduleConfig, experts: tuple[str | None, ...], *,
+                 stability_applicable: bool = True) -> None:
         self.schedule = schedule
         self.experts = tuple(experts)
+        self.stability_applicable = stability_applicable
+        self.window = schedule.resolved("window")
         self.state = {expert_key(e): ExpertPhase() for e in self.experts}
         self.history: list[dict[str, Any]] = []
 
@@ -124,28 +151,43 @@ class AlphaPolicy:
     def alpha_of(self, expert: str | None) -> float:
         return float(self.schedule.phases[self.phase_of(expert)].alpha)
 
+    def _earlier_test(self, st: ExpertPhase, steps: float, windows: int = 1) -> list[float] | None:
+        """The newest plateau test of this phase at least ``windows`` windows before ``steps`` (None: none)."""
+        earlier = [t for t in st.tests if t[0] <= steps - windows * self.window]
+        return earlier[-1] if earlier else None
+
     def checks(self, expert: str | None, values: dict[str, float]) -> list[Check]:
         k, s = expert_key(expert), self.schedule
-        phase = s.phases[self.state[k].phase]
-        steps_in_phase = values[f"alpha/steps/{k}"] - self.state[k].phase_start
-        out = [Check("min_steps", steps_in_phase, phase.criterion("min_steps", s.preset),
-                     steps_in_phase >= phase.criterion("min_steps", s.preset))]
+        st = self.state[k]
+        phase = s.phases[st.phase]
+        steps = values[f"alpha/steps/{k}"]
+        steps_in_phase = steps - st.phase_start
+        min_steps = phase.criterion("min_steps", s.preset)
+        out = [Check("min_steps", steps_in_phase, min_steps, steps_in_phase >= min_steps)]
         samples = values.get(f"alpha/loss_samples/{k}", math.nan)
         out.append(Check("min_samples", samples, s.resolved("min_samples"), samples >= s.resolved("min_samples")))
-        stat_of = {"loss_improvement_rate_below": "loss_improvement_rate", "min_gradient_stability":
-                   "gradient_stability", "min_loss_r2": "loss_r2", "max_loss_cv": "loss_cv"}
-        for criterion in CRITERIA:
-            threshold = phase.criterion(criterion, s.preset)
-            if threshold is None:
-                continue
-            value = values.get(f"alpha/{stat_of[criterion]}/{k}", math.nan)
-            if criterion == "loss_improvement_rate_below":
-                ok = abs(value) < threshold
-            elif criterion == "max_loss_cv":
-                ok = value <= threshold
-            else:
-                ok = value >= threshold
-            out.append(Check(criterion, value, threshold, ok))
+        delta = phase.criterion("loss_improvement_rate_below", s.preset)
+        if delta is not None:
+            rate = values.get(f"alpha/loss_improvement_rate/{k}", math.nan)
+            se = values.get(f"alpha/loss_improvement_rate_se/{k}", math.nan)
+            out.append(Check("loss_improvement_rate_below", rate, delta, plateau_holds(rate, se, delta)))
+            for j in range(1, s.plateau_windows):  # the disjoint windows before this one, each must have passed
+                earlier = self._earlier_test(st, steps, j)
+                out.append(Check("earlier_window" if j == 1 else f"earlier_window_{j}",
+                                 math.nan if earlier is None else earlier[0], steps - j * self.window,
+                                 earlier is not None and bool(earlier[1])))
+        stability = phase.criterion("min_gradient_stability", s.preset)
+        if stability is not None and self.stability_applicable:
+            value = values.get(f"alpha/gradient_stability/{k}", math.nan)
+            out.append(Check("min_gradient_stability", value, stability, value >= stability))
+        r2 = phase.criterion("min_loss_r2", s.preset)
+        if r2 is not None:
+            value = values.get(f"alpha/loss_r2/{k}", math.nan)
+            out.append(Check("min_loss_r2", value, r2, value >= r2))
+        cv = phase.criterion("max_loss_cv", s.preset)
+        if cv is not None:
+            value = values.get(f"alpha/loss_cv/{k}", math.nan)
+            out.append(Check("max_loss_cv", value, cv, value <= cv))
         return out
 
     def observe(self, step: int, values: dict[str, float]) -> list[dict[str, Any]]:
@@ -156,17 +198,26 @@ class AlphaPolicy:
             st = self.state[k]
             if f"alpha/steps/{k}" not in values or st.phase >= len(self.schedule.phases) - 1:
                 continue  # did not train in this interval, or already in the last phase
-            if not all(c.ok for c in self.checks(expert, values)):
-                continue
+            checks = self.checks(expert, values)
             steps = int(values[f"alpha/steps/{k}"])
+            ok = {c.criterion: c.ok for c in checks}
+            if "loss_improvement_rate_below" in ok:  # this window's plateau test, for the test one window later
+                passed = ok["loss_improvement_rate_below"] and ok["min_samples"]
+                st.tests.append([float(steps), 1.0 if passed else 0.0])
+                oldest = self._earlier_test(st, steps, max(self.schedule.plateau_windows - 1, 1))
+                st.tests = [t for t in st.tests if oldest is None or t[0] >= oldest[0]]
+            if not all(c.ok for c in checks):
+                continue
             old, new = self.schedule.phases[st.phase], self.schedule.phases[st.phase + 1]
+            statistics = {name: float(values.get(f"alpha/{name}/{k}", math.nan)) for name in STATISTICS}
             transition = {
                 "step": step, "expert": expert, "from_phase": old.name, "to_phase": new.name,
                 "from_alpha": float(old.alpha), "to_alpha": float(new.alpha), "phase_index": st.phase + 1,
                 "steps_in_phase": steps - st.phase_start, "transition": self.schedule.transition,
-                "statistics": {name: float(values.get(f"alpha/{name}/{k}", math.nan)) for name in STATISTICS},
+                "statistics": statistics,
+                "checks": {c.criterion: {"value": c.value, "threshold": c.threshold} for c in checks},
             }
-            st.phase, st.phase_start = st.phase + 1, steps
+            st.phase, st.phase_start, st.tests = st.phase + 1, steps, []
             self.history.append(transition)
             decided.append(transition)
         return decided
@@ -192,9 +243,9 @@ class AlphaController(Observer):
     emits = (AlphaChanged,)
 
     def __init__(self, schedule: AlphaScheduleConfig, experts: tuple[str | None, ...],
-                 metrics_path: Path | None = None) -> None:
+                 metrics_path: Path | None = None, *, stability_applicable: bool = True) -> None:
         self.schedule = schedule
-        self.policy = AlphaPolicy(schedule, experts)
+        self.policy = AlphaPolicy(schedule, experts, stability_applicable=stability_applicable)
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
         self.window = schedule.resolved("window")
         self._bus: Any = None
@@ -286,6 +337,15 @@ class AlphaController(Observer):
             if ctx is not None:  # replay: nobody applies the request (there is no model)
                 ctx.control.set_lora_alpha(t["expert"], t["to_alpha"],
                                            preserve_output=t["transition"] == "preserve_output")
+                stats = t["statistics"]
+                log.info("alpha_changed", step=t["step"], expert=expert_key(t["expert"]),
+                         phase=f"{t['from_phase']} -> {t['to_phase']}",
+                         alpha=f"{t['from_alpha']:g} -> {t['to_alpha']:g}",
+                         steps_in_phase=t["steps_in_phase"],
+                         improvement_rate=f"{stats['loss_improvement_rate']:.3g} +- "
+                                          f"{PLATEAU_Z * stats['loss_improvement_rate_se']:.2g}",
+                         gradient_stability=round(stats["gradient_stability"], 3),
+                         checks={name: c["value"] for name, c in t["checks"].items()})
             if self._bus is not None:
                 self._bus.emit(AlphaChanged(**t))
 
@@ -354,7 +414,8 @@ class AlphaController(Observer):
                 "grad_stability": ([_finite(v) for v in self._stability[k].host_values()]
                                    if k in self._stability else []),
             }
-        history = [{**t, "statistics": {n: _finite(v) for n, v in t["statistics"].items()}}
+        history = [{**t, "statistics": {n: _finite(v) for n, v in t["statistics"].items()},
+                    "checks": {n: {key: _finite(v) for key, v in c.items()} for n, c in t.get("checks", {}).items()}}
                    for t in self.policy.history]
         payload = {"enabled": True, "transition": self.schedule.transition, "experts": experts,
                    "transition_history": history}

@@ -14,6 +14,9 @@ i.e. steps the non-finite guard skipped, are left out), with ``n`` values, means
 * ``loss_cv``     CV = sqrt(Syy / n) / |ȳ|  (population standard deviation over the mean)
 * ``loss_improvement_rate``  I = -100·b / ȳ: the fitted loss's relative decrease per 100 steps (0.05: the loss
   falls by 5 % of its mean every 100 steps; negative: it rises). Unit-free, so one threshold fits any loss scale.
+* ``loss_improvement_rate_se``  the standard error of I from the fit's residuals:
+  se(I) = 100·sqrt(SSE / ((n-2)·Sxx)) / |ȳ|, SSE = Syy - Sxy²/Sxx (NaN for n < 3). The alpha policy's plateau test
+  reads I ± 1.645·se(I) (docs/alpha_schedule.md).
 * ``loss_samples``  n
 
 Gradient stability of one optimizer step of an expert (:class:`SignAgreement`): over every element ``j`` of all its
@@ -37,16 +40,20 @@ def _stat_dtype(device: torch.device) -> torch.dtype:
 
 class DeviceWindow:
     """The last ``size`` values pushed, in a ring buffer on ``device``. ``count`` (host int) counts every push;
-    slots not yet written hold NaN. :meth:`push` is one device copy, no sync."""
+    slots not yet written hold NaN. :meth:`push` is one device copy, no sync. ``batch`` (a shape) keeps that many
+    independent windows side by side, pushed together (the property tests run hundreds of synthetic streams at
+    once); the controller uses one."""
 
-    def __init__(self, size: int, device: torch.device | str) -> None:
+    def __init__(self, size: int, device: torch.device | str, batch: tuple[int, ...] = ()) -> None:
         self.size = int(size)
         self.device = torch.device(device)
-        self.values = torch.full((self.size,), float("nan"), device=self.device, dtype=_stat_dtype(self.device))
+        self.batch = tuple(batch)
+        self.values = torch.full((*self.batch, self.size), float("nan"), device=self.device,
+                                 dtype=_stat_dtype(self.device))
         self.count = 0
 
     def push(self, value: torch.Tensor) -> None:
-        self.values[self.count % self.size] = value.detach().reshape(()).to(self.values.dtype)
+        self.values[..., self.count % self.size] = value.detach().reshape(self.batch).to(self.values.dtype)
         self.count += 1
 
     def to(self, device: torch.device) -> None:
@@ -63,8 +70,18 @@ class DeviceWindow:
         return {"values": self.values, "count": self.count}
 
     def load_state_dict(self, state: dict) -> None:
-        self.values = state["values"].to(self.device, self.values.dtype).clone()
-        self.count = int(state["count"])
+        """Restore a window; one saved with another ``size`` (``alpha_schedule.window`` changed on resume) keeps
+        its newest ``min(old, new)`` values, in order."""
+        values, count = state["values"].to(self.device, self.values.dtype), int(state["count"])
+        old = values.shape[-1]
+        if old == self.size:
+            self.values, self.count = values.clone(), count
+            return
+        keep = min(count, old, self.size)
+        order = torch.remainder(torch.arange(count - keep, count, device=self.device), old)
+        self.values = torch.full_like(self.values, float("nan"))
+        self.values[..., :keep] = values[..., order]
+        self.count = keep
 
     def host_values(self) -> list[float]:
         """The window's values, oldest first (non-finite ones included as NaN). Syncs: checkpoints only."""
@@ -80,19 +97,23 @@ def loss_statistics(window: DeviceWindow) -> dict[str, torch.Tensor]:
     ok = torch.isfinite(y)
     w = ok.to(y.dtype)
     y0 = torch.where(ok, y, torch.zeros_like(y))
-    n = w.sum()
-    x_mean = (w * x).sum() / n
-    y_mean = y0.sum() / n
-    dx = w * (x - x_mean)
-    dy = w * (y0 - y_mean)
-    sxx, sxy, syy = (dx * dx).sum(), (dx * dy).sum(), (dy * dy).sum()
+    n = w.sum(-1)
+    x_mean = (w * x).sum(-1) / n
+    y_mean = y0.sum(-1) / n
+    dx = w * (x - x_mean.unsqueeze(-1))
+    dy = w * (y0 - y_mean.unsqueeze(-1))
+    sxx, sxy, syy = (dx * dx).sum(-1), (dx * dy).sum(-1), (dy * dy).sum(-1)
     slope = sxy / sxx
     r2 = torch.where(syy > 0, sxy * sxy / (sxx * syy), torch.zeros_like(syy))
+    sse = torch.clamp(syy - sxy * slope, min=0.0)
+    se_slope = torch.sqrt(sse / ((n - 2) * sxx))
     return {
         "loss_slope": slope,
         "loss_r2": r2,
         "loss_cv": torch.sqrt(syy / n) / y_mean.abs(),
         "loss_improvement_rate": -100.0 * slope / y_mean,
+        "loss_improvement_rate_se": torch.where(n > 2, 100.0 * se_slope / y_mean.abs(),
+                                                torch.full_like(n, float("nan"))),
         "loss_samples": n,
     }
 
@@ -100,7 +121,7 @@ def loss_statistics(window: DeviceWindow) -> dict[str, torch.Tensor]:
 def window_mean(window: DeviceWindow) -> torch.Tensor:
     """Mean of the window's finite values (NaN when it has none); device ops only."""
     ok = torch.isfinite(window.values)
-    return torch.where(ok, window.values, torch.zeros_like(window.values)).sum() / ok.sum()
+    return torch.where(ok, window.values, torch.zeros_like(window.values)).sum(-1) / ok.sum(-1)
 
 
 class SignAgreement:

@@ -19,26 +19,28 @@ def chart_figure(sweeps: Sequence[Any], cfg: Any) -> Any:
     """A matplotlib ``Figure`` of ``sweeps`` (``lr_finder._Sweep`` objects with rows and a result)."""
     from matplotlib.figure import Figure  # not pyplot: no global figure registry, no GUI backend
 
-    from wantrain.observers.lr_finder.math import centred
-
     fig = Figure(figsize=(7.0, 3.6 * max(1, len(sweeps))), layout="constrained")
     for i, sweep in enumerate(sweeps):
         ax = fig.add_subplot(len(sweeps), 1, i + 1)
+        result = sweep.result
         points = [(r["lr"], r["raw_loss"], r["smoothed_loss"]) for r in sweep.rows if math.isfinite(r["raw_loss"])]
         lrs = [p[0] for p in points]
         raw = [p[1] for p in points]
-        curve = centred(raw, cfg.smoothing) if raw else []
+        # the curve the suggestions read (trimmed and clipped: lr_finder.math.suggestion_curve), by rung
+        by_rung = list(result.curve) if result is not None and result.curve else []
+        shown = [(r["lr"], c) for r, c in zip(sweep.rows, by_rung, strict=False) if c is not None]
+        curve = [c for _, c in shown]
         ax.plot(lrs, raw, ".", color="0.6", markersize=4, label="raw loss")
         ax.plot(lrs, [p[2] for p in points], color="tab:blue", linewidth=1.2, label=f"EMA (beta {cfg.smoothing:g})")
-        ax.plot(lrs, curve, "--", color="tab:orange", linewidth=1.2, label="centred (suggestions read this)")
-        result = sweep.result
+        ax.plot([x for x, _ in shown], curve, "--", color="tab:orange", linewidth=1.2,
+                label="centred (suggestions read this)")
         if result is not None:
             for method, index in result.indices.items():
                 if index is None:
                     continue
                 marker, color = MARKERS[method]
                 star = method == result.default
-                ax.plot(lrs[index], curve[index], marker="*" if star else marker,
+                ax.plot(sweep.rows[index]["lr"], by_rung[index], marker="*" if star else marker,
                         color=color, markersize=14 if star else 8, linestyle="none",
                         label=f"{LABELS[method]}: {result.lrs[method]:.3g}" + (" (default)" if star else ""))
         ax.set_xscale("log" if cfg.mode == "exp" else "linear")

@@ -45,7 +45,7 @@ from wantrain.core.adapter import TimestepPinning
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import Event, MetricsLogged, RunEnded, RunStarted, StepStarted, register_event_type
 from wantrain.observers.lr_finder.config import LrFinderConfig
-from wantrain.observers.lr_finder.math import Smoother, Suggestion, centred, diverged, suggest, sweep_lrs
+from wantrain.observers.lr_finder.math import Smoother, Suggestion, diverged, suggest, sweep_lrs
 
 log = structlog.get_logger("wantrain.lr_finder")
 
@@ -71,7 +71,9 @@ class LrFinderRung(Event):
 class LrFinderResult(Event):
     """An expert's sweep ended (``stop_reason`` says why when it stopped early). ``suggestions`` maps each method
     (``valley``, ``steepest``, ``minimum``) to its LR (None: too few points); ``default`` names the one used as
-    ``suggested_lr`` (what ``--lr-finder-then-train`` trains with). ``warnings`` are sentences for the user."""
+    ``suggested_lr`` (what ``--lr-finder-then-train`` trains with unless ``trusted`` is False: then it trains
+    with the config's LR). ``warnings`` are sentences for the user, ``invalid`` those that make the suggestion
+    meaningless; ``noise`` and ``descent`` the curve's noise per LR and its drop (``lr_finder.math``)."""
 
     expert: str | None
     suggestions: dict[str, float | None]
@@ -80,6 +82,13 @@ class LrFinderResult(Event):
     stop_reason: str | None
     warnings: tuple[str, ...]
     rungs: int
+    invalid: tuple[str, ...] = ()
+    noise: float | None = None
+    descent: float | None = None
+
+    @property
+    def trusted(self) -> bool:
+        return self.suggested_lr is not None and not self.invalid
 
 
 def van_der_corput(i: int, base: int = 2) -> float:
@@ -238,7 +247,9 @@ class LrFinder(Observer):
         result = LrFinderResult(
             step=step, expert=sweep.expert, suggestions=dict(sweep.result.lrs), default=sweep.result.default,
             suggested_lr=sweep.result.lr, stop_reason=sweep.stop_reason, warnings=sweep.result.warnings,
-            rungs=len(sweep.rows),
+            rungs=len(sweep.rows), invalid=sweep.result.invalid,
+            noise=sweep.result.noise if math.isfinite(sweep.result.noise) else None,
+            descent=sweep.result.descent if math.isfinite(sweep.result.descent) else None,
         )
         self.results[sweep.expert] = result
         log.info("lr_finder_result", expert=sweep.expert, suggested_lr=result.suggested_lr,
@@ -262,11 +273,10 @@ class LrFinder(Observer):
 
         rows = []
         for sweep in self.sweeps:
-            curve = centred([r["raw_loss"] for r in sweep.rows if math.isfinite(r["raw_loss"])], self.cfg.smoothing)
-            finite = iter(curve)
-            for r in sweep.rows:
-                rows.append({**r, "expert": r["expert"] or "", "centred_loss":
-                             next(finite) if math.isfinite(r["raw_loss"]) else math.nan})
+            curve = list(sweep.result.curve) if sweep.result is not None else []
+            curve += [None] * (len(sweep.rows) - len(curve))
+            for r, c in zip(sweep.rows, curve, strict=True):  # the curve the suggestions read; empty: left out
+                rows.append({**r, "expert": r["expert"] or "", "centred_loss": math.nan if c is None else c})
         with (run_dir / "lr_finder.csv").open("w", newline="", encoding="utf-8") as fh:
             writer = csv.DictWriter(fh, fieldnames=["expert", "rung", "step", "lr", "raw_loss", "smoothed_loss",
                                                     "centred_loss"])
@@ -296,4 +306,6 @@ def summary_lines(results: dict[str | None, LrFinderResult]) -> list[str]:
         if r.stop_reason:
             lines.append(f"  {r.stop_reason}")
         lines.extend(f"  warning: {w}" for w in r.warnings)
+        if r.suggested_lr and r.invalid:
+            lines.append("  not trusted: --lr-finder-then-train trains with the config's LR instead")
     return lines
