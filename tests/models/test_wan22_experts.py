@@ -116,7 +116,7 @@ def test_inactive_expert_is_not_updated_and_waits_on_the_offload_device():
 
     adapter.offload_device = torch.device("meta")  # a device distinct from the training device (see docstring)
     adapter.activate("high_noise", optimizer)
-    assert adapter.placement == {"high_noise": torch.device("cpu"), "low_noise": torch.device("meta")}
+    assert adapter.placement.where == {"high_noise": torch.device("cpu"), "low_noise": torch.device("meta")}
     low, high = adapter.transformer_for("low_noise"), adapter.transformer_for("high_noise")
     assert {p.device.type for p in low.parameters()} == {"meta"}
     assert {p.device.type for p in high.parameters()} == {"cpu"}

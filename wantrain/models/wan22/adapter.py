@@ -3,7 +3,8 @@
 Each trained expert is its own diffusers ``WanTransformer3DModel`` with its own peft LoRA (adapter name
 ``wantrain``) and its own optimizer parameter group. The high-noise expert (``transformer``) owns t >= boundary,
 the low-noise one (``transformer_2``) the rest; with both trained they alternate every ``switch_every`` optimizer
-steps and the inactive one waits on ``model.offload_device`` with its optimizer state.
+steps and the inactive one waits on ``model.offload_device`` with its optimizer state; the training device never
+holds two experts (``placement.py``).
 
 Objective (flow matching, as diffusers' ``flow_prediction`` and the peer trainers):
 ``x_t = (1 - t) * x0 + t * eps``, target ``eps - x0``, model timestep ``t * 1000``, MSE.
@@ -32,6 +33,7 @@ from wantrain.models.wan22.export import (
     set_live_alpha,
 )
 from wantrain.models.wan22.loading import WeightSource
+from wantrain.models.wan22.placement import ExpertPlacement
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
@@ -84,7 +86,6 @@ class Wan22Adapter:
         self.model_config = model
         self.lora_config = lora
         self.device = torch.device(device)
-        self.offload_device = torch.device(model.offload_device)
         self.experts: tuple[str | None, ...] = model.trained_experts
         self.base_lr = base_lr
         self.source = WeightSource(model, seed)
@@ -100,14 +101,12 @@ class Wan22Adapter:
         )
         self.bands = {e: expert_band(self.spec.boundary_ratio, e, model.min_t, model.max_t) for e in self.experts}
         self._transformers: dict[str | None, nn.Module] = {}
-        self.placement: dict[str | None, torch.device] = {}
-        for i, expert in enumerate(self.experts):
+        for expert in self.experts:
             transformer = self.source.transformer(expert, load_dtype)
             self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8")
-            # The first expert starts on the training device, the others wait off it (activate() swaps them).
-            target = self.device if i == 0 else self.offload_device
-            self._transformers[expert].to(target)
-            self.placement[expert] = target
+        # The first expert starts on the training device; the others wait off it (activate() swaps them).
+        self.placement = ExpertPlacement(self.device, torch.device(model.offload_device))
+        self.placement.add(self._transformers, first=self.experts[0])
         self.active: str | None = self.experts[0]
         self._vae = None
         self._tokenizer = None
@@ -156,37 +155,21 @@ class Wan22Adapter:
             return self.experts[0]
         return self.experts[((step - 1) // self.model_config.switch_every) % len(self.experts)]
 
-    def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
-        """Move ``expert`` (weights, LoRA, optimizer state) to the training device and every other trained expert
-        to ``offload_device``. A no-op for experts already in place. Synchronous transfers."""
-        for e in self.experts:
-            target = self.device if e == expert else self.offload_device
-            if self.placement[e] != target:
-                self._move(e, target, optimizer)
-        self.active = expert
+    @property
+    def offload_device(self) -> torch.device:
+        """Where inactive experts' LoRA and optimizer state wait, and their base weights' waiting copy."""
+        return self.placement.offload_device
 
-    def _move(self, expert: str | None, target: torch.device, optimizer: torch.optim.Optimizer | None) -> None:
-        before = self.trainable_parameters(expert)
-        states = [optimizer.state.pop(p, None) if optimizer is not None else None for p in before]
-        grads = [p.grad for p in before]
-        self._transformers[expert].to(target)
-        # CPU<->CUDA moves keep Parameter identity; moves between tensor kinds (e.g. to ``meta``) create new
-        # Parameters, so the optimizer's references are remapped by position either way.
-        after = self.trainable_parameters(expert)
-        remap = {id(old): new for old, new in zip(before, after, strict=True) if old is not new}
-        if optimizer is not None and remap:
-            for group in optimizer.param_groups:
-                group["params"] = [remap.get(id(p), p) for p in group["params"]]
-        for param, state, grad in zip(after, states, grads, strict=True):
-            if grad is not None:
-                param.grad = grad.to(target)
-            if state is None:
-                continue
-            # Scalar state (Adam's ``step``) stays where the optimizer keeps it (on the CPU unless capturable).
-            optimizer.state[param] = {
-                k: v.to(target) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in state.items()
-            }
-        self.placement[expert] = target
+    @offload_device.setter
+    def offload_device(self, device: torch.device) -> None:
+        self.placement.offload_device = torch.device(device)
+
+    def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
+        """Put ``expert`` (weights, LoRA, gradients, optimizer state) on the training device after moving every
+        other trained expert off it: the device never holds two experts (``models/wan22/placement.py``). A no-op
+        for an expert already in place."""
+        self.placement.activate(expert, optimizer)
+        self.active = expert
 
     def loss(self, batch: Mapping[str, Any], expert: str | None, generator: torch.Generator) -> torch.Tensor:
         """Mean flow-matching MSE of ``batch`` for ``expert``. ``batch`` is raw (``pixels``, ``captions``; encoded
