@@ -151,3 +151,21 @@ def test_fp8_storage_keeps_lora_in_fp32_and_still_trains(monkeypatch):
     before = [p.detach().clone() for p in adapter.trainable_parameters()]
     train_steps(adapter, batch, steps=2, lr=1e-2)
     assert not all(torch.equal(a, b) for a, b in zip(before, adapter.trainable_parameters(), strict=True))
+
+
+def test_an_fp8_run_starts_from_the_same_lora_as_a_bf16_run(monkeypatch):
+    """peft casts a new LoRA to its base layer's dtype; through float8 ``A`` would keep a handful of values. The
+    start is drawn in float32 from the run seed, whatever the base dtype."""
+    import wantrain.models.wan22.adapter as adapter_module
+
+    monkeypatch.setattr(adapter_module, "FP8_DEVICE_TYPES", ("cuda", "cpu"))
+    fp8 = make_adapter("tiny-t2v", base_dtype="fp8", experts="high_noise")
+    bf16 = make_adapter("tiny-t2v", base_dtype="bf16", experts="high_noise")
+    fp32 = make_adapter("tiny-t2v", base_dtype="fp32", experts="high_noise")
+    named = [dict(a.transformer_for("high_noise").named_parameters()) for a in (fp8, bf16, fp32)]
+    lora_a = [name for name in named[0] if ".lora_A." in name]
+    assert len(lora_a) == 20
+    for name in lora_a:
+        assert torch.equal(named[0][name], named[1][name]) and torch.equal(named[1][name], named[2][name])
+    first = named[0][lora_a[0]]
+    assert first.dtype == torch.float32 and first.unique().numel() == first.numel()  # not rounded through fp8

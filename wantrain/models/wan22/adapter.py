@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,29 @@ def rescale_optimizer_state(state: dict[str, Any], factor: float) -> None:
                             "and SGD states (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer)")
 
 
+def lora_init_seed(seed: int, expert: str | None) -> int:
+    """The seed of ``expert``'s LoRA initialisation, derived from the run seed."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}:lora:{expert}".encode()).digest()[:6], "little")
+
+
+@torch.no_grad()
+def init_lora_in_fp32(transformer: nn.Module, seed: int) -> None:
+    """peft's default LoRA start (``A`` Kaiming-uniform with ``a = sqrt(5)``, ``B`` zero), drawn in float32 from a
+    generator seeded by ``seed``, layer by layer in module order. peft casts a new LoRA to its base layer's dtype
+    before wantrain's ``.float()``: through bf16, or through float8 (which would leave ``A`` 9-19 distinct
+    values, so that an fp8 run started from another LoRA than a bf16 one). Drawn here, the start depends on the
+    seed alone, whatever the base dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    for _, layer in lora_layers(transformer):
+        a, b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
+        fresh = torch.empty(a.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
+        a.copy_(fresh)
+        b.zero_()
+
+
 class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
@@ -103,7 +127,8 @@ class Wan22Adapter:
         self._transformers: dict[str | None, nn.Module] = {}
         for expert in self.experts:
             transformer = self.source.transformer(expert, load_dtype)
-            self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8")
+            self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8",
+                                                       init_seed=lora_init_seed(seed, expert))
         # The first expert starts on the training device; the others wait off it (activate() swaps them).
         self.placement = ExpertPlacement(self.device, torch.device(model.offload_device))
         self.placement.add(self._transformers, first=self.experts[0])
@@ -113,7 +138,7 @@ class Wan22Adapter:
         self._text_encoder = None
         self._next_quantile: float | None = None  # set_timestep_quantile(): for the next loss() only
 
-    def _prepare(self, transformer: nn.Module, fp8: bool) -> nn.Module:
+    def _prepare(self, transformer: nn.Module, fp8: bool, init_seed: int) -> nn.Module:
         from peft import LoraConfig as PeftLoraConfig
 
         transformer.requires_grad_(False)
@@ -131,6 +156,7 @@ class Wan22Adapter:
             if f".{ADAPTER_NAME}." in name:
                 param.data = param.data.float()  # LoRA weights train in fp32 whatever the base dtype
                 param.requires_grad_(True)
+        init_lora_in_fp32(transformer, init_seed)
         return transformer.train()
 
     # -- the ModelAdapter contract -------------------------------------------------------------------------
