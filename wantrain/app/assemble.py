@@ -236,7 +236,8 @@ class PreparedRun:
             )
         trainer = Trainer(
             adapter=inject_faults(model, optimizer, cfg.faults, state, rank),
-            batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
+            batches=data.stream(adapter, pin_memory=self.device.type == "cuda"), optimizer=optimizer,
+            scheduler=scheduler,
             saver=adapter.saver(run_dir, cfg.run.name) if options.saves and main else NullSaver(),
             settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir,
             seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,

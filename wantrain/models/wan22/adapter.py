@@ -206,19 +206,19 @@ class Wan22Adapter:
         """
         if "latents" not in batch:
             batch = self.encode_batch(batch)
-        x0 = batch["latents"].to(self.device, torch.float32)
-        text = batch["text_embeds"].to(self.device, self.compute_dtype)
+        x0 = batch["latents"].to(self.device, torch.float32, non_blocking=True)
+        text = batch["text_embeds"].to(self.device, self.compute_dtype, non_blocking=True)
         b, _, frames, height, width = x0.shape
         quantile, self._next_quantile = self._next_quantile, None
         t = self.sampler.sample(b, self.bands[expert], generator, self.device, quantile=quantile)  # float64
-        noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(self.device)
+        noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(self.device, non_blocking=True)
         t_mix = t.to(torch.float32).view(b, 1, 1, 1, 1)
         x_t = (1 - t_mix) * x0 + t_mix * noise
         target = noise - x0
         timestep = (t * 1000).to(torch.float32)
         weight = None
         if self.spec.conditioning == "i2v":
-            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32)], dim=1)
+            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32, non_blocking=True)], dim=1)
         elif self.spec.conditioning == "ti2v":
             coin = torch.rand(b, generator=generator, device=generator.device).to(self.device)
             i2v = coin < self.model_config.i2v_probability if frames > 1 else torch.zeros_like(coin, dtype=torch.bool)
@@ -274,14 +274,14 @@ class Wan22Adapter:
         The text-to-video objective for every variant (TI2V: no clean first frame). A 0-dim float32 tensor on
         the device; no host sync, no random draw. Call inside :meth:`evaluating`."""
         expert = self.expert_for_timestep(t)
-        x0 = batch["latents"].to(self.device, torch.float32)
-        text = batch["text_embeds"].to(self.device, self.compute_dtype)
+        x0 = batch["latents"].to(self.device, torch.float32, non_blocking=True)
+        text = batch["text_embeds"].to(self.device, self.compute_dtype, non_blocking=True)
         b, _, frames, height, width = x0.shape
-        noise = noise.to(self.device, torch.float32)
+        noise = noise.to(self.device, torch.float32, non_blocking=True)
         x_t = (1 - t) * x0 + t * noise
         timestep = torch.full((b,), t * 1000, dtype=torch.float32, device=self.device)
         if self.spec.conditioning == "i2v":
-            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32)], dim=1)
+            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32, non_blocking=True)], dim=1)
         elif self.spec.conditioning == "ti2v":  # per-token timesteps, as the model is trained and sampled
             timestep = timestep[:, None].repeat_interleave(frames * (height // 2) * (width // 2), dim=1)
         pred = self._transformers[expert](
