@@ -143,7 +143,7 @@ def test_fp8_storage_keeps_lora_in_fp32_and_still_trains(monkeypatch):
     import wantrain.models.wan22.adapter as adapter_module
 
     monkeypatch.setattr(adapter_module, "FP8_DEVICE_TYPES", ("cuda", "cpu"))
-    adapter = make_adapter("tiny-t2v", base_dtype="fp8", experts="high_noise", gradient_checkpointing=False)
+    adapter = make_adapter("tiny-t2v", base_dtype="fp8", experts="high_noise")
     to_q = adapter.transformer_for("high_noise").blocks[0].attn1.to_q
     assert to_q.base_layer.weight.dtype == torch.float8_e4m3fn
     assert {p.dtype for p in adapter.trainable_parameters()} == {torch.float32}
@@ -169,3 +169,11 @@ def test_an_fp8_run_starts_from_the_same_lora_as_a_bf16_run(monkeypatch):
         assert torch.equal(named[0][name], named[1][name]) and torch.equal(named[1][name], named[2][name])
     first = named[0][lora_a[0]]
     assert first.dtype == torch.float32 and first.unique().numel() == first.numel()  # not rounded through fp8
+
+
+def test_fp8_storage_without_gradient_checkpointing_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"base_dtype = 'fp8' with model\.gradient_checkpointing = false keeps a "
+                       r"bf16 copy of every frozen Linear") as err:
+        ModelConfig(variant="t2v-a14b", base_dtype="fp8", gradient_checkpointing=False)
+    assert "\n" not in str(err.value)
+    assert ModelConfig(variant="t2v-a14b", base_dtype="fp8").gradient_checkpointing
