@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.report import PreflightReport, estimate_sampling_vram_gb
-from wantrain.models.wan22 import build_adapter
+from wantrain.models.wan22 import build_encoders
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import sample_size
 
@@ -32,10 +30,12 @@ def preflight_report(cfg: Any, *, verify: bool = False) -> PreflightReport:
 
 
 def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
-    """Encode what the cache lacks (``wantrain cache``), on the CPU; the stats and the data report."""
+    """Encode what the cache lacks (``wantrain cache``) with the VAE and the text encoder alone, on the training
+    device (no transformer is loaded: caching needs none); the stats and the data report."""
+    from wantrain.app.assemble import resolve_device
+
     data = dataset(cfg)
-    encoders = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=torch.device("cpu"),
-                             base_lr=cfg.optimizer.lr)
+    encoders = build_encoders(cfg.model, cfg.lora, seed=cfg.run.seed, device=resolve_device(cfg.train.device))
     return ensure_cache(data, encoders), data.report
 
 

@@ -14,7 +14,8 @@ from wantrain.models.wan22.adapter import Wan22Adapter
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec, variant_spec
 
-__all__ = ["VARIANTS", "LoraConfig", "ModelConfig", "VariantSpec", "Wan22Adapter", "build_adapter", "variant_spec"]
+__all__ = ["VARIANTS", "LoraConfig", "ModelConfig", "VariantSpec", "Wan22Adapter", "build_adapter", "build_encoders",
+           "variant_spec"]
 
 
 def build_adapter(
@@ -26,3 +27,10 @@ def build_adapter(
     Raises ``UserError`` (one line) for a missing/incomplete model directory, a bad single file, or fp8 on CPU.
     """
     return Wan22Adapter(model, lora, seed=seed, device=torch.device(device), base_lr=base_lr)
+
+
+def build_encoders(model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device) -> Wan22Adapter:
+    """What filling the cache needs and nothing more: the VAE and the text encoder (loaded on first use, on
+    ``device``) with the identities cache keys are made of; no transformer is loaded (``wantrain cache``). Text
+    embeddings come out in the dtype training computes in (bf16 for ``base_dtype = "fp8"``, on any device)."""
+    return Wan22Adapter(model, lora, seed=seed, device=torch.device(device), base_lr=0.0, transformers=False)

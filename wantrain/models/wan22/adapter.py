@@ -44,13 +44,15 @@ GROUP_NAME = {"high_noise": "high_noise", "low_noise": "low_noise", None: "lora"
 FP8_DEVICE_TYPES = ("cuda",)
 
 
-def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
-    """(dtype the base weights are loaded in, dtype the transformer computes in)."""
+def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device, *, training: bool = True
+                   ) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype the base weights are loaded in, dtype the transformer computes in). fp8 storage needs CUDA only when
+    the transformers are built (``training``); the encoders alone just need the compute dtype."""
     choice = model.base_dtype
     if choice == "auto":
         choice = "fp32" if spec.tiny else "bf16"
     if choice == "fp8":
-        if device.type not in FP8_DEVICE_TYPES:
+        if training and device.type not in FP8_DEVICE_TYPES:
             raise UserError(
                 f"model.base_dtype = 'fp8' needs a CUDA device (training device is {device.type}); use 'bf16' or 'fp32'"
             )
@@ -105,7 +107,8 @@ def init_lora_in_fp32(transformer: nn.Module, seed: int) -> None:
 class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
-    def __init__(self, model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float):
+    def __init__(self, model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float,
+                 transformers: bool = True):
         self.spec: VariantSpec = VARIANTS[model.variant]
         self.model_config = model
         self.lora_config = lora
@@ -114,7 +117,7 @@ class Wan22Adapter:
         self.base_lr = base_lr
         self.source = WeightSource(model, seed)
         self.encoder_identity: str = self.source.encoder_identity
-        load_dtype, self.compute_dtype = _storage_dtype(model, self.spec, self.device)
+        load_dtype, self.compute_dtype = _storage_dtype(model, self.spec, self.device, training=transformers)
         # UMT5 runs in the compute dtype: an fp32 run and a bf16 run must not share text embeddings.
         self.text_identity: str = (f"{self.encoder_identity}:text:dtype={str(self.compute_dtype)[6:]}:"
                                    f"len={self.spec.text_len}:clean={CLEANING}")
@@ -125,13 +128,14 @@ class Wan22Adapter:
         )
         self.bands = {e: expert_band(self.spec.boundary_ratio, e, model.min_t, model.max_t) for e in self.experts}
         self._transformers: dict[str | None, nn.Module] = {}
-        for expert in self.experts:
+        for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
             transformer = self.source.transformer(expert, load_dtype)
             self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8",
                                                        init_seed=lora_init_seed(seed, expert))
         # The first expert starts on the training device; the others wait off it (activate() swaps them).
         self.placement = ExpertPlacement(self.device, torch.device(model.offload_device))
-        self.placement.add(self._transformers, first=self.experts[0])
+        if transformers:
+            self.placement.add(self._transformers, first=self.experts[0])
         self.active: str | None = self.experts[0]
         self._vae = None
         self._tokenizer = None
