@@ -203,3 +203,31 @@ def test_a_restored_trainer_continues_bitwise_like_the_uninterrupted_run(tmp_pat
     a, b = full.state_dict(), resumed.state_dict()
     for key in ("train_state", "scheduler", "data"):
         assert a[key] == b[key], key
+
+
+def test_a_cublas_allocation_failure_counts_as_out_of_memory():
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+
+
+def test_the_oom_guard_empties_the_cache_after_the_failed_graph_is_released(monkeypatch):
+    """``empty_cache()`` can only return blocks nothing references: it must run after the failed micro-step's loss
+    (and with it the graph) is gone, not inside the ``except`` block whose locals and traceback still hold it."""
+    import weakref
+
+    trainer, _, rec = build(faults=FaultsConfig(oom_at_steps=[1], oom_phase="backward"), max_steps=1, grad_accum=1)
+    forward = trainer.adapter.loss
+    graphs = []
+
+    def loss(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        graphs.append(weakref.ref(out))
+        return out
+
+    trainer.adapter.loss = loss
+    alive_when_emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_when_emptied.append(graphs[-1]() is not None))
+    assert trainer.run().status == "completed"
+    assert [e.phase for e in rec.events if isinstance(e, OutOfMemory)] == ["backward"]
+    assert alive_when_emptied == [False]
