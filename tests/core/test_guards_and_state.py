@@ -272,3 +272,69 @@ def test_kill_faults_kill_at_the_step_or_right_after_the_checkpoint_rename(tmp_p
     policy.write(tmp_path, 3, {"x": torch.zeros(1)})
     assert [k for k, _ in kills] == [signals.SIGKILL]
     assert (tmp_path / "step_000003" / "complete.json").exists()  # renamed into place before the kill
+
+
+def test_a_cublas_allocation_failure_counts_as_out_of_memory():
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+
+
+def test_the_oom_guard_empties_the_cache_after_the_failed_graph_is_released(monkeypatch):
+    """``empty_cache()`` can only return blocks nothing references: it must run after the failed micro-step's loss
+    (and with it the graph) is gone, not inside the ``except`` block whose locals and traceback still hold it."""
+    import weakref
+
+    trainer, _, rec = build(faults=FaultsConfig(oom_at_steps=[1], oom_phase="backward"), max_steps=1, grad_accum=1)
+    forward = trainer.adapter.loss
+    graphs = []
+
+    def loss(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        graphs.append(weakref.ref(out))
+        return out
+
+    trainer.adapter.loss = loss
+    alive_when_emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_when_emptied.append(graphs[-1]() is not None))
+    assert trainer.run().status == "completed"
+    assert [e.phase for e in rec.events if isinstance(e, OutOfMemory)] == ["backward"]
+    assert alive_when_emptied == [False]
+
+
+def test_a_cuda_generator_state_resumes_in_a_cpu_trainer_reseeded_with_a_note():
+    """``train.device`` may change on resume: a CUDA generator's 16-byte state cannot go into a CPU generator, so the
+    trainer's stream is reseeded from it (deterministically) and the resume says so."""
+    trainer, _, _ = build(max_steps=2)
+    assert trainer.run().status == "completed"
+    tree = trainer.state_dict()
+    tree["generator"] = torch.arange(16, dtype=torch.uint8)  # what a CUDA (Philox) generator saves
+    notes = []
+    for _ in range(2):
+        again, _, _ = build(max_steps=4)
+        notes.append(again.load_state_dict(tree))
+        assert again.run().status == "completed"
+    assert "the trainer's random stream was saved on another device type (16 bytes of state" in notes[0][0]
+    assert notes[0] == notes[1]
+
+
+def test_the_cuda_stream_is_restored_to_the_training_device_only(monkeypatch):
+    """A checkpoint written on an 8-GPU machine resumes on one GPU: only the training device's CUDA state is
+    restored (old checkpoints hold one per visible GPU; restoring all of them was an IndexError)."""
+    from wantrain.core.state import capture_rng, restore_rng
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]), device)))
+
+    def one_gpu(states):
+        if len(states) > 1:
+            raise IndexError("list index out of range")
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", one_gpu)
+    rng = capture_rng()
+    eight = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    restore_rng({**rng, "cuda": eight}, torch.device("cuda", 0))  # written before: one state per GPU
+    restore_rng({**rng, "cuda": eight[5]}, torch.device("cuda", 0))  # written now: the training device's
+    restore_rng({**rng, "cuda": eight}, torch.device("cpu"))  # a CPU run has no CUDA stream to restore
+    assert restored == [(0, torch.device("cuda", 0)), (5, torch.device("cuda", 0))]

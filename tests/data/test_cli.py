@@ -46,7 +46,7 @@ def test_check_verify_decodes_every_clip(tmp_path, capsys):
 def test_cache_command_encodes_once_then_hits(tmp_path, capsys, monkeypatch):
     enc = CountingEncoders()
     fake = types.ModuleType("wantrain.models.wan22")
-    fake.build_adapter = lambda *a, **k: enc
+    fake.build_adapter = fake.build_encoders = lambda *a, **k: enc
     monkeypatch.setitem(sys.modules, "wantrain.models.wan22", fake)
     cfg = _config(tmp_path)
     assert cache_cmd.run(_args(cache_cmd, [str(cfg)])) == 0
@@ -54,3 +54,22 @@ def test_cache_command_encodes_once_then_hits(tmp_path, capsys, monkeypatch):
     calls = enc.calls
     assert cache_cmd.run(_args(cache_cmd, [str(cfg)])) == 0
     assert enc.calls == calls and "2 latents and 2 text embeddings already cached" in capsys.readouterr().out
+
+
+def test_cache_loads_no_transformer_and_accepts_an_fp8_config(tmp_path, capsys, monkeypatch):
+    """Caching needs the VAE and the text encoder only: no transformer is loaded (an A14B config would load two
+    14B experts for nothing), and an fp8 config is not refused for want of CUDA (text embeddings in bf16)."""
+    from wantrain.models.wan22.loading import WeightSource
+
+    def no_transformer(*args, **kwargs):
+        raise AssertionError("wantrain cache loaded a transformer")
+
+    monkeypatch.setattr(WeightSource, "transformer", no_transformer)
+    cfg = _config(tmp_path)
+    cfg.write_text(cfg.read_text().replace('variant = "tiny-t2v"\n', 'variant = "tiny-t2v"\nbase_dtype = "fp8"\n'))
+    assert cache_cmd.run(_args(cache_cmd, [str(cfg), "--set", "train.device=cpu"])) == 0
+    assert "2 latents and 2 text embeddings encoded" in capsys.readouterr().out
+    texts = list((tmp_path / "demo_data" / ".wantrain_cache" / "text").glob("*.safetensors"))
+    from safetensors.torch import load_file
+
+    assert len(texts) == 2 and load_file(str(texts[0]))["text_embeds"].dtype == __import__("torch").bfloat16

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 
 from wantrain.app.epochs import resolve_epochs
 from wantrain.app.observers import resolve_extra_observers
@@ -16,7 +15,7 @@ from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.cache import describe_entries, remove_entries
 from wantrain.data.dataset import NoUsableSample
 from wantrain.data.report import PreflightReport, estimate_sampling_vram_gb
-from wantrain.models.wan22 import build_adapter, check_model_files
+from wantrain.models.wan22 import build_encoders, check_model_files
 from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections, sample_size
@@ -64,11 +63,13 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
 
 
 def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
-    """Encode what the cache lacks (``wantrain cache``), on the CPU; the stats (with the entries this config does
-    not use, left in place) and the data report."""
+    """Encode what the cache lacks (``wantrain cache``) with the VAE and the text encoder alone, on the training
+    device (no transformer is loaded: caching needs none); the stats (with the entries this config does not
+    use, left in place) and the data report."""
+    from wantrain.app.assemble import resolve_device
+
     data = dataset(cfg)
-    encoders = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=torch.device("cpu"),
-                             base_lr=cfg.optimizer.lr)
+    encoders = build_encoders(cfg.model, cfg.lora, seed=cfg.run.seed, device=resolve_device(cfg.train.device))
     return ensure_cache(data, encoders, remove_orphans=False), data.report
 
 

@@ -92,12 +92,22 @@ class RunResult:
     saved: tuple[str, ...]
 
 
+# cuBLAS / cuDNN failing to allocate their workspace: an out-of-memory error that reaches Python as a RuntimeError
+_ALLOC_FAILED = ("cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for CUDA/MPS out-of-memory errors and the CPU allocator's "can't allocate memory"."""
+    """True for CUDA/MPS out-of-memory errors, cuBLAS/cuDNN allocation failures and the CPU allocator's "can't
+    allocate memory"."""
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text
+                                              or any(code in text for code in _ALLOC_FAILED))
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:300] if str(exc) else ""
 
 
 class Trainer:
@@ -322,7 +332,7 @@ class Trainer:
             pinned = control.take_generator_state()
             if pinned is not None:
                 self.generator.set_state(pinned)  # an observer asked for these draws (control.set_generator_state)
-            phase = "forward"
+            phase, failure = "forward", None
             try:
                 batch = next(batches)
                 loss = self.adapter.loss(batch, expert, self.generator)
@@ -337,10 +347,15 @@ class Trainer:
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
-                self._out_of_memory(step, expert, phase, exc)
-                return "out of memory"
+                failure = _first_line(exc)
             finally:
                 live.clear()
+            if failure is not None:
+                # out of the except block, so the error's traceback no longer holds this step's frames; dropping
+                # the loss and batch frees the failed graph before the allocator is asked to give memory back
+                loss = batch = None  # noqa: F841 -- releasing the references is the point
+                self._out_of_memory(step, expert, phase, failure)
+                return "out of memory"
             if control.stop_requested and not ends:
                 return "stopped"  # between micro-steps: drop the partial accumulation
         return None
@@ -402,7 +417,7 @@ class Trainer:
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
-                self._out_of_memory(step, expert, "optimizer", exc)
+                self._out_of_memory(step, expert, "optimizer", _first_line(exc))
                 skip_reason = "out of memory"
         self.optimizer.zero_grad(set_to_none=True)
         for index, lr in scheduled.items():
@@ -416,7 +431,7 @@ class Trainer:
         self._step_losses = []
         return lrs, skip_reason
 
-    def _out_of_memory(self, step: int, expert: str | None, phase: str, exc: BaseException) -> None:
+    def _out_of_memory(self, step: int, expert: str | None, phase: str, message: str) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.ctx.live.clear()
         if torch.cuda.is_available():
@@ -424,7 +439,7 @@ class Trainer:
         self.bus.emit(OutOfMemory(
             step=step, micro_step=self.state.micro_step, expert=expert, phase=phase,
             consecutive=self.state.consecutive_oom + 1,
-            message=str(exc).splitlines()[0][:300] if str(exc) else "",
+            message=message,
         ))
 
     # -- host values, once per log interval --------------------------------------------------------------------

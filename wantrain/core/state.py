@@ -56,7 +56,7 @@ def capture(parts: RunParts) -> dict[str, Any]:
     return {
         "train_state": attrs.asdict(parts.state),
         "generator": parts.generator.get_state(),
-        "rng": capture_rng(),
+        "rng": capture_rng(parts.generator.device),
         "model": model,
         "optimizer": parts.optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -70,12 +70,12 @@ def capture(parts: RunParts) -> dict[str, Any]:
 def restore(parts: RunParts, tree: Mapping[str, Any]) -> list[str]:
     """Put :func:`capture` output back before a run. The optimizer's hyperparameters (LR, betas, ...) stay those
     of the current config, except group keys the optimizer names in ``group_state_keys``; everything else is the
-    saved state. Returns warnings (observers whose state was saved but that are not attached now, or attached but
-    without saved state)."""
+    saved state. Returns warnings (the trainer's random stream reseeded after a change of device type; observers
+    whose state was saved but that are not attached now, or attached but without saved state)."""
     for f in attrs.fields(TrainState):
         if f.name != "total_steps" and f.name in tree["train_state"]:
             setattr(parts.state, f.name, tree["train_state"][f.name])
-    parts.generator.set_state(tree["generator"].to(torch.uint8))
+    notes = _restore_generator(parts.generator, tree["generator"].to(torch.uint8))
     _restore_model(parts.adapter, tree["model"])
     _restore_optimizer(parts.optimizer, tree["optimizer"])
     scheduler, batches = parts.scheduler, parts.batches
@@ -93,7 +93,7 @@ def restore(parts: RunParts, tree: Mapping[str, Any]) -> list[str]:
     else:  # written before core.interval existed: device-side guard counters, loss sums in the metrics
         parts.interval.load_legacy(tree["nonfinite_guard"], metric_state["sums"])
     parts.metrics.load_state_dict(metric_state)
-    warnings = []
+    warnings = notes
     saved = dict(tree.get("observers", {}))
     for name, obs in stateful_observers(parts.bus.observers):
         if name in saved:
@@ -101,7 +101,7 @@ def restore(parts: RunParts, tree: Mapping[str, Any]) -> list[str]:
         else:
             warnings.append(f"observer {name} has no state in the checkpoint; it starts fresh")
     warnings += [f"the checkpoint holds state of observer {name}, which is not attached; ignored" for name in saved]
-    restore_rng(tree["rng"])
+    restore_rng(tree["rng"], parts.generator.device)
     return warnings
 
 
@@ -137,8 +137,25 @@ def stateful_observers(observers: Iterable[Any]) -> list[tuple[str, Any]]:
     return out
 
 
-def capture_rng() -> dict[str, Any]:
-    """Python's, numpy's and torch's global random states (CUDA's when it is in use)."""
+def _restore_generator(generator: torch.Generator, saved: torch.Tensor) -> list[str]:
+    """Put the trainer's generator back. A generator's state is typed by its device (CUDA's Philox state is 16
+    bytes, the CPU's Mersenne Twister 5056): a checkpoint written with ``train.device`` of another type cannot be
+    put into this one, so the stream is reseeded from the saved state, deterministically, with a note."""
+    mine = generator.get_state()
+    if saved.numel() == mine.numel():
+        generator.set_state(saved)
+        return []
+    import hashlib
+
+    generator.manual_seed(int.from_bytes(hashlib.sha256(saved.numpy().tobytes()).digest()[:8], "little") % 2**63)
+    return [f"the trainer's random stream was saved on another device type ({saved.numel()} bytes of state; this "
+            f"run's generator on {generator.device.type} has {mine.numel()}): reseeded from the saved state, so "
+            "timesteps and noise from here on differ from an uninterrupted run's"]
+
+
+def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
+    """Python's, numpy's and torch's global random states, and CUDA's of the training ``device`` only (when it is
+    in use): the others' would not exist on a machine with fewer GPUs."""
     version, internal, gauss = random.getstate()
     np_state = np.random.get_state(legacy=False)
     out: dict[str, Any] = {
@@ -148,12 +165,14 @@ def capture_rng() -> dict[str, Any]:
                   "gauss": float(np_state["gauss"])},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = list(torch.cuda.get_rng_state_all())
+    if device is not None and device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state(device)
     return out
 
 
-def restore_rng(rng: Mapping[str, Any]) -> None:
+def restore_rng(rng: Mapping[str, Any], device: torch.device | None = None) -> None:
+    """Put :func:`capture_rng` output back; the CUDA state goes to the training ``device`` (a checkpoint written
+    before issue 23 holds one per visible GPU: the training device's index is taken, if it exists)."""
     py = rng["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
     n = rng["numpy"]
@@ -161,5 +180,10 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
                          "state": {"key": np.array(n["key"], dtype=np.uint32), "pos": n["pos"]},
                          "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
     torch.set_rng_state(rng["torch"].to(torch.uint8))
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([t.to(torch.uint8) for t in rng["cuda"]])
+    if "cuda" in rng and device is not None and device.type == "cuda" and torch.cuda.is_available():
+        state = rng["cuda"]
+        if isinstance(state, list | tuple):
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            state = state[index] if index < len(state) else None
+        if state is not None:
+            torch.cuda.set_rng_state(state.to(torch.uint8), device)

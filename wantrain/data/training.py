@@ -180,9 +180,12 @@ class TrainingData:
         stream.seek(start_batch)
         yield from stream
 
-    def stream(self, encoders: MediaEncoders | None = None, *, cache: bool = True) -> BatchStream:
-        """Endless batches with a resumable position (what ``wantrain run`` trains on)."""
-        return BatchStream(self, encoders, cache=cache)
+    def stream(self, encoders: MediaEncoders | None = None, *, cache: bool = True,
+               pin_memory: bool = False) -> BatchStream:
+        """Endless batches with a resumable position (what ``wantrain run`` trains on). ``pin_memory``: every
+        tensor of a batch in page-locked host memory, so that its copy to a CUDA device does not block the host
+        (the loop asks for it when it trains on CUDA)."""
+        return BatchStream(self, encoders, cache=cache, pin_memory=pin_memory)
 
     def sample_texts(self, epoch: int, index: int, idx: list[int]) -> list[str]:
         """The text each sample of plan entry (epoch, index) trains with (``idx``: the global batch's clips):
@@ -477,10 +480,12 @@ class BatchStream:
     and the carry, so resuming regenerates it and skips ``index`` entries without decoding anything. Iterate once.
     """
 
-    def __init__(self, data: TrainingData, encoders: MediaEncoders | None, *, cache: bool = True) -> None:
+    def __init__(self, data: TrainingData, encoders: MediaEncoders | None, *, cache: bool = True,
+                 pin_memory: bool = False) -> None:
         self.data = data
         self.encoders = encoders
         self.cache = cache
+        self.pin_memory = pin_memory
         self.epoch = 0
         self.index = 0
         self.carry: dict[Bucket, list[int]] = {}
@@ -514,6 +519,9 @@ class BatchStream:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.plan_entries():
             if batch is not None:
+                if self.pin_memory:
+                    batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+                             for k, v in batch.items()}
                 yield batch
 
     def plan_entries(self) -> Iterator[dict[str, Any] | None]:

@@ -16,7 +16,7 @@ from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec, variant_spec
 
-__all__ = ["VARIANTS", "LoraConfig", "ModelConfig", "VariantSpec", "Wan22Adapter", "build_adapter",
+__all__ = ["VARIANTS", "LoraConfig", "ModelConfig", "VariantSpec", "Wan22Adapter", "build_adapter", "build_encoders",
            "check_model_files", "variant_spec"]
 
 
@@ -36,3 +36,10 @@ def check_model_files(model: ModelConfig) -> None:
     and holds every part the run needs, each transformer config matches the variant -- with the same one-line
     ``UserError``; reads only config files. ``wantrain check`` runs them, so it refuses what ``run`` would."""
     WeightSource(model, seed=0)
+
+
+def build_encoders(model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device) -> Wan22Adapter:
+    """What filling the cache needs and nothing more: the VAE and the text encoder (loaded on first use, on
+    ``device``) with the identities cache keys are made of; no transformer is loaded (``wantrain cache``). Text
+    embeddings come out in the dtype training computes in (bf16 for ``base_dtype = "fp8"``, on any device)."""
+    return Wan22Adapter(model, lora, seed=seed, device=torch.device(device), base_lr=0.0, transformers=False)

@@ -108,6 +108,14 @@ class ModelConfig:
             raise ConfigError(
                 f"model.offload_device = {self.offload_device!r} is not a usable device; use 'cpu' or 'cuda:N'"
             )
+        if self.base_dtype == "fp8" and not self.gradient_checkpointing:
+            # layerwise casting computes each Linear from a bf16 copy of its weight, and autograd keeps that copy
+            # for the backward in every block: more memory than bf16 storage (tests/data/test_vram_estimate.py)
+            raise ConfigError(
+                "model.base_dtype = 'fp8' with model.gradient_checkpointing = false keeps a bf16 copy of every "
+                "frozen Linear for the backward (more memory than 'bf16'); set gradient_checkpointing = true or "
+                "base_dtype = 'bf16'"
+            )
         if spec.boundary_ratio is None:
             if self.experts != "both":
                 raise ConfigError(

@@ -1,0 +1,27 @@
+"""What wantrain needs at run time is declared: accelerate (diffusers' ``from_pretrained`` keeps
+``_keep_in_fp32_modules`` in float32 only with ``low_cpu_mem_usage``, which needs accelerate) and a diffusers that
+keeps RoPE in float32 under bf16 (0.40 and later)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def _floors() -> dict[str, tuple[int, ...]]:
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    out = {}
+    for dep in deps:
+        match = re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", dep)
+        if match:
+            out[match.group(1).lower()] = tuple(int(x) for x in match.group(2).split("."))
+    return out
+
+
+def test_accelerate_is_declared_and_diffusers_keeps_rope_in_float32():
+    floors = _floors()
+    assert "accelerate" in floors
+    assert floors["diffusers"] >= (0, 40)
