@@ -57,3 +57,51 @@ def test_a_budget_nothing_fits_has_no_plan_and_names_the_smallest_setting():
     chosen, smallest = plan("t2v-a14b", 10.0, base_dtype="auto", width=1280, height=720, frames=81, rank=32)
     assert chosen is None
     assert smallest.settings == MemorySettings("fp8", 40, True)
+
+
+def a14b_config(tmp_path: Path, budget: float) -> Path:
+    """An A14B config on one 81-frame clip (its bucket: 832x464x81); the model folder is never read."""
+    from wantrain.data.demo import render, write_video
+
+    (tmp_path / "media").mkdir()
+    write_video(tmp_path / "media" / "v0.mp4", render("circle", (230, 40, 40), (0, 0, 0), "left", 104, 60, 81), 16.0)
+    (tmp_path / "media" / "v0.txt").write_text("a red circle moving left", encoding="utf-8")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[run]\noutput_dir = "out"\n\n[model]\nvariant = "t2v-a14b"\nvram_budget_gb = {budget}\n\n'
+                      '[data]\npath = "media"\n', encoding="utf-8")
+    return config
+
+
+def test_check_on_an_a14b_config_prints_the_plan_part_by_part(tmp_path, capsys):
+    from wantrain.cli.main import main
+
+    assert main(["check", str(a14b_config(tmp_path, 24))]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan for 832x464x81, one expert resident, budget 24 GiB: bf16 base, 36 blocks swapped" in out
+    for part in ("weights resident", "swap buffers", "LoRA + optimizer", "checkpointed inputs",
+                 "one recomputed block", "workspace", "sampling (no backward)", "card needs"):
+        assert part in out
+
+
+def test_a_budget_nothing_fits_is_refused_in_one_line_before_the_run_directory_exists(tmp_path, capsys):
+    from wantrain.cli.main import main
+
+    assert main(["run", str(a14b_config(tmp_path, 8))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "model.vram_budget_gb = 8: nothing fits the largest bucket 832x464x81" in err
+    assert "frames at 832x464 would fit, or a budget of" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"blocks_to_swap": 41}, "exceeds the 40 blocks of t2v-a14b; use 0..40"),
+    ({"blocks_to_swap": 4, "gradient_checkpointing": False}, "needs model.gradient_checkpointing = true"),
+    ({"blocks_to_swap": 4, "vram_budget_gb": 24.0}, "chooses blocks_to_swap and offload_activations itself"),
+])
+def test_memory_settings_that_cannot_work_are_one_line_config_errors(keys, message):
+    from wantrain.core.errors import ConfigError
+    from wantrain.models.wan22 import ModelConfig
+
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(variant="t2v-a14b", **keys)

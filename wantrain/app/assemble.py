@@ -30,6 +30,7 @@ import torch
 from wantrain.app.config import to_plain
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, resolve_extra_observers
+from wantrain.app.preflight import plan_memory
 from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
@@ -306,7 +307,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
                 "renamed in the dataset folders since); restore the data or start a new run"
             )
     torch.manual_seed(cfg.run.seed)
-    adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
+    model_cfg = plan_memory(cfg, data)  # a budget nothing fits is refused here, before the adapter loads
+    adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync)
