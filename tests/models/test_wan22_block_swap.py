@@ -136,3 +136,27 @@ def test_offloaded_activations_give_the_same_gradients_and_copy_the_block_inputs
     hidden, text, modulation = 3 * 4 * 4 * 24 * 4, 8 * 24 * 4, 6 * 24 * 4  # tokens x width x fp32, ...
     assert packed.count(hidden) == 7  # the six blocks' inputs and the output norm's
     assert packed.count(text) == 1 and packed.count(modulation) == 1  # given to every block, copied once
+
+
+def adapter_run(**model):
+    """Six steps of tiny-t2v through two expert switches; the adapter and both LoRAs in Wan naming."""
+    from wan22_helpers import make_adapter, raw_batch, train_steps
+
+    from wantrain.models.wan22.export import wan_state_dict
+
+    torch.manual_seed(0)  # peft draws lora_A from the global generator (the runner seeds it the same way)
+    adapter = make_adapter(gradient_checkpointing=True, switch_every=2, **model)
+    train_steps(adapter, adapter.encode_batch(raw_batch()), 6)
+    return adapter, {e: wan_state_dict(adapter.transformer_for(e), torch.float32) for e in adapter.experts}
+
+
+@pytest.mark.parametrize("model", [{"blocks_to_swap": 1}, {"blocks_to_swap": 2, "offload_activations": True}],
+                         ids=["swap 1", "swap 2 + offload"])
+def test_the_adapter_with_swap_trains_the_same_loras_and_the_inactive_expert_keeps_no_block(model):
+    _, reference = adapter_run()
+    adapter, loras = adapter_run(**model)
+    assert all(torch.equal(loras[e][k], reference[e][k]) for e in reference for k in reference[e])
+    assert adapter.active == "high_noise"
+    assert adapter.swap_for("high_noise").loaded  # the training expert keeps its ring between steps
+    inactive = adapter.swap_for("low_noise")
+    assert inactive.loaded == () and inactive.live_blocks() == []

@@ -32,6 +32,8 @@ from wantrain.models.wan22.export import (
     set_live_alpha,
 )
 from wantrain.models.wan22.loading import WeightSource
+from wantrain.models.wan22.offload import ActivationOffload
+from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
@@ -100,13 +102,19 @@ class Wan22Adapter:
         )
         self.bands = {e: expert_band(self.spec.boundary_ratio, e, model.min_t, model.max_t) for e in self.experts}
         self._transformers: dict[str | None, nn.Module] = {}
+        self._swaps: dict[str | None, BlockSwap] = {}  # model.blocks_to_swap > 0: per expert
+        self._offload = ActivationOffload(self.device) if model.offload_activations else None
         self.placement: dict[str | None, torch.device] = {}
         for i, expert in enumerate(self.experts):
             transformer = self.source.transformer(expert, load_dtype)
             self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8")
+            if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
+                blocks = self._transformers[expert].blocks
+                self._swaps[expert] = BlockSwap(self._transformers[expert], blocks,
+                                                range(len(blocks) - model.blocks_to_swap, len(blocks)), self.device)
             # The first expert starts on the training device, the others wait off it (activate() swaps them).
             target = self.device if i == 0 else self.offload_device
-            self._transformers[expert].to(target)
+            self._place(expert, target)
             self.placement[expert] = target
         self.active: str | None = self.experts[0]
         self._vae = None
@@ -161,6 +169,8 @@ class Wan22Adapter:
         to ``offload_device``. A no-op for experts already in place. Synchronous transfers."""
         for e in self.experts:
             target = self.device if e == expert else self.offload_device
+            if e != expert and e in self._swaps:
+                self._swaps[e].release()  # the expert not training keeps no swapped block on the device
             if self.placement[e] != target:
                 self._move(e, target, optimizer)
         self.active = expert
@@ -169,7 +179,7 @@ class Wan22Adapter:
         before = self.trainable_parameters(expert)
         states = [optimizer.state.pop(p, None) if optimizer is not None else None for p in before]
         grads = [p.grad for p in before]
-        self._transformers[expert].to(target)
+        self._place(expert, target)
         # CPU<->CUDA moves keep Parameter identity; moves between tensor kinds (e.g. to ``meta``) create new
         # Parameters, so the optimizer's references are remapped by position either way.
         after = self.trainable_parameters(expert)
@@ -187,6 +197,17 @@ class Wan22Adapter:
                 k: v.to(target) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in state.items()
             }
         self.placement[expert] = target
+
+    def _place(self, expert: str | None, target: torch.device) -> None:
+        """Move ``expert``'s transformer to ``target``; the swapped blocks' frozen tensors stay on the host (their
+        device copies are dropped: nothing is copied back)."""
+        swap = self._swaps.get(expert)
+        with swap.excluded() if swap is not None else contextlib.nullcontext():
+            self._transformers[expert].to(target)
+
+    def swap_for(self, expert: str | None) -> BlockSwap | None:
+        """The block swap of ``expert`` (``model.blocks_to_swap`` > 0), else None."""
+        return self._swaps.get(expert)
 
     def loss(self, batch: Mapping[str, Any], expert: str | None, generator: torch.Generator) -> torch.Tensor:
         """Mean flow-matching MSE of ``batch`` for ``expert``. ``batch`` is raw (``pixels``, ``captions``; encoded
@@ -218,9 +239,11 @@ class Wan22Adapter:
             x_t = weight * x_t + (1 - weight) * x0  # clean first latent frame for i2v samples
             tokens = (height // 2) * (width // 2)
             timestep = (weight[:, 0, :, 0, 0] * timestep[:, None]).repeat_interleave(tokens, dim=1)  # [B, seq]
-        pred = self._transformers[expert](
-            hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text, return_dict=False
-        )[0].to(torch.float32)
+        with self._offload.active() if self._offload is not None else contextlib.nullcontext():
+            pred = self._transformers[expert](
+                hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text,
+                return_dict=False,
+            )[0].to(torch.float32)
         err = (pred - target) ** 2
         if weight is None:
             return err.mean()

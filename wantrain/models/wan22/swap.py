@@ -20,7 +20,8 @@ would stay referenced until the backward pass, and the swap would save nothing):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -149,6 +150,20 @@ class BlockSwap:
                 module._parameters[name] = nn.Parameter(value, requires_grad=False)
             else:
                 module._buffers[name] = value
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Evict every block and take the swapped frozen tensors off the modules for the duration (``Module.to`` of
+        the whole expert then moves everything else and leaves the host copies alone)."""
+        self.release()
+        for entries in self._host.values():
+            for module, name, is_param, _ in entries:
+                (module._parameters if is_param else module._buffers)[name] = None
+        try:
+            yield
+        finally:
+            for k in self.swapped:
+                self._set(k, None)
 
     # -- inspection ----------------------------------------------------------------------------------------
     @property
