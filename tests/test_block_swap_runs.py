@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_end_to_end import copy_examples
+from test_resume import workspace  # noqa: F401  (the fixture: the quickstart and its filled cache)
 
 from wantrain.cli.main import main
 
@@ -19,17 +19,9 @@ SETTINGS = ["train.max_steps=24", "train.log_every=4", "train.save_every=24", "c
             "faults.oom_at_steps=[13, 14, 15]", "faults.oom_phase=backward", "train.max_consecutive_oom=3"]
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("swap")
-    config = copy_examples(tmp)
-    assert main(["cache", str(config)]) == 0
-    return tmp
-
-
-def run_then_resume(workspace: Path, out: Path, *extra: str) -> dict[str, bytes]:
+def run_then_resume(root: Path, out: Path, *extra: str) -> dict[str, bytes]:
     """Run until the guard gives up at step 15 (exit 1, emergency checkpoint), resume to step 24 (exit 0)."""
-    args = ["run", str(workspace / "quickstart.toml"), "--set", f"run.output_dir={out}"]
+    args = ["run", str(root / "quickstart.toml"), "--set", f"run.output_dir={out}"]
     for item in [*SETTINGS, *extra]:
         args += ["--set", item]
     assert main(args) == 1
@@ -41,7 +33,8 @@ def run_then_resume(workspace: Path, out: Path, *extra: str) -> dict[str, bytes]
     return files
 
 
-def test_swap_and_offload_give_byte_equal_loras_through_the_oom_guard_a_switch_and_a_resume(workspace, tmp_path):
+def test_swap_and_offload_give_byte_equal_loras_through_the_oom_guard_a_switch_and_a_resume(workspace,  # noqa: F811
+                                                                                            tmp_path):
     reference = run_then_resume(workspace, tmp_path / "plain")
     swapped = run_then_resume(workspace, tmp_path / "swapped", "model.blocks_to_swap=1",
                               "model.offload_activations=true")
