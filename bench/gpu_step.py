@@ -10,11 +10,15 @@ embeddings with the flow-matching loss, fused AdamW and gradient clipping, as a 
 * ``fp8``: 512x512, 81 frames, base weights stored in float8_e4m3fn (computed in bf16, as ``base_dtype = "fp8"``):
   peak VRAM (and s/step).
 
-MFU = model FLOPs per step / step time / the GPU's peak dense bf16 FLOP/s. Model FLOPs per step = 2 x the
-forward's FLOPs (counted with ``torch.utils.flop_counter.FlopCounterMode`` on one forward: matmuls and attention):
-one forward plus the backward pass with respect to activations (the frozen base weights get no weight gradient;
-the LoRA weight gradients are negligible); the forward recomputed by gradient checkpointing is not counted, as
-usual for MFU. The peak comes from ``--peak-tflops`` or a table of known GPUs.
+MFU = model FLOPs per step / step time / the GPU's peak dense bf16 FLOP/s. Model FLOPs per step =
+2 x F_linear + 3 x F_attention, from one forward counted with ``torch.utils.flop_counter.FlopCounterMode``: the
+forward plus a backward with respect to activations only (the frozen base weights get no weight gradient, so a
+Linear's backward is 1x its forward; the LoRA weight gradients are negligible), while attention's backward costs
+2x its forward (dQ, dK, dV and the recomputed scores). The forward recomputed by gradient checkpointing is not
+counted, as usual for MFU. The peak comes from ``--peak-tflops`` or a table of known GPUs.
+
+The model is built on ``meta`` in its storage dtypes (bf16, or float8 Linears for ``fp8``) and materialised on
+the device afterwards, and the peak-memory counter is reset after the build: the peak is that of training.
 
     python bench/gpu_step.py                       # both configurations on cuda:0, JSON on stdout
     python bench/gpu_step.py --only bf16 --steps 5
@@ -48,6 +52,8 @@ def latent_shape(height: int, width: int, frames: int) -> tuple[int, int, int, i
 
 
 def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: bool, rank: int):
+    """One expert with random weights, built on ``meta`` in its storage dtypes and only then materialised on
+    ``device``: the device never holds the model in another dtype (an fp32 A14B expert would be 57 GB)."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
@@ -55,26 +61,25 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
     kwargs = transformer_kwargs(spec)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     with torch.device("meta"):
-        model = WanTransformer3DModel(**kwargs)
+        model = cast_keeping_fp32_modules(WanTransformer3DModel(**kwargs), dtype)
+        if fp8:  # the Linears' storage becomes float8 while still on meta
+            model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     model = model.to_empty(device=device)
     with torch.no_grad():  # random weights: small normal for matrices, ones/zeros for norms and biases
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.02)
+                if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # normal_ has no float8 kernel
+                    p.copy_(torch.empty(p.shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02))
+                else:
+                    p.normal_(0.0, 0.02)
             elif "norm" in name or name.endswith("scale_shift_table"):
                 p.fill_(1.0 if "weight" in name else 0.0)
             else:
                 p.zero_()
-        for _, b in model.named_buffers():
-            if b.is_floating_point():
-                b.zero_()
-    model = cast_keeping_fp32_modules(model, dtype)
     # RoPE frequencies are buffers computed in __init__: rebuild them on the device (to_empty left them blank)
     model.rope = type(model.rope)(model.rope.attention_head_dim, model.rope.patch_size,
                                   model.rope.max_seq_len).to(device)
     model.requires_grad_(False)
-    if fp8:
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     if checkpointing:
         model.enable_gradient_checkpointing()
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGET_REGEX, init_lora_weights=True),
@@ -86,11 +91,16 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
     return model.train(), spec, dtype
 
 
+def model_flops(counts: dict) -> tuple[float, float]:
+    """(linear FLOPs, attention FLOPs) of one forward from ``FlopCounterMode.get_flop_counts()["Global"]``."""
+    attention = sum(v for op, v in counts.items() if "attention" in str(op))
+    return sum(counts.values()) - attention, attention
+
+
 def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape: tuple[int, int, int],
                steps: int, warmup: int, rank: int, peak_tflops: float | None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
@@ -117,6 +127,13 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         loss_fn()
     forward_flops = counter.get_total_flops()
+    linear_flops, attention_flops = model_flops(counter.get_flop_counts().get("Global", {}))
+    # frozen base: the backward computes input gradients only (linear: 1x forward) but attention's backward is
+    # 2x its forward (dQ, dK, dV and the recomputed scores); the checkpointing recompute is not counted
+    step_flops = 2 * linear_flops + 3 * attention_flops
+    if device.type == "cuda":  # the peak of the training steps, not of building the model
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     times = []
     for i in range(warmup + steps):
         sync()
@@ -134,9 +151,10 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
                                                                          * latents.shape[4] // 4),
            "lora_rank": rank, "fp8_base": fp8, "gradient_checkpointing": True, "steps_timed": steps,
            "s_per_step": round(s_per_step, 4), "forward_tflops": round(forward_flops / 1e12, 3),
+           "forward_attention_tflops": round(attention_flops / 1e12, 3), "step_tflops": round(step_flops / 1e12, 3),
            "trainable_params": sum(p.numel() for p in params), "final_loss": loss.item()}
     if peak_tflops:
-        out["mfu"] = round(2 * forward_flops / s_per_step / (peak_tflops * 1e12), 4)
+        out["mfu"] = round(step_flops / s_per_step / (peak_tflops * 1e12), 4)
         out["peak_tflops"] = peak_tflops
     if device.type == "cuda":
         out["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

@@ -147,3 +147,50 @@ def test_the_docs_batch_example_is_a_valid_config(tmp_path):
     (tmp_path / "c.toml").write_text(snippet)
     cfg = load_config(tmp_path / "c.toml", [])
     assert (cfg.train.batch_size, cfg.train.grad_accum, cfg.optimizer.lr) == (1, 2, 2e-4)
+
+
+def test_the_initial_lora_broadcast_sends_only_tensors_on_the_groups_device(monkeypatch):
+    """An NCCL group has no CPU backend: the offloaded expert's LoRA (on the host) must travel through the group's
+    device. ``meta`` plays the GPU (tests/simulated_device.py); the broadcast stub checks where each tensor is."""
+    import torch.distributed as dist
+
+    from tests.simulated_device import DEVICE, MetaAsDevice
+    from wantrain.core.distributed import ProcessGroupSync, Topology
+
+    sent = []
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src: sent.append((tensor.device, tensor.numel())))
+    with MetaAsDevice():
+        active = [torch.nn.Parameter(torch.zeros(3, 2, device=DEVICE))]
+        offloaded = [torch.nn.Parameter(torch.ones(4, 2)), torch.nn.Parameter(torch.ones(5)),
+                     torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]
+        ProcessGroupSync(Topology(rank=1, world_size=2), DEVICE).broadcast_parameters(active + offloaded)
+    assert {device for device, _ in sent} == {DEVICE}
+    assert sorted(n for _, n in sent) == [2, 6, 13]  # the active tensor, then one buffer per dtype
+    assert {p.device.type for p in offloaded} == {"cpu"}  # rank 0's values copied back where they live
+
+
+def _cache_worker(rank: int, store: str, out: str) -> None:
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from wantrain.core.distributed import ProcessGroupSync, Topology
+
+    os.environ.update(MASTER_ADDR="127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=__import__("datetime").timedelta(seconds=2))
+    sync = ProcessGroupSync.start(Topology(rank=rank, world_size=2), torch.device("cpu"))
+    if rank == 0:
+        time.sleep(5)  # rank 0 encodes the uncached clips alone, longer than the group's collective timeout
+    sync.wait_for_rank0()
+    with open(f"{out}.{rank}", "w") as fh:
+        fh.write("waited")
+    dist.destroy_process_group()
+
+
+def test_the_other_ranks_wait_for_rank0_filling_the_cache_past_the_collective_timeout(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_cache_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    assert [(tmp_path / f"out.{r}").read_text() for r in (0, 1)] == ["waited", "waited"]

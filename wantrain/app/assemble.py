@@ -201,14 +201,15 @@ class PreparedRun:
         model = options.model_view(adapter) if options.model_view is not None else adapter
         # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
         # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
-        # Under torchrun rank 0 fills the cache first; the others then find every entry in it.
+        # Under torchrun rank 0 fills the cache first; the others then find every entry in it. They wait on a
+        # barrier without the collective timeout: encoding a large uncached dataset can take hours.
         if not main:
-            sync.barrier()
+            sync.wait_for_rank0()
         stats = ensure_cache(data, adapter, remove_orphans=False)
         # caches the validation clips and encodes the sample prompts while the encoders are loaded
         watchers = self._validation_observers(run_dir) if options.evaluation else []
         if main:
-            sync.barrier()
+            sync.wait_for_rank0()
         adapter.release_encoders()
         log.info("cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded,
                  texts_hit=stats.texts_hit, texts_encoded=stats.texts_encoded, clips_failed=stats.clips_failed)
@@ -236,7 +237,8 @@ class PreparedRun:
             )
         trainer = Trainer(
             adapter=inject_faults(model, optimizer, cfg.faults, state, rank),
-            batches=data.stream(adapter), optimizer=optimizer, scheduler=scheduler,
+            batches=data.stream(adapter, pin_memory=self.device.type == "cuda"), optimizer=optimizer,
+            scheduler=scheduler,
             saver=adapter.saver(run_dir, cfg.run.name) if options.saves and main else NullSaver(),
             settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir,
             seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,

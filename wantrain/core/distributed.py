@@ -41,6 +41,9 @@ import attrs
 import numpy as np
 import torch
 
+PATIENT_TIMEOUT_S = 7 * 24 * 3600.0
+"""How long the other ranks wait for rank 0 to fill the cache (:meth:`ProcessGroupSync.wait_for_rank0`)."""
+
 PER_RANK_STATE = ("train_state", "generator", "rng", "data", "metrics", "interval")
 """Keys of ``Trainer.state_dict()`` that differ between ranks (each rank's random streams, data position, micro-step
 counter, pending metric sums and the log interval's losses); everything else (LoRA weights, optimizer, scheduler,
@@ -128,6 +131,9 @@ class SingleProcess:
     def barrier(self) -> None:
         return None
 
+    def wait_for_rank0(self) -> None:
+        return None
+
     def broadcast_parameters(self, params: Sequence[torch.Tensor]) -> None:
         return None
 
@@ -143,21 +149,25 @@ class ProcessGroupSync:
     tensors); host values are copied there and back.
     """
 
-    def __init__(self, topology: Topology, device: torch.device) -> None:
+    def __init__(self, topology: Topology, device: torch.device, patient: Any = None) -> None:
         self.topology = topology
         self.is_main = topology.is_main
         self.device = device
         self._stop_agreed = False
+        self._patient = patient  # a gloo group with a long timeout, for wait_for_rank0
 
     @classmethod
-    def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0) -> ProcessGroupSync:
+    def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0,
+              patient_timeout_s: float = PATIENT_TIMEOUT_S) -> ProcessGroupSync:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=topology.rank, world_size=topology.world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(topology, device)
+        # Every rank creates it, in the same order: a host-side group whose barrier may wait for hours.
+        patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=patient_timeout_s))
+        return cls(topology, device, patient)
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -238,12 +248,28 @@ class ProcessGroupSync:
         nonfinite.copy_((bad > 0).reshape(()))
 
     def broadcast_parameters(self, params: Sequence[torch.Tensor]) -> None:
-        """Copy rank 0's values of ``params`` to every rank (the LoRA's start, as DistributedDataParallel does)."""
+        """Copy rank 0's values of ``params`` to every rank (the LoRA's start, as DistributedDataParallel does).
+
+        Collectives run on the group's device only (an NCCL group has no CPU backend): tensors elsewhere (the
+        offloaded expert's LoRA, on the host) travel through one flat buffer per dtype on the device and are
+        copied back."""
         import torch.distributed as dist
 
         with torch.no_grad():
+            away: dict[torch.dtype, list[torch.Tensor]] = {}
             for p in params:
-                dist.broadcast(p.data, src=0)
+                if _same_device(p.device, self.device):
+                    dist.broadcast(p.data, src=0)
+                else:
+                    away.setdefault(p.dtype, []).append(p)
+            for group in away.values():
+                flat = torch.cat([p.data.reshape(-1).to(self.device) for p in group])
+                dist.broadcast(flat, src=0)
+                offset = 0
+                for p in group:
+                    n = p.numel()
+                    p.data.copy_(flat[offset:offset + n].view_as(p))
+                    offset += n
 
     # -- metrics -----------------------------------------------------------------------------------------------
     def reduce_metrics(self, values: dict[str, float]) -> dict[str, float]:
@@ -316,6 +342,15 @@ class ProcessGroupSync:
 
         dist.barrier()
 
+    def wait_for_rank0(self) -> None:
+        """A barrier without the collective timeout: rank 0 calls it when it has finished a long job alone
+        (filling the cache: hours for a large uncached dataset), the others call it to wait for that. On a gloo
+        group of its own (host only) with a timeout of :data:`PATIENT_TIMEOUT_S`, so an NCCL group's 30-minute
+        watchdog never fires while rank 0 encodes."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._patient)
+
     def gather_state(self, tree: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0: ``tree`` plus ``ranks``, every rank's :data:`PER_RANK_STATE` in rank order. Other ranks: None.
         Called by every rank at each save."""
@@ -324,6 +359,16 @@ class ProcessGroupSync:
         if not self.is_main:
             return None
         return {**tree, "ranks": [_decode_tree(p) for p in parts]}
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are the same device when the current device is 0."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
 
 
 def _encode_tree(tree: Any) -> bytes:

@@ -164,9 +164,12 @@ class TrainingData:
         stream.seek(start_batch)
         yield from stream
 
-    def stream(self, encoders: MediaEncoders | None = None, *, cache: bool = True) -> BatchStream:
-        """Endless batches with a resumable position (what ``wantrain run`` trains on)."""
-        return BatchStream(self, encoders, cache=cache)
+    def stream(self, encoders: MediaEncoders | None = None, *, cache: bool = True,
+               pin_memory: bool = False) -> BatchStream:
+        """Endless batches with a resumable position (what ``wantrain run`` trains on). ``pin_memory``: every
+        tensor of a batch in page-locked host memory, so that its copy to a CUDA device does not block the host
+        (the loop asks for it when it trains on CUDA)."""
+        return BatchStream(self, encoders, cache=cache, pin_memory=pin_memory)
 
     def _batch_for(self, key: Bucket, idx: list[int], encoders: MediaEncoders | None,
                    cache: bool) -> dict[str, Any] | None:
@@ -432,10 +435,12 @@ class BatchStream:
     and the carry, so resuming regenerates it and skips ``index`` entries without decoding anything. Iterate once.
     """
 
-    def __init__(self, data: TrainingData, encoders: MediaEncoders | None, *, cache: bool = True) -> None:
+    def __init__(self, data: TrainingData, encoders: MediaEncoders | None, *, cache: bool = True,
+                 pin_memory: bool = False) -> None:
         self.data = data
         self.encoders = encoders
         self.cache = cache
+        self.pin_memory = pin_memory
         self.epoch = 0
         self.index = 0
         self.carry: dict[Bucket, list[int]] = {}
@@ -467,6 +472,9 @@ class BatchStream:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.plan_entries():
             if batch is not None:
+                if self.pin_memory:
+                    batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+                             for k, v in batch.items()}
                 yield batch
 
     def plan_entries(self) -> Iterator[dict[str, Any] | None]:

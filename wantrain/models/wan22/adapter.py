@@ -3,7 +3,8 @@
 Each trained expert is its own diffusers ``WanTransformer3DModel`` with its own peft LoRA (adapter name
 ``wantrain``) and its own optimizer parameter group. The high-noise expert (``transformer``) owns t >= boundary,
 the low-noise one (``transformer_2``) the rest; with both trained they alternate every ``switch_every`` optimizer
-steps and the inactive one waits on ``model.offload_device`` with its optimizer state.
+steps and the inactive one waits on ``model.offload_device`` with its optimizer state; the training device never
+holds two experts (``placement.py``).
 
 Objective (flow matching, as diffusers' ``flow_prediction`` and the peer trainers):
 ``x_t = (1 - t) * x0 + t * eps``, target ``eps - x0``, model timestep ``t * 1000``, MSE.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from wantrain.models.wan22.export import (
 )
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.offload import ActivationOffload
+from wantrain.models.wan22.placement import ExpertPlacement
 from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
@@ -78,6 +81,29 @@ def rescale_optimizer_state(state: dict[str, Any], factor: float) -> None:
                             "and SGD states (exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer)")
 
 
+def lora_init_seed(seed: int, expert: str | None) -> int:
+    """The seed of ``expert``'s LoRA initialisation, derived from the run seed."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}:lora:{expert}".encode()).digest()[:6], "little")
+
+
+@torch.no_grad()
+def init_lora_in_fp32(transformer: nn.Module, seed: int) -> None:
+    """peft's default LoRA start (``A`` Kaiming-uniform with ``a = sqrt(5)``, ``B`` zero), drawn in float32 from a
+    generator seeded by ``seed``, layer by layer in module order. peft casts a new LoRA to its base layer's dtype
+    before wantrain's ``.float()``: through bf16, or through float8 (which would leave ``A`` 9-19 distinct
+    values, so that an fp8 run started from another LoRA than a bf16 one). Drawn here, the start depends on the
+    seed alone, whatever the base dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    for _, layer in lora_layers(transformer):
+        a, b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
+        fresh = torch.empty(a.shape, dtype=torch.float32)
+        nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
+        a.copy_(fresh)
+        b.zero_()
+
+
 class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
@@ -86,7 +112,6 @@ class Wan22Adapter:
         self.model_config = model
         self.lora_config = lora
         self.device = torch.device(device)
-        self.offload_device = torch.device(model.offload_device)
         self.experts: tuple[str | None, ...] = model.trained_experts
         self.base_lr = base_lr
         self.source = WeightSource(model, seed)
@@ -104,25 +129,26 @@ class Wan22Adapter:
         self._transformers: dict[str | None, nn.Module] = {}
         self._swaps: dict[str | None, BlockSwap] = {}  # model.blocks_to_swap > 0: per expert
         self._offload = ActivationOffload(self.device) if model.offload_activations else None
-        self.placement: dict[str | None, torch.device] = {}
-        for i, expert in enumerate(self.experts):
+        for expert in self.experts:
             transformer = self.source.transformer(expert, load_dtype)
-            self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8")
+            self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8",
+                                                       init_seed=lora_init_seed(seed, expert))
             if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
                 blocks = self._transformers[expert].blocks
                 self._swaps[expert] = BlockSwap(self._transformers[expert], blocks,
                                                 range(len(blocks) - model.blocks_to_swap, len(blocks)), self.device)
-            # The first expert starts on the training device, the others wait off it (activate() swaps them).
-            target = self.device if i == 0 else self.offload_device
-            self._place(expert, target)
-            self.placement[expert] = target
+        # The first expert starts on the training device; the others wait off it (activate() swaps them). The
+        # swapped blocks' frozen tensors are no part of the placement: their host copies are the BlockSwap's.
+        self.placement = ExpertPlacement(self.device, torch.device(model.offload_device))
+        with self._swapped_blocks_excluded():
+            self.placement.add(self._transformers, first=self.experts[0])
         self.active: str | None = self.experts[0]
         self._vae = None
         self._tokenizer = None
         self._text_encoder = None
         self._next_quantile: float | None = None  # set_timestep_quantile(): for the next loss() only
 
-    def _prepare(self, transformer: nn.Module, fp8: bool) -> nn.Module:
+    def _prepare(self, transformer: nn.Module, fp8: bool, init_seed: int) -> nn.Module:
         from peft import LoraConfig as PeftLoraConfig
 
         transformer.requires_grad_(False)
@@ -140,6 +166,7 @@ class Wan22Adapter:
             if f".{ADAPTER_NAME}." in name:
                 param.data = param.data.float()  # LoRA weights train in fp32 whatever the base dtype
                 param.requires_grad_(True)
+        init_lora_in_fp32(transformer, init_seed)
         return transformer.train()
 
     # -- the ModelAdapter contract -------------------------------------------------------------------------
@@ -164,46 +191,34 @@ class Wan22Adapter:
             return self.experts[0]
         return self.experts[((step - 1) // self.model_config.switch_every) % len(self.experts)]
 
+    @property
+    def offload_device(self) -> torch.device:
+        """Where inactive experts' LoRA and optimizer state wait, and their base weights' waiting copy."""
+        return self.placement.offload_device
+
+    @offload_device.setter
+    def offload_device(self, device: torch.device) -> None:
+        self.placement.offload_device = torch.device(device)
+
     def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
-        """Move ``expert`` (weights, LoRA, optimizer state) to the training device and every other trained expert
-        to ``offload_device``. A no-op for experts already in place. Synchronous transfers."""
-        for e in self.experts:
-            target = self.device if e == expert else self.offload_device
-            if e != expert and e in self._swaps:
-                self._swaps[e].release()  # the expert not training keeps no swapped block on the device
-            if self.placement[e] != target:
-                self._move(e, target, optimizer)
+        """Put ``expert`` (weights, LoRA, gradients, optimizer state) on the training device after moving every
+        other trained expert off it: the device never holds two experts (``models/wan22/placement.py``). A no-op
+        for an expert already in place. With block swap, an expert that stops training drops its ring."""
+        for e, swap in self._swaps.items():
+            if e != expert:
+                swap.release()  # the expert not training keeps no swapped block on the device
+        moves = (any(e != expert for e in self.placement.resident())
+                 or self.placement.where.get(expert) != self.placement.device)
+        with self._swapped_blocks_excluded() if moves else contextlib.nullcontext():
+            self.placement.activate(expert, optimizer)
         self.active = expert
 
-    def _move(self, expert: str | None, target: torch.device, optimizer: torch.optim.Optimizer | None) -> None:
-        before = self.trainable_parameters(expert)
-        states = [optimizer.state.pop(p, None) if optimizer is not None else None for p in before]
-        grads = [p.grad for p in before]
-        self._place(expert, target)
-        # CPU<->CUDA moves keep Parameter identity; moves between tensor kinds (e.g. to ``meta``) create new
-        # Parameters, so the optimizer's references are remapped by position either way.
-        after = self.trainable_parameters(expert)
-        remap = {id(old): new for old, new in zip(before, after, strict=True) if old is not new}
-        if optimizer is not None and remap:
-            for group in optimizer.param_groups:
-                group["params"] = [remap.get(id(p), p) for p in group["params"]]
-        for param, state, grad in zip(after, states, grads, strict=True):
-            if grad is not None:
-                param.grad = grad.to(target)
-            if state is None:
-                continue
-            # Scalar state (Adam's ``step``) stays where the optimizer keeps it (on the CPU unless capturable).
-            optimizer.state[param] = {
-                k: v.to(target) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in state.items()
-            }
-        self.placement[expert] = target
-
-    def _place(self, expert: str | None, target: torch.device) -> None:
-        """Move ``expert``'s transformer to ``target``; the swapped blocks' frozen tensors stay on the host (their
-        device copies are dropped: nothing is copied back)."""
-        swap = self._swaps.get(expert)
-        with swap.excluded() if swap is not None else contextlib.nullcontext():
-            self._transformers[expert].to(target)
+    @contextlib.contextmanager
+    def _swapped_blocks_excluded(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for swap in self._swaps.values():
+                stack.enter_context(swap.excluded())
+            yield
 
     def swap_for(self, expert: str | None) -> BlockSwap | None:
         """The block swap of ``expert`` (``model.blocks_to_swap`` > 0), else None."""
@@ -218,19 +233,19 @@ class Wan22Adapter:
         """
         if "latents" not in batch:
             batch = self.encode_batch(batch)
-        x0 = batch["latents"].to(self.device, torch.float32)
-        text = batch["text_embeds"].to(self.device, self.compute_dtype)
+        x0 = batch["latents"].to(self.device, torch.float32, non_blocking=True)
+        text = batch["text_embeds"].to(self.device, self.compute_dtype, non_blocking=True)
         b, _, frames, height, width = x0.shape
         quantile, self._next_quantile = self._next_quantile, None
         t = self.sampler.sample(b, self.bands[expert], generator, self.device, quantile=quantile)  # float64
-        noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(self.device)
+        noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(self.device, non_blocking=True)
         t_mix = t.to(torch.float32).view(b, 1, 1, 1, 1)
         x_t = (1 - t_mix) * x0 + t_mix * noise
         target = noise - x0
         timestep = (t * 1000).to(torch.float32)
         weight = None
         if self.spec.conditioning == "i2v":
-            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32)], dim=1)
+            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32, non_blocking=True)], dim=1)
         elif self.spec.conditioning == "ti2v":
             coin = torch.rand(b, generator=generator, device=generator.device).to(self.device)
             i2v = coin < self.model_config.i2v_probability if frames > 1 else torch.zeros_like(coin, dtype=torch.bool)
@@ -288,14 +303,14 @@ class Wan22Adapter:
         The text-to-video objective for every variant (TI2V: no clean first frame). A 0-dim float32 tensor on
         the device; no host sync, no random draw. Call inside :meth:`evaluating`."""
         expert = self.expert_for_timestep(t)
-        x0 = batch["latents"].to(self.device, torch.float32)
-        text = batch["text_embeds"].to(self.device, self.compute_dtype)
+        x0 = batch["latents"].to(self.device, torch.float32, non_blocking=True)
+        text = batch["text_embeds"].to(self.device, self.compute_dtype, non_blocking=True)
         b, _, frames, height, width = x0.shape
-        noise = noise.to(self.device, torch.float32)
+        noise = noise.to(self.device, torch.float32, non_blocking=True)
         x_t = (1 - t) * x0 + t * noise
         timestep = torch.full((b,), t * 1000, dtype=torch.float32, device=self.device)
         if self.spec.conditioning == "i2v":
-            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32)], dim=1)
+            x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32, non_blocking=True)], dim=1)
         elif self.spec.conditioning == "ti2v":  # per-token timesteps, as the model is trained and sampled
             timestep = timestep[:, None].repeat_interleave(frames * (height // 2) * (width // 2), dim=1)
         pred = self._transformers[expert](

@@ -126,6 +126,14 @@ class ModelConfig:
                 "model.vram_budget_gb chooses blocks_to_swap and offload_activations itself; remove those two keys "
                 "or the budget"
             )
+        if self.base_dtype == "fp8" and not self.gradient_checkpointing:
+            # layerwise casting computes each Linear from a bf16 copy of its weight, and autograd keeps that copy
+            # for the backward in every block: more memory than bf16 storage (tests/data/test_vram_estimate.py)
+            raise ConfigError(
+                "model.base_dtype = 'fp8' with model.gradient_checkpointing = false keeps a bf16 copy of every "
+                "frozen Linear for the backward (more memory than 'bf16'); set gradient_checkpointing = true or "
+                "base_dtype = 'bf16'"
+            )
         if spec.boundary_ratio is None:
             if self.experts != "both":
                 raise ConfigError(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from pathlib import Path
 
 import torch
@@ -149,28 +148,16 @@ class WeightSource:
 
     def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
         """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
-        only knows Wan 2.1 and would build I2V/5B files with the wrong config).
-
-        Read in the file's own dtypes, then cast like ``from_pretrained``: diffusers' ``from_single_file`` honours
-        ``_keep_in_fp32_modules`` only for fp16 and then casts the whole model anyway, so a bf16 load would put
-        RoPE, the time embedder, the modulation tables and norm1-3 in bf16 where the folder path keeps float32."""
+        only knows Wan 2.1 and would build I2V/5B files with the wrong config), streamed tensor by tensor into the
+        dtypes of the folder path (``single_file.py``: float32 for ``_keep_in_fp32_modules``, ``dtype`` else)."""
         from diffusers import WanTransformer3DModel
-        from safetensors import SafetensorError
+
+        from wantrain.models.wan22.single_file import load_transformer
 
         key = _EXPERT_FILE_KEY[expert]
         _refuse_wan21_image_branch(file, key, self.spec.name)
-        with tempfile.TemporaryDirectory() as tmp:
-            config = {"_class_name": "WanTransformer3DModel", **architecture.transformer_kwargs(self.spec)}
-            config["patch_size"] = list(config["patch_size"])
-            Path(tmp, "config.json").write_text(json.dumps(config))
-            try:
-                transformer = WanTransformer3DModel.from_single_file(str(file), config=tmp, local_files_only=True)
-            except (ValueError, RuntimeError, KeyError, OSError, SafetensorError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise UserError(
-                    f"model.{key} '{file}' does not fit the {self.spec.name} transformer ({first[:200]})"
-                ) from None
-        return architecture.cast_keeping_fp32_modules(transformer, dtype)
+        kwargs = architecture.transformer_kwargs(self.spec)
+        return load_transformer(file, key, self.spec.name, lambda: WanTransformer3DModel(**kwargs), dtype)
 
     def vae(self):
         from diffusers import AutoencoderKLWan

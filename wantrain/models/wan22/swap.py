@@ -59,7 +59,7 @@ class BlockSwap:
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
                         entries.append((module, name, False, buffer))
-            self._host[i] = entries
+            self._host[i] = [(m, n, p, self._pinned(h)) for m, n, p, h in entries]
         self._loaded: list[int] = []  # least recently used first
         self._refs: dict[int, list[StorageWeakRef]] = {}
         self._events: dict[int, torch.cuda.Event] = {}
@@ -68,6 +68,16 @@ class BlockSwap:
             self._set(i, None)
         self._handles = [root.register_forward_pre_hook(self._before_model)]
         self._handles += [block.register_forward_pre_hook(self._before_block(k)) for k, block in enumerate(blocks)]
+
+    def _pinned(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` in pinned memory when copying to CUDA (asynchronous copies need it); as it is when the driver
+        refuses more pinned memory."""
+        if self.device.type != "cuda" or host.device.type != "cpu" or not torch.cuda.is_available():
+            return host
+        try:
+            return host.pin_memory()
+        except RuntimeError:
+            return host
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def _before_model(self, module: nn.Module, args) -> None:

@@ -1,0 +1,288 @@
+"""The GPU acceptance check of issue 23: what only a CUDA device shows, in one run, as JSON. No download: tiny twins
+and random weights at real shapes. About 10 minutes on one H100/H200 (most of it section d).
+
+Sections (each in its own try/except: one failure is reported and the others still run):
+
+a. ``tiny_t2v_resume``: tiny-t2v on CUDA with the default fused AdamW, both experts, a switch every 3 steps:
+   train 8 steps with a checkpoint at 4, resume from it through the switches to 8; the resumed LoRA against the
+   uninterrupted one (max abs difference; CUDA attention backward is not bit-reproducible) and every optimizer
+   state tensor of a fused group on its parameter's device.
+b. ``expert_switch_memory``: two experts of A14B width (d=5120) with a few blocks in bf16, placed as a run places
+   them (``ExpertPlacement``): ``torch.cuda.max_memory_allocated`` across a switch in each direction against one
+   expert's bytes; it must stay below two experts.
+c. ``block_activations``: one real-width block at 8192 video tokens: bytes per token per width it keeps for
+   backward (allocated after the forward minus before), peak minus baseline, for fp32 LoRA on bf16, bf16 LoRA on
+   bf16, fp8 storage with and without gradient checkpointing — next to ``wantrain.data.report``'s figure.
+d. ``gpu_step``: ``bench/gpu_step.py`` (one A14B expert: s/step, MFU, peak VRAM for bf16 and fp8).
+e. ``sync_debug``: ``torch.cuda.set_sync_debug_mode("warn")`` over three non-log steps of a tiny run: the list of
+   synchronising calls (file:line of the innermost wantrain frame) — the loop promises none.
+
+    python bench/gpu_acceptance.py                 # all sections on cuda:0 (JSON on stdout)
+    python bench/gpu_acceptance.py --only a,e      # some sections
+    python bench/gpu_acceptance.py --smoke         # on the CPU, tiny shapes: checks the script itself runs (CI)
+
+Written without a GPU: ``--smoke`` runs in the test suite (tests/test_gpu_acceptance_smoke.py); the CUDA paths
+have never run. Results go into docs/benchmarks.md with the date and the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def _run_tiny(device: str, out: Path, steps: int, resume: str | None = None, extra: list[str] | None = None,
+              save_every: int | None = None):
+    import wantrain
+
+    overrides = [f"run.output_dir={out}", f"train.device={device}", f"train.max_steps={steps}",
+                 "model.switch_every=3", "validation.enabled=false", "sample.enabled=false",
+                 "observers.progress=false", "train.log_every=10", f"train.save_every={save_every or steps}",
+                 "checkpoint.every=4", *(extra or [])]
+    return wantrain.train(ROOT / "examples" / "quickstart.toml", overrides=overrides, resume=resume)
+
+
+def _lora_file(outcome) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = [Path(p) for p in outcome.saved if str(p).endswith(".safetensors")]
+    return {f"{f.name}/{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+
+def section_a(device: str, smoke: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        full = _run_tiny(device, Path(tmp) / "runs", 8)
+        uninterrupted = _lora_file(full)
+        step4 = full.run_dir / "checkpoints" / "step_000004"
+        resumed = _run_tiny(device, Path(tmp) / "runs", 8, resume=str(step4))  # steps 5-8 again, switching at 7
+        again = _lora_file(resumed)
+        common = sorted(set(uninterrupted) & set(again))
+        diff = max(float((uninterrupted[k].float() - again[k].float()).abs().max()) for k in common)
+        return {"status_full": full.status, "status_resumed": resumed.status, "tensors": len(uninterrupted),
+                "compared": len(common), "max_abs_diff_lora": diff}
+
+
+def _few_block_experts(device: torch.device, blocks: int, width: int, heads: int, ffn: int):
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.export import ADAPTER_NAME, LORA_TARGET_REGEX
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = dict(transformer_kwargs(VARIANTS["t2v-a14b"]), num_layers=blocks, num_attention_heads=heads,
+                  attention_head_dim=width // heads, ffn_dim=ffn)
+    experts = {}
+    for name in ("high_noise", "low_noise"):
+        model = cast_keeping_fp32_modules(WanTransformer3DModel(**kwargs), torch.bfloat16).requires_grad_(False)
+        model.add_adapter(LoraConfig(r=32, lora_alpha=32, target_modules=LORA_TARGET_REGEX), adapter_name=ADAPTER_NAME)
+        for pname, p in model.named_parameters():
+            if f".{ADAPTER_NAME}." in pname:
+                p.data = p.data.float()
+                p.requires_grad_(True)
+        experts[name] = model
+    return experts
+
+
+def section_b(device: str, smoke: bool) -> dict:
+    from wantrain.models.wan22.placement import ExpertPlacement
+
+    dev = torch.device(device)
+    shape = dict(blocks=1, width=256, heads=2, ffn=512) if smoke else dict(blocks=4, width=5120, heads=40, ffn=13824)
+    experts = _few_block_experts(dev, **shape)
+    expert_bytes = sum(t.numel() * t.element_size() for t in [*experts["high_noise"].parameters(),
+                                                              *experts["high_noise"].buffers()])
+    placement = ExpertPlacement(dev, torch.device("cpu"))
+    placement.add(experts, first="high_noise")
+    params = [p for m in experts.values() for p in m.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=dev.type in ("cuda", "cpu"))
+    for p in params:  # state for both experts, as after training each
+        p.grad = torch.zeros_like(p)
+    for name in ("high_noise", "low_noise"):
+        placement.activate(name, optimizer)
+        optimizer.step()
+    out = {"shape": shape, "expert_gib": round(expert_bytes / 2**30, 3), "pinned": placement.pinned}
+    for direction, target in (("high_to_low", "low_noise"), ("low_to_high", "high_noise")):
+        placement.activate("high_noise" if target == "low_noise" else "low_noise", optimizer)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        started = time.perf_counter()
+        placement.activate(target, optimizer)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            peak = torch.cuda.max_memory_allocated(dev)
+            out[direction] = {"peak_gib": round(peak / 2**30, 3), "peak_over_expert": round(peak / expert_bytes, 3),
+                              "seconds": round(time.perf_counter() - started, 3)}
+        else:
+            out[direction] = {"resident": placement.resident(), "seconds": round(time.perf_counter() - started, 3)}
+    if placement.device != placement.offload_device:  # on a CPU (--smoke) both are the host: nothing moves
+        out["one_expert_on_device"] = placement.resident() == ["high_noise"]
+    return out
+
+
+def _block_bytes(dev: torch.device, name: str, checkpointing: bool, tokens_frames: int, size: int, smoke: bool):
+    import measure_block_activations as mba
+
+    base_dtype, lora_dtype, fp8 = mba.CONFIGURATIONS[name]
+    shape = mba.NARROW if smoke else mba.A14B
+    model = mba.build(shape["width"], shape["heads"], shape["ffn"], 1, base_dtype, lora_dtype, fp8,
+                      checkpointing=checkpointing).to(dev)
+    compute = mba._COMPUTE[base_dtype]
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, 16, tokens_frames, size, size, generator=g, device=dev).to(compute)
+    text = torch.randn(1, 512, 4096, generator=g, device=dev).to(compute)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+    out = model(hidden_states=x, timestep=torch.tensor([500.0], device=dev), encoder_hidden_states=text,
+                return_dict=False)[0]
+    tokens = mba.tokens_of(tokens_frames, size)
+    row = {"configuration": name, "gradient_checkpointing": checkpointing, "tokens": tokens, "width": shape["width"]}
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        kept = torch.cuda.memory_allocated(dev) - before - out.numel() * out.element_size()
+        peak = torch.cuda.max_memory_allocated(dev) - before
+        row.update(kept_bytes_per_token_per_width=round(kept / tokens / shape["width"], 2),
+                   peak_bytes_per_token_per_width=round(peak / tokens / shape["width"], 2))
+        out.float().mean().backward()
+        torch.cuda.synchronize(dev)
+        row["backward_peak_bytes_per_token_per_width"] = round(
+            (torch.cuda.max_memory_allocated(dev) - before) / tokens / shape["width"], 2)
+    del out, model
+    return row
+
+
+def section_c(device: str, smoke: bool) -> dict:
+    from wantrain.data.report import saved_bytes_per_token_per_width
+
+    dev = torch.device(device)
+    frames, size = (1, 16) if smoke else (8, 64)  # 8 x 32 x 32 = 8192 tokens
+    rows = []
+    for name, checkpointing in (("bf16 base, fp32 LoRA", False), ("bf16 base, bf16 LoRA", False),
+                                ("fp8 base, fp32 LoRA", False), ("fp8 base, fp32 LoRA", True)):
+        try:
+            row = _block_bytes(dev, name, checkpointing, frames, size, smoke)
+            base = name.split()[0]
+            row["estimate_bytes_per_token_per_width"] = saved_bytes_per_token_per_width(base)
+        except Exception as exc:  # noqa: BLE001 -- one configuration failing must not hide the others
+            row = {"configuration": name, "gradient_checkpointing": checkpointing, "error": _short(exc)}
+        rows.append(row)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def section_d(device: str, smoke: bool) -> dict:
+    import gpu_step
+
+    argv = ["--smoke"] if smoke else ["--device", device]
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        gpu_step.main(argv)
+    return json.loads(buffer.getvalue())
+
+
+SYNC_STEPS = (2, 3, 4)  # non-log steps of the run below (log_every = 10)
+
+
+def section_e(device: str, smoke: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "sync_watch.py").write_text(_SYNC_OBSERVER)
+        sys.path.insert(0, tmp)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outcome = _run_tiny(device, Path(tmp) / "sync", 6, extra=[
+                    'observers.extra=["sync_watch:SyncWatch"]', "checkpoint.enabled=false"])
+        finally:
+            sys.path.remove(tmp)
+        syncs = []
+        for w in caught:
+            if "synchroniz" in str(w.message).lower():
+                syncs.append(f"{Path(w.filename).name}:{w.lineno}: {str(w.message).splitlines()[0][:120]}")
+        return {"status": outcome.status, "steps_watched": list(SYNC_STEPS), "syncs": syncs,
+                "cuda": torch.device(device).type == "cuda"}
+
+
+# Put in a temporary folder and named in [observers] extra: sync debug mode "warn" from the start of step 2 to the
+# end of step 4 (CUDA only; on the CPU it only records which steps it watched).
+_SYNC_OBSERVER = '''
+import torch
+from wantrain.core.events import OptimizerStepped, StepStarted
+from wantrain.observers import Observer, on
+
+WATCH = (2, 3, 4)
+
+
+class SyncWatch(Observer):
+    name = "sync_watch"
+
+    @on(StepStarted)
+    def started(self, event, ctx):
+        if event.step == WATCH[0] and event.accumulation_index == 1 and torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+
+    @on(OptimizerStepped)
+    def stepped(self, event, ctx):
+        if event.step == WATCH[-1] and torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(0)
+'''
+
+
+SECTIONS = {"a": ("tiny_t2v_resume", section_a), "b": ("expert_switch_memory", section_b),
+            "c": ("block_activations", section_c), "d": ("gpu_step", section_d), "e": ("sync_debug", section_e)}
+
+
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--only", help="comma-separated sections (a-e)")
+    parser.add_argument("--smoke", action="store_true", help="on the CPU with tiny shapes (the suite runs this)")
+    args = parser.parse_args(argv)
+    device = "cpu" if args.smoke else args.device
+    report: dict = {"device": device, "torch": torch.__version__, "smoke": args.smoke,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if torch.device(device).type == "cuda":
+        if not torch.cuda.is_available():
+            print(json.dumps({**report, "error": "CUDA is not available (use --smoke on a CPU)"}))
+            return 2
+        report["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    wanted = args.only.split(",") if args.only else list(SECTIONS)
+    failed = 0
+    for key in wanted:
+        name, fn = SECTIONS[key]
+        started = time.perf_counter()
+        try:
+            result = fn(device, args.smoke)
+        except Exception as exc:  # noqa: BLE001 -- report and go on: a failing section must not lose the others
+            failed += 1
+            result = {"error": _short(exc), "traceback": traceback.format_exc(limit=6).splitlines()[-6:]}
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        report[name] = result
+        print(json.dumps({name: result}), file=sys.stderr, flush=True)  # progress, in case the run is cut short
+    print(json.dumps(report, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Where each expert's tensors live: the training device holds at most one expert, ever.
+
+An A14B run has two 14B experts; only the one being trained (or evaluated) sits on the training device. Their
+base weights are frozen, so each expert keeps one *waiting copy* of its base tensors (parameters and buffers) on
+``model.offload_device`` (the host by default), made once when the model is built — the tensors it was loaded
+into, pinned when the training device is CUDA and the host memory allows (:func:`pin_budget`). Then:
+
+* moving an expert **out** drops its device copy of the base weights (the parameters point back at the waiting
+  copy: nothing is copied) and copies only its LoRA parameters, their gradients and their optimizer state to the
+  offload device;
+* moving an expert **in** copies its base weights from the waiting copy (non-blocking when pinned) and its LoRA,
+  gradients and optimizer state to the training device;
+* :meth:`ExpertPlacement.activate` moves every other resident expert out *before* it moves the requested one in,
+  so two experts never share the device (57 GB each in bf16 for A14B), in either switch direction and around
+  every validation and sample round.
+
+Optimizer state is placed as torch's ``Optimizer.load_state_dict`` places it
+(``_process_value_according_to_param_policy``): every tensor follows its parameter, except a ``step`` of a group
+that is neither ``fused`` nor ``capturable``, which stays where the optimizer keeps it (on the host). A fused or
+capturable group's 0-dim ``step`` must sit on its parameter's device (the fused CUDA kernel reads it there).
+bitsandbytes' paged state (tensors with ``is_paged``) is unified memory the driver pages by itself: it is left
+where it is, so that it stays paged.
+
+With one trained expert (or when the training and offload devices are the same) nothing ever moves and no
+waiting copy is kept. All transfers are issued from the host thread; a non-blocking host->device copy from pinned
+memory is ordered before any kernel that reads it on the same stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+_PIN_SHARE = 0.5  # pin the waiting copies only if they fill at most this share of the host's memory
+
+
+def pin_budget() -> int:
+    """Bytes of waiting copies that may be pinned: half of the host's physical memory (pinned pages cannot be
+    swapped out; pinning both A14B experts on a 128 GB host would leave it nothing)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total * _PIN_SHARE)
+
+
+def follows_parameter(key: str, value: Any, group: dict[str, Any] | None) -> bool:
+    """Whether optimizer state ``key`` moves with its parameter (see the module docstring)."""
+    if not isinstance(value, torch.Tensor) or getattr(value, "is_paged", False):
+        return False
+    return key != "step" or bool(group and (group.get("fused") or group.get("capturable")))
+
+
+def _tensors(module: nn.Module, *, trainable: bool) -> Iterator[tuple[nn.Module, str, torch.Tensor, bool]]:
+    """(owner, attribute, tensor, is_parameter) of ``module``'s trainable (LoRA) or frozen (base) tensors."""
+    seen: set[int] = set()
+    for owner in module.modules():
+        for attr, param in owner._parameters.items():
+            if param is not None and param.requires_grad == trainable and id(param) not in seen:
+                seen.add(id(param))
+                yield owner, attr, param, True
+        if not trainable:
+            for attr, buf in owner._buffers.items():
+                if buf is not None and id(buf) not in seen:
+                    seen.add(id(buf))
+                    yield owner, attr, buf, False
+
+
+def _place(owner: nn.Module, attr: str, value: torch.Tensor, is_param: bool) -> torch.Tensor:
+    """Put ``value`` in ``owner.attr``, keeping the Parameter object where torch allows (CPU<->CUDA); between
+    tensor kinds (e.g. to ``meta``) a new Parameter replaces it. Returns what now sits there."""
+    if not is_param:
+        owner._buffers[attr] = value
+        return value
+    param = owner._parameters[attr]
+    assert param is not None
+    if torch._has_compatible_shallow_copy_type(param, value):
+        param.data = value
+        return param
+    new = nn.Parameter(value, requires_grad=param.requires_grad)
+    owner._parameters[attr] = new
+    return new
+
+
+class ExpertPlacement:
+    """The placement of every trained expert's transformer (see the module docstring). ``where[e]`` is the device
+    of expert ``e``'s base weights; :meth:`resident` lists those on the training device."""
+
+    def __init__(self, device: torch.device, offload_device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.offload_device = torch.device(offload_device)
+        self.where: dict[str | None, torch.device] = {}
+        self._transformers: dict[str | None, nn.Module] = {}
+        # expert -> [(owner, attribute, waiting copy, is_parameter)] of its base tensors
+        self._waiting: dict[str | None, list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
+        self.pinned = False
+
+    def add(self, experts: dict[str | None, nn.Module], first: str | None) -> None:
+        """Take the freshly built ``experts`` (base weights on the host) and put ``first`` on the training device.
+        With more than one expert and distinct devices, the loaded tensors become the waiting copies."""
+        self._transformers = dict(experts)
+        moves = len(experts) > 1 and self.device != self.offload_device
+        if moves:
+            total = sum(t.numel() * t.element_size() for m in experts.values()
+                        for _, _, t, _ in _tensors(m, trainable=False))
+            self.pinned = self.device.type == "cuda" and torch.cuda.is_available() and total <= pin_budget()
+            for expert, transformer in experts.items():
+                waiting = []
+                for owner, attr, tensor, is_param in list(_tensors(transformer, trainable=False)):
+                    copy = tensor.to(self.offload_device)
+                    if self.pinned and copy.device.type == "cpu":
+                        try:
+                            copy = copy.pin_memory()
+                        except RuntimeError:  # the driver refused more pinned memory: pageable from here on
+                            self.pinned = False
+                    _place(owner, attr, copy, is_param)
+                    waiting.append((owner, attr, copy, is_param))
+                self._waiting[expert] = waiting
+                self._move_trainable(expert, self.offload_device, None)
+                self.where[expert] = self.offload_device
+        else:
+            for expert in experts:
+                target = self.device if expert == first else self.offload_device
+                self._move_base(expert, target)
+                self._move_trainable(expert, target, None)
+                self.where[expert] = target
+        if moves:
+            self._move_in(first, None)
+
+    def resident(self) -> list[str | None]:
+        """The experts whose base weights are on the training device (at most one)."""
+        return [e for e, d in self.where.items() if d == self.device]
+
+    def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
+        """Put ``expert`` (base weights, LoRA, gradients, optimizer state) on the training device, after moving
+        every other resident expert out. A no-op when it is there already. Synchronous except for the
+        non-blocking host->device copies from pinned memory (ordered on the current stream)."""
+        for other in self.resident():
+            if other != expert:
+                self._move_out(other, optimizer)
+        if self.where.get(expert) != self.device:
+            self._move_in(expert, optimizer)
+
+    # -- moves -------------------------------------------------------------------------------------------------
+    def _move_in(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
+        waiting = self._waiting.get(expert)
+        if waiting is None:  # no waiting copy (one device, or an offload device changed after the build)
+            self._move_base(expert, self.device)
+        else:
+            for owner, attr, copy, is_param in waiting:
+                _place(owner, attr, copy.to(self.device, non_blocking=self.pinned), is_param)
+        self._move_trainable(expert, self.device, optimizer)
+        self.where[expert] = self.device
+
+    def _move_out(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
+        waiting = self._waiting.get(expert)
+        if waiting is None:
+            self._move_base(expert, self.offload_device)
+        else:
+            for owner, attr, copy, is_param in waiting:  # drop the device copy: the waiting one is unchanged
+                _place(owner, attr, copy, is_param)
+        self._move_trainable(expert, self.offload_device, optimizer)
+        self.where[expert] = self.offload_device
+
+    def _move_base(self, expert: str | None, target: torch.device) -> None:
+        for owner, attr, tensor, is_param in list(_tensors(self._transformers[expert], trainable=False)):
+            _place(owner, attr, tensor.to(target), is_param)
+
+    def _move_trainable(self, expert: str | None, target: torch.device, optimizer: torch.optim.Optimizer | None
+                        ) -> None:
+        """The LoRA parameters of ``expert``, their gradients and optimizer state to ``target``; the optimizer's
+        references are remapped where a move created new Parameter objects."""
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else {}
+        remap: dict[int, nn.Parameter] = {}
+        for owner, attr, param, _ in list(_tensors(self._transformers[expert], trainable=True)):
+            state = optimizer.state.pop(param, None) if optimizer is not None else None
+            grad, param.grad = param.grad, None
+            new = _place(owner, attr, param.data.to(target), True)
+            if grad is not None:
+                new.grad = grad.to(target)
+            if new is not param:
+                remap[id(param)] = new
+            if state is not None:
+                group = groups.get(id(param))
+                optimizer.state[new] = {k: v.to(target) if follows_parameter(k, v, group) else v
+                                        for k, v in state.items()}
+        if optimizer is not None and remap:
+            for group in optimizer.param_groups:
+                group["params"] = [remap.get(id(p), p) for p in group["params"]]

@@ -1,0 +1,202 @@
+"""Single-file transformer checkpoints (original Wan or ComfyUI keys), streamed into the training dtype.
+
+:func:`load_transformer` builds the transformer on ``meta`` from the variant's explicit architecture, then reads
+the file one tensor at a time (``safetensors.safe_open``), casts each to the dtype it trains in (float32 for the
+modules diffusers keeps in float32, ``_keep_in_fp32_modules``; the load dtype for everything else) and puts it in
+place. The host therefore never holds the model in another dtype: diffusers' ``from_single_file`` builds float32
+parameters and upcasts every tensor of a bf16 file (~57 GB for one A14B expert, plus the file's pages).
+
+Checks, each one line naming the file (:class:`~wantrain.core.errors.UserError`), before any tensor is read:
+
+* every parameter of the model must be in the file (else it would stay on ``meta``), and every tensor of the file
+  must be used (a file of another model, or with parts diffusers would drop with a warning);
+* ComfyUI ``fp8_scaled`` files: each float8 ``<layer>.weight`` comes with ``<layer>.scale_weight``, and the real
+  weight is ``weight.float() * scale_weight``; the scale is applied exactly (in float32, one rounding to the
+  training dtype) when it is one number or one per output row, else the file is refused. Their ``scaled_fp8``
+  marker and ``scale_input`` tensors (activation scales for fp8 matmuls) carry no weight and are not used.
+
+Building blocks for other streamed loads (folder shards, other key layouts): :func:`training_dtype`,
+:func:`stream_into`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from wantrain.core.errors import UserError
+
+SCALE_SUFFIX = ".scale_weight"
+_UNUSED_SUFFIXES = (".scale_input",)
+_MARKERS = ("scaled_fp8",)
+_REOPEN_BYTES = 2 << 30  # reopen the file after reading this much, so the mapping's pages leave the process
+
+
+def training_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor ``name`` of ``model`` trains in: float32 inside a ``_keep_in_fp32_modules`` module."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return torch.float32 if keep.intersection(name.split(".")) else dtype
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if attr in owner._parameters:
+        owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[attr] = value
+
+
+def stream_into(model: nn.Module, names: Iterable[str], read: Callable[[str, torch.dtype], torch.Tensor],
+                dtype: torch.dtype) -> nn.Module:
+    """Fill ``model``'s tensors ``names`` (built on ``meta``) one at a time: ``read(name, target_dtype)`` returns
+    the tensor already in its training dtype; it replaces the meta tensor at once, so at most one tensor is in
+    flight."""
+    for name in names:
+        _set(model, name, read(name, training_dtype(model, name, dtype)))
+    return model
+
+
+def wan_key_map(file_keys: Iterable[str]) -> dict[str, str]:
+    """{diffusers tensor name: file key}, by diffusers' own Wan key conversion applied to the names alone."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    converted = convert_wan_transformer_to_diffusers({key: key for key in file_keys})
+    return {new: old for new, old in converted.items() if isinstance(old, str)}
+
+
+class _Reader:
+    """Tensors of one safetensors file by key, reopening the file every ``_REOPEN_BYTES`` read so that the pages
+    of the mapping do not pile up in the process."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+        self._handle: Any = None
+        self._context: Any = None
+        self._read = 0
+
+    def __enter__(self) -> _Reader:
+        self._open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _open(self) -> None:
+        from safetensors import safe_open
+
+        self._context = safe_open(str(self.file), framework="pt")
+        self._handle = self._context.__enter__()
+        self._read = 0
+
+    def _close(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+        self._context = self._handle = None
+
+    def keys(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def shape_and_dtype(self, key: str) -> tuple[list[int], str]:
+        piece = self._handle.get_slice(key)
+        return list(piece.get_shape()), piece.get_dtype()
+
+    def get(self, key: str) -> torch.Tensor:
+        if self._read > _REOPEN_BYTES:
+            self._close()
+            self._open()
+        tensor = self._handle.get_tensor(key)
+        self._read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def load_transformer(file: Path, setting: str, variant: str, build: Callable[[], nn.Module],
+                     dtype: torch.dtype) -> nn.Module:
+    """The transformer in ``file`` (``setting`` is the config key naming it, for messages), built by ``build``
+    (called under ``torch.device("meta")``) and streamed into ``dtype`` (see the module docstring)."""
+    from safetensors import SafetensorError
+
+    where = f"model.{setting} '{file}'"
+    with torch.device("meta"):
+        model = build()
+    try:
+        with _Reader(file) as reader:
+            keys = reader.keys()
+            scales = {k[: -len(SCALE_SUFFIX)] + ".weight": k for k in keys if k.endswith(SCALE_SUFFIX)}
+            ignored = {k for k in keys if k.endswith(_UNUSED_SUFFIXES) or k.rsplit(".", 1)[-1] in _MARKERS}
+            orphans = sorted(s for w, s in scales.items() if w not in keys)  # a scale without its weight
+            weights = [k for k in keys if k not in ignored and k not in scales.values()]
+            mapping = wan_key_map(weights + orphans)
+            _check_keys(model, mapping, where, variant)
+            scale_of = {mapping_name: scales[key] for mapping_name, key in mapping.items() if key in scales}
+            for name, scale_key in scale_of.items():
+                _check_scale(reader, mapping[name], scale_key, where)
+
+            def read(name: str, target: torch.dtype) -> torch.Tensor:
+                key = mapping[name]
+                tensor = reader.get(key)
+                if name in scale_of:  # fp8_scaled: the real weight is weight * scale, computed in float32
+                    scale = reader.get(scale_of[name]).to(torch.float32)
+                    tensor = tensor.to(torch.float32).mul_(scale.reshape(-1, *([1] * (tensor.dim() - 1)))
+                                                           if scale.numel() > 1 else scale.reshape(()))
+                want = model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
+                if tuple(tensor.shape) != tuple(want.shape):
+                    raise UserError(f"{where} does not fit the {variant} transformer ({key} has shape "
+                                    f"{tuple(tensor.shape)}, the model needs {tuple(want.shape)}); is this the "
+                                    "right model?")
+                return tensor.to(target) if tensor.dtype != target else tensor
+
+            stream_into(model, list(mapping), read, dtype)
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{where} is not a readable safetensors file ({exc})") from None
+    _rebuild_derived_buffers(model)
+    return model.eval()
+
+
+def _is_param(model: nn.Module, name: str) -> bool:
+    owner_name, _, attr = name.rpartition(".")
+    return attr in model.get_submodule(owner_name)._parameters
+
+
+def _check_keys(model: nn.Module, mapping: Mapping[str, str], where: str, variant: str) -> None:
+    persistent = set(model.state_dict())
+    missing = sorted(persistent - set(mapping))
+    unused = sorted(set(mapping) - persistent)
+    if missing or unused:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} tensors of the model are not in the file, e.g. {missing[0]!r}")
+        if unused:
+            parts.append(f"{len(unused)} tensors of the file are not in the model, e.g. {mapping[unused[0]]!r}")
+        raise UserError(f"{where} does not fit the {variant} transformer: {'; '.join(parts)}; use a complete "
+                        f"{variant} transformer file (original Wan or ComfyUI keys)")
+
+
+def _check_scale(reader: _Reader, weight_key: str, scale_key: str, where: str) -> None:
+    weight_shape, _ = reader.shape_and_dtype(weight_key)
+    scale_shape, _ = reader.shape_and_dtype(scale_key)
+    numel = 1
+    for n in scale_shape:
+        numel *= n
+    per_row = bool(weight_shape) and numel == weight_shape[0] and all(n == 1 for n in scale_shape[1:])
+    if numel != 1 and not per_row:
+        raise UserError(f"{where} has fp8 scales of shape {tuple(scale_shape)} for {weight_key} of shape "
+                        f"{tuple(weight_shape)}; only one scale per tensor or per output row can be applied: "
+                        "convert the file to bf16 first")
+
+
+def _rebuild_derived_buffers(model: nn.Module) -> None:
+    """Buffers not in a state dict (RoPE's frequency tables) are computed in ``__init__``; on ``meta`` they hold
+    nothing, so the modules that own them are built again on the CPU."""
+    for name, module in list(model.named_modules()):
+        if not any(b.is_meta for b in module.buffers(recurse=False)):
+            continue
+        if type(module).__name__ != "WanRotaryPosEmbed":
+            raise RuntimeError(f"{name}: a buffer computed at construction that the loader does not know")
+        fresh = type(module)(module.attention_head_dim, module.patch_size, module.max_seq_len)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, fresh)
