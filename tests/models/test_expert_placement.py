@@ -53,3 +53,21 @@ def test_switching_an_expert_out_copies_only_its_lora_and_optimizer_state_to_the
     assert base > 5 * lora
     assert device.bytes("to_host") == 3 * lora  # the LoRA weights and the two AdamW moments; no base weight
     assert {t.device for t in high.parameters() if not t.requires_grad} == {HOST}
+
+
+def test_a_switch_with_block_swap_moves_no_swapped_block_and_the_leaving_expert_keeps_none_on_the_device():
+    with MetaAsDevice() as device:
+        adapter = make_adapter("tiny-t2v", device=DEVICE, offload_device="cpu", switch_every=1,
+                               gradient_checkpointing=True, blocks_to_swap=1)
+        optimizer = _with_state(adapter)
+        low = adapter.transformer_for("low_noise")
+        waiting = sum(t.numel() * t.element_size() for t in [*low.parameters(), *low.buffers()]
+                      if not t.requires_grad and t.device == HOST)  # what the placement keeps for low_noise
+        lora = sum(p.numel() * p.element_size() for p in adapter.trainable_parameters("low_noise"))
+        adapter.swap_for("high_noise").load(1)  # as after a training step: block 1 of high_noise in its ring
+        device.copies.clear()
+        adapter.activate("low_noise", optimizer)
+    swapped = adapter.swap_for("low_noise").host_bytes()
+    assert swapped > lora  # the swapped block is big enough to show in the byte counts
+    assert device.bytes("to_device") == waiting + 3 * lora  # its base (swapped block left out), LoRA, moments
+    assert adapter.swap_for("high_noise").loaded == () and adapter.swap_for("high_noise").live_blocks() == []

@@ -31,6 +31,7 @@ from wantrain.app.config import to_plain
 from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, resolve_extra_observers
+from wantrain.app.preflight import plan_memory
 from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
@@ -335,7 +336,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if point is not None:
         _check_clip_list(point, data)
     torch.manual_seed(cfg.run.seed)
-    adapter = build_adapter(cfg.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
+    model_cfg = plan_memory(cfg, data)  # a budget nothing fits is refused here, before the adapter loads
+    adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
     for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
     if point is not None:  # the tensors against the model: one that does not fit is damage (auto: an older one)

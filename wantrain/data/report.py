@@ -217,6 +217,7 @@ class PreflightReport:
     frames_left_over: int = 0
     steps_per_epoch: int = 0
     vram: dict[str, Any] = attrs.field(factory=dict)
+    memory_plan: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.preflight.plan_memory, part by part
     verification: list[dict[str, Any]] = attrs.field(factory=list)  # appended while decoding
     # texts per medium, distinct texts to encode, expected share of samples trained with the empty prompt
     captions: dict[str, Any] = attrs.field(factory=dict)
@@ -333,4 +334,13 @@ class PreflightReport:
                 lines.append(f"estimated peak VRAM while sampling: {v['sampling_gb']:.1f} GiB ({v['sampling_size']}, "
                              f"[sample]; one expert resident; formula in docs/validation.md); the run needs "
                              f"{max(v['gb'], v['sampling_gb']):.1f} GiB")
+        if self.memory_plan:
+            plan = self.memory_plan
+            chosen = plan["settings"]
+            head = f"memory plan for {plan['bucket']}, one expert resident"
+            head += f", budget {plan['budget_gib']:g} GiB" if plan["budget_gib"] is not None else " (settings as given)"
+            lines.append("")
+            lines.append(f"{head}: {chosen['base_dtype']} base, {chosen['blocks_to_swap']} blocks swapped, activation "
+                         f"offload {'on' if chosen['offload_activations'] else 'off'} (docs/models.md, Memory):")
+            lines.extend(plan["lines"])
         return "\n".join(lines)

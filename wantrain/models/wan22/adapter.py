@@ -37,7 +37,9 @@ from wantrain.models.wan22.export import (
 )
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.lora_files import LoraFile, check_fits, resolve_init
+from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.placement import ExpertPlacement
+from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
@@ -112,16 +114,24 @@ class Wan22Adapter:
         )
         self.bands = {e: expert_band(self.spec.boundary_ratio, e, model.min_t, model.max_t) for e in self.experts}
         self._transformers: dict[str | None, nn.Module] = {}
+        self._swaps: dict[str | None, BlockSwap] = {}  # model.blocks_to_swap > 0: per expert
+        self._offload = ActivationOffload(self.device) if model.offload_activations else None
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
             transformer = self.source.transformer(expert, load_dtype)
             self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8",
                                                        init_seed=lora_init_seed(seed, expert))
             if expert in init_files:
                 self._start_from(expert, init_files[expert])
-        # The first expert starts on the training device; the others wait off it (activate() swaps them).
+            if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
+                blocks = self._transformers[expert].blocks
+                self._swaps[expert] = BlockSwap(self._transformers[expert], blocks,
+                                                range(len(blocks) - model.blocks_to_swap, len(blocks)), self.device)
+        # The first expert starts on the training device; the others wait off it (activate() swaps them). The
+        # swapped blocks' frozen tensors are no part of the placement: their host copies are the BlockSwap's.
         self.placement = ExpertPlacement(self.device, torch.device(model.offload_device))
         if transformers:
-            self.placement.add(self._transformers, first=self.experts[0])
+            with self._swapped_blocks_excluded():
+                self.placement.add(self._transformers, first=self.experts[0])
         self.active: str | None = self.experts[0]
         self._vae = None
         self._tokenizer = None
@@ -208,9 +218,26 @@ class Wan22Adapter:
     def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
         """Put ``expert`` (weights, LoRA, gradients, optimizer state) on the training device after moving every
         other trained expert off it: the device never holds two experts (``models/wan22/placement.py``). A no-op
-        for an expert already in place."""
-        self.placement.activate(expert, optimizer)
+        for an expert already in place. With block swap, an expert that stops training drops its ring."""
+        for e, swap in self._swaps.items():
+            if e != expert:
+                swap.release()  # the expert not training keeps no swapped block on the device
+        moves = (any(e != expert for e in self.placement.resident())
+                 or self.placement.where.get(expert) != self.placement.device)
+        with self._swapped_blocks_excluded() if moves else contextlib.nullcontext():
+            self.placement.activate(expert, optimizer)
         self.active = expert
+
+    @contextlib.contextmanager
+    def _swapped_blocks_excluded(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for swap in self._swaps.values():
+                stack.enter_context(swap.excluded())
+            yield
+
+    def swap_for(self, expert: str | None) -> BlockSwap | None:
+        """The block swap of ``expert`` (``model.blocks_to_swap`` > 0), else None."""
+        return self._swaps.get(expert)
 
     def loss(self, batch: Mapping[str, Any], expert: str | None, generator: torch.Generator) -> torch.Tensor:
         """Mean flow-matching MSE of ``batch`` for ``expert``. ``batch`` is raw (``pixels``, ``captions``; encoded
@@ -242,9 +269,11 @@ class Wan22Adapter:
             x_t = weight * x_t + (1 - weight) * x0  # clean first latent frame for i2v samples
             tokens = (height // 2) * (width // 2)
             timestep = (weight[:, 0, :, 0, 0] * timestep[:, None]).repeat_interleave(tokens, dim=1)  # [B, seq]
-        pred = self._transformers[expert](
-            hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text, return_dict=False
-        )[0].to(torch.float32)
+        with self._offload.active() if self._offload is not None else contextlib.nullcontext():
+            pred = self._transformers[expert](
+                hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text,
+                return_dict=False,
+            )[0].to(torch.float32)
         err = (pred - target) ** 2
         if weight is None:
             return err.mean()

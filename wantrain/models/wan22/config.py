@@ -97,6 +97,20 @@ class ModelConfig:
     offload_device: str = setting(
         "cpu", doc="Where the inactive expert and its optimizer state wait while the other one trains."
     )
+    blocks_to_swap: int = setting(
+        0, doc="Transformer blocks (the last N of each expert) whose frozen base weights stay in host memory and "
+        "visit the device one block ahead of use, in the forward pass and in gradient checkpointing's recompute "
+        "(docs/models.md, Memory). Needs gradient checkpointing.", range=at_least(0),
+    )
+    offload_activations: bool = setting(
+        False, doc="Keep what autograd saves for the backward pass (with gradient checkpointing: every block's "
+        "input) in host memory; it comes back when the backward pass needs it.",
+    )
+    vram_budget_gb: float | None = setting(
+        None, doc="Device memory to plan for, in GiB: picks `blocks_to_swap`, `offload_activations` and (with "
+        "`base_dtype = \"auto\"`) bf16 or fp8 so that the largest bucket fits; a budget nothing fits is refused "
+        "before the run starts. Leave `blocks_to_swap` and `offload_activations` unset with it.", range=above(0.0),
+    )
 
     def __attrs_post_init__(self) -> None:
         spec = VARIANTS[self.variant]
@@ -107,6 +121,21 @@ class ModelConfig:
         if offload is None or offload.type == "meta":
             raise ConfigError(
                 f"model.offload_device = {self.offload_device!r} is not a usable device; use 'cpu' or 'cuda:N'"
+            )
+        if self.blocks_to_swap > spec.num_layers:
+            raise ConfigError(
+                f"model.blocks_to_swap = {self.blocks_to_swap} exceeds the {spec.num_layers} blocks of "
+                f"{self.variant}; use 0..{spec.num_layers}"
+            )
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise ConfigError(
+                "model.blocks_to_swap needs model.gradient_checkpointing = true (without it every block's weights "
+                "stay referenced until the backward pass and the swap saves nothing)"
+            )
+        if self.vram_budget_gb is not None and (self.blocks_to_swap or self.offload_activations):
+            raise ConfigError(
+                "model.vram_budget_gb chooses blocks_to_swap and offload_activations itself; remove those two keys "
+                "or the budget"
             )
         if self.base_dtype == "fp8" and not self.gradient_checkpointing:
             # layerwise casting computes each Linear from a bf16 copy of its weight, and autograd keeps that copy

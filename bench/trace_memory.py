@@ -1,0 +1,267 @@
+"""Peak device memory of one LoRA training step of a real-size Wan 2.2 expert, traced on a CPU with fake tensors.
+
+The expert is built on ``meta`` with the variant's real architecture (A14B: 40 blocks, width 5120), its parameters
+re-created as fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no
+memory) in the dtypes a run gives them (base in bf16 or float8_e4m3fn with diffusers' layerwise casting, the
+``_keep_in_fp32_modules`` in fp32, the rank-r LoRA in fp32), with wantrain's block swap and activation offload
+when asked. One step (forward with gradient checkpointing, the flow-matching MSE, backward, AdamW with its state)
+runs under a dispatch mode that counts the bytes of every live storage on the device: the peak is what the
+tensors need, the quantity ``torch.cuda.max_memory_allocated`` reports, and what the planner's estimate
+(``wantrain.data.report.memory_plan``) is checked against.
+
+Choices that differ from a GPU:
+
+* the "device" is a fake CPU (this torch has no CUDA, and fake CUDA tensors fail in indexing), and the host side of
+  the swap and of the offload is ``meta`` (not counted);
+* attention is the CPU flash kernel's (output + logsumexp, as the CUDA flash/cuDNN kernels); the math kernel
+  would materialise the score matrix;
+* diffusers' layerwise-casting hook (fp8) casts with new Parameter objects instead of ``Module.to`` (which cannot
+  convert fake parameters in place): the same bytes live at the same times;
+* no allocator rounding or fragmentation (MemTracker rounds to 512 B; the caching allocator's reserved memory is
+  more), no CUDA context, cuBLAS workspace or NCCL buffers.
+
+    python bench/trace_memory.py                           # the table of docs/benchmarks.md (markdown + JSON)
+    python bench/trace_memory.py --variant t2v-a14b --dtype fp8 --swap 20 --offload --size 832x480x81
+    python bench/trace_memory.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from wantrain.models.wan22.architecture import transformer_kwargs
+from wantrain.models.wan22.export import ADAPTER_NAME, LORA_TARGET_REGEX
+from wantrain.models.wan22.offload import ActivationOffload
+from wantrain.models.wan22.swap import BlockSwap
+from wantrain.models.wan22.variants import VARIANTS
+
+DEVICE = torch.device("cpu")  # the fake device
+HOST = torch.device("meta")  # the host side: not counted
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the live storages on ``device_type`` created by ops under this mode (plus those ``track`` is given);
+    ``peak`` is the maximum over the ops. Storages are followed by weak references, so a tensor freed by Python or
+    autograd leaves the count when it goes."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        ref = self._refs.get(key)
+        if ref is not None and ref() is storage:
+            return
+        nbytes = storage.nbytes()
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+        def gone(_ref, nbytes=nbytes, key=key):
+            self.live -= nbytes
+            self._refs.pop(key, None)
+
+        self._refs[key] = weakref.ref(storage, gone)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            self.track(tensor)
+        return out
+
+
+def _cast_module(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype=...)`` for fake parameters (``Module._apply`` swaps fake tensors in place, which fails once
+    the fake mode's cache holds a weak reference to them): new Parameter objects of the same bytes."""
+    for key, param in list(module._parameters.items()):
+        if param is not None and param.is_floating_point() and param.dtype != dtype:
+            module._parameters[key] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+
+
+@contextlib.contextmanager
+def fake_layerwise_casting():
+    """diffusers' layerwise-casting hook, with its casts done by :func:`_cast_module` (same storages alive)."""
+    from diffusers.hooks.layerwise_casting import LayerwiseCastingHook
+
+    saved = LayerwiseCastingHook.pre_forward, LayerwiseCastingHook.post_forward
+
+    def pre_forward(self, module, *args, **kwargs):
+        _cast_module(module, self.compute_dtype)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        _cast_module(module, self.storage_dtype)
+        return output
+
+    LayerwiseCastingHook.pre_forward, LayerwiseCastingHook.post_forward = pre_forward, post_forward
+    try:
+        yield
+    finally:
+        LayerwiseCastingHook.pre_forward, LayerwiseCastingHook.post_forward = saved
+
+
+def parse_size(text: str) -> tuple[int, int, int]:
+    width, height, frames = (int(v) for v in text.lower().split("x"))
+    return width, height, frames
+
+
+def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode, layers: int | None = None):
+    """The expert as a run holds it, with fake tensors on :data:`DEVICE` (``layers``: fewer blocks)."""
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig
+
+    spec = VARIANTS[variant]
+    with torch.device("meta"):
+        kwargs = transformer_kwargs(spec)
+        if layers is not None:
+            kwargs["num_layers"] = layers
+        model = WanTransformer3DModel(**kwargs)
+        model.requires_grad_(False)
+        model.to(torch.bfloat16)
+        if dtype == "fp8":
+            model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        model.enable_gradient_checkpointing()
+        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGET_REGEX),
+                          adapter_name=ADAPTER_NAME)
+    keep = set(model._keep_in_fp32_modules or ())
+    with fake:
+        for name, module in model.named_modules():
+            lora = f".{ADAPTER_NAME}" in f".{name}" or name.split(".")[-1] == ADAPTER_NAME
+            for key, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                is_lora = lora or f".{ADAPTER_NAME}." in f".{name}.{key}"
+                target = torch.float32 if is_lora or keep.intersection(name.split(".")) else param.dtype
+                module._parameters[key] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=target, device=DEVICE), requires_grad=is_lora)
+            for key, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[key] = torch.empty(buffer.shape, dtype=buffer.dtype, device=DEVICE)
+    return model.train()
+
+
+def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload: bool = False,
+          size: tuple[int, int, int] = (832, 480, 81), rank: int = 32, batch: int = 1,
+          layers: int | None = None) -> dict:
+    """Peak live device bytes of one training step of ``variant`` (one expert), in GiB, with the parts at rest."""
+    spec = VARIANTS[variant]
+    width, height, frames = size
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    start = time.perf_counter()
+    with fake_layerwise_casting():  # the hooks keep the methods they find when registered
+        model = build_fake_expert(variant, dtype, rank, fake, layers)
+    blocks = model.blocks
+    copies: list[int] = []
+    with fake:
+        if swap:
+            swapped = range(len(blocks) - swap, len(blocks))
+            for k in swapped:  # the host copies: on the uncounted host device
+                for module in blocks[k].modules():
+                    for key, param in list(module._parameters.items()):
+                        if param is not None and not param.requires_grad:
+                            module._parameters[key] = torch.nn.Parameter(
+                                torch.empty(param.shape, dtype=param.dtype, device=HOST), requires_grad=False)
+            BlockSwap(model, blocks, swapped, DEVICE, ring=2, on_copy=copies.append)
+        lora = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(lora, lr=1e-4, foreach=True)
+        for p in lora:  # steady state: AdamW's moments exist before the step
+            optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+        counter = LiveBytes(DEVICE.type)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            counter.track(tensor)
+        for state in optimizer.state.values():
+            for tensor in state.values():
+                counter.track(tensor)
+        at_rest = counter.live
+        offloader = ActivationOffload(DEVICE, HOST) if offload else None
+        frames_latent = (frames - 1) // spec.frame_multiple + 1
+        stride = spec.spatial_multiple // 2  # the VAE's (the patch is 2x2)
+        shape = (batch, spec.transformer_in_channels, frames_latent, height // stride, width // stride)
+        with counter:
+            x0 = torch.empty(shape, dtype=torch.float32, device=DEVICE)
+            text = torch.empty(batch, spec.text_len, 4096, dtype=torch.bfloat16, device=DEVICE)
+            timestep = torch.full((batch,), 500.0, device=DEVICE)
+            target = torch.empty(x0.shape[0], spec.latent_channels, *x0.shape[2:], device=DEVICE)
+            with offloader.active() if offloader else contextlib.nullcontext():
+                pred = model(hidden_states=x0.to(torch.bfloat16), timestep=timestep, encoder_hidden_states=text,
+                             return_dict=False)[0].to(torch.float32)
+            loss = ((pred - target) ** 2).mean()
+            del pred
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    tokens = batch * frames_latent * (height // spec.spatial_multiple) * (width // spec.spatial_multiple)
+    return {"variant": variant, "dtype": dtype, "swap": swap, "offload": offload,
+            "size": f"{width}x{height}x{frames}", "rank": rank, "batch": batch, "layers": len(blocks), "tokens": tokens,
+            "at_rest_gib": at_rest / 2**30, "peak_gib": counter.peak / 2**30,
+            "seconds": round(time.perf_counter() - start, 1), "block_copies": len(copies)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", default="t2v-a14b", choices=sorted(VARIANTS))
+    parser.add_argument("--dtype", choices=("bf16", "fp8"))
+    parser.add_argument("--swap", type=int)
+    parser.add_argument("--offload", action="store_true", default=None)
+    parser.add_argument("--size", type=parse_size, help="WIDTHxHEIGHTxFRAMES")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--layers", type=int, help="fewer blocks than the variant has (a quick check)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    dtypes = [args.dtype] if args.dtype else ["bf16", "fp8"]
+    swaps = [args.swap] if args.swap is not None else [0, 20, 38]
+    offloads = [args.offload] if args.offload is not None else [False, True]
+    sizes = [args.size] if args.size else [(832, 480, 81), (1280, 720, 81)]
+    rows = []
+    for size, dtype, swap, offload in itertools.product(sizes, dtypes, swaps, offloads):
+        row = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers)
+        row.update(compare(row))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(markdown(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def compare(row: dict) -> dict:
+    """The planner's estimate of the same configuration and its error against the trace."""
+    from wantrain.models.wan22.memory import GIB, MemorySettings, estimate
+
+    width, height, frames = parse_size(row["size"])
+    est = estimate(row["variant"], MemorySettings(row["dtype"], row["swap"], row["offload"]), width=width,
+                   height=height, frames=frames, rank=row["rank"], batch=row["batch"],
+                   layers=row["layers"] if row["layers"] != VARIANTS[row["variant"]].num_layers else None)
+    return {"estimate_gib": est.allocated / GIB, "error_pct": 100 * (est.allocated / GIB / row["peak_gib"] - 1)}
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| size | base | swapped | offload | traced peak GiB | estimate GiB | error | trace s |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['dtype']} | {r['swap']} | {'on' if r['offload'] else 'off'} | "
+                     f"{r['peak_gib']:.2f} | {r['estimate_gib']:.2f} | {r['error_pct']:+.1f} % | {r['seconds']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

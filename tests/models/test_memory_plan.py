@@ -1,0 +1,107 @@
+"""The device-memory estimate against a fake-tensor trace of the real step, and the planner built on it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from wantrain.models.wan22.memory import GIB, MemorySettings, estimate, plan, weight_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def trace_module():
+    spec = importlib.util.spec_from_file_location("trace_memory", ROOT / "bench" / "trace_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("settings", [MemorySettings("bf16", 0, False), MemorySettings("fp8", 1, True)],
+                         ids=lambda s: s.describe())
+def test_the_estimate_is_within_ten_percent_of_a_traced_step_at_real_width(settings):
+    # Two real-width A14B blocks (width 5120, FFN 13824) at 480x272x33 (4590 tokens): the activations and the
+    # weights are of the same size here, so a wrong per-token constant or a wrong weight count both show.
+    traced = trace_module().trace("t2v-a14b", settings.base_dtype, settings.blocks_to_swap,
+                                  settings.offload_activations, (480, 272, 33), rank=32, layers=2)
+    est = estimate("t2v-a14b", settings, width=480, height=272, frames=33, rank=32, layers=2)
+    assert traced["tokens"] == 4590
+    assert abs(est.allocated / GIB / traced["peak_gib"] - 1) < 0.10, (est.parts, traced)
+
+
+def test_weights_are_counted_per_tensor_in_the_dtypes_a_run_gives_them():
+    rest, blocks = weight_bytes("t2v-a14b", "bf16")
+    rest8, blocks8 = weight_bytes("t2v-a14b", "fp8")
+    assert len(blocks) == 40 and len(set(blocks)) == 1
+    # 14.3e9 parameters, mostly bf16; fp8 halves the Linears of the blocks only (norms, modulation stay)
+    assert 26.0 < (rest + sum(blocks)) / GIB < 28.0
+    assert 0.49 < blocks8[0] / blocks[0] < 0.52 and rest8 == rest
+
+
+def test_the_planner_fits_a14b_480p_in_24_gib_moving_the_fewest_bytes_over_the_host_link():
+    chosen, smallest = plan("t2v-a14b", 24.0, base_dtype="auto", width=832, height=480, frames=81, rank=32)
+    assert chosen is not None and chosen.device_gib <= 24.0
+    for swap in range(41):  # every other bf16/fp8 setting that fits moves at least as many bytes
+        for offload in (False, True):
+            for dtype in ("bf16", "fp8"):
+                other = estimate("t2v-a14b", MemorySettings(dtype, swap, offload), width=832, height=480,
+                                 frames=81, rank=32)
+                if other.device_gib <= 24.0 and dtype == chosen.settings.base_dtype:
+                    assert other.link_bytes >= chosen.link_bytes
+    assert smallest.device_gib <= chosen.device_gib
+
+
+def test_a_budget_nothing_fits_has_no_plan_and_names_the_smallest_setting():
+    chosen, smallest = plan("t2v-a14b", 10.0, base_dtype="auto", width=1280, height=720, frames=81, rank=32)
+    assert chosen is None
+    assert smallest.settings == MemorySettings("fp8", 40, True)
+
+
+def a14b_config(tmp_path: Path, budget: float) -> Path:
+    """An A14B config on one 81-frame clip (its bucket: 832x464x81); the model folder is never read."""
+    from wantrain.data.demo import render, write_video
+
+    (tmp_path / "media").mkdir()
+    write_video(tmp_path / "media" / "v0.mp4", render("circle", (230, 40, 40), (0, 0, 0), "left", 104, 60, 81), 16.0)
+    (tmp_path / "media" / "v0.txt").write_text("a red circle moving left", encoding="utf-8")
+    config = tmp_path / "run.toml"
+    config.write_text(f'[run]\noutput_dir = "out"\n\n[model]\nvariant = "t2v-a14b"\nvram_budget_gb = {budget}\n\n'
+                      '[data]\npath = "media"\n', encoding="utf-8")
+    return config
+
+
+def test_check_on_an_a14b_config_prints_the_plan_part_by_part(tmp_path, capsys):
+    from wantrain.cli.main import main
+
+    assert main(["check", str(a14b_config(tmp_path, 24))]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan for 832x464x81, one expert resident, budget 24 GiB: bf16 base, 36 blocks swapped" in out
+    for part in ("weights resident", "swap buffers", "LoRA + optimizer", "checkpointed inputs",
+                 "one recomputed block", "workspace", "sampling (no backward)", "card needs"):
+        assert part in out
+
+
+def test_a_budget_nothing_fits_is_refused_in_one_line_before_the_run_directory_exists(tmp_path, capsys):
+    from wantrain.cli.main import main
+
+    assert main(["run", str(a14b_config(tmp_path, 8))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "model.vram_budget_gb = 8: nothing fits the largest bucket 832x464x81" in err
+    assert "frames at 832x464 would fit, or a budget of" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"blocks_to_swap": 41}, "exceeds the 40 blocks of t2v-a14b; use 0..40"),
+    ({"blocks_to_swap": 4, "gradient_checkpointing": False}, "needs model.gradient_checkpointing = true"),
+    ({"blocks_to_swap": 4, "vram_budget_gb": 24.0}, "chooses blocks_to_swap and offload_activations itself"),
+])
+def test_memory_settings_that_cannot_work_are_one_line_config_errors(keys, message):
+    from wantrain.core.errors import ConfigError
+    from wantrain.models.wan22 import ModelConfig
+
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(variant="t2v-a14b", **keys)
