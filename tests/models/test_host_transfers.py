@@ -49,6 +49,9 @@ class _OneBatchData:
     def rank_share(self, idx):
         return idx
 
+    def sample_texts(self, epoch, index, idx):
+        return ["" for _ in idx]
+
     def _batch_for(self, key, idx, encoders, cache):
         return {"latents": torch.zeros(1, 16, 3, 4, 4), "text_embeds": torch.zeros(1, 16, 32), "bucket": key}
 

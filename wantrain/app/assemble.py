@@ -31,7 +31,7 @@ from wantrain.app.config import to_plain
 from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, resolve_extra_observers
-from wantrain.app.preflight import plan_memory
+from wantrain.app.preflight import plan_memory, resolve_device
 from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
@@ -96,20 +96,6 @@ class RunOutcome:
         torchrun ends every other rank as soon as one exits non-zero, which could cut rank 0's last writes short;
         rank 0's code carries the outcome (torchrun itself then exits 1 for any non-zero code)."""
         return EXIT_CODES.get(self.status, 1) if self.rank == 0 else 0
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(
-            f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("config key 'train.device' asks for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
-    return device
 
 
 def build_optimizer(cfg: Any, param_groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:

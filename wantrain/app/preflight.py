@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 
 from wantrain.app.epochs import resolve_epochs
 from wantrain.app.observers import resolve_extra_observers
+from wantrain.core.errors import UserError
 from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.cache import describe_entries, remove_entries
 from wantrain.data.dataset import NoUsableSample
@@ -63,19 +65,31 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     return data.report
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(
+            f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("config key 'train.device' asks for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
+    return device
+
+
 def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
     """Encode what the cache lacks (``wantrain cache``) with the VAE and the text encoder alone, on the training
     device (no transformer is loaded: caching needs none); the stats (with the entries this config does not
     use, left in place) and the data report."""
-    from wantrain.app.assemble import resolve_device
-
     data = dataset(cfg)
     encoders = build_encoders(cfg.model, cfg.lora, seed=cfg.run.seed, device=resolve_device(cfg.train.device))
     return ensure_cache(data, encoders, remove_orphans=False), data.report
 
 
 __all__ = ["NoUsableSample", "add_sampling_estimate", "dataset", "describe_entries", "fill_cache", "memory_options",
-           "preflight_report", "remove_entries", "resolved_config"]
+           "preflight_report", "remove_entries", "resolve_device", "resolved_config"]
 
 
 def model_plan(cfg: Any) -> list[str]:
@@ -126,7 +140,7 @@ def plan_memory(cfg: Any, data: Any) -> Any:
         return model
     spec = variant_spec(model.variant)
     b = max(buckets, key=lambda r: (r.width * r.height * r.frames, r.frames))
-    size = dict(width=b.width, height=b.height, frames=b.frames, rank=cfg.lora.rank, batch=cfg.train.batch_size)
+    size = dict(width=b.width, height=b.height, frames=b.frames, rank=_lora_rank(cfg), batch=cfg.train.batch_size)
     dtype = model.base_dtype
     if dtype == "auto" and spec.tiny:
         dtype = "fp32"
@@ -166,3 +180,11 @@ def _smallest_budget(variant: str, dtype: str, size: dict) -> str:
 
     _, smallest = plan(variant, 0.0, base_dtype=dtype, **size)
     return f"{smallest.device_gib:.1f} GiB"
+
+
+def _lora_rank(cfg: Any) -> int:
+    """The LoRA rank the run trains at: ``lora.rank``, or the rank of the ``lora.init_from*`` files (their headers)."""
+    if cfg.lora.starts_from_files:
+        lora, _ = resolve_init(cfg.lora, cfg.model)
+        return lora.rank
+    return cfg.lora.rank
