@@ -94,7 +94,6 @@ __all__ = ["NoUsableSample", "add_sampling_estimate", "dataset", "describe_entri
 
 def model_plan(cfg: Any) -> list[str]:
     """What the run will load from where (checked as the run checks it; a problem is reported as its one line)."""
-    from wantrain.core.errors import UserError
     from wantrain.models.wan22.loading import WeightSource
     from wantrain.models.wan22.model_files import plan_lines
 
@@ -131,7 +130,6 @@ def plan_memory(cfg: Any, data: Any) -> Any:
     it). A budget nothing fits is a one-line ``UserError`` naming the smallest setting and what would fit."""
     import attrs
 
-    from wantrain.core.errors import UserError
     from wantrain.models.wan22.memory import MemorySettings, estimate, plan
 
     model = cfg.model
