@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from wantrain.observers.alpha_controller import AlphaController
-from wantrain.observers.samples import SampleVideos
-from wantrain.observers.validation import Validation
-
 from tests.models.wan22_helpers import make_adapter
 from wantrain.core.adapter import (
     AlphaChangeable,
@@ -17,6 +13,9 @@ from wantrain.core.adapter import (
     ValidationCapable,
     check_needs,
 )
+from wantrain.observers.alpha.controller import AlphaController
+from wantrain.observers.evaluation.samples import SampleVideos
+from wantrain.observers.evaluation.validation import Validation
 
 
 def test_the_wan22_adapter_has_every_capability_the_built_in_observers_need():

@@ -41,6 +41,10 @@ import attrs
 import numpy as np
 import torch
 
+WAIT_TIMEOUT = datetime.timedelta(days=7)
+"""How long ranks wait for rank 0's own work (:meth:`ProcessGroupSync.wait_for_main`): far beyond any sampling
+round, so in practice no timeout, while a rank 0 that died still ends the wait (torchrun also ends the others)."""
+
 PER_RANK_STATE = ("train_state", "generator", "rng", "data", "metrics", "interval")
 """Keys of ``Trainer.state_dict()`` that differ between ranks (each rank's random streams, data position, micro-step
 counter, pending metric sums and the log interval's losses); everything else (LoRA weights, optimizer, scheduler,
@@ -128,6 +132,15 @@ class SingleProcess:
     def barrier(self) -> None:
         return None
 
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        return [float(v) for v in values]
+
+    def wait_for_main(self) -> None:
+        return None
+
+    def release_others(self) -> None:
+        return None
+
     def broadcast_parameters(self, params: Sequence[torch.Tensor]) -> None:
         return None
 
@@ -148,6 +161,7 @@ class ProcessGroupSync:
         self.is_main = topology.is_main
         self.device = device
         self._stop_agreed = False
+        self._wait_group: Any = None
 
     @classmethod
     def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0) -> ProcessGroupSync:
@@ -315,6 +329,40 @@ class ProcessGroupSync:
         import torch.distributed as dist
 
         dist.barrier()
+
+    # -- rank 0's own work (samples) while the others wait ---------------------------------------------------
+    def _waiting_group(self) -> Any:
+        """A gloo group of every rank with a :data:`WAIT_TIMEOUT` timeout, created by every rank at the first
+        wait (``new_group`` is itself a collective of the default group, reached by every rank at the same
+        point). Gloo also for NCCL runs: a barrier of CPU processes needs no GPU and keeps NCCL's watchdog out."""
+        import torch.distributed as dist
+
+        if self._wait_group is None:
+            self._wait_group = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
+        return self._wait_group
+
+    def wait_for_main(self) -> None:
+        """On ranks other than 0: wait until rank 0 calls :meth:`release_others` (it samples meanwhile, for
+        minutes on A14B), on the waiting group, so the default group's timeout (``timeout_s``) does not apply."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._waiting_group())
+
+    def release_others(self) -> None:
+        """On rank 0, after its own work: let the ranks in :meth:`wait_for_main` go on."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._waiting_group())
+
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        """The element-wise sum of every rank's ``values`` (same length on every rank), in float64, identical on
+        every rank (rank 0's result is broadcast): one all-reduce and one broadcast."""
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.broadcast(t, src=0)
+        return t.tolist()
 
     def gather_state(self, tree: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0: ``tree`` plus ``ranks``, every rank's :data:`PER_RANK_STATE` in rank order. Other ranks: None.

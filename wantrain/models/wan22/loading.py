@@ -50,23 +50,8 @@ class WeightSource:
         if not self.path.is_dir():
             raise UserError(f"model.path '{self.path}' is not a directory (expected a diffusers-format model folder)")
         for expert in self.experts:
-            file = self._expert_file(expert)
-            if file is not None:
-                if not file.is_file():
-                    raise UserError(f"model.{_EXPERT_FILE_KEY[expert]} '{file}' does not exist")
-                if file.suffix != ".safetensors":
-                    raise UserError(
-                        f"model.{_EXPERT_FILE_KEY[expert]} '{file}' is not a .safetensors file (only safetensors "
-                        "single files are read; convert .pt/.ckpt first)"
-                    )
-                continue
-            folder = EXPERT_FOLDER[expert]
-            role = {"high_noise": "the high-noise expert", "low_noise": "the low-noise expert"}.get(
-                expert, "the transformer"
-            )
             why = f"needed with model.experts = '{self.model.experts}'" if expert else "needed to train"
-            self._require(folder, f"{role}, {why}; or set model.{_EXPERT_FILE_KEY[expert]}")
-            self._check_transformer_config(folder)
+            self.check_expert(expert, why)
         self._require("vae", "the VAE")
         vae_z = self._read_config("vae").get("z_dim")
         if vae_z != self.spec.latent_channels:
@@ -80,6 +65,33 @@ class WeightSource:
             raise UserError(
                 f"model.path '{self.path}' has no tokenizer/ folder with tokenizer files (the UMT5 tokenizer)"
             )
+
+    def check_expert(self, expert: str | None, why: str) -> None:
+        """Refuse, in one line, a missing or unusable transformer of ``expert`` (its folder, or its
+        ``model.*_file``); ``why`` says what it is needed for. Nothing to check for the tiny random twins."""
+        if self.random:
+            return
+        if self.path is None:
+            raise UserError(
+                f"model.path is required for {self.spec.name}: point it at a local diffusers-format directory "
+                "with vae/, text_encoder/ and tokenizer/ (and the transformer folders)"
+            )
+        file = self._expert_file(expert)
+        if file is not None:
+            if not file.is_file():
+                raise UserError(f"model.{_EXPERT_FILE_KEY[expert]} '{file}' does not exist")
+            if file.suffix != ".safetensors":
+                raise UserError(
+                    f"model.{_EXPERT_FILE_KEY[expert]} '{file}' is not a .safetensors file (only safetensors "
+                    "single files are read; convert .pt/.ckpt first)"
+                )
+            return
+        folder = EXPERT_FOLDER[expert]
+        role = {"high_noise": "the high-noise expert", "low_noise": "the low-noise expert"}.get(
+            expert, "the transformer"
+        )
+        self._require(folder, f"{role}, {why}; or set model.{_EXPERT_FILE_KEY[expert]}")
+        self._check_transformer_config(folder)
 
     def _check_transformer_config(self, folder: str) -> None:
         """Every architecture key of ``folder/config.json`` must equal the variant's (``architecture.py``); keys
