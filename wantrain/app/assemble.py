@@ -29,7 +29,7 @@ import torch
 
 from wantrain.app.config import to_plain
 from wantrain.app.logs import close_log_file, configure_logging
-from wantrain.app.observers import build_observers, resolve_extra_observers
+from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers
 from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
@@ -292,6 +292,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     plain = to_plain(cfg)
     check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
+    if cfg.observers.wandb:
+        require_wandb()
     point = load_resume_point(resume, cfg, plain) if resume is not None else None
     topology = detect_topology()
     if point is not None:
