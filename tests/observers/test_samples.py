@@ -250,6 +250,30 @@ def test_sampling_with_one_trained_expert_never_has_two_experts_on_the_device(tm
     assert "high_noise" not in {k.split("/")[0] for k in adapter.state_dict()["weights"]}
 
 
+def test_a_sampling_only_expert_with_block_swap_samples_the_same_video_and_leaves_no_block_behind(tmp_path,
+                                                                                                  monkeypatch):
+    from tests.models.wan22_helpers import make_adapter
+    from wantrain.observers.evaluation.samples import SampleJob, SampleVideos
+
+    written = record_videos(monkeypatch)
+    for swapped in (0, 2):
+        adapter = make_adapter("tiny-t2v", experts="low_noise", gradient_checkpointing=True, blocks_to_swap=swapped)
+        adapter.offload_device = torch.device("cpu", 0)  # distinct from the training device: every move happens
+        adapter.add_sampling_expert()
+        swap = adapter.swap_for("high_noise")
+        copies: list[int] = []
+        if swapped:
+            swap.on_copy = copies.append
+        text = adapter.encode_text(["a red ball"])["text_embeds"]
+        job = SampleJob(index=0, prompt_embeds=text, negative_embeds=None, width=32, height=32, frames=5, seed=1,
+                        steps=6, guidance_scale=1.0, guidance_scale_high_noise=1.0)
+        SampleVideos(out_dir=tmp_path / str(swapped), jobs=[job], every=1, fps=16).sample(swapped, adapter)
+        if swapped:
+            assert sorted(set(copies)) == list(swap.swapped) != []  # its swapped blocks ran through the ring
+            assert swap.loaded == () and swap.live_blocks() == []  # released when it left the device
+    assert np.array_equal(written["step_000000_00.mp4"], written["step_000002_00.mp4"])
+
+
 def test_sampling_leaves_the_global_rng_and_train_mode_alone(tmp_path, monkeypatch):
     from tests.models.wan22_helpers import make_adapter
     from wantrain.observers.evaluation.samples import SampleJob, SampleVideos
