@@ -76,7 +76,7 @@ def test_check_on_an_a14b_config_prints_the_plan_part_by_part(tmp_path, capsys, 
     from wantrain.cli.main import main
 
     # The real A14B weights are not on this machine: skip `check`'s model-file check, keep its memory plan.
-    monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model: None)
+    monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
     assert main(["check", str(a14b_config(tmp_path, 24))]) == 0
     out = capsys.readouterr().out
     assert "memory plan for 832x464x81, one expert resident, budget 24 GiB: bf16 base, 36 blocks swapped" in out

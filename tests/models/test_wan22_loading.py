@@ -161,3 +161,19 @@ def test_the_sampling_only_expert_comes_from_the_same_kinds_of_source_and_a_miss
         with pytest.raises(UserError, match=refusal) as err:
             adapter.add_sampling_expert()
         assert "\n" not in str(err.value)
+
+
+def test_check_refuses_a_missing_sampling_only_expert_as_run_does(tiny_dir, tmp_path):
+    """`wantrain check` runs `check_model_files(..., sampling=True)` when [sample] is on: with one A14B expert
+    trained, the other one's missing source is the same one-line refusal `run` gives (add_sampling_expert), and
+    without [sample] nothing about it is checked."""
+    from wantrain.models.wan22 import ModelConfig, check_model_files
+
+    partial = _link_dir(tiny_dir("tiny-t2v"), tmp_path / "no_transformer", skip=("transformer",))
+    model = ModelConfig(variant="tiny-t2v", experts="low_noise", path=str(partial))
+    check_model_files(model)
+    check_model_files(model, sampling=False)
+    with pytest.raises(UserError, match=r"missing transformer/ \(the high-noise expert, needed to sample with one "
+                                        r"trained expert; or set model.high_noise_file\)") as err:
+        check_model_files(model, sampling=True)
+    assert "\n" not in str(err.value)

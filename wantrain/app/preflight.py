@@ -11,7 +11,7 @@ import attrs
 import torch
 
 from wantrain.app.epochs import resolve_epochs
-from wantrain.app.observers import resolve_extra_observers
+from wantrain.app.observers import require_wandb, resolve_extra_observers
 from wantrain.core.errors import UserError
 from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.cache import describe_entries, remove_entries
@@ -47,7 +47,9 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     resolve_extra_observers(cfg, config_dir)
-    check_model_files(cfg.model)
+    if cfg.observers.wandb:
+        require_wandb()
+    check_model_files(cfg.model, sampling=cfg.sample.enabled)
     check_sections(cfg.validation, cfg.sample, variant_spec(cfg.model.variant), cfg.model.trained_experts)
     data = dataset(cfg)
     if verify:

@@ -31,11 +31,18 @@ def build_adapter(
     return Wan22Adapter(model, lora, seed=seed, device=torch.device(device), base_lr=base_lr)
 
 
-def check_model_files(model: ModelConfig) -> None:
+def check_model_files(model: ModelConfig, *, sampling: bool = False) -> None:
     """The checks ``build_adapter`` makes before loading anything -- ``model.path`` (or the single files) exists
     and holds every part the run needs, each transformer config matches the variant -- with the same one-line
-    ``UserError``; reads only config files. ``wantrain check`` runs them, so it refuses what ``run`` would."""
-    WeightSource(model, seed=0)
+    ``UserError``; reads only config files. With ``sampling`` (``[sample]`` on), also the other A14B expert's
+    source when only one is trained, as ``Wan22Adapter.add_sampling_expert`` checks it. ``wantrain check`` runs
+    them, so it refuses what ``run`` would."""
+    source = WeightSource(model, seed=0)
+    spec = VARIANTS[model.variant]
+    if sampling and spec.boundary_ratio is not None:
+        for expert in spec.experts:
+            if expert is not None and expert not in model.trained_experts:
+                source.check_expert(expert, "needed to sample with one trained expert")
 
 
 def build_encoders(model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device) -> Wan22Adapter:
