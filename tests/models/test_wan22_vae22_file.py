@@ -15,12 +15,15 @@ from test_wan22_model_files import _RESIDUAL, vae_to_original
 from wan22_helpers import make_adapter, raw_batch
 
 from wantrain.core.errors import UserError
-from wantrain.models.wan22.vae_file import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, to_diffusers_keys, vae_config
+from wantrain.models.wan22.vae_file import (
+    RELEASED_VAE,
+    WAN22_LATENTS_MEAN,
+    WAN22_LATENTS_STD,
+    to_diffusers_keys,
+    vae_config,
+)
 
-# the released TI2V-5B VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json)
-RELEASED_5B_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                       temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-                       patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)
+RELEASED_5B_VAE = RELEASED_VAE["wan2.2"]  # Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json
 
 
 def vae22_to_original(state):

@@ -159,7 +159,21 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
     data.report.memory_plan = {"budget_gib": cfg.model.vram_budget_gb, "bucket": f"{b.width}x{b.height}x{b.frames}",
                                "lines": chosen.lines(), **chosen.to_json()}
+    data.report.host_memory = host_memory(cfg, model, chosen.settings, size)
     return model
+
+
+def host_memory(cfg: Any, model: Any, settings: Any, size: dict) -> dict:
+    """The run's host memory, part by part (``memory.host_estimate``), for ``wantrain check``. A real model is
+    taken to train on CUDA unless ``train.device`` says otherwise (pinned copies); the encoders are counted as
+    loaded (they are not when every clip and caption is cached already)."""
+    from wantrain.models.wan22.memory import host_estimate
+
+    device = str(cfg.train.device)
+    cuda = device.startswith("cuda") or (device == "auto" and not variant_spec(model.variant).tiny)
+    est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda,
+                        text_encoder_file=model.text_encoder_file is not None, **size)
+    return {"cuda": cuda, "lines": est.lines(), **est.to_json()}
 
 
 def _what_fits(variant: str, budget: float, dtype: str, size: dict) -> str:

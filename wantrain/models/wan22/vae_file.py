@@ -52,6 +52,12 @@ WAN22_LATENTS_STD = [0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5
                      0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
                      0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
                      0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744]
+# AutoencoderKLWan arguments of the released VAEs (diffusers' defaults are the Wan 2.1 VAE; the TI2V-5B VAE as in
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json), for counting their bytes on meta (models/wan22/memory.py)
+RELEASED_VAE = {"wan2.1": {}, "wan2.2": dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4],
+                                             num_res_blocks=2, temperal_downsample=[False, True, True],
+                                             is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+                                             scale_factor_spatial=16, scale_factor_temporal=4)}
 _NAME = {16: "a Wan 2.1 VAE (16 latent channels: wan_2.1_vae.safetensors, for the A14B models)",
          48: "a Wan 2.2 VAE (48 latent channels: wan2.2_vae.safetensors, for TI2V-5B)"}
 
