@@ -171,8 +171,7 @@ def host_memory(cfg: Any, model: Any, settings: Any, size: dict) -> dict:
 
     device = str(cfg.train.device)
     cuda = device.startswith("cuda") or (device == "auto" and not variant_spec(model.variant).tiny)
-    est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda,
-                        text_encoder_file=model.text_encoder_file is not None, **size)
+    est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda, **size)
     return {"cuda": cuda, "lines": est.lines(), **est.to_json()}
 
 

@@ -334,8 +334,7 @@ class HostEstimate:
 
 def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str | None, ...], rank: int,
                   width: int, height: int, frames: int, batch: int = 1, cuda: bool = True,
-                  pin_budget: float | None = None, encoders: bool = True,
-                  text_encoder_file: bool = False) -> HostEstimate:
+                  pin_budget: float | None = None, encoders: bool = True) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -347,8 +346,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
     * one batch read from the cache (latents and text embeddings; the cache is read per step, not held);
     * while loading: one file window and one tensor in flight; while the cache fills (``encoders``): UMT5 in the
-      compute dtype and the VAE in float32, loaded on the host before they move to the device; from
-      ``model.text_encoder_file`` twice UMT5 (``text_file.load_text_encoder`` reads the file whole, then casts).
+      compute dtype and the VAE in float32, loaded on the host before they move to the device (a
+      ``model.text_encoder_file`` streams into the compute dtype: the same once).
     """
     from wantrain.models.wan22.variants import VARIANTS
 
@@ -383,8 +382,7 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     phases = {"while loading": {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}}
     if encoders:
         text, vae = encoder_bytes(variant, "fp32" if settings.base_dtype == "fp32" else "bf16")
-        name = "text encoder (UMT5, file read whole + cast)" if text_encoder_file else "text encoder (UMT5)"
-        phases["while the cache fills"] = {name: text * (2 if text_encoder_file else 1), "VAE (float32)": vae}
+        phases["while the cache fills"] = {"text encoder (UMT5)": text, "VAE (float32)": vae}
     phases["while training"] = {}
     if not cuda:
         pinned = "nothing pinned (not training on CUDA)"
