@@ -96,3 +96,14 @@ def test_pinning_a_tensor_takes_the_next_power_of_two():
     pinned = torch.empty(3 * 2**20 + 1, dtype=torch.uint8).pin_memory()
     after = torch.cuda.memory.host_memory_stats()["allocated_bytes.current"]
     assert after - before == _pinned_bytes(pinned.numel()) == 4 * 2**20
+
+
+def test_sampling_with_one_trained_a14b_expert_counts_the_other_experts_host_copy():
+    settings = MemorySettings("fp8", 0, False)
+    size = dict(rank=32, width=832, height=480, frames=81, cuda=False)
+    alone = host_estimate("t2v-a14b", settings, experts=("low_noise",), **size)
+    sampling = host_estimate("t2v-a14b", settings, experts=("low_noise",), sampling_only=("high_noise",), **size)
+    assert not any("host copy" in k for k in alone.parts)  # one expert, no swap: it lives on the device
+    copies = [k for k in sampling.parts if "host copy" in k]
+    assert copies == ["low-noise expert host copy (fp8)", "high-noise expert host copy (fp8, sampling only)"]
+    assert "waiting expert's LoRA + grads + AdamW" not in sampling.parts  # a frozen expert has no LoRA state

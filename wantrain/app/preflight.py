@@ -171,7 +171,12 @@ def host_memory(cfg: Any, model: Any, settings: Any, size: dict) -> dict:
 
     device = str(cfg.train.device)
     cuda = device.startswith("cuda") or (device == "auto" and not variant_spec(model.variant).tiny)
-    est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda, **size)
+    spec = variant_spec(model.variant)
+    # sampling with one trained A14B expert loads the other one frozen (adapter.add_sampling_expert)
+    other = tuple(e for e in spec.experts if e is not None and e not in model.trained_experts) \
+        if cfg.sample.enabled and spec.boundary_ratio is not None else ()
+    est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda, sampling_only=other,
+                        **size)
     return {"cuda": cuda, "lines": est.lines(), **est.to_json()}
 
 

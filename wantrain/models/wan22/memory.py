@@ -334,7 +334,8 @@ class HostEstimate:
 
 def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str | None, ...], rank: int,
                   width: int, height: int, frames: int, batch: int = 1, cuda: bool = True,
-                  pin_budget: float | None = None, encoders: bool = True) -> HostEstimate:
+                  pin_budget: float | None = None, encoders: bool = True,
+                  sampling_only: tuple[str, ...] = ()) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -344,6 +345,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
       fit in ``pin_budget`` (half the host's memory, ``placement.pin_budget``); each pinned tensor is rounded up to
       a power of two;
     * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
+    * ``sampling_only``: the other A14B expert loaded frozen to sample with one trained expert (a host copy like a
+      trained one's, no LoRA state);
     * one batch read from the cache (latents and text embeddings; the cache is read per step, not held);
     * while loading: one file window and one tensor in flight; while the cache fills (``encoders``): UMT5 in the
       compute dtype and the VAE in float32, loaded on the host before they move to the device (a
@@ -356,18 +359,20 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     n = len(blocks)
     swap = min(settings.blocks_to_swap, n)
     swapped = [s for block in blocks[n - swap:] for s in block]
-    placed = [*rest, *(s for block in blocks[: n - swap] for s in block)] if len(experts) > 1 else []
+    held_experts = (*experts, *sampling_only)
+    placed = [*rest, *(s for block in blocks[: n - swap] for s in block)] if len(held_experts) > 1 else []
     if pin_budget is None:
         from wantrain.models.wan22.placement import pin_budget as host_pin_budget
 
         pin_budget = host_pin_budget()
-    pin_placed = cuda and bool(placed) and len(experts) * sum(placed) <= pin_budget
+    pin_placed = cuda and bool(placed) and len(held_experts) * sum(placed) <= pin_budget
     parts: dict[str, float] = {}
     rounding = 0.0
-    for expert in experts:
+    for expert in held_experts:
         held = float(sum(placed) + sum(swapped))
         if held:
-            parts[f"{_EXPERT_NAME[expert]} host copy ({settings.base_dtype})"] = held
+            kind = ", sampling only" if expert in sampling_only else ""
+            parts[f"{_EXPERT_NAME[expert]} host copy ({settings.base_dtype}{kind})"] = held
         if cuda:
             rounding += sum(_pinned_bytes(s) - s for s in swapped)
             rounding += sum(_pinned_bytes(s) - s for s in placed) if pin_placed else 0
