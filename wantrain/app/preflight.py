@@ -161,7 +161,25 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
     data.report.memory_plan = {"budget_gib": cfg.model.vram_budget_gb, "bucket": f"{b.width}x{b.height}x{b.frames}",
                                "lines": chosen.lines(), **chosen.to_json()}
+    data.report.host_memory = host_memory(cfg, model, chosen.settings, size)
     return model
+
+
+def host_memory(cfg: Any, model: Any, settings: Any, size: dict) -> dict:
+    """The run's host memory, part by part (``memory.host_estimate``), for ``wantrain check``. A real model is
+    taken to train on CUDA unless ``train.device`` says otherwise (pinned copies); the encoders are counted as
+    loaded (they are not when every clip and caption is cached already)."""
+    from wantrain.models.wan22.memory import host_estimate
+
+    device = str(cfg.train.device)
+    cuda = device.startswith("cuda") or (device == "auto" and not variant_spec(model.variant).tiny)
+    spec = variant_spec(model.variant)
+    # sampling with one trained A14B expert loads the other one frozen (adapter.add_sampling_expert)
+    other = tuple(e for e in spec.experts if e is not None and e not in model.trained_experts) \
+        if cfg.sample.enabled and spec.boundary_ratio is not None else ()
+    est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda, sampling_only=other,
+                        **size)
+    return {"cuda": cuda, "lines": est.lines(), **est.to_json()}
 
 
 def _what_fits(variant: str, budget: float, dtype: str, size: dict) -> str:

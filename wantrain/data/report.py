@@ -218,6 +218,7 @@ class PreflightReport:
     steps_per_epoch: int = 0
     vram: dict[str, Any] = attrs.field(factory=dict)
     memory_plan: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.preflight.plan_memory, part by part
+    host_memory: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.preflight.host_memory, part by part
     verification: list[dict[str, Any]] = attrs.field(factory=list)  # appended while decoding
     # texts per medium, distinct texts to encode, expected share of samples trained with the empty prompt
     captions: dict[str, Any] = attrs.field(factory=dict)
@@ -343,4 +344,8 @@ class PreflightReport:
             lines.append(f"{head}: {chosen['base_dtype']} base, {chosen['blocks_to_swap']} blocks swapped, activation "
                          f"offload {'on' if chosen['offload_activations'] else 'off'} (docs/models.md, Memory):")
             lines.extend(plan["lines"])
+        if self.host_memory:
+            lines.append("")
+            lines.append("host memory (RAM), part by part (docs/models.md, Host memory):")
+            lines.extend(self.host_memory["lines"])
         return "\n".join(lines)

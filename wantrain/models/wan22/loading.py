@@ -160,58 +160,43 @@ class WeightSource:
 
     # -- loading -------------------------------------------------------------------------------------------
     def transformer(self, expert: str | None, dtype: torch.dtype):
-        """A fresh base transformer of ``expert`` in ``dtype`` on the CPU (call again for an identical copy)."""
-        from diffusers import WanTransformer3DModel
-
+        """A fresh base transformer of ``expert`` in ``dtype`` on the CPU (call again for an identical copy). Files
+        and folders stream tensor by tensor into the dtypes a run trains in (``single_file.py``); with
+        ``model.base_dtype = "fp8"`` the Linears diffusers' layerwise casting stores in float8 arrive in float8, so
+        the host never holds the expert in bf16 (it would be 2x the fp8 expert: 28.6 GB for one A14B expert)."""
         if self.random:
             transformer = architecture.tiny_transformer(self.spec, self.seed, expert)
             return architecture.cast_keeping_fp32_modules(transformer, dtype)
         file = self._expert_file(expert)
         if file is not None:
             return self._single_file(file, expert, dtype)
-        return WanTransformer3DModel.from_pretrained(
-            str(self.path), subfolder=EXPERT_FOLDER[expert], torch_dtype=dtype, local_files_only=True
-        )
+        assert self.path is not None
+        folder = self.path / EXPERT_FOLDER[expert]
+        return self._stream(folder, "path", dtype, key_map=lambda keys: {k: k for k in keys})
 
     def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
         """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
         only knows Wan 2.1 and would build I2V/5B files with the wrong config), streamed tensor by tensor into the
-        dtypes of the folder path (``single_file.py``: float32 for ``_keep_in_fp32_modules``, ``dtype`` else)."""
+        dtypes of the folder path (``single_file.py``: float32 for ``_keep_in_fp32_modules``, ``dtype`` else).
+        An original-repo expert folder (shards + index) streams shard by shard (``sharded.ShardReader``)."""
+        key = _EXPERT_FILE_KEY[expert]
+        _refuse_wan21_image_branch(file, key, self.spec.name)
+        return self._stream(file, key, dtype)
+
+    def _stream(self, source: Path, key: str, dtype: torch.dtype, key_map=None):
         from diffusers import WanTransformer3DModel
 
         from wantrain.models.wan22.single_file import load_transformer
 
-        key = _EXPERT_FILE_KEY[expert]
-        _refuse_wan21_image_branch(file, key, self.spec.name)
-        if file.is_dir():  # the original repos' sharded folders
-            return self._sharded_folder(file, key, dtype)
         kwargs = architecture.transformer_kwargs(self.spec)
-        return load_transformer(file, key, self.spec.name, lambda: WanTransformer3DModel(**kwargs), dtype)
 
-    def _sharded_folder(self, folder: Path, key: str, dtype: torch.dtype):
-        """An original-repo expert folder (shards + index), read whole and converted by diffusers' single-file
-        path with the variant's explicit architecture (not streamed: docs/models.md)."""
-        import json
-        import tempfile
+        def build():
+            return WanTransformer3DModel(**kwargs)
 
-        from diffusers import WanTransformer3DModel
-        from safetensors import SafetensorError
-
-        from wantrain.models.wan22 import sharded
-
-        state = sharded.read_folder(folder, key)
-        with tempfile.TemporaryDirectory() as tmp:
-            config = {"_class_name": "WanTransformer3DModel", **architecture.transformer_kwargs(self.spec)}
-            config["patch_size"] = list(config["patch_size"])
-            Path(tmp, "config.json").write_text(json.dumps(config))
-            try:
-                transformer = WanTransformer3DModel.from_single_file(state, config=tmp, local_files_only=True)
-            except (ValueError, RuntimeError, KeyError, OSError, SafetensorError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise UserError(
-                    f"model.{key} '{folder}' does not fit the {self.spec.name} transformer ({first[:200]})"
-                ) from None
-        return architecture.cast_keeping_fp32_modules(transformer, dtype)
+        store = fp8_stored(build) if self.model.base_dtype == "fp8" else None
+        reader = sharded.ShardReader(source, key) if source.is_dir() else None
+        return load_transformer(source, key, self.spec.name, build, dtype, reader=reader, key_map=key_map,
+                                store=store)
 
     def vae(self):
         from diffusers import AutoencoderKLWan
@@ -246,6 +231,16 @@ class WeightSource:
         encoder = UMT5EncoderModel.from_pretrained(str(self.path / "text_encoder"), torch_dtype=dtype,
                                                    local_files_only=True)
         return tokenizer, encoder.eval()
+
+
+def fp8_stored(build) -> dict[str, torch.dtype]:
+    """{name: float8_e4m3fn} of the tensors diffusers' layerwise casting stores in float8 (what the adapter's
+    ``enable_layerwise_casting`` does to the loaded model), found on a ``meta`` build: streamed straight into float8,
+    they are already in their storage dtype when the adapter enables the casting (a no-op cast for them)."""
+    with torch.device("meta"):
+        probe = build()
+    probe.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    return {name: t.dtype for name, t in probe.state_dict().items() if t.dtype == torch.float8_e4m3fn}
 
 
 def _normalise(value):

@@ -222,3 +222,188 @@ def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height
                 best = est
     assert smallest is not None
     return best, smallest
+
+
+# -- host memory ----------------------------------------------------------------------------------------------------
+# What the host holds during a run, part by part (``wantrain check``, docs/models.md "Host memory"). Counted exactly
+# on ``meta`` builds where the code keeps a tensor; the runtime allowance is an assumption (no GPU host measured).
+RUNTIME_ALLOWANCE = 3.0 * GIB  # Python, torch, the CUDA libraries and context on the host side (assumption)
+LOAD_WINDOW = 256 * 2**20  # single_file._REOPEN_BYTES: the file's pages mapped on top of the loaded tensors
+_UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                 relative_attention_num_buckets=32, feed_forward_proj="gated-gelu")
+_EXPERT_NAME = {"high_noise": "high-noise expert", "low_noise": "low-noise expert", None: "transformer"}
+
+
+def _pinned_bytes(n: int) -> int:
+    """What pinning an ``n``-byte tensor takes: torch's pinned-memory allocator (``CachingHostAllocator``) rounds
+    every allocation up to a power of two (``pinned_max_round_threshold`` is unbounded by default)."""
+    return 1 << max(n - 1, 0).bit_length() if n > 0 else 0
+
+
+@functools.lru_cache(maxsize=16)
+def host_tensor_bytes(variant: str, base_dtype: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(byte sizes of the frozen tensors outside the blocks, per block the byte sizes of its frozen tensors) of one
+    expert in ``base_dtype`` storage: what the waiting copies and the swap's host copies hold, tensor by tensor."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**transformer_kwargs(VARIANTS[variant]))
+    cast_keeping_fp32_modules(model, torch.float32 if base_dtype == "fp32" else torch.bfloat16)
+    if base_dtype == "fp8":
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+
+    def sizes(module) -> tuple[int, ...]:
+        return tuple(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+    blocks = tuple(sizes(block) for block in model.blocks)
+    inside = {id(t) for block in model.blocks for t in [*block.parameters(), *block.buffers()]}
+    rest = tuple(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if id(t) not in inside)
+    return rest, blocks
+
+
+@functools.lru_cache(maxsize=4)
+def encoder_bytes(variant: str, compute_dtype: str) -> tuple[float, float]:
+    """(text encoder bytes in ``compute_dtype``, VAE bytes in float32) of ``variant``, on ``meta`` builds: UMT5-XXL
+    (the released encoder's sizes) or the tiny twin's, the Wan 2.1 or Wan 2.2 VAE."""
+    import torch
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from wantrain.models.wan22 import architecture
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    with torch.device("meta"):
+        if spec.tiny:
+            text = architecture.tiny_text_encoder(spec, 0)
+            vae = AutoencoderKLWan(**architecture._TINY_VAE[spec.vae])
+        else:
+            text = UMT5EncoderModel(UMT5Config(**_UMT5_XXL))
+            from wantrain.models.wan22.vae_file import RELEASED_VAE
+
+            vae = AutoencoderKLWan(**RELEASED_VAE[spec.vae])
+    per = {"fp32": 4, "bf16": 2, "fp8": 2}[compute_dtype]
+    unique = {id(p): p.numel() for p in text.parameters()}  # embed_tokens is tied to shared
+    return float(sum(unique.values()) * per), float(sum(p.numel() * 4 for p in vae.parameters()))
+
+
+@attrs.frozen
+class HostEstimate:
+    """Host memory of a run: ``parts`` held for the whole run, ``phases`` what each phase adds on top (bytes)."""
+
+    parts: dict[str, float]
+    phases: dict[str, dict[str, float]]
+    pinned: str  # how the copies are pinned (for the lines)
+
+    def phase_total(self, phase: str) -> float:
+        return sum(self.parts.values()) + sum(self.phases[phase].values())
+
+    @property
+    def peak(self) -> float:
+        return max(self.phase_total(p) for p in self.phases)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_total)
+
+    @property
+    def dominant(self) -> str:
+        everything = {**self.parts, **{k: v for p in self.phases.values() for k, v in p.items()}}
+        return max(everything, key=lambda k: everything[k])
+
+    def lines(self) -> list[str]:
+        out = [f"  {name:<44} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
+        for phase, extra in self.phases.items():
+            for name, value in extra.items():
+                out.append(f"  {name + ' (' + phase + ')':<44} {value / GIB:7.2f} GiB")
+        for phase in self.phases:
+            out.append(f"  {'total ' + phase:<44} {self.phase_total(phase) / GIB:7.2f} GiB")
+        out.append(f"  peak {self.peak / GIB:.2f} GiB ({self.peak_phase}); largest part: {self.dominant}; "
+                   f"{self.pinned}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"parts_gib": {k: v / GIB for k, v in self.parts.items()},
+                "phases_gib": {p: {k: v / GIB for k, v in e.items()} for p, e in self.phases.items()},
+                "peak_gib": self.peak / GIB, "peak_phase": self.peak_phase, "dominant": self.dominant}
+
+
+def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str | None, ...], rank: int,
+                  width: int, height: int, frames: int, batch: int = 1, cuda: bool = True,
+                  pin_budget: float | None = None, encoders: bool = True,
+                  sampling_only: tuple[str, ...] = ()) -> HostEstimate:
+    """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
+    ``swap.py`` keep; docs/models.md "Host memory"):
+
+    * each expert's host copy in its storage dtype: with two experts the placement keeps a waiting copy of every
+      frozen tensor of both (also while one trains); the swapped blocks' copies are the swap's (one expert or two);
+    * pinned-memory rounding (training on CUDA): the swap pins its copies always, the placement when both experts
+      fit in ``pin_budget`` (half the host's memory, ``placement.pin_budget``); each pinned tensor is rounded up to
+      a power of two;
+    * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
+    * ``sampling_only``: the other A14B expert loaded frozen to sample with one trained expert (a host copy like a
+      trained one's, no LoRA state);
+    * one batch read from the cache (latents and text embeddings; the cache is read per step, not held);
+    * while loading: one file window and one tensor in flight; while the cache fills (``encoders``): UMT5 in the
+      compute dtype and the VAE in float32, loaded on the host before they move to the device (a
+      ``model.text_encoder_file`` streams into the compute dtype: the same once).
+    """
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    rest, blocks = host_tensor_bytes(variant, settings.base_dtype)
+    n = len(blocks)
+    swap = min(settings.blocks_to_swap, n)
+    swapped = [s for block in blocks[n - swap:] for s in block]
+    held_experts = (*experts, *sampling_only)
+    placed = [*rest, *(s for block in blocks[: n - swap] for s in block)] if len(held_experts) > 1 else []
+    if pin_budget is None:
+        from wantrain.models.wan22.placement import pin_budget as host_pin_budget
+
+        pin_budget = host_pin_budget()
+    pin_placed = cuda and bool(placed) and len(held_experts) * sum(placed) <= pin_budget
+    parts: dict[str, float] = {}
+    rounding = 0.0
+    for expert in held_experts:
+        held = float(sum(placed) + sum(swapped))
+        if held:
+            kind = ", sampling only" if expert in sampling_only else ""
+            parts[f"{_EXPERT_NAME[expert]} host copy ({settings.base_dtype}{kind})"] = held
+        if cuda:
+            rounding += sum(_pinned_bytes(s) - s for s in swapped)
+            rounding += sum(_pinned_bytes(s) - s for s in placed) if pin_placed else 0
+    if rounding:
+        parts["pinned-memory rounding (powers of two)"] = rounding
+    if len(experts) > 1:
+        parts["waiting expert's LoRA + grads + AdamW"] = (len(experts) - 1) * lora_params(variant, rank) * \
+            LORA_BYTES_PER_PARAM
+    parts["one batch from the cache"] = _batch_bytes(spec, width, height, frames, batch)
+    parts["runtime (Python, torch, CUDA; assumed)"] = RUNTIME_ALLOWANCE
+    largest = max([*rest, *(s for block in blocks for s in block)], default=0)
+    phases = {"while loading": {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}}
+    if encoders:
+        text, vae = encoder_bytes(variant, "fp32" if settings.base_dtype == "fp32" else "bf16")
+        phases["while the cache fills"] = {"text encoder (UMT5)": text, "VAE (float32)": vae}
+    phases["while training"] = {}
+    if not cuda:
+        pinned = "nothing pinned (not training on CUDA)"
+    elif pin_placed:
+        pinned = "swap and waiting copies pinned"
+    elif swap:
+        pinned = "swap copies pinned; waiting copies pageable (over half the host's memory)"
+    else:
+        pinned = "waiting copies pageable (over half the host's memory)" if placed else "nothing pinned"
+    return HostEstimate(parts, phases, pinned)
+
+
+def _batch_bytes(spec: Any, width: int, height: int, frames: int, batch: int) -> float:
+    """Bytes of one cached batch: float32 latents (the VAE's latent grid) and bf16 text embeddings (text_len x
+    4096), as the cache entries hold them."""
+    latent_frames = (frames - 1) // spec.frame_multiple + 1
+    down = 16 if spec.vae == "wan2.2" else 8
+    latents = spec.latent_channels * latent_frames * (height // down) * (width // down) * 4
+    return float(batch * (latents + spec.text_len * 4096 * 2))

@@ -5,12 +5,16 @@ Wan key names. ``model.high_noise_file`` / ``low_noise_file`` / ``transformer_fi
 of a single file; a folder with one unsharded ``*.safetensors`` and no index works too.
 
 A partial download is refused in one line naming the first missing shard (or tensor) and how many are missing.
+The shards are streamed tensor by tensor into the storage dtype (:class:`ShardReader`, through the single-file
+loader's loop): the folder is never read whole, nor held in another dtype than the one it trains in. A diffusers
+folder (``transformer/``: diffusers names, same shard layout) streams the same way.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,29 +48,69 @@ def check_folder(folder: Path, key: str) -> None:
                         f"{index.name} are missing, first {missing[0]} (finish the download)")
 
 
-def read_folder(folder: Path, key: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's shards, checked against the index."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    check_folder(folder, key)
+def shard_files(folder: Path) -> list[Path]:
+    """The folder's shards in index order (a complete folder: :func:`check_folder` first)."""
     index = index_file(folder)
     if index is None:
-        files = sorted(folder.glob("*.safetensors"))
-        return load_file(str(files[0]))
-    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    state: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        try:
-            state.update(load_file(str(folder / shard)))
-        except (SafetensorError, OSError) as exc:
-            raise UserError(f"model.{key} '{folder}': shard {shard} is not a readable safetensors file ({exc})"
-                            ) from None
-    absent = sorted(set(weight_map) - set(state))
-    if absent:
-        raise UserError(f"model.{key} '{folder}': {len(absent)} tensors named in {index.name} are in none of the "
-                        f"shards, first {absent[0]} (a shard is truncated or from another download)")
-    return state
+        return sorted(folder.glob("*.safetensors"))
+    return [folder / s for s in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+
+
+class ShardReader:
+    """The tensors of a folder of shards by name, for ``single_file.load_transformer(reader=...)``: at most one
+    shard is open at a time (each through ``single_file._Reader``, which reopens its file every 256 MiB read so that
+    the mapping's pages do not pile up), so streaming the folder in shard order holds one tensor and a bounded
+    window of one shard's pages besides the model. Entering it checks the folder (index, shards present, every
+    indexed tensor in a shard's header) in one line per problem, reading headers only."""
+
+    def __init__(self, folder: Path, key: str) -> None:
+        self.folder = Path(folder)
+        self.key = key
+        self._where: dict[str, Path] = {}
+        self._open_shard: Path | None = None
+        self._reader: Any = None
+
+    def __enter__(self) -> ShardReader:
+        from safetensors import SafetensorError, safe_open
+
+        check_folder(self.folder, self.key)
+        for shard in shard_files(self.folder):
+            try:
+                with safe_open(str(shard), framework="pt") as fh:
+                    self._where.update(dict.fromkeys(fh.keys(), shard))
+            except (SafetensorError, OSError) as exc:
+                raise UserError(f"model.{self.key} '{self.folder}': shard {shard.name} is not a readable "
+                                f"safetensors file ({exc})") from None
+        index = index_file(self.folder)
+        if index is not None:
+            absent = sorted(set(json.loads(index.read_text())["weight_map"]) - set(self._where))
+            if absent:
+                raise UserError(f"model.{self.key} '{self.folder}': {len(absent)} tensors named in {index.name} are "
+                                f"in none of the shards, first {absent[0]} (a shard is truncated or from another "
+                                "download)")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._switch(None)
+
+    def _switch(self, shard: Path | None) -> Any:
+        from wantrain.models.wan22.single_file import _Reader
+
+        if shard != self._open_shard:
+            if self._reader is not None:
+                self._reader.__exit__(None, None, None)
+            self._reader = _Reader(shard).__enter__() if shard is not None else None
+            self._open_shard = shard
+        return self._reader
+
+    def keys(self) -> list[str]:
+        return list(self._where)  # shard by shard
+
+    def shape_and_dtype(self, key: str) -> tuple[list[int], str]:
+        return self._switch(self._where[key]).shape_and_dtype(key)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._switch(self._where[key]).get(key)
 
 
 def tensor_names(path: Path, key: str) -> list[str]:

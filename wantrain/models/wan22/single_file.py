@@ -15,7 +15,11 @@ Checks, each one line naming the file (:class:`~wantrain.core.errors.UserError`)
   training dtype) when it is one number or one per output row, else the file is refused. Their ``scaled_fp8``
   marker and ``scale_input`` tensors (activation scales for fp8 matmuls) carry no weight and are not used.
 
-Building blocks for other streamed loads (folder shards, other key layouts): :func:`training_dtype`,
+Other sources stream through the same loop: ``reader`` (an object with this module's ``_Reader`` methods, e.g.
+``sharded.ShardReader`` over a folder of shards), ``key_map`` (the file's names to diffusers', e.g. the identity for
+a diffusers folder) and ``store`` (names kept in another storage dtype than they train in: the float8 Linears of
+``model.base_dtype = "fp8"``, cast as each tensor arrives, so no bf16 copy of the model is ever whole). Tensors are
+read in the file's order (a sharded folder opens each shard once). Building blocks: :func:`training_dtype`,
 :func:`stream_into`.
 """
 
@@ -33,7 +37,8 @@ from wantrain.core.errors import UserError
 SCALE_SUFFIX = ".scale_weight"
 _UNUSED_SUFFIXES = (".scale_input",)
 _MARKERS = ("scaled_fp8",)
-_REOPEN_BYTES = 2 << 30  # reopen the file after reading this much, so the mapping's pages leave the process
+_REOPEN_BYTES = 256 << 20  # reopen the file after reading this much, so the mapping's pages leave the process (a
+# window on top of the model; a reopen only re-reads the header, ~1 ms)
 
 
 def training_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
@@ -52,12 +57,17 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def stream_into(model: nn.Module, names: Iterable[str], read: Callable[[str, torch.dtype], torch.Tensor],
-                dtype: torch.dtype) -> nn.Module:
+                dtype: torch.dtype, store: Mapping[str, torch.dtype] | None = None) -> nn.Module:
     """Fill ``model``'s tensors ``names`` (built on ``meta``) one at a time: ``read(name, target_dtype)`` returns
-    the tensor already in its training dtype; it replaces the meta tensor at once, so at most one tensor is in
-    flight."""
+    the tensor already in its training dtype, cast on to ``store[name]`` where given (its storage dtype); it
+    replaces the meta tensor at once, so at most one tensor is in flight."""
     for name in names:
-        _set(model, name, read(name, training_dtype(model, name, dtype)))
+        value = read(name, training_dtype(model, name, dtype))
+        if store and name in store:
+            value = value.to(store[name])
+        elif store:  # own memory: a tensor read zero-copy would keep the whole file's mapping (and its pages) alive
+            value = value.clone()
+        _set(model, name, value)
     return model
 
 
@@ -115,22 +125,25 @@ class _Reader:
 
 
 def load_transformer(file: Path, setting: str, variant: str, build: Callable[[], nn.Module],
-                     dtype: torch.dtype) -> nn.Module:
+                     dtype: torch.dtype, *, reader: Any = None,
+                     key_map: Callable[[Iterable[str]], dict[str, str]] | None = None,
+                     store: Mapping[str, torch.dtype] | None = None) -> nn.Module:
     """The transformer in ``file`` (``setting`` is the config key naming it, for messages), built by ``build``
-    (called under ``torch.device("meta")``) and streamed into ``dtype`` (see the module docstring)."""
+    (called under ``torch.device("meta")``) and streamed into ``dtype`` (see the module docstring; ``reader``,
+    ``key_map`` and ``store`` there)."""
     from safetensors import SafetensorError
 
     where = f"model.{setting} '{file}'"
     with torch.device("meta"):
         model = build()
     try:
-        with _Reader(file) as reader:
+        with reader if reader is not None else _Reader(file) as reader:
             keys = reader.keys()
             scales = {k[: -len(SCALE_SUFFIX)] + ".weight": k for k in keys if k.endswith(SCALE_SUFFIX)}
             ignored = {k for k in keys if k.endswith(_UNUSED_SUFFIXES) or k.rsplit(".", 1)[-1] in _MARKERS}
             orphans = sorted(s for w, s in scales.items() if w not in keys)  # a scale without its weight
             weights = [k for k in keys if k not in ignored and k not in scales.values()]
-            mapping = wan_key_map(weights + orphans)
+            mapping = (key_map or wan_key_map)(weights + orphans)
             _check_keys(model, mapping, where, variant)
             scale_of = {mapping_name: scales[key] for mapping_name, key in mapping.items() if key in scales}
             for name, scale_key in scale_of.items():
@@ -150,7 +163,8 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
                                     "right model?")
                 return tensor.to(target) if tensor.dtype != target else tensor
 
-            stream_into(model, list(mapping), read, dtype)
+            order = {key: i for i, key in enumerate(keys)}
+            stream_into(model, sorted(mapping, key=lambda name: order[mapping[name]]), read, dtype, store)
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{where} is not a readable safetensors file ({exc})") from None
     _rebuild_derived_buffers(model)

@@ -123,17 +123,36 @@ def _architecture(shapes: dict[str, tuple[int, ...]], path: Path) -> dict[str, i
 
 
 def load_text_encoder(path: Path, dtype: torch.dtype):
-    """A ``UMT5EncoderModel`` in ``dtype`` (eval mode) with the weights of ``path``."""
+    """A ``UMT5EncoderModel`` in ``dtype`` (eval mode) with the weights of ``path``. A safetensors file (ComfyUI's
+    ``umt5_xxl_fp16.safetensors``) is streamed tensor by tensor into ``dtype`` onto a ``meta`` build (the reader of
+    ``single_file.py``, which reopens the file every 256 MiB), so the host never holds the file's copy and the cast
+    copy at once (2 x 10.6 GiB for UMT5-XXL); a ``.pth`` is read with ``torch.load(mmap=True, weights_only=True)``."""
     from transformers import UMT5Config, UMT5EncoderModel
 
     path = Path(path).expanduser()
-    state = to_transformers_keys(read_state(path, "text_encoder_file"), path)
-    config = UMT5Config(**_architecture({k: tuple(v.shape) for k, v in state.items()}, path),
-                        feed_forward_proj="gated-gelu", dropout_rate=0.0, pad_token_id=0, eos_token_id=1)
+    if path.suffix == ".safetensors":
+        names = to_transformers_keys({k: k for k in read_shapes(path, "text_encoder_file")}, path)
+        shapes = to_transformers_keys(read_shapes(path, "text_encoder_file"), path)
+    else:
+        state = to_transformers_keys(read_state(path, "text_encoder_file"), path)
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+    config = UMT5Config(**_architecture(shapes, path), feed_forward_proj="gated-gelu", dropout_rate=0.0,
+                        pad_token_id=0, eos_token_id=1)
     with torch.device("meta"):
         model = UMT5EncoderModel(config)
-    state["encoder.embed_tokens.weight"] = state["shared.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if path.suffix == ".safetensors":
+        from wantrain.models.wan22.single_file import _Reader
+
+        names.pop("encoder.embed_tokens.weight", None)  # tied to shared.weight: set from it below
+        unexpected = sorted(set(names) - set(model.state_dict()))
+        with _Reader(path) as reader:
+            for name in [n for n in names if n not in unexpected]:
+                model.load_state_dict({name: reader.get(names[name]).to(dtype)}, strict=False, assign=True)
+        model.encoder.embed_tokens.weight = model.shared.weight
+        missing = sorted(k for k, v in model.state_dict().items() if v.is_meta)
+    else:
+        state["encoder.embed_tokens.weight"] = state["shared.weight"]
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
         raise UserError(f"model.text_encoder_file '{path}' does not fit a UMT5 encoder of its own shapes ({what}, "
