@@ -93,6 +93,8 @@ def _check_alpha_schedule(cfg: RunConfig) -> None:
     if not cfg.lora.schedule_enabled:
         return
     schedule = cfg.lora.alpha_schedule
+    if schedule.signal == "validation":
+        _check_validation_signal(cfg)
     if schedule.transition == "preserve_output":
         from wantrain.core.optim_state import STATE_MAPS
         from wantrain.optimizers.registry import EXTERNAL, TYPES
@@ -120,6 +122,29 @@ def _check_alpha_schedule(cfg: RunConfig) -> None:
         logging.getLogger("wantrain.alpha").warning(
             "lora.alpha_schedule: with model.switch_every = 1 and two experts every stint is one step, so gradient "
             "stability has no samples; min_gradient_stability is not applied (raise switch_every to use it)")
+
+
+def _check_validation_signal(cfg: RunConfig) -> None:
+    """``signal = "validation"`` needs validation losses of every trained expert."""
+    if not cfg.validation.enabled:
+        raise ConfigError(
+            "lora.alpha_schedule.signal = 'validation' needs the validation loss, but [validation] is not enabled; "
+            "set validation.enabled = true (with validation.path or validation.from_training) or use signal = 'train'"
+        )
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS.get(cfg.model.variant)
+    boundary = spec.boundary_ratio if spec is not None else None
+    if boundary is None:
+        return
+    owned = {"high_noise" if t >= boundary else "low_noise" for t in cfg.validation.timesteps}
+    missing = [e for e in cfg.model.trained_experts if e not in owned]
+    if missing:
+        raise ConfigError(
+            f"lora.alpha_schedule.signal = 'validation': validation.timesteps = {list(cfg.validation.timesteps)} "
+            f"has no timestep of the {missing[0]} expert (high_noise owns t >= {boundary:g}), so its phase could "
+            "never end; add one to validation.timesteps"
+        )
 
 
 name_sections(RunConfig)  # code-built sections name their keys in errors (``validation.every``)

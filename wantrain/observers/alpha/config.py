@@ -118,6 +118,15 @@ class AlphaScheduleConfig:
     min_samples: int | None = setting(
         None, doc="Finite losses an expert's window needs before its phase may end (unset: preset).",
         range=at_least(3))
+    signal: Literal["train", "validation"] = setting(
+        "train", doc="What shows the plateau: `train` tests the per-step training loss's trend against its noise "
+        "(window statistics); `validation` reads the fixed-timestep validation loss (`val/loss/<expert>`, or "
+        "`val/loss` for one transformer; needs [validation] enabled): a phase may end once the change between "
+        "consecutive validations, per 100 steps, stays inside +-`loss_improvement_rate_below` on "
+        "`validation_patience` validations in a row.")
+    validation_patience: int = setting(
+        3, doc="With `signal = \"validation\"`: consecutive validation intervals in the phase whose relative "
+        "change per 100 steps must lie inside +-`loss_improvement_rate_below`.", range=at_least(1))
     phases: list[AlphaPhase] = setting(
         factory=list, doc="The phases in order (`[[lora.alpha_schedule.phases]]`), at least two.")
     conv_alpha_phases: dict | None = setting(

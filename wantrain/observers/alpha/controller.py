@@ -100,11 +100,14 @@ improvement rate must lie inside (-δ, δ)."""
 @attrs.define
 class ExpertPhase:
     """Where one expert stands: its phase index, its step count (``alpha/steps/<k>``) when that phase began, and
-    the plateau tests of this phase so far as ``[steps, passed]`` pairs (only the last window's worth is kept)."""
+    the plateau tests of this phase so far as ``[steps, passed]`` pairs (only the last window's worth is kept);
+    with ``signal = "validation"`` the validations of this phase as ``[run step, validation loss]`` pairs (the last
+    ``validation_patience + 1`` kept)."""
 
     phase: int = 0
     phase_start: int = 0
     tests: list[list[float]] = attrs.field(factory=list)
+    validations: list[list[float]] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -113,6 +116,22 @@ class Check:
     value: float
     threshold: float
     ok: bool
+
+
+def validation_key(expert: str | None) -> str:
+    """The validation metric of ``expert``: its own timesteps' loss (``val/loss/<expert>``), or ``val/loss`` for a
+    single-transformer model."""
+    return "val/loss" if expert is None else f"val/loss/{expert}"
+
+
+def validation_rates(validations: list[list[float]]) -> list[float]:
+    """The relative decrease per 100 run steps between consecutive validations ``[step, loss]``:
+    ``r_j = 100·(v_{j-1} - v_j) / (|v_{j-1}|·(s_j - s_{j-1}))`` (NaN where undefined)."""
+    out = []
+    for (s0, v0), (s1, v1) in zip(validations, validations[1:]):
+        ok = s1 > s0 and v0 != 0 and math.isfinite(v0) and math.isfinite(v1)
+        out.append(100.0 * (v0 - v1) / (abs(v0) * (s1 - s0)) if ok else math.nan)
+    return out
 
 
 def plateau_holds(rate: float, se: float, delta: float) -> bool:
@@ -164,10 +183,14 @@ class AlphaPolicy:
         steps_in_phase = steps - st.phase_start
         min_steps = phase.criterion("min_steps", s.preset)
         out = [Check("min_steps", steps_in_phase, min_steps, steps_in_phase >= min_steps)]
-        samples = values.get(f"alpha/loss_samples/{k}", math.nan)
-        out.append(Check("min_samples", samples, s.resolved("min_samples"), samples >= s.resolved("min_samples")))
         delta = phase.criterion("loss_improvement_rate_below", s.preset)
-        if delta is not None:
+        if s.signal == "validation":
+            out.append(self._validation_check(st, delta))
+        else:
+            samples = values.get(f"alpha/loss_samples/{k}", math.nan)
+            out.append(Check("min_samples", samples, s.resolved("min_samples"),
+                             samples >= s.resolved("min_samples")))
+        if delta is not None and s.signal == "train":
             rate = values.get(f"alpha/loss_improvement_rate/{k}", math.nan)
             se = values.get(f"alpha/loss_improvement_rate_se/{k}", math.nan)
             out.append(Check("loss_improvement_rate_below", rate, delta, plateau_holds(rate, se, delta)))
@@ -190,9 +213,35 @@ class AlphaPolicy:
             out.append(Check("max_loss_cv", value, cv, value <= cv))
         return out
 
+    def _validation_check(self, st: ExpertPhase, delta: float | None) -> Check:
+        """``signal = "validation"``: the last ``validation_patience`` rates between consecutive validations of
+        this phase all inside (-δ, δ); the value is the largest |rate| of them (NaN: too few validations yet)."""
+        patience = self.schedule.validation_patience
+        rates = validation_rates(st.validations)[-patience:]
+        value = max((abs(r) for r in rates), default=math.nan) if len(rates) == patience else math.nan
+        if any(math.isnan(r) for r in rates):
+            value = math.nan
+        threshold = math.inf if delta is None else delta
+        return Check("validation_plateau", value, threshold, math.isfinite(value) and value < threshold)
+
+    def _record_validations(self, step: int, values: dict[str, float]) -> None:
+        """Keep each expert's validation loss of this phase (any MetricsLogged that carries it: validations on
+        log steps and the validation's own events between them)."""
+        keep = self.schedule.validation_patience + 1
+        for expert in self.experts:
+            st = self.state[expert_key(expert)]
+            value = values.get(validation_key(expert))
+            if value is None or not math.isfinite(value) or st.phase >= len(self.schedule.phases) - 1:
+                continue
+            if st.validations and st.validations[-1][0] >= step:
+                continue  # one validation per step (a replayed or repeated record)
+            st.validations = [*st.validations, [float(step), float(value)]][-keep:]
+
     def observe(self, step: int, values: dict[str, float]) -> list[dict[str, Any]]:
         """Transitions decided at log step ``step`` from its logged ``values`` (experts in a fixed order)."""
         decided = []
+        if self.schedule.signal == "validation":
+            self._record_validations(step, values)
         for expert in self.experts:
             k = expert_key(expert)
             st = self.state[k]
@@ -210,6 +259,8 @@ class AlphaPolicy:
                 continue
             old, new = self.schedule.phases[st.phase], self.schedule.phases[st.phase + 1]
             statistics = {name: float(values.get(f"alpha/{name}/{k}", math.nan)) for name in STATISTICS}
+            if st.validations:  # signal = "validation": the last validation loss of the phase
+                statistics["validation_loss"] = st.validations[-1][1]
             transition = {
                 "step": step, "expert": expert, "from_phase": old.name, "to_phase": new.name,
                 "from_alpha": float(old.alpha), "to_alpha": float(new.alpha), "phase_index": st.phase + 1,
@@ -217,7 +268,7 @@ class AlphaPolicy:
                 "statistics": statistics,
                 "checks": {c.criterion: {"value": c.value, "threshold": c.threshold} for c in checks},
             }
-            st.phase, st.phase_start, st.tests = st.phase + 1, steps, []
+            st.phase, st.phase_start, st.tests, st.validations = st.phase + 1, steps, [], []
             self.history.append(transition)
             decided.append(transition)
         return decided
