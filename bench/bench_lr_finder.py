@@ -1,18 +1,24 @@
-"""LR finder on the tiny Wan model: wantrain's range test in its three `noise` modes, and torch-lr-finder on the same
+"""LR finder on the tiny Wan model: wantrain's range test in its four `noise` modes, and torch-lr-finder on the same
 model, data and optimizer. Reports the suggested LRs, how noisy each curve is, what each costs, and writes the
 chart of the default mode to docs/img/lr_finder_tiny.png (with --chart).
 
-    python bench/bench_lr_finder.py --seeds 0 1 --markdown [--chart]
+    python bench/bench_lr_finder.py --seeds 0 1 2 --markdown [--chart]
 
 Setup: examples/quickstart.toml (tiny-t2v, rank-8 LoRA, AdamW, the demo clips, batch size 1) with one expert
 (`model.experts = "high_noise"`), 100 LRs from 1e-7 to 10, one step per LR. torch-lr-finder gets the same adapter
 (its loss as the "model"), the same cached batches, an AdamW over the same LoRA parameters, and its defaults
 (`smooth_f = 0.05`, `diverge_th = 5`, suggestion = steepest gradient after skipping 10 / 5 points).
 
-Curve noise ("plateau CV"): over the LRs <= 1e-5 the weights barely move (under 1e-3 in total with AdamW), so the
-true loss is constant there and the spread of the measured losses is measurement noise: its standard deviation over
-its mean. "Roughness": the standard deviation of raw minus centred loss over the whole sweep, divided by the centred
-curve's total drop (lower is cleaner).
+Curve noise: "residual CV" -- the standard deviation of the raw rung losses around the centred (zero-lag smoothed)
+curve, over the centred curve's mean, over the whole sweep; "plateau CV": over the LRs <= 1e-5 the weights barely
+move (under 1e-3 in total with AdamW), so the true loss is constant there and the spread of the measured losses is
+measurement noise (standard deviation over mean). "Roughness": the residual's standard deviation over the centred
+curve's total drop (lower is cleaner). The summary gives each mode's median over the seeds and the spread of its
+suggestion over the seeds (max / min).
+
+Cost: "probe fwd/LR" -- forward passes without grad per LR (`probe_clips x probe_timesteps` for `probe`, 0
+otherwise); "s per LR" from the run log's start and end, and its ratio to `random` (same machine, same run of the
+bench).
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ def workspace(tmp: Path) -> Path:
                     ignore=shutil.ignore_patterns(".wantrain_cache"))
     text = (ROOT / "examples" / "quickstart.toml").read_text(encoding="utf-8").replace('"../runs"', '"runs"')
     text = text.replace('experts = "both"', 'experts = "high_noise"')
+    text = text.replace("[validation]", "[validation]\nenabled = false\n", 1)
+    text = text.replace("[sample]", "[sample]\nenabled = false\n", 1)
+    text = "\n".join(x for x in text.splitlines() if x.strip() != "enabled = true")
     config = tmp / "bench.toml"
     config.write_text(text + "\n[observers]\nprogress = false\n", encoding="utf-8")
     assert cli(["cache", str(config)]) == 0
@@ -59,6 +68,7 @@ def curve_stats(lrs: list[float], raw: list[float]) -> dict[str, float]:
     drop = max(smooth) - min(smooth)
     resid = [a - b for a, b in zip(finite, smooth, strict=True)]
     return {"plateau_cv": statistics.pstdev(plateau) / statistics.fmean(plateau),
+            "residual_cv": statistics.pstdev(resid) / statistics.fmean(smooth),
             "roughness": statistics.pstdev(resid) / drop if drop > 0 else math.inf}
 
 
@@ -87,7 +97,10 @@ def run_wantrain(config: Path, noise: str, seed: int, chart_to: Path | None, bar
     if chart_to is not None:
         shutil.copy(run_dir / "lr_finder.png", chart_to)
     who = f"wantrain noise={noise}" + (" (TensorBoard, norms, memory observers off)" if bare else "")
-    return {"who": who, "seed": seed, "rungs": len(rows), "sweep_s": sweep_s, "loop_s": loop_s,
+    settings = json.loads((run_dir / "lr_finder.json").read_text())["settings"]
+    probe_fwd = settings["probe_clips"] * settings["probe_timesteps"] if noise == "probe" else 0
+    return {"who": who, "mode": noise, "seed": seed, "rungs": len(rows), "sweep_s": sweep_s, "loop_s": loop_s,
+            "probe_fwd": probe_fwd,
             "total_s": total, **{k: result["suggestions"][k] for k in ("valley", "steepest", "minimum")},
             "default": result["suggested_lr"], "stop": result["stop_reason"], "warnings": result["warnings"],
             **curve_stats(lrs, raw)}
@@ -137,7 +150,8 @@ def run_torch_lr_finder(config: Path, seed: int) -> dict:
     raw = [smooth[0]] + [(b - 0.95 * a) / 0.05 for a, b in zip(smooth, smooth[1:], strict=False)]
     finder.reset()
     lora_bytes = sum(p.numel() * p.element_size() for p in adapter.trainable_parameters(expert))
-    return {"who": "torch-lr-finder", "seed": seed, "rungs": len(lrs), "sweep_s": sweep_s, "loop_s": sweep_s,
+    return {"who": "torch-lr-finder", "mode": "torch-lr-finder", "seed": seed, "rungs": len(lrs),
+            "sweep_s": sweep_s, "loop_s": sweep_s, "probe_fwd": 0,
             "total_s": math.nan,
             "valley": None, "steepest": steepest, "minimum": None, "default": steepest, "stop": None, "warnings": [],
             **curve_stats(lrs, raw), "snapshot_mb": snapshot_bytes / 2**20,
@@ -155,9 +169,9 @@ def fmt(x) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--modes", nargs="+", default=["fixed", "stratified", "random"])
+    parser.add_argument("--modes", nargs="+", default=["probe", "fixed", "stratified", "random"])
     parser.add_argument("--no-torch-lr-finder", action="store_true")
-    parser.add_argument("--chart", action="store_true", help="write docs/img/lr_finder_tiny.png (fixed, first seed)")
+    parser.add_argument("--chart", action="store_true", help="write docs/img/lr_finder_tiny.png (probe, first seed)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--bare", action="store_true", help="also run `fixed` with the metric observers off")
     parser.add_argument("--threads", type=int, default=1)
@@ -168,7 +182,7 @@ def main() -> None:
         config = workspace(Path(tmp))
         for seed in args.seeds:
             for mode in args.modes:
-                chart = ROOT / "docs" / "img" / "lr_finder_tiny.png" if args.chart and mode == "fixed" and \
+                chart = ROOT / "docs" / "img" / "lr_finder_tiny.png" if args.chart and mode == "probe" and \
                     seed == args.seeds[0] else None
                 rows.append(run_wantrain(config, mode, seed, chart))
                 print(json.dumps(rows[-1]), file=sys.stderr)
@@ -179,14 +193,27 @@ def main() -> None:
                 rows.append(run_torch_lr_finder(config, seed))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     if args.markdown:
-        print("| finder | seed | LRs run | valley | steepest | minimum/10 | stop | plateau CV | roughness | sweep s | "
-              "steps s | s per LR |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| finder | seed | LRs run | valley | steepest | minimum/10 | stop | residual CV | plateau CV | "
+              "roughness | probe fwd/LR | sweep s | s per LR |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             stop = "diverged" if r["stop"] else "end"
             print(f"| {r['who']} | {r['seed']} | {r['rungs']} | {fmt(r['valley'])} | {fmt(r['steepest'])} | "
-                  f"{fmt(r['minimum'])} | {stop} | {fmt(r['plateau_cv'])} | {fmt(r['roughness'])} | "
-                  f"{r['sweep_s']:.1f} | {r['loop_s']:.1f} | {r['sweep_s'] / r['rungs']:.3f} |")
+                  f"{fmt(r['minimum'])} | {stop} | {fmt(r['residual_cv'])} | {fmt(r['plateau_cv'])} | "
+                  f"{fmt(r['roughness'])} | {r['probe_fwd']} | {r['sweep_s']:.1f} | {r['sweep_s'] / r['rungs']:.3f} |")
+        print("\n| mode | median residual CV | median plateau CV | default suggestion over seeds | max/min | "
+              "probe fwd/LR | s per LR / random's |")
+        print("|---|---|---|---|---|---|---|")
+        per_lr = {m: statistics.median(r["sweep_s"] / r["rungs"] for r in rows if r["mode"] == m)
+                  for m in dict.fromkeys(r["mode"] for r in rows)}
+        for mode in per_lr:
+            mine = [r for r in rows if r["mode"] == mode]
+            picks = [r["default"] for r in mine if r["default"]]
+            spread = max(picks) / min(picks) if picks else math.nan
+            ratio = per_lr[mode] / per_lr["random"] if "random" in per_lr else math.nan
+            print(f"| {mode} | {fmt(statistics.median(r['residual_cv'] for r in mine))} | "
+                  f"{fmt(statistics.median(r['plateau_cv'] for r in mine))} | "
+                  f"{', '.join(fmt(p) for p in picks)} | {fmt(spread)} | {mine[0]['probe_fwd']} | {fmt(ratio)} |")
         for r in rows:
             if "snapshot_mb" in r:
                 print(f"\ntorch-lr-finder state copy: {r['snapshot_mb']:.3f} MiB of model state (the LoRA alone is "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.observers.test_lr_finder_doc import doc_output, summary_of
 from tests.test_end_to_end import copy_examples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +55,9 @@ def test_the_newcomer_path_prints_no_traceback_and_no_warning(tmp_path):
     ok("check", config.name)
     ok("report", str(run_dir), "--out", str(tmp_path / "report.png"))
     ok("replay", str(run_dir))
-    ok("run", config.name, "--lr-finder", "--lr-finder-steps", "20")
+    finder_args, documented = doc_output()  # docs/lr_finder.md's sample: its command, and what it prints
+    finder = ok("run", config.name, *finder_args)
+    assert summary_of(finder.stdout) == documented, finder.stdout[-3000:]
 
     # Ctrl-C during a run, then --resume auto
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -5,6 +5,7 @@ restore of ``--lr-finder-then-train``, and the outputs (CSV, PNG, TensorBoard sc
 from __future__ import annotations
 
 import csv
+import itertools
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import attrs
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.core.fakes import LinearAdapter, LinearBatches
+from tests.core.fakes import LinearAdapter, LinearBatches, linear_batches
 from wantrain.app.lr_finder import SweepOrder, load_initial_state
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import copy_tree
@@ -23,13 +24,29 @@ from wantrain.core.settings import FaultsConfig
 from wantrain.core.state import TrainState
 from wantrain.observers.lr_finder.config import LrFinderConfig
 from wantrain.observers.lr_finder.math import sweep_lrs
-from wantrain.observers.lr_finder.observer import LrFinder, LrFinderResult, LrFinderRung, van_der_corput
+from wantrain.observers.lr_finder.observer import LrFinder, LrFinderResult, LrFinderRung, Probe, van_der_corput
+
+
+def linear_probe_loss(adapter, batches, timesteps, seed, control):
+    """The linear stand-in's probe: its MSE on fixed batches without grad (``validate``'s signature; the stand-in
+    has no timesteps)."""
+    with torch.no_grad():
+        losses = [torch.nn.functional.mse_loss(adapter.models[adapter.activated[-1]](b["x"]), b["y"]) for b in batches]
+    return {"val/loss": float(torch.stack(losses).mean())}
+
+
+def linear_probe(adapter) -> Probe:
+    batches = list(itertools.islice(linear_batches(seed=99), 2))
+    return Probe(batches=batches, timesteps={e: (0.5,) for e in adapter.experts}, seed=0, evaluate=linear_probe_loss)
 
 
 def finder_trainer(cfg: LrFinderConfig, *, experts=(None,), optimizer: str = "sgd", run_dir: Path | None = None,
-                   tensorboard: bool = False, adapter=None, faults: FaultsConfig | None = None, batches=None):
+                   tensorboard: bool = False, adapter=None, faults: FaultsConfig | None = None, batches=None,
+                   grad_accum: int = 1, probe=None):
     adapter = adapter or LinearAdapter(experts=experts)
-    finder = LrFinder(cfg, experts=tuple(adapter.experts), grad_accum=1, run_dir=run_dir, tensorboard=tensorboard)
+    probe = probe or (linear_probe(adapter) if cfg.noise == "probe" else None)
+    finder = LrFinder(cfg, experts=tuple(adapter.experts), grad_accum=grad_accum, run_dir=run_dir,
+                      tensorboard=tensorboard, probe=probe)
     groups = adapter.param_groups()
     opt = torch.optim.SGD(groups, lr=0.01) if optimizer == "sgd" else torch.optim.AdamW(groups, lr=0.01)
     bus = Bus()
@@ -43,7 +60,8 @@ def finder_trainer(cfg: LrFinderConfig, *, experts=(None,), optimizer: str = "sg
     if faults is not None:
         model = inject_faults(model, opt, faults, state)
     trainer = Trainer(adapter=model, batches=batches or LinearBatches(), optimizer=opt, state=state,
-                      settings=LoopSettings(max_steps=finder.total_steps, log_every=1, clip_grad_norm=None),
+                      settings=LoopSettings(max_steps=finder.total_steps, log_every=1, clip_grad_norm=None,
+                                            grad_accum=grad_accum),
                       bus=bus, run_dir=run_dir)
     return trainer, finder, seen, records
 

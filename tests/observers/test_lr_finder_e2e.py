@@ -31,7 +31,7 @@ def test_docs_example_is_a_valid_lr_finder_table():
     from wantrain.core.config import structure
 
     cfg = structure(RunConfig, tomllib.loads(doc_example()))
-    assert cfg.lr_finder.enabled and cfg.lr_finder.noise == "fixed"
+    assert cfg.lr_finder.enabled and cfg.lr_finder.noise == "probe"
 
 
 def test_lr_finder_with_resume_is_refused_before_anything_is_written(tmp_path, capsys):

@@ -23,7 +23,7 @@ from wantrain.data.config import DataConfig
 from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
-from wantrain.observers.lr_finder.config import LrFinderConfig
+from wantrain.observers.lr_finder.config import LrFinderConfig, check_run_id
 from wantrain.optimizers.config import OptimizerConfig
 from wantrain.optimizers.registry import check_lr_multiplier
 from wantrain.schedulers.config import SchedulerConfig
@@ -86,6 +86,8 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         _check_alpha_schedule(self)
+        if self.lr_finder.active:
+            check_run_id(self.run.run_id)  # the sweep's run directory adds __lr_finder to the id
 
 
 def _check_alpha_schedule(cfg: RunConfig) -> None:

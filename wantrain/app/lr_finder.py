@@ -7,6 +7,11 @@
    (``<time>__<run_id>__lr_finder``), ``steps * steps_per_lr`` optimizer steps per trained expert with each
    expert's sweep in turn (:class:`SweepOrder`), every step logged, no LoRA files and no checkpoints, no
    validation or samples. The :class:`~wantrain.observers.lr_finder.observer.LrFinder` observer drives it.
+   With ``noise = "probe"`` (the default) it measures each rung on a :class:`~wantrain.observers.lr_finder.
+   observer.Probe` built here (:func:`build_probe`): the first ``probe_clips`` training clips in folder order (read
+   like ``[validation]``'s ``from_training`` clips, cached right before the sweep), ``probe_timesteps`` timesteps
+   per expert at the quantiles (k + 0.5) / N of the expert's training distribution, the run seed's fixed noise,
+   and ``[validation]``'s own ``validate`` as the measurement.
 2. ``--lr-finder``: that is all; the suggestions are printed and the process exits (0 when the sweep ran to its
    end or to its stop rule).
 3. ``--lr-finder-then-train``: right before the sweep's first step the trainer's whole state is copied in memory
@@ -29,11 +34,15 @@ import attrs
 import structlog
 import torch
 
-from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome
+from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome, build_validation_data
 from wantrain.app.config import to_plain
 from wantrain.core.checkpoint import copy_tree
 from wantrain.core.errors import UserError
-from wantrain.observers.lr_finder.observer import LrFinder, summary_lines
+from wantrain.data import ensure_cache
+from wantrain.models.wan22.variants import variant_spec
+from wantrain.observers.evaluation.validation import cached_batches, validate
+from wantrain.observers.lr_finder.config import RUN_ID_SUFFIX
+from wantrain.observers.lr_finder.observer import LrFinder, Probe, summary_lines
 from wantrain.optimizers import TYPES
 
 log = structlog.get_logger("wantrain.lr_finder")
@@ -67,6 +76,35 @@ class SweepOrder:
     def expert_for_step(self, step: int) -> str | None:
         experts = self._adapter.experts
         return experts[((step - 1) // self.steps_per_expert) % len(experts)]
+
+
+def probe_timesteps(adapter: Any, expert: str | None, count: int) -> tuple[float, ...]:
+    """``count`` timesteps at the quantiles (k + 0.5) / count of ``expert``'s training timestep distribution (the
+    adapter's ``sampler`` and ``bands``: shift, band and sampling method included), in (0, 1)."""
+    import torch
+
+    t = adapter.sampler.sample(count, adapter.bands[expert], torch.Generator(), torch.device("cpu"),
+                               quantile=0.5 / count)
+    return tuple(sorted(float(x) for x in t))
+
+
+def probe_data(cfg: Any) -> Any:
+    """The probe's clips: the first ``lr_finder.probe_clips`` training clips in folder order, one per batch (the
+    ``[validation]`` ``from_training`` reading of the data). Decodes nothing."""
+    n = cfg.lr_finder.probe_clips
+    v = attrs.evolve(cfg.validation, path=None, from_training=n, max_clips=n)
+    return build_validation_data(attrs.evolve(cfg, validation=v), variant_spec(cfg.model.variant), cfg.run.seed)
+
+
+def build_probe(cfg: Any, adapter: Any, data: Any) -> Probe:
+    """The probe of ``noise = "probe"`` on ``data`` (:func:`probe_data`), cached here if the training cache did
+    not cover it (the encoders are released again after)."""
+    ensure_cache(data, adapter, remove_orphans=False)
+    adapter.release_encoders()
+    batches = cached_batches(data, adapter)
+    timesteps = {e: probe_timesteps(adapter, e, cfg.lr_finder.probe_timesteps) for e in adapter.experts}
+    log.info("lr_finder_probe", clips=len(batches), timesteps={e or "lora": list(t) for e, t in timesteps.items()})
+    return Probe(batches=batches, timesteps=timesteps, seed=cfg.run.seed, evaluate=validate)
 
 
 def load_initial_state(trainer: Any, tree: dict[str, Any]) -> int:
@@ -153,16 +191,19 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
     cfg, adapter = prepared.cfg, prepared.adapter
     finder = LrFinder(cfg.lr_finder, experts=tuple(adapter.experts), grad_accum=cfg.train.grad_accum,
                       tensorboard=cfg.observers.tensorboard)
+    clips = probe_data(cfg) if cfg.lr_finder.noise == "probe" else None
     snapshot: dict[str, Any] = {}
 
     def before_sweep(trainer: Any) -> None:
+        if clips is not None:
+            finder.probe = build_probe(cfg, adapter, clips)
         if prepared.sync.is_main:  # torchrun: every rank sweeps and decides alike (identical logged losses)
             finder.run_dir = trainer.ctx.run_dir  # only rank 0 writes the sweep's files
         if cfg.lr_finder.then_train:
             snapshot["tree"] = copy_tree(trainer.state_dict())
 
     sweep = RunOptions(
-        run_id_suffix="lr_finder", observers=[finder], saves=False, evaluation=False, before_run=before_sweep,
+        run_id_suffix=RUN_ID_SUFFIX, observers=[finder], saves=False, evaluation=False, before_run=before_sweep,
         without=("alpha",),  # the sweep's LRs are no training: no alpha phases (then-train's run has them)
         loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None),
         model_view=lambda model: SweepOrder(model, finder.steps_per_expert),

@@ -1,17 +1,24 @@
 """The ``[lr_finder]`` table: the learning-rate range test (docs/lr_finder.md).
 
 ``wantrain run CONFIG --lr-finder`` sets ``enabled = true``; the other flags set the keys of the same names. Checked
-when the config is loaded (one line naming the key): a start LR not below the end LR, a burn-in as long as the sweep.
+when the config is loaded (one line naming the key): a start LR not below the end LR, a burn-in as long as the sweep;
+a run id too long for the ``__lr_finder`` suffix (:func:`check_run_id`, called by ``RunConfig``). Warned about at
+the same time: ``mode = "linear"`` over more than a decade.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Literal
 
 from wantrain.core.config import above, at_least, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.core.rundir import SAFE_NAME_RULE, is_safe_name
 
 SUGGESTION_METHODS = ("valley", "steepest", "minimum")
+RUN_ID_SUFFIX = "lr_finder"  # the sweep's run directory: <time>__<run_id>__lr_finder
+NAME_MAX = max(n for n in range(1, 1000) if is_safe_name("a" * n))  # core.rundir's length limit (100)
 
 
 @section
@@ -40,10 +47,21 @@ class LrFinderConfig:
         1, doc="Optimizer steps at each LR; the rung's loss is their mean (each step has `train.grad_accum` "
         "micro-batches).", range=at_least(1),
     )
-    noise: Literal["fixed", "stratified", "random"] = setting(
-        "fixed", doc="What makes the losses of different LRs comparable: `fixed` gives every rung the same timesteps "
-        "and noise; `stratified` spreads the timestep quantiles evenly over the sweep (fresh noise); `random` draws "
-        "as training does.",
+    noise: Literal["probe", "stratified", "random", "fixed"] = setting(
+        "probe", doc="What makes the losses of different LRs comparable: `probe` trains with the normal random draws "
+        "and measures each LR on a fixed probe (`probe_clips` clips x `probe_timesteps` timestep quantiles, noise "
+        "fixed for the whole sweep, no grad); the others measure the training loss: `stratified` spreads the "
+        "timestep quantiles evenly over the sweep (fresh noise), `random` draws as training does, `fixed` gives every "
+        "LR the first LR's timesteps and noise (it trains on the draws it measures: biased low, docs/lr_finder.md).",
+    )
+    probe_clips: int = setting(
+        2, doc="`noise = \"probe\"`: the first N training clips (folder order) the probe measures on.",
+        range=at_least(1),
+    )
+    probe_timesteps: int = setting(
+        4, doc="`noise = \"probe\"`: timesteps per clip, at the quantiles (k + 0.5) / N of the swept expert's "
+        "timestep distribution. Probe cost per LR: `probe_clips x probe_timesteps` forward passes without grad.",
+        range=at_least(1),
     )
     smoothing: float = setting(
         0.9, doc="Beta of the bias-corrected exponential moving average of the rung losses (0 = no smoothing).",
@@ -69,7 +87,22 @@ class LrFinderConfig:
                               f"{self.end_lr:g}")
         if self.burn_in >= self.steps:
             raise ConfigError(f"lr_finder.burn_in = {self.burn_in} must be below lr_finder.steps = {self.steps}")
+        if self.mode == "linear" and self.end_lr > 10 * self.start_lr:
+            logging.getLogger("wantrain.lr_finder").warning(
+                f"lr_finder.mode = 'linear' from {self.start_lr:g} to {self.end_lr:g} spans "
+                f"{math.log10(self.end_lr / self.start_lr):.1f} decades: the decades below the top one get under "
+                "10 % of the LRs together (use mode = 'exp', or a range within one decade)")
 
     @property
     def active(self) -> bool:
         return self.enabled or self.then_train
+
+
+def check_run_id(run_id: str | None) -> None:
+    """Refuse (one line) a ``run.run_id`` that is valid alone but not with the sweep's ``__lr_finder`` suffix: the
+    run directory's name part must be a safe name (``core.rundir``: at most ``NAME_MAX`` = 100 characters), so the
+    id may have at most ``100 - len("__lr_finder")`` = 89. Called when the config is read, with the finder on."""
+    if run_id is not None and is_safe_name(run_id) and not is_safe_name(f"{run_id}__{RUN_ID_SUFFIX}"):
+        room = NAME_MAX - len(f"__{RUN_ID_SUFFIX}")
+        raise ConfigError(f"run.run_id is {len(run_id)} characters: with the LR finder's '__{RUN_ID_SUFFIX}' suffix "
+                          f"the run directory name breaks the rule ({SAFE_NAME_RULE}); use at most {room} characters")

@@ -7,20 +7,32 @@ checkpoints. Per optimizer step, at ``StepStarted``:
 
 * ``control.set_lr(group, lr)`` with the rung's LR on the active expert's parameter group (the override lasts one
   step, so it is set at every step);
-* the draws of the forward pass, by ``noise``: ``fixed`` -- the first rung records the generator state before each
-  of its micro-steps (``ctx.generator.get_state()``, a host copy) and every later rung replays them through
-  ``control.set_generator_state``, so every LR sees the same timesteps and noise; ``stratified`` --
-  ``ctx.adapter.set_timestep_quantile(q)`` with q running through a van der Corput sequence over the sweep, so any
-  window of consecutive rungs covers the timestep distribution evenly (noise stays random); ``random`` -- nothing.
+* the draws of the forward pass, by ``noise``: ``probe`` (the default) -- nothing: the rung trains with the normal
+  random draws; ``stratified`` -- ``ctx.adapter.set_timestep_quantile(q)`` with q running through a van der Corput
+  sequence over the sweep, so any window of consecutive rungs covers the timestep distribution evenly (noise stays
+  random); ``random`` -- nothing; ``fixed`` -- the first rung records the generator state before each of its
+  micro-steps (``ctx.generator.get_state()``, a host copy) and every later rung replays them through
+  ``control.set_generator_state``, so every LR trains *and is measured* on the same timesteps and noise (biased
+  low: the LoRA learns those draws; kept for comparison, docs/lr_finder.md).
 
-Decisions come from host values in the event log only: at each ``MetricsLogged`` the rung's loss is
-``values["train/loss"]`` (finite-only mean of the step's micro-batches). ``log_every = 1`` makes that one
-device->host transfer per step: the finder's explicit, documented cost (a few bytes per step; the test is short).
-When a rung is complete the observer smooths it (bias-corrected EMA), emits :class:`LrFinderRung`, and applies the
-stop rule (non-finite loss, or smoothed > ``diverge_factor`` x best after ``burn_in`` rungs). An expert's sweep ends
-at its last rung or at the stop: :class:`LrFinderResult` carries its suggestions (``math.suggest``). A
-stopped expert that is not the last one skips its remaining optimizer steps (``skip_optimizer_step``; their forward
-and backward passes still run, the price of a loop without a finder branch); the last one asks the run to stop.
+What a rung's loss is: with ``noise = "probe"``, at the ``OptimizerStepped`` of the rung's last step the observer
+evaluates a :class:`Probe` -- the same fixed clips, timesteps and noise at every rung, through the validation
+capability (``adapter.validation_loss`` under ``ctx.control.evaluation()``: eval mode, no grad, nothing drawn from
+the training streams) -- and puts its mean into the step's metrics as ``lr_finder/probe_loss`` (one extra host
+transfer per rung, on a step that logs anyway). Otherwise it is the mean of the rung's ``train/loss``.
+
+Decisions come from host values in the event log only: at each ``MetricsLogged`` the observer reads
+``values["train/loss"]`` (finite-only mean of the step's micro-batches), ``values["train/nan_skipped_steps"]`` (a
+rise means a micro-batch's loss or the gradient was not finite: the step's loss counts as NaN, which also catches
+one bad micro-batch of several under ``grad_accum >= 2``) and ``values["lr_finder/probe_loss"]``. Feeding the
+recorded ``MetricsLogged`` events to a fresh finder therefore reproduces every rung and suggestion (a test does).
+``log_every = 1`` makes that one device->host transfer per step: the finder's explicit, documented cost (a few
+bytes per step; the test is short). When a rung is complete the observer smooths it (bias-corrected EMA), emits
+:class:`LrFinderRung`, and applies the stop rule (non-finite loss, or smoothed > ``diverge_factor`` x best after
+``burn_in`` rungs). An expert's sweep ends at its last rung or at the stop: :class:`LrFinderResult` carries its
+suggestions (``math.suggest``). A stopped expert that is not the last one skips its remaining optimizer steps
+(``skip_optimizer_step``; their forward and backward passes still run, the price of a loop without a finder
+branch); the last one asks the run to stop.
 
 Outputs, in the run directory: ``lr_finder.csv`` (every rung), ``lr_finder.json`` (settings, suggestions, warnings),
 ``lr_finder.png`` (log-x chart: raw and smoothed loss, the centred curve the suggestions read, one marker per
@@ -35,6 +47,7 @@ import csv
 import json
 import math
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +56,41 @@ import structlog
 
 from wantrain.core.adapter import TimestepPinning
 from wantrain.core.bus import Observer, Priority, on
-from wantrain.core.events import Event, MetricsLogged, RunEnded, RunStarted, StepStarted, register_event_type
+from wantrain.core.events import (
+    Event,
+    MetricsLogged,
+    OptimizerStepped,
+    RunEnded,
+    RunStarted,
+    StepStarted,
+    register_event_type,
+)
 from wantrain.observers.lr_finder.config import LrFinderConfig
 from wantrain.observers.lr_finder.math import Smoother, Suggestion, diverged, suggest, sweep_lrs
 
 log = structlog.get_logger("wantrain.lr_finder")
 
 GROUP_OF_EXPERT = {"high_noise": "high_noise", "low_noise": "low_noise", None: "lora"}
+PROBE_METRIC = "lr_finder/probe_loss"
+
+
+@attrs.frozen
+class Probe:
+    """The fixed measurement of ``noise = "probe"`` (built by ``wantrain.app.lr_finder``): ``batches`` (cached,
+    one clip each), ``timesteps`` per expert (fixed values in (0, 1)), ``seed`` of the fixed noise, and
+    ``evaluate`` -- ``wantrain.observers.evaluation.validation.validate``'s signature ``(adapter, batches,
+    timesteps, seed, control) -> {"val/loss": ..., ...}`` (host floats), handed in by the app so that the probe is
+    exactly what ``[validation]`` computes (noise of (clip, timestep index) from its own generator, eval mode, no
+    grad)."""
+
+    batches: Sequence[Mapping[str, Any]]
+    timesteps: Mapping[str | None, Sequence[float]]
+    seed: int
+    evaluate: Callable[..., dict[str, float]]
+
+    def forwards(self, expert: str | None) -> int:
+        """Forward passes (no grad) one measurement of ``expert`` costs."""
+        return len(self.batches) * len(self.timesteps[expert])
 
 
 @register_event_type
@@ -64,6 +105,7 @@ class LrFinderRung(Event):
     lr: float
     raw_loss: float
     smoothed_loss: float
+    train_loss: float | None = None  # the mean training loss of the rung's steps (raw_loss with noise != "probe")
 
 
 @register_event_type
@@ -107,7 +149,7 @@ class _Sweep:
 
     expert: str | None
     smoother: Smoother
-    rung_losses: list[float] = attrs.field(factory=list)  # raw losses of the current rung's steps
+    rung_losses: list[float] = attrs.field(factory=list)  # training losses of the current rung's steps
     rows: list[dict[str, Any]] = attrs.field(factory=list)  # one per completed rung
     best: float = math.inf
     stop_reason: str | None = None
@@ -124,8 +166,9 @@ class LrFinder(Observer):
     critical = True  # a broken finder makes the whole test meaningless
 
     def __init__(self, cfg: LrFinderConfig, *, experts: tuple[str | None, ...], grad_accum: int,
-                 run_dir: Path | None = None, tensorboard: bool = False) -> None:
+                 run_dir: Path | None = None, tensorboard: bool = False, probe: Probe | None = None) -> None:
         self.cfg = cfg
+        self.probe = probe
         self.experts = tuple(experts)
         self.grad_accum = grad_accum
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -138,6 +181,7 @@ class LrFinder(Observer):
         self._bus: Any = None
         self._writer: Any = None
         self._warned_no_quantile = False
+        self._nan_skipped = 0.0  # train/nan_skipped_steps at the last MetricsLogged
 
     def attach_to(self, bus: Any) -> LrFinder:
         self._bus = bus
@@ -162,6 +206,8 @@ class LrFinder(Observer):
             raise RuntimeError(f"the LR finder needs a run of {self.total_steps} steps logging every step; got "
                                f"{event.total_steps} steps, log_every {event.log_every} (assemble it with "
                                "wantrain.app.lr_finder)")
+        if self.cfg.noise == "probe" and self.probe is None:
+            raise RuntimeError("lr_finder.noise = 'probe' needs a Probe (wantrain.app.lr_finder builds it)")
         if self.tensorboard and self.run_dir is not None:
             from tensorboardX import SummaryWriter
 
@@ -192,25 +238,47 @@ class LrFinder(Observer):
                 log.warning("lr_finder_no_stratified_timesteps", reason="the model adapter has no "
                             "set_timestep_quantile(); timesteps are drawn at random")
 
+    @on(OptimizerStepped)
+    def on_optimizer_stepped(self, event: OptimizerStepped, ctx: Any) -> None:
+        """``noise = "probe"``: measure the LoRA after the rung's last step (its value joins this step's log)."""
+        if self.cfg.noise != "probe" or event.step > self.total_steps:
+            return
+        index, _, in_rung = self.locate(event.step)
+        sweep = self.sweeps[index]
+        if sweep.done or in_rung < self.cfg.steps_per_lr - 1:
+            return
+        values = self.probe.evaluate(ctx.adapter, self.probe.batches, self.probe.timesteps[sweep.expert],
+                                     self.probe.seed, ctx.control)
+        ctx.metrics.put(PROBE_METRIC, values.get("val/loss", math.nan))
+
     @on(MetricsLogged)
     def on_metrics_logged(self, event: MetricsLogged, ctx: Any) -> None:
+        if event.step < 1 or event.step > self.total_steps:
+            return  # another observer's own line (step 0)
         index, rung, in_rung = self.locate(event.step)
         sweep = self.sweeps[index]
         if sweep.done:
             return
-        sweep.rung_losses.append(float(event.values.get("train/loss", math.nan)))
+        values = event.values
+        skipped = float(values.get("train/nan_skipped_steps", self._nan_skipped))
+        bad_step, self._nan_skipped = skipped > self._nan_skipped, skipped  # a non-finite micro-loss or gradient
+        sweep.rung_losses.append(math.nan if bad_step else float(values.get("train/loss", math.nan)))
         if in_rung < self.cfg.steps_per_lr - 1:
             return
-        raw = math.fsum(sweep.rung_losses) / len(sweep.rung_losses)
+        train = math.fsum(sweep.rung_losses) / len(sweep.rung_losses)
         sweep.rung_losses.clear()
+        if self.cfg.noise == "probe":
+            raw = float(values.get(PROBE_METRIC, math.nan)) if math.isfinite(train) else math.nan
+        else:
+            raw = train
         smoothed = sweep.smoother.add(raw) if math.isfinite(raw) else math.nan
         if math.isfinite(smoothed):
             sweep.best = min(sweep.best, smoothed)
         lr = self.lrs[rung]
         sweep.rows.append({"expert": sweep.expert, "rung": rung, "step": event.step, "lr": lr, "raw_loss": raw,
-                           "smoothed_loss": smoothed})
+                           "smoothed_loss": smoothed, "train_loss": train})
         self._emit(LrFinderRung(step=event.step, expert=sweep.expert, rung=rung, lr=lr, raw_loss=raw,
-                                smoothed_loss=smoothed))
+                                smoothed_loss=smoothed, train_loss=train))
         if self._writer is not None:
             for tag, value in (("raw_loss", raw), ("smoothed_loss", smoothed), ("learning_rate", lr)):
                 self._writer.add_scalar(f"lr_finder/{tag}", value, event.step)
@@ -279,7 +347,7 @@ class LrFinder(Observer):
                 rows.append({**r, "expert": r["expert"] or "", "centred_loss": math.nan if c is None else c})
         with (run_dir / "lr_finder.csv").open("w", newline="", encoding="utf-8") as fh:
             writer = csv.DictWriter(fh, fieldnames=["expert", "rung", "step", "lr", "raw_loss", "smoothed_loss",
-                                                    "centred_loss"])
+                                                    "centred_loss", "train_loss"])
             writer.writeheader()
             writer.writerows(rows)
         summary = {
