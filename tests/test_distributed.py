@@ -55,7 +55,7 @@ def torchrun(workspace: Path, name: str, *extra: str, env: dict[str, str] | None
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
             "--master_port", str(free_port()), "-m", "wantrain", "run", str(workspace / "quickstart.toml"),
             "--set", f'run.output_dir="{workspace / name}"', "--set", "faults.oom_ranks=[1]",
-            "--set", 'observers.extra=["distributed_probe:RankProbe"]']
+            "--set", 'observers.extra=["distributed_probe:RankProbe"]', "--allow-code"]
     for item in SETTINGS:
         args += ["--set", item]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "WANTRAIN_PROBE_DIR": str(workspace / f"{name}_probe"),
