@@ -229,3 +229,24 @@ def test_replay_imports_users_observers_from_beside_the_runs_config_only_with_al
         sys.modules.pop("beside_config_obs", None)
     assert "StepList" in result.observers
     assert (tmp_path / "out" / "steps.jsonl").read_text().split() == ["2", "4", "6"]
+
+
+def test_a_stopped_and_resumed_runs_log_replays_as_one_run_without_dropped_events(tmp_path):
+    from wantrain.app.replay import replay
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[observers]\ntensorboard = false\n")
+    path = event_log_path(run)
+    stopped = [*[e for e in _events(6) if e.step <= 4], RunEnded(step=4, status="stopped", reason="SIGINT")]
+    _record(path, stopped)  # Ctrl-C at step 4: the stop saved a checkpoint there, then RunEnded
+    resumed = [RunStarted(step=4, run_dir=str(run), total_steps=8, grad_accum=1, experts=(None,), log_every=2,
+                          resumed_from="checkpoints/step_000004"), *[e for e in _events(8) if e.step > 4],
+               RunEnded(step=8, status="completed", reason=None)]
+    _record(path, resumed, keep_through_step=4)
+    with capture_logs() as logs:
+        result = replay(run, observers=["jsonl"], out=tmp_path / "out")
+    assert not [x for x in logs if x.get("log_level") == "warning"], logs  # nothing dropped after a RunEnded
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [2, 4, 6, 8] and result.last_step == 8
+    assert any("ended stopped at step 4 and was resumed" in n for n in result.notes)

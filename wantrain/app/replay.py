@@ -41,7 +41,7 @@ from wantrain.core.bus import Bus, Priority
 from wantrain.core.context import Context, DeviceMetrics, Live
 from wantrain.core.control import Control
 from wantrain.core.errors import UserError
-from wantrain.core.events import Event, RunStarted
+from wantrain.core.events import Event, RunEnded, RunStarted
 from wantrain.core.events.log import read, resolve_event_log
 from wantrain.core.state import TrainState
 from wantrain.core.trust import allowing_code, code_allowed
@@ -121,11 +121,23 @@ def _replay(run_dir: Path, observers: Sequence[str] | None, overrides: Sequence[
                       priority=Priority.RECORDER)
     recorded: list[Event] = []
     count, last_step, stop_noted = 0, 0, False
+    ended: RunEnded | None = None  # held back: a RunStarted after it means the run was resumed
     try:
         for event in read(log_path, until=until):
             if type(event) in emitted_types:
                 recorded.append(event)
                 continue
+            if isinstance(event, RunEnded):
+                ended = event
+                continue
+            if ended is not None:
+                if isinstance(event, RunStarted):  # stopped (or failed) and resumed: one run for the observers
+                    notes.append(f"the recorded run ended {ended.status} at step {ended.step} and was resumed; "
+                                 "the replayed observers see one run and its last RunEnded")
+                else:
+                    bus.emit(ended)  # not a resume: as recorded (the bus drops what follows, with a warning)
+                    count += 1
+                ended = None
             if isinstance(event, RunStarted):
                 event = attrs.evolve(event, run_dir=str(out_dir))  # observers that write there write the replay's
             ctx.state.step, last_step = event.step, event.step
@@ -137,6 +149,10 @@ def _replay(run_dir: Path, observers: Sequence[str] | None, overrides: Sequence[
                 stop_noted = True
                 notes.append(f"an observer asked to stop at step {event.step} ({ctx.control.stop_reason}); the "
                              "recorded run went on, and so does the replay")
+        if ended is not None:
+            ctx.state.step, last_step = ended.step, ended.step
+            bus.emit(ended)
+            count += 1
     finally:
         bus.close()
     # not config.toml: the replay folder is no run (`--resume auto` and the tools looking for runs pass it over)
