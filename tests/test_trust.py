@@ -64,6 +64,7 @@ def workspace(tmp_path, monkeypatch):
     (tmp_path / "watch_observers.py").write_text(OBSERVER, encoding="utf-8")
     (tmp_path / "my_optim.py").write_text(OPTIMIZER, encoding="utf-8")
     monkeypatch.chdir(tmp_path)  # the working directory holds the modules too: it does not make them trusted
+    monkeypatch.syspath_prepend(str(tmp_path))  # and they are importable, as if installed: that does not either
     yield config
     for name in ("watch_observers", "my_optim"):
         sys.modules.pop(name, None)
@@ -133,9 +134,8 @@ def test_allow_code_runs_the_users_observer_in_check_and_in_the_lr_finder_from_p
     assert done["status"] == "completed" and done["seen"] > 0  # attached to the sweep, saw its log steps
 
 
-def test_allow_code_runs_an_external_optimizer_named_in_the_config(workspace, capsys, monkeypatch):
+def test_allow_code_runs_an_external_optimizer_named_in_the_config(workspace, capsys):
     tmp = workspace.parent
-    monkeypatch.syspath_prepend(str(tmp))  # an installed module: optimizer classes are not looked for by the config
     code = main(["run", str(workspace), *EXTERNAL_OPTIMIZER, "--max-steps", "2", "--set", "observers.progress=false",
                  "--allow-code"])
     assert code == 0, capsys.readouterr().err
