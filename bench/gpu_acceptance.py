@@ -50,7 +50,8 @@ def _run_tiny(device: str, out: Path, steps: int, resume: str | None = None, ext
                  "model.switch_every=3", "validation.enabled=false", "sample.enabled=false",
                  "observers.progress=false", "train.log_every=10", f"train.save_every={save_every or steps}",
                  "checkpoint.every=4", *(extra or [])]
-    return wantrain.train(ROOT / "examples" / "quickstart.toml", overrides=overrides, resume=resume)
+    return wantrain.train(ROOT / "examples" / "quickstart.toml", overrides=overrides, resume=resume,
+                          allow_code=True)  # section e attaches its own observer (sync_watch.py)
 
 
 def _lora_file(outcome) -> dict[str, torch.Tensor]:

@@ -55,7 +55,7 @@ def torchrun(workspace: Path, name: str, *extra: str, env: dict[str, str] | None
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
             "--master_port", str(free_port()), "-m", "wantrain", "run", str(workspace / "quickstart.toml"),
             "--set", f'run.output_dir="{workspace / name}"', "--set", "faults.oom_ranks=[1]",
-            "--set", 'observers.extra=["distributed_probe:RankProbe"]']
+            "--set", 'observers.extra=["distributed_probe:RankProbe"]', "--allow-code"]
     for item in SETTINGS:
         args += ["--set", item]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "WANTRAIN_PROBE_DIR": str(workspace / f"{name}_probe"),
@@ -209,7 +209,7 @@ def test_the_quickstart_runs_under_torchrun_with_its_validation_and_samples(tmp_
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANTRAIN_PROBE_DIR": str(tmp_path / "probe")}
     done = subprocess.run(
         launcher(tmp_path, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()))
-        + steps + ["--set", 'observers.extra=["distributed_probe:RankProbe"]'],
+        + steps + ["--set", 'observers.extra=["distributed_probe:RankProbe"]', "--allow-code"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")

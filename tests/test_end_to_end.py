@@ -85,7 +85,9 @@ def test_readme_observer_example_runs_and_receives_events(tmp_path, capsys):
     (tmp_path / "my_observers.py").write_text(block.group(1), encoding="utf-8")
     toml_snippet = re.search(r"```toml\n(\[observers\]\nextra = .*?)```", readme, re.S).group(1)
     config.write_text(config.read_text().replace("[train]", toml_snippet + "\n[train]"), encoding="utf-8")
-    code = main(["run", str(config), "--max-steps", "10", "--set", "train.log_every=5",
+    typed = re.search(r"```bash\nwantrain run quickstart\.toml(.*?)\n```", readme).group(1).split()
+    assert "--allow-code" in typed  # the README says to allow the code its config names (wantrain.core.trust)
+    code = main(["run", str(config), *typed, "--max-steps", "10", "--set", "train.log_every=5",
                  "--set", "observers.progress=false"])
     out, err = capsys.readouterr()
     assert code == 0, err

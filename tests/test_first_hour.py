@@ -36,7 +36,7 @@ def test_a_stop_saves_first_and_skips_the_end_of_run_validation_and_samples(tmp_
     (tmp_path / "stop_observers.py").write_text(STOP_AT, encoding="utf-8")
     text = config.read_text().replace("[train]", '[observers]\nextra = ["stop_observers:StopAt3"]\n\n[train]')
     config.write_text(text, encoding="utf-8")
-    code = main(["run", str(config), "--max-steps", "10", "--set", "observers.progress=false"])
+    code = main(["run", str(config), "--max-steps", "10", "--set", "observers.progress=false", "--allow-code"])
     assert code == 3
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert [p.name for p in (run_dir / "samples").glob("*.mp4")] == ["step_000000_00.mp4"]  # the baseline only
@@ -50,7 +50,7 @@ def test_a_stop_saves_first_and_skips_the_end_of_run_validation_and_samples(tmp_
     assert events.index("samples skipped: stopping") < saved
     assert (run_dir / "checkpoints" / "step_000003" / "complete.json").exists()
     err = capsys.readouterr().err
-    resume = f"wantrain run {config} --set observers.progress=false --max-steps 10 --resume auto"
+    resume = f"wantrain run {config} --set observers.progress=false --max-steps 10 --allow-code --resume auto"
     assert f"continue with: {resume}" in err  # the real config and overrides, not a literal CONFIG
 
 
@@ -113,7 +113,8 @@ def test_a_second_ctrl_c_aborts_with_code_130_logged_as_aborted(tmp_path, capsys
     (tmp_path / "ctrl_c_observers.py").write_text(DOUBLE_CTRL_C, encoding="utf-8")
     text = config.read_text().replace("[train]", '[observers]\nextra = ["ctrl_c_observers:DoubleCtrlC"]\n\n[train]')
     config.write_text(text, encoding="utf-8")
-    assert main(["run", str(config), "--max-steps", "10", "--set", "observers.progress=false"]) == 130
+    assert main(["run", str(config), "--max-steps", "10", "--set", "observers.progress=false",
+                 "--allow-code"]) == 130
     (run_dir,) = (tmp_path / "runs").iterdir()
     ended = log_lines(run_dir)[-1]
     assert ended["event"] == "run_ended" and ended["status"] == "aborted"

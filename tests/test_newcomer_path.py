@@ -1,9 +1,10 @@
-"""A newcomer's first hour, as commands in a shell (issue 29's acceptance): the README's quickstart run, then
-`check`, `report`, `replay`, the LR finder, Ctrl-C and `--resume auto`. None of them may print a traceback or a
+"""A newcomer's first hour, as commands in a shell (issue 29's acceptance): the README's quickstart run, Ctrl-C and
+`--resume auto`, then `check`, `report`, `replay` and the LR finder. None of them may print a traceback or a
 warning that is not about the user's own input."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -19,6 +20,7 @@ from tests.test_end_to_end import copy_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
+STEPS = 15  # the shared run's length: a Ctrl-C at step 5 leaves 10 steps to resume
 
 # bitsandbytes' "Failed to load CPU gemm_4bit_forward" notice is issue 26's (item 10), not this path's
 FOREIGN = re.compile(r"Failed to load CPU gemm_4bit_forward")
@@ -41,6 +43,9 @@ def noise(text: str) -> list[str]:
 
 
 def test_the_newcomer_path_prints_no_traceback_and_no_warning(tmp_path):
+    """One shared run (the quickstart as shipped, shortened with --max-steps) carries the whole path: Ctrl-C at
+    its first log step, the printed `--resume auto` to the end (end-of-run validation and samples), then `check`,
+    `report` and `replay` of that run, and a short LR-finder sweep."""
     config = copy_examples(tmp_path, validation_and_samples=True)  # the quickstart as shipped
     outputs = []
 
@@ -50,26 +55,16 @@ def test_the_newcomer_path_prints_no_traceback_and_no_warning(tmp_path):
         assert done.returncode == code, (args, done.stderr[-3000:])
         return done
 
-    ok("run", config.name, "--max-steps", "6", "--run-id", "first")
-    (run_dir,) = (tmp_path / "runs").glob("*__first")
-    ok("check", config.name)
-    ok("report", str(run_dir), "--out", str(tmp_path / "report.png"))
-    ok("replay", str(run_dir))
-    finder_args, documented = doc_output()  # docs/lr_finder.md's sample: its command, and what it prints
-    finder = ok("run", config.name, *finder_args)
-    assert summary_of(finder.stdout) == documented, finder.stdout[-3000:]
-
-    # Ctrl-C during a run, then --resume auto
+    # the README's run, interrupted with Ctrl-C at its first log step, then the printed --resume auto
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "wantrain", "run", config.name, "--max-steps", "40",
-                             "--run-id", "stopped", "--set", "validation.enabled=false",
-                             "--set", "sample.enabled=false"],
+    proc = subprocess.Popen([sys.executable, "-m", "wantrain", "run", config.name, "--max-steps", f"{STEPS}",
+                             "--run-id", "first", "--set", "sample.steps=2"],  # 8 denoising steps: 10 s more CPU
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     deadline = time.monotonic() + 600
     for line in proc.stdout:  # the progress line prints at log steps (every 5)
         seen.append(line)
-        if line.startswith("step 10/40"):
+        if line.startswith(f"step 5/{STEPS}"):
             proc.send_signal(signal.SIGINT)
             break
         assert time.monotonic() < deadline
@@ -79,7 +74,19 @@ def test_the_newcomer_path_prints_no_traceback_and_no_warning(tmp_path):
     assert proc.returncode == 3, text[-3000:]
     resume = re.search(r"continue with: (.*)", text).group(1).split()
     assert resume[:3] == ["wantrain", "run", config.name] and resume[-2:] == ["--resume", "auto"]
+    assert "sample.steps=2" in resume  # the same overrides
     ok(*resume[1:])
+    (run_dir,) = (tmp_path / "runs").glob("*__first")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == STEPS and any("val/loss" in r for r in rows if r["step"] == STEPS)  # resumed to the end
+    assert (run_dir / "samples" / f"step_{STEPS:06d}_00.mp4").exists()
+
+    ok("check", config.name)
+    ok("report", str(run_dir), "--out", str(tmp_path / "report.png"))
+    ok("replay", str(run_dir))
+    finder_args, documented = doc_output()  # docs/lr_finder.md's sample: its command, and what it prints
+    finder = ok("run", config.name, *finder_args)
+    assert summary_of(finder.stdout) == documented, finder.stdout[-3000:]
 
     found = [(args, line) for args, out in outputs for line in noise(out)]
     assert not found, found

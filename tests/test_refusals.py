@@ -25,7 +25,11 @@ REFUSALS = {
         "--set", "lr_scheduler.step_sise=3"],
     "optimizer with a wrong keyword": ["--set", "optimizer.betas3=0.9"],
     "unknown optimizer type": ["--set", 'optimizer.type="adamw9bit"'],
-    "observer that cannot be imported": ["--set", 'observers.extra=["no_such_module:Watch"]'],
+    "observer that cannot be imported": ["--set", 'observers.extra=["no_such_module:Watch"]', "--allow-code"],
+    "users' observer without --allow-code": ["--set", 'observers.extra=["my_observers:Watch"]'],
+    "external optimizer with only allow_external_code": [
+        "--set", 'optimizer.type="external"', "--set", 'optimizer.class="my_optim.SGD"',
+        "--set", "optimizer.allow_external_code=true"],
     "missing data folder": ["--set", 'data.path="no_such_folder"'],
     "missing model folder": ["--set", 'model.path="no_such_model"'],
     "fp8 on a CPU": ["--set", 'model.base_dtype="fp8"', "--set", 'train.device="cpu"'],
@@ -74,7 +78,7 @@ def test_an_extra_observer_needing_a_capability_the_model_lacks_is_refused_befor
         "class Needy(Observer):\n"
         "    needs = (Teleporting,)\n",
         encoding="utf-8")
-    code = main(["run", str(config), "--set", 'observers.extra=["needy_observers:Needy"]'])
+    code = main(["run", str(config), "--set", 'observers.extra=["needy_observers:Needy"]', "--allow-code"])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert len(err.splitlines()) == 1 and "Needy" in err and "Teleporting" in err and "teleport" in err

@@ -182,3 +182,71 @@ def test_a_resumed_runs_log_replays_into_metrics_without_the_lost_steps(tmp_path
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [(x["step"], x["train/loss"]) for x in lines] == [(s, 1.0 / s) for s in (2, 4, 6, 8)]
     assert result.last_step == 8 and {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+BESIDE_THE_CONFIG = """
+import json
+from pathlib import Path
+
+from wantrain.core.events import MetricsLogged
+from wantrain.observers import Observer, on
+
+
+class StepList(Observer):
+    replayable = True
+
+    @on(MetricsLogged)
+    def seen(self, event, ctx):
+        with open(Path(ctx.run_dir) / "steps.jsonl", "a") as f:
+            f.write(json.dumps(event.step) + "\\n")
+"""
+
+
+def test_replay_imports_users_observers_from_beside_the_runs_config_only_with_allow_code(tmp_path, monkeypatch):
+    import sys
+
+    from wantrain.app.observers import write_config_source
+    from wantrain.app.replay import replay
+
+    project = tmp_path / "project"  # the folder of the config the run was started from
+    project.mkdir()
+    (project / "beside_config_obs.py").write_text(BESIDE_THE_CONFIG)
+    run = tmp_path / "runs" / "run"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text('[observers]\ntensorboard = false\nextra = ["beside_config_obs:StepList"]\n')
+    write_config_source(run, project)  # what a run writes beside its config.toml
+    _record(event_log_path(run), _events(6))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # replayed from another folder than the one holding the observer
+    monkeypatch.delitem(sys.modules, "beside_config_obs", raising=False)
+    refused = replay(run, out=tmp_path / "refused")
+    assert "StepList" not in refused.observers and "beside_config_obs" not in sys.modules
+    assert any("--allow-code" in note for note in refused.skipped)
+    try:
+        result = replay(run, out=tmp_path / "out", allow_code=True)
+    finally:
+        sys.modules.pop("beside_config_obs", None)
+    assert "StepList" in result.observers
+    assert (tmp_path / "out" / "steps.jsonl").read_text().split() == ["2", "4", "6"]
+
+
+def test_a_stopped_and_resumed_runs_log_replays_as_one_run_without_dropped_events(tmp_path):
+    from wantrain.app.replay import replay
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[observers]\ntensorboard = false\n")
+    path = event_log_path(run)
+    stopped = [*[e for e in _events(6) if e.step <= 4], RunEnded(step=4, status="stopped", reason="SIGINT")]
+    _record(path, stopped)  # Ctrl-C at step 4: the stop saved a checkpoint there, then RunEnded
+    resumed = [RunStarted(step=4, run_dir=str(run), total_steps=8, grad_accum=1, experts=(None,), log_every=2,
+                          resumed_from="checkpoints/step_000004"), *[e for e in _events(8) if e.step > 4],
+               RunEnded(step=8, status="completed", reason=None)]
+    _record(path, resumed, keep_through_step=4)
+    with capture_logs() as logs:
+        result = replay(run, observers=["jsonl"], out=tmp_path / "out")
+    assert not [x for x in logs if x.get("log_level") == "warning"], logs  # nothing dropped after a RunEnded
+    lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [2, 4, 6, 8] and result.last_step == 8
+    assert any("ended stopped at step 4 and was resumed" in n for n in result.notes)

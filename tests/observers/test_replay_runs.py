@@ -52,7 +52,8 @@ def recorded_run(tmp_path_factory) -> Path:
     base = BASE.replace("record_events = true\n", "")  # recording is on by default
     assert base != BASE
     (tmp / "run.toml").write_text(base.format(steps=STEPS) + SCHEDULE.format(enabled="true"), encoding="utf-8")
-    assert main(["run", str(tmp / "run.toml"), "--set", 'observers.extra=["loss_spikes:LossSpikes"]']) == 0
+    assert main(["run", str(tmp / "run.toml"), "--set", 'observers.extra=["loss_spikes:LossSpikes"]',
+                 "--allow-code"]) == 0
     (run_dir,) = (tmp / "runs").iterdir()
     yield run_dir
     sys.modules.pop("loss_spikes", None)
@@ -143,7 +144,7 @@ def test_the_guide_example_observer_runs_live_and_in_replay(recorded_run, tmp_pa
     assert [json.loads(x)["step"] for x in lines.splitlines()] == [e.step for e in live_spikes]
     sidecars = list((recorded_run / "checkpoints").glob("*/*_loss_spikes.json"))
     assert sidecars and "mean" in json.loads(sidecars[0].read_text())
-    result = replay(recorded_run, observers=["LossSpikes"], out=tmp_path / "out")
+    result = replay(recorded_run, observers=["LossSpikes"], out=tmp_path / "out", allow_code=True)
     assert list(result.replayed) == live_spikes == list(result.recorded)
     assert (tmp_path / "out" / "loss_spikes.jsonl").read_text() == lines
 
@@ -169,16 +170,36 @@ def test_replay_refuses_to_write_into_the_run_or_a_used_folder(recorded_run, tmp
     assert _tree_hash(recorded_run) == before and not (tmp_path / "n").exists()
 
 
-def test_a_user_observer_that_cannot_be_imported_is_left_out_with_a_note(recorded_run, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # loss_spikes.py is not here
+def test_a_user_observer_is_imported_from_beside_the_runs_config_and_only_with_allow_code(recorded_run, tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.chdir(tmp_path)  # loss_spikes.py is not here: it is beside the config the run was started from
+    monkeypatch.delitem(sys.modules, "loss_spikes", raising=False)
+    result = replay(recorded_run, out=tmp_path / "found", allow_code=True)
+    assert "LossSpikes" in result.observers  # found where run found it, not only in the working directory
     monkeypatch.delitem(sys.modules, "loss_spikes", raising=False)
     result = replay(recorded_run, observers=["jsonl"], out=tmp_path / "out")
     assert result.observers == ("JsonlMetrics",)
-    result = replay(recorded_run, out=tmp_path / "out2")
-    assert any(n.startswith("loss_spikes:LossSpikes: not imported") for n in result.skipped)
-    with pytest.raises(UserError, match="cannot import module 'loss_spikes'.*working directory"):
+    result = replay(recorded_run, out=tmp_path / "out2")  # no --allow-code: left out with a note, not imported
+    assert any(n.startswith("loss_spikes:LossSpikes: not imported") and "--allow-code" in n for n in result.skipped)
+    assert "loss_spikes" not in sys.modules
+    with pytest.raises(UserError, match="would import and run code.*--allow-code"):
         replay(recorded_run, observers=["LossSpikes"], out=tmp_path / "out3")
     summary = json.loads((tmp_path / "out2" / "replay.json").read_text())
     assert summary["source"] == str(recorded_run) and summary["skipped"] == list(result.skipped)
     assert (tmp_path / "out2" / "replay_config.toml").is_file()
     assert not (tmp_path / "out2" / "config.toml").exists()  # a replay folder is not mistaken for a run
+
+
+def test_a_user_observer_that_cannot_be_imported_is_left_out_with_a_note(recorded_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "loss_spikes", raising=False)
+    source = recorded_run.parents[1] / "loss_spikes.py"
+    hidden = source.rename(source.with_suffix(".hidden"))  # nowhere to import it from
+    try:
+        result = replay(recorded_run, out=tmp_path / "out", allow_code=True)
+        assert any(n.startswith("loss_spikes:LossSpikes: not imported") for n in result.skipped)
+        with pytest.raises(UserError, match=r"cannot import module 'loss_spikes'.*replay imports users' observers "
+                                            r"from '.*', '.*' and the installed packages"):
+            replay(recorded_run, observers=["LossSpikes"], out=tmp_path / "out3", allow_code=True)
+    finally:
+        hidden.rename(source)

@@ -101,3 +101,50 @@ def test_report_on_an_empty_metrics_file_is_a_user_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("", encoding="utf-8")
     with pytest.raises(UserError, match="holds no metrics lines"):
         report.run(args_for(tmp_path))
+
+
+def _segments(line) -> int:
+    """Pairs of neighbouring finite points on a plotted line: 0 means nothing is drawn between markers."""
+    import math
+
+    y = [float(v) for v in line.get_ydata()]
+    return sum(1 for a, b in zip(y, y[1:], strict=False) if math.isfinite(a) and math.isfinite(b))
+
+
+def alternating_alpha_records(n: int = 12) -> list[dict]:
+    """A run with log_every == switch_every == 5 and an alpha schedule: each log line holds one expert's loss, and
+    every line the alpha in force per expert (what AlphaController writes), which rises at step 30."""
+    records = []
+    for i in range(1, n + 1):
+        step = 5 * i
+        expert = "high_noise" if i % 2 else "low_noise"
+        loss = 0.5 + 0.5 / i
+        alpha = 4.0 if step < 30 else 8.0
+        records.append({"step": step, "elapsed_s": float(step), "expert": expert, "train/loss": loss,
+                        f"train/loss/{expert}": loss, "alpha/phase": float(step >= 30),
+                        "alpha/linear_alpha/high_noise": alpha, "alpha/linear_alpha/low_noise": alpha,
+                        "memory/vram_allocated_gb": 3.0})
+    return records
+
+
+def test_report_draws_each_experts_loss_average_and_the_alpha_curve_when_log_and_switch_intervals_are_equal():
+    fig = dashboard.build_report(alternating_alpha_records())
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    for expert in ("high_noise", "low_noise"):
+        assert _segments(lines[f"{expert} (EMA 0.9)"]) == 5  # 6 log lines each, joined across the other's stints
+    alpha = dashboard.alpha_axis(fig)
+    assert alpha is not None
+    curves = {line.get_label(): line for line in alpha.get_lines()}
+    assert set(curves) == {"alpha high_noise", "alpha low_noise"}
+    assert list(curves["alpha high_noise"].get_ydata()) == [4.0] * 5 + [8.0] * 7
+    assert dashboard.panel_titles(fig) == list(dashboard.PANEL_TITLES)  # the alpha axis is no seventh panel
+
+
+def test_report_memory_axis_starts_at_zero_so_a_few_mb_do_not_look_like_a_cliff():
+    records = alternating_alpha_records()
+    for r in records:  # 3 GiB, then 6 MB more from step 30
+        r["memory/vram_allocated_gb"] = 3.0 + (0.006 if r["step"] >= 30 else 0.0)
+    fig = dashboard.build_report(records)
+    memory = fig.axes[dashboard.PANEL_TITLES.index("Memory (GiB)")]
+    bottom, top = memory.get_ylim()
+    assert bottom == 0 and 3.006 <= top < 6  # the 6 MB step is 0.2 % of the axis, not all of it

@@ -11,6 +11,7 @@ from wantrain.app.config import RunConfig
 from wantrain.cli.main import main
 from wantrain.core.config import structure
 from wantrain.core.errors import ConfigError, UserError
+from wantrain.core.trust import allowing_code
 from wantrain.optimizers import OptimizerConfig, build_optimizer, check_optimizer
 
 
@@ -53,7 +54,7 @@ def test_a_wrong_keyword_is_exit_code_2_with_one_line_and_no_run_directory(tmp_p
     ({"type": "adamw8bit", "optim_bits": 32}, "optimizer.optim_bits cannot be set"),
     ({"type": "prodgy"}, "optimizer.type = 'prodgy' is not an optimizer type; did you mean 'prodigy'?"),
     ({"type": "adamw", "class": "torch.optim.SGD"}, "optimizer.class applies only to type = 'external'"),
-    ({"type": "external", "class": "os.system"}, "outside the allowed modules (torch.optim); set allow_external_code"),
+    ({"type": "external", "class": "os.system"}, "allowed modules (torch.optim); run with --allow-code"),
     ({"type": "external", "class": "torch.optim.lr_scheduler.StepLR"}, "is not an optimizer class"),
     ({"type": "external", "class": "torch.optim.SGD", "beta1": 0.9, "beta2": 0.99}, "takes no betas"),
     ({"type": "external", "class": "torch.optim.SGD", "momentun": 0.9}, "did you mean 'optimizer.momentum'?"),
@@ -64,7 +65,7 @@ def test_refusals_are_one_line_naming_the_key(table, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_another_module_needs_allow_external_code_and_is_judged_before_import(monkeypatch):
+def test_another_module_needs_allow_code_and_is_judged_before_import(monkeypatch):
     imported = []
     import importlib
 
@@ -72,10 +73,14 @@ def test_another_module_needs_allow_external_code_and_is_judged_before_import(mo
     monkeypatch.setattr(importlib, "import_module", lambda name, *a: imported.append(name) or real(name, *a))
     with pytest.raises(ConfigError):
         optimizer({"type": "external", "class": "prodigyopt.Prodigy"})
+    with pytest.raises(ConfigError, match="allow_external_code = true in the config is not enough"):
+        optimizer({"type": "external", "class": "prodigyopt.Prodigy", "allow_external_code": True, "lr": 1.0})
     assert "prodigyopt" not in imported
-    cfg = optimizer({"type": "external", "class": "prodigyopt.Prodigy", "allow_external_code": True, "lr": 1.0})
-    assert type(build_optimizer(cfg, [{"params": [torch.zeros(2, requires_grad=True)], "lr": 1.0}],
-                                torch.device("cpu"))).__name__ == "Prodigy"
+    with allowing_code():  # the person's --allow-code (wantrain.core.trust), not a key of the config
+        cfg = optimizer({"type": "external", "class": "prodigyopt.Prodigy", "lr": 1.0})
+        built = build_optimizer(cfg, [{"params": [torch.zeros(2, requires_grad=True)], "lr": 1.0}],
+                                torch.device("cpu"))
+    assert type(built).__name__ == "Prodigy"
 
 
 def test_torch_optim_classes_are_allowed_by_name_with_their_keywords():

@@ -65,7 +65,7 @@ def test_resume_auto_after_a_stop_ends_bitwise_like_the_uninterrupted_run(exampl
     full_out, part_out = examples.parent / f"full_{kind}", examples.parent / f"part_{kind}"
     assert main(["run", str(examples), "--set", f"run.output_dir='{full_out}'", *common]) == 0
     assert main(["run", str(examples), "--set", f"run.output_dir='{part_out}'",
-                 "--set", "observers.extra=['stopper_module:StopAtTen']", *common]) == 3  # stopped
+                 "--set", "observers.extra=['stopper_module:StopAtTen']", "--allow-code", *common]) == 3  # stopped
     assert main(["run", str(examples), "--resume", "auto", "--set", f"run.output_dir='{part_out}'", *common]) == 0
     (full,), (part,) = full_out.iterdir(), part_out.iterdir()
     for expert in ("high_noise", "low_noise"):

@@ -5,6 +5,7 @@ import types
 import pytest
 
 from wantrain.core.errors import ConfigError
+from wantrain.core.trust import allowing_code
 from wantrain.schedulers import build_scheduler
 from wantrain.schedulers.external import is_allowed
 
@@ -22,8 +23,17 @@ def test_class_outside_the_allowlist_is_refused_without_being_imported(class_pat
     assert top not in sys.modules  # tabnanny is real but nothing here imports it
     with pytest.raises(ConfigError) as err:
         external(class_path, step_size=3)
-    assert "outside the allowed modules" in str(err.value) and "allow_external_code = true" in str(err.value)
+    assert "outside wantrain's allowed modules" in str(err.value) and "--allow-code" in str(err.value)
     assert top not in sys.modules and module not in sys.modules
+
+
+def test_allow_external_code_in_the_config_alone_allows_nothing():
+    """The trust rule (wantrain.core.trust): a config cannot allow code itself; the person's --allow-code does."""
+    with pytest.raises(ConfigError) as err:
+        external("tabnanny.Scheduler", step_size=3, allow_external_code=True)
+    assert "allow_external_code = true in the config is not enough" in str(err.value)
+    assert "--allow-code" in str(err.value) and "\n" not in str(err.value)
+    assert "tabnanny" not in sys.modules
 
 
 def test_allowlist_matches_whole_module_names_only():
@@ -33,7 +43,7 @@ def test_allowlist_matches_whole_module_names_only():
     assert not is_allowed("torch.optim.SGD")
 
 
-def test_allow_external_code_imports_another_module_and_warns(tmp_path, monkeypatch, caplog):
+def test_allow_code_imports_another_module_and_warns(tmp_path, monkeypatch, caplog):
     (tmp_path / "wantrain_test_user_sched.py").write_text(
         "import torch\n"
         "class HalveEvery(torch.optim.lr_scheduler.StepLR):\n"
@@ -42,12 +52,12 @@ def test_allow_external_code_imports_another_module_and_warns(tmp_path, monkeypa
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "wantrain_test_user_sched", raising=False)
-    with caplog.at_level(logging.WARNING, logger="wantrain.schedulers"):
-        cfg = sched_cfg(type="external", **{"class": "wantrain_test_user_sched.HalveEvery"}, every=2,
-                        allow_external_code=True)
-    assert "outside the allowed modules" in caplog.text
-    opt = two_expert_optimizer()
-    lrs = run_steps(opt, build_scheduler(cfg, opt, total_steps=10), 5)
+    with caplog.at_level(logging.WARNING, logger="wantrain.schedulers"), allowing_code():
+        cfg = sched_cfg(type="external", **{"class": "wantrain_test_user_sched.HalveEvery"}, every=2)
+        opt = two_expert_optimizer()
+        scheduler = build_scheduler(cfg, opt, total_steps=10)
+    assert "outside the allowed modules (--allow-code)" in caplog.text
+    lrs = run_steps(opt, scheduler, 5)
     assert [lr[0] for lr in lrs] == pytest.approx([1e-4, 1e-4, 5e-5, 5e-5, 2.5e-5])
 
 

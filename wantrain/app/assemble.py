@@ -30,7 +30,7 @@ import torch
 from wantrain.app.config import to_plain
 from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
-from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers
+from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
 from wantrain.app.preflight import plan_memory, resolve_device
 from wantrain.app.resume import (
     ResumePoint,
@@ -151,6 +151,7 @@ class PreparedRun:
             raise
         sync.broadcast_text("path:" + str(run_dir))
         (run_dir / "config.toml").write_text(tomli_w.dumps(self.plain), encoding="utf-8")
+        write_config_source(run_dir, self.config_dir)
         data.set_vram_estimate(rank=cfg.lora.rank, base_dtype=cfg.model.base_dtype,
                                gradient_checkpointing=cfg.model.gradient_checkpointing)
         _write_preflight(run_dir, data)

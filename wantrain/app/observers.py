@@ -1,7 +1,8 @@
 """THE table of built-in observers (:data:`BUILT_IN`): per observer its ``--observers`` name, its class, the config
 switch that turns it on, whether only rank 0 runs it (a sink that writes files) and its factory. Whether it is
 replayable is the class's own ``replayable``. The assembly (:func:`build_observers`) and replay
-(``wantrain.app.replay``) both read this table; users' observers (``[observers] extra``) come after it.
+(``wantrain.app.replay``) both read this table; users' observers (``[observers] extra``) come after it, imported
+only with the person's consent (``--allow-code``: ``wantrain.core.trust``).
 
 Classes are imported when a row is used (:meth:`BuiltIn.load`): a run without TensorBoard never imports tensorboardX.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 import attrs
 
 from wantrain.core.errors import UserError
+from wantrain.core.trust import code_allowed, refusal
 from wantrain.observers.alpha.config import stability_applicable
 from wantrain.optimizers.registry import TYPES
 
@@ -124,12 +127,20 @@ def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
     return observers
 
 
+OWN_MODULES = ("wantrain",)
+"""What ``[observers] extra`` may name without ``--allow-code``: wantrain's own modules (``wantrain.core.trust``)."""
+
+
 def load_observer_class(spec: str, *, key: str = "observers.extra", search_dirs: tuple[Path, ...] = ()) -> type:
-    """Import ``package.module:ClassName``. ``search_dirs`` (the config file's folder, the working directory) are
-    tried before the installed packages. Errors are one line naming the config key."""
+    """Import ``package.module:ClassName``. A module outside :data:`OWN_MODULES` is imported only when the person
+    running wantrain allows code (``--allow-code``, ``allow_code=True``; :func:`wantrain.core.trust.code_allowed`),
+    judged from the string before anything is imported; then ``search_dirs`` (the config file's folder, the working
+    directory) are tried before the installed packages. Errors are one line naming the config key."""
     if spec.count(":") != 1 or not all(spec.split(":")):
         raise UserError(f"{key} = {spec!r} is not of the form 'package.module:ClassName'")
     module_name, class_name = spec.split(":")
+    if module_name.partition(".")[0] not in OWN_MODULES and not code_allowed():
+        raise UserError(refusal(key, spec, ", ".join(f"{m}.*" for m in OWN_MODULES)))
     added = [str(d) for d in search_dirs if str(d) not in sys.path]
     sys.path[:0] = added
     try:
@@ -150,9 +161,37 @@ def load_observer_class(spec: str, *, key: str = "observers.extra", search_dirs:
     return cls
 
 
+def observer_search_dirs(config_dir: Path | None) -> tuple[Path, ...]:
+    """Where users' observers are looked for before the installed packages: the config's folder, then the working
+    directory (``run`` and ``check`` pass the config's folder; ``replay`` the one the run recorded)."""
+    return tuple(d for d in (config_dir, Path.cwd()) if d is not None)
+
+
+CONFIG_SOURCE = "config_source.json"
+"""Where the run's config file was (``{"config_dir": ...}``): replay looks for users' observers there, as run did."""
+
+
+def write_config_source(run_dir: Path, config_dir: Path | None) -> None:
+    """Record the config's folder in the run directory (nothing when the run was given a loaded config)."""
+    path = run_dir / CONFIG_SOURCE
+    if config_dir is None:
+        path.unlink(missing_ok=True)  # a resume from Python: the folder recorded before no longer applies
+        return
+    path.write_text(json.dumps({"config_dir": str(Path(config_dir).resolve())}) + "\n", encoding="utf-8")
+
+
+def read_config_source(run_dir: Path) -> Path | None:
+    """The config folder a run recorded (:func:`write_config_source`), or None."""
+    try:
+        recorded = json.loads((Path(run_dir) / CONFIG_SOURCE).read_text(encoding="utf-8"))["config_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # older runs have no record; a damaged one is no reason to refuse a replay
+    return Path(recorded) if isinstance(recorded, str) else None
+
+
 def resolve_extra_observers(cfg: Any, config_dir: Path | None = None) -> list[type]:
     """Import the classes of ``[observers] extra`` (one-line errors). Done before the run directory exists, so a
-    typo there leaves nothing behind."""
-    search = tuple(d for d in (config_dir, Path.cwd()) if d is not None)
+    typo there, or code the person did not allow, leaves nothing behind."""
+    search = observer_search_dirs(config_dir)
     return [load_observer_class(spec, key=f"observers.extra[{i}]", search_dirs=search)
             for i, spec in enumerate(cfg.observers.extra)]

@@ -28,14 +28,23 @@ import structlog
 import tomli_w
 
 from wantrain.app.config import load_config, to_plain
-from wantrain.app.observers import BUILT_IN, BY_KEY, build_observers, load_observer_class, resolve_extra_observers
+from wantrain.app.observers import (
+    BUILT_IN,
+    BY_KEY,
+    build_observers,
+    load_observer_class,
+    observer_search_dirs,
+    read_config_source,
+    resolve_extra_observers,
+)
 from wantrain.core.bus import Bus, Priority
 from wantrain.core.context import Context, DeviceMetrics, Live
 from wantrain.core.control import Control
 from wantrain.core.errors import UserError
-from wantrain.core.events import Event, RunStarted
+from wantrain.core.events import Event, RunEnded, RunStarted
 from wantrain.core.events.log import read, resolve_event_log
 from wantrain.core.state import TrainState
+from wantrain.core.trust import allowing_code, code_allowed
 from wantrain.observers.alpha.report import alpha_whatif
 
 __all__ = ["ReplayResult", "alpha_whatif", "read", "replay"]  # read: the event log; alpha_whatif: the table
@@ -64,11 +73,19 @@ class ReplayResult:
 
 
 def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overrides: Sequence[str] = (),
-           until: int | None = None, out: str | Path | None = None) -> ReplayResult:
+           until: int | None = None, out: str | Path | None = None, allow_code: bool = False) -> ReplayResult:
     """Replay ``run_dir``'s event log into the observers its config (with ``overrides``) builds. ``observers``:
     names (the keys of ``wantrain.app.observers.BUILT_IN`` or a user observer's ``name``) to replay, default
     every replayable one but the progress line. Writes into ``out`` (default ``<run_dir>__replay_<time>`` beside
-    the run), never into the run."""
+    the run), never into the run. ``allow_code``: import the run's users' observers (and any other code its config
+    names), looked for beside the config the run was started from, as ``run`` did, then in the working directory
+    and the installed packages (``wantrain.core.trust``; the CLI's ``--allow-code``)."""
+    with allowing_code(allow_code):
+        return _replay(Path(run_dir), observers, overrides, until, out)
+
+
+def _replay(run_dir: Path, observers: Sequence[str] | None, overrides: Sequence[str], until: int | None,
+            out: str | Path | None) -> ReplayResult:
     run_dir = Path(run_dir).resolve()
     if not (run_dir / "config.toml").is_file():
         raise UserError(f"'{run_dir}' is not a run directory (it has no config.toml); pass a directory that "
@@ -83,9 +100,10 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
         enable.append("observers.progress=false")
     cfg = load_config(run_dir / "config.toml", [*enable, *overrides])
     out_dir = _out_dir(run_dir, out)
-    cfg, unimported = _importable_extras(cfg, wanted)
+    config_dir = read_config_source(run_dir)  # users' observers: beside the run's config first, as run looked
+    cfg, unimported = _importable_extras(cfg, wanted, observer_search_dirs(config_dir))
     plain = to_plain(cfg)
-    extra = resolve_extra_observers(cfg, None)  # imports users' observers: their event types become readable
+    extra = resolve_extra_observers(cfg, config_dir)  # imports users' observers: their event types become readable
     built = build_observers(cfg, out_dir, extra=extra, hparams=plain)
     chosen, skipped = _choose(built, wanted)
     skipped.extend(unimported)
@@ -103,11 +121,23 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
                       priority=Priority.RECORDER)
     recorded: list[Event] = []
     count, last_step, stop_noted = 0, 0, False
+    ended: RunEnded | None = None  # held back: a RunStarted after it means the run was resumed
     try:
         for event in read(log_path, until=until):
             if type(event) in emitted_types:
                 recorded.append(event)
                 continue
+            if isinstance(event, RunEnded):
+                ended = event
+                continue
+            if ended is not None:
+                if isinstance(event, RunStarted):  # stopped (or failed) and resumed: one run for the observers
+                    notes.append(f"the recorded run ended {ended.status} at step {ended.step} and was resumed; "
+                                 "the replayed observers see one run and its last RunEnded")
+                else:
+                    bus.emit(ended)  # not a resume: as recorded (the bus drops what follows, with a warning)
+                    count += 1
+                ended = None
             if isinstance(event, RunStarted):
                 event = attrs.evolve(event, run_dir=str(out_dir))  # observers that write there write the replay's
             ctx.state.step, last_step = event.step, event.step
@@ -119,6 +149,10 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
                 stop_noted = True
                 notes.append(f"an observer asked to stop at step {event.step} ({ctx.control.stop_reason}); the "
                              "recorded run went on, and so does the replay")
+        if ended is not None:
+            ctx.state.step, last_step = ended.step, ended.step
+            bus.emit(ended)
+            count += 1
     finally:
         bus.close()
     # not config.toml: the replay folder is no run (`--resume auto` and the tools looking for runs pass it over)
@@ -132,17 +166,21 @@ def replay(run_dir: str | Path, *, observers: Sequence[str] | None = None, overr
     return result
 
 
-def _importable_extras(cfg: Any, wanted: list[str] | None) -> tuple[Any, list[str]]:
-    """Users' observers that cannot be imported here are left out with a note, unless ``--observers`` names them."""
+def _importable_extras(cfg: Any, wanted: list[str] | None, search: tuple[Path, ...]) -> tuple[Any, list[str]]:
+    """Users' observers that cannot be imported here (or may not: no ``--allow-code``) are left out with a note,
+    unless ``--observers`` names them."""
     keep, notes = [], []
+    where = ", ".join(f"'{d}'" for d in search)
     for i, spec in enumerate(cfg.observers.extra):
         try:
-            load_observer_class(spec, key=f"observers.extra[{i}]", search_dirs=(Path.cwd(),))
+            load_observer_class(spec, key=f"observers.extra[{i}]", search_dirs=search)
             keep.append(spec)
         except UserError as exc:
             if wanted is not None and spec.rpartition(":")[2] in wanted:
-                raise UserError(f"{exc} (replay imports users' observers from the working directory and the "
-                                "installed packages)") from None
+                if not code_allowed():
+                    raise
+                raise UserError(f"{exc} (replay imports users' observers from {where} and the installed "
+                                "packages)") from None
             notes.append(f"{spec}: not imported ({exc})")
     if len(keep) == len(cfg.observers.extra):
         return cfg, notes

@@ -5,10 +5,16 @@ Reads ``RUN_DIR/metrics.jsonl`` (written by :class:`wantrain.observers.jsonl_met
 ``docs/metrics.md``). The dashboard has six panels, always in this order and with these titles
 (:data:`PANEL_TITLES`): loss per expert (raw and EMA), learning rate per parameter group, gradient norm, parameter
 norm, memory, and speed (optimizer steps per second between log lines, from ``elapsed_s``). Where the file has an
-``alpha/phase`` field, each phase is shaded on every panel. ``val/loss`` (and ``val/loss/<expert>``) of the
-validation observer are drawn dashed with markers on the loss panel; lines that hold only ``val/*`` values are left
-out of the other curves. A panel without data says so instead of vanishing, so
+``alpha/phase`` field, each phase is shaded on every panel, and the alpha in force per expert
+(``alpha/linear_alpha/<k>``) is drawn as a step line on the loss panel's right-hand axis. ``val/loss`` (and
+``val/loss/<expert>``) of the validation observer are drawn dashed with markers on the loss panel; lines that hold
+only ``val/*`` values are left out of the other curves. A panel without data says so instead of vanishing, so
 the layout is the same for every run.
+
+Each expert's loss average (EMA) is one line over that expert's own log lines, drawn across the other expert's
+stints: with ``train.log_every`` equal to ``model.switch_every`` every log line holds one expert, and a line that
+broke wherever the expert was absent would have no two neighbouring points to draw. The raw points keep their gaps.
+The memory axis starts at 0: a few MB of change on several GiB is a flat line, not a cliff.
 """
 
 from __future__ import annotations
@@ -124,12 +130,14 @@ def build_report(records: Sequence[dict[str, Any]], title: str = ""):
     _plot_lines(axes[2], records, ["train/grad_norm", *_fields(records, "train/grad_norm/")], log=True)
     _plot_lines(axes[3], records, ["train/total_param_norm", *_fields(records, "train/param_norm/")])
     _plot_lines(axes[4], records, _fields(records, "memory/"))
+    _from_zero(axes[4])
     _plot_speed(axes[5], records)
     spans = phase_spans(records)
     for ax in axes:
         _shade_phases(ax, spans, label=ax is axes[0])
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small", loc="best")
+    _plot_alpha(axes[0], records)
     for ax in axes[-2:]:
         ax.set_xlabel("optimizer step")
     if title:
@@ -138,8 +146,17 @@ def build_report(records: Sequence[dict[str, Any]], title: str = ""):
 
 
 def panel_titles(fig) -> list[str]:
-    """Titles of the figure's panels, in layout order."""
-    return [ax.get_title() for ax in fig.axes]
+    """Titles of the figure's panels, in layout order (the loss panel's alpha axis is no panel of its own)."""
+    return [ax.get_title() for ax in fig.axes if ax.get_label() != ALPHA_AXIS]
+
+
+ALPHA_AXIS = "alpha"
+"""The label of the loss panel's right-hand axis (``alpha/linear_alpha/<k>``)."""
+
+
+def alpha_axis(fig):
+    """The loss panel's alpha axis, or None when the run had no alpha schedule."""
+    return next((ax for ax in fig.axes if ax.get_label() == ALPHA_AXIS), None)
 
 
 def _no_data(ax) -> None:
@@ -156,7 +173,8 @@ def _plot_loss(ax, records) -> None:
         name = field.removeprefix("train/loss/") if field != "train/loss" else "loss"
         ax.plot(*with_gaps(records, field), color=color, alpha=0.35, linewidth=0.8, marker=".", markersize=2,
                 label=f"{name} (raw)")
-        ax.plot(*with_gaps(records, field, ema(values)), color=color, linewidth=1.8, label=f"{name} (EMA {EMA_BETA})")
+        steps = series(records, field)[0]  # the expert's own lines: the average runs across the other's stints
+        ax.plot(steps, ema(values), color=color, linewidth=1.8, label=f"{name} (EMA {EMA_BETA})")
 
 
 def is_validation_only(record: dict[str, Any]) -> bool:
@@ -182,6 +200,29 @@ def _plot_lines(ax, records, fields: Sequence[str], log: bool = False) -> None:
         return _no_data(ax)
     if log and all(v > 0 for f in fields for v in series(records, f)[1] if math.isfinite(v)):
         ax.set_yscale("log")
+
+
+def _from_zero(ax) -> None:
+    """Start the axis at 0 (values are sizes), keeping matplotlib's top."""
+    if ax.get_lines():
+        ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9))
+
+
+def _plot_alpha(ax, records) -> None:
+    """The alpha in force per expert (``alpha/linear_alpha/<k>``), as steps on a right-hand axis of ``ax``."""
+    fields = _fields(records, "alpha/linear_alpha/")
+    if not any(series(records, f)[0] for f in fields):
+        return
+    twin = ax.twinx()
+    twin.set_label(ALPHA_AXIS)
+    twin.set_ylabel("alpha")
+    for i, field in enumerate(fields):
+        steps, values = series(records, field)
+        if steps:
+            twin.plot(steps, values, drawstyle="steps-post", linestyle=":", linewidth=1.6, color=f"C{i + 6}",
+                      label=f"alpha {field.removeprefix('alpha/linear_alpha/')}")
+    twin.set_ylim(bottom=0)
+    twin.legend(fontsize="small", loc="upper right")
 
 
 def _plot_speed(ax, records) -> None:

@@ -7,6 +7,7 @@ Python users call :func:`wantrain.train`::
     import wantrain
     outcome = wantrain.train("examples/quickstart.toml", overrides=["train.max_steps=50"])
     outcome = wantrain.train("examples/quickstart.toml", resume="auto")
+    outcome = wantrain.train("my.toml", allow_code=True)  # it names my_observers:LossWatch (wantrain.core.trust)
     print(outcome.status, outcome.run_dir, outcome.exit_code)
 """
 
@@ -19,27 +20,32 @@ from typing import Any
 from wantrain.app.assemble import RunOutcome, prepare
 from wantrain.app.config import load_config
 from wantrain.app.lr_finder import check_lr_finder, run_lr_finder
+from wantrain.core.trust import allowing_code
 
 
 def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | None = None,
-          config_dir: Path | None = None) -> RunOutcome:
+          config_dir: Path | None = None, allow_code: bool = False) -> RunOutcome:
     """Train from a config file path (with ``section.key=value`` overrides) or a loaded ``RunConfig``.
 
-    ``resume``: ``"auto"`` or a run/checkpoint directory. Raises :class:`wantrain.core.errors.UserError` (one line)
-    for bad input; returns the outcome otherwise (``outcome.exit_code`` is what ``wantrain run`` exits with).
+    ``resume``: ``"auto"`` or a run/checkpoint directory. ``allow_code``: import the code the config names outside
+    wantrain's allowed modules (users' observers, an external optimizer or scheduler class); without it such a config
+    is refused, whatever the config itself says (``wantrain.core.trust``; the CLI's ``--allow-code``). Raises
+    :class:`wantrain.core.errors.UserError` (one line) for bad input; returns the outcome otherwise
+    (``outcome.exit_code`` is what ``wantrain run`` exits with).
     """
-    if isinstance(config, str | Path):
-        path = Path(config)
-        cfg = load_config(path, list(overrides))
-        config_dir = config_dir or path.resolve().parent
-    else:
-        if overrides:
-            raise TypeError("overrides apply to a config file; pass a path, or change the RunConfig yourself")
-        cfg = config
-    if cfg.lr_finder.active:
-        check_lr_finder(cfg, resume)  # refusals of the config alone, before anything is prepared
-    prepared = prepare(cfg, config_dir=config_dir, resume=resume)
-    try:
-        return run_lr_finder(prepared) if cfg.lr_finder.active else prepared.execute()
-    finally:
-        prepared.sync.close()  # torchrun: leave the process group (one process: nothing to do)
+    with allowing_code(allow_code):
+        if isinstance(config, str | Path):
+            path = Path(config)
+            cfg = load_config(path, list(overrides))
+            config_dir = config_dir or path.resolve().parent
+        else:
+            if overrides:
+                raise TypeError("overrides apply to a config file; pass a path, or change the RunConfig yourself")
+            cfg = config
+        if cfg.lr_finder.active:
+            check_lr_finder(cfg, resume)  # refusals of the config alone, before anything is prepared
+        prepared = prepare(cfg, config_dir=config_dir, resume=resume)
+        try:
+            return run_lr_finder(prepared) if cfg.lr_finder.active else prepared.execute()
+        finally:
+            prepared.sync.close()  # torchrun: leave the process group (one process: nothing to do)

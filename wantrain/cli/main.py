@@ -1,7 +1,8 @@
 """``wantrain`` command line. Only the chosen subcommand's module is imported (``wantrain check`` stays fast).
 
 A ``UserError`` (bad config key or value, missing file, unreadable media or checkpoint) prints one line and
-exits with code 2, without a traceback. Anything else is a bug and keeps its traceback.
+exits with code 2, without a traceback. Anything else is a bug and keeps its traceback. Code a config names
+outside wantrain's allowed modules is imported only under ``--allow-code`` (``wantrain.core.trust``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 
 from wantrain.core.errors import UserError
+from wantrain.core.trust import allowing_code
 from wantrain.core.version import __version__
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        code = int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
+        with allowing_code(getattr(args, "allow_code", False)):  # only the person's flag, never the config
+            code = int(importlib.import_module(COMMANDS[args.command][0]).run(args) or 0)
         sys.stdout.flush()  # a reader that went away (`| head`) shows here, not at interpreter exit
         return code
     except BrokenPipeError:

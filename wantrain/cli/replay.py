@@ -1,12 +1,14 @@
-"""``wantrain replay RUN_DIR [--observers a,b] [--set key=value ...] [--until STEP] [--out DIR]``: parse the
-arguments and hand them to :func:`wantrain.app.replay.replay` (docs/replay.md). Prints where the output went, the
-observers left out, and, when the alpha controller was replayed, the recorded transitions beside the replayed
-ones. Exit codes: 0 replayed, 2 bad input."""
+"""``wantrain replay RUN_DIR [--observers a,b] [--set key=value ...] [--until STEP] [--out DIR] [--allow-code]``:
+parse the arguments and hand them to :func:`wantrain.app.replay.replay` (docs/replay.md). Prints where the output
+went, the observers left out, and, when the alpha controller was replayed, the recorded transitions beside the
+replayed ones. Exit codes: 0 replayed, 2 bad input."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from wantrain.cli.common import add_allow_code_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a key of the run's config (read as TOML; arrays of tables by index: "
              "lora.alpha_schedule.phases.0.min_steps=5); repeatable",
     )
+    add_allow_code_argument(parser)  # the run's own observers: replay imports them only with it, as run does
     parser.add_argument("--until", type=int, metavar="STEP", help="stop after the events of this optimizer step")
     parser.add_argument("--out", metavar="DIR", help="new folder for the output (default: beside the run, "
                                                      "<run_dir>__replay_<time>)")
@@ -32,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(None)
     observers = [n.strip() for n in args.observers.split(",") if n.strip()] if args.observers else None
-    result = replay(args.run_dir, observers=observers, overrides=args.set, until=args.until, out=args.out)
+    result = replay(args.run_dir, observers=observers, overrides=args.set, until=args.until, out=args.out,
+                    allow_code=args.allow_code)
     print(f"wantrain: replayed {result.events} events through step {result.last_step} into {result.out_dir}",
           file=sys.stderr)
     print(f"  observers: {', '.join(result.observers)}", file=sys.stderr)

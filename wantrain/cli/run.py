@@ -59,12 +59,15 @@ def lr_finder_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def continue_command(args: argparse.Namespace) -> str:
-    """The command that resumes this run: the config as given, the same overrides, ``--resume auto``."""
+    """The command that resumes this run: the config as given, the same overrides (and ``--allow-code``),
+    ``--resume auto``."""
     words = ["wantrain", "run", str(args.config)]
     for item in args.set or []:
         words += ["--set", item]
     if args.max_steps is not None:
         words += ["--max-steps", str(args.max_steps)]
+    if getattr(args, "allow_code", False):
+        words.append("--allow-code")
     return shlex.join([*words, "--resume", "auto"])
 
 
@@ -77,20 +80,33 @@ def run(args: argparse.Namespace) -> int:
     if args.run_id is not None:
         overrides.append(f"run.run_id={json.dumps(args.run_id)}")
     overrides += lr_finder_overrides(args)
-    outcome = train(args.config, overrides=overrides, resume=args.resume)
-    for line in outcome.lr_finder:
+    outcome = train(args.config, overrides=overrides, resume=args.resume, allow_code=args.allow_code)
+    out, err = summary(outcome, args)
+    for line in out:
         print(line)
+    for line in err:
+        print(line, file=sys.stderr)
+    return outcome.exit_code
+
+
+def summary(outcome, args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """What ``wantrain run`` prints when the run ends, as (stdout lines, stderr lines): the LR finder's lines on
+    stdout; the status, the saved files, the checkpoint and how to continue on stderr. Only rank 0 of a torchrun
+    prints them: the run directory, its files and its checkpoints are rank 0's, and another rank's view of them may
+    be stale (it does not wait for rank 0's last save); every rank's warnings still reach the console through the
+    log."""
+    if outcome.rank != 0:
+        return [], []
+    out = list(outcome.lr_finder)
     if outcome.lr_finder_dir is not None:
         where = outcome.lr_finder_dir
-        print(f"lr_finder: chart {where / 'lr_finder.png'}, sweep {where / 'lr_finder.csv'}")
-    print(f"wantrain: run {outcome.status} after {outcome.steps} steps; run directory: {outcome.run_dir}",
-          file=sys.stderr)
+        out.append(f"lr_finder: chart {where / 'lr_finder.png'}, sweep {where / 'lr_finder.csv'}")
+    err = [f"wantrain: run {outcome.status} after {outcome.steps} steps; run directory: {outcome.run_dir}"]
     if outcome.status != "completed" and outcome.reason:
-        print(f"  reason: {outcome.reason}", file=sys.stderr)
-    for path in outcome.saved:
-        print(f"  {path}", file=sys.stderr)
+        err.append(f"  reason: {outcome.reason}")
+    err.extend(f"  {path}" for path in outcome.saved)
     if outcome.checkpoint:
-        print(f"  checkpoint: {outcome.checkpoint}", file=sys.stderr)
+        err.append(f"  checkpoint: {outcome.checkpoint}")
     if outcome.status == "stopped" and outcome.checkpoint:
-        print(f"  continue with: {continue_command(args)}", file=sys.stderr)
-    return outcome.exit_code
+        err.append(f"  continue with: {continue_command(args)}")
+    return out, err

@@ -4,8 +4,9 @@ Checked when the config is loaded, each with one line naming the key: an unknown
 that does not apply to the type, and every other key of the table against the signature of the type's class
 (``optimizer.<key>`` is not an argument: the valid keys are listed). The class is imported for that check, so a
 missing optional package is reported here too. ``type = "external"`` names any optimizer class: ``torch.optim.*``
-by name, anything else only with ``allow_external_code = true`` (judged from the string before any import, the rule
-of ``wantrain.schedulers.external``).
+by name, anything else only when the person running wantrain allows code (``--allow-code``, ``allow_code=True``:
+``wantrain.core.trust``; a config key cannot), judged from the string before any import, the rule of
+``wantrain.schedulers.external``.
 
 The common keys default to unset and take the type's default when the section is built (``lr`` is 1.0 for
 Prodigy, 1e-4 otherwise; Adafactor keeps no first moment unless ``beta1`` is set), so ``cfg.optimizer.lr`` is
@@ -22,6 +23,7 @@ from typing import Any
 
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.core.trust import FLAG, code_allowed, refusal
 from wantrain.optimizers.registry import (
     COMMON_KEYS,
     EXTERNAL,
@@ -64,11 +66,12 @@ class OptimizerConfig:
     )
     eps: float | None = setting(None, doc="Adam epsilon (unset: 1e-8; not for `adafactor`).", range=above(0.0))
     class_path: str | None = setting(
-        None, doc="`external`: dotted path of an optimizer class; `torch.optim.*` is allowed, other modules need "
-        "`allow_external_code`.", aliases=("class",)
+        None, doc="`external`: dotted path of an optimizer class; `torch.optim.*` is allowed, other modules only "
+        "with `--allow-code` on the command line (docs/observers.md, What a config may run).", aliases=("class",)
     )
     allow_external_code: bool = setting(
-        False, doc="`external`: allow a class from outside torch.optim (imports and runs its code; logged)."
+        False, doc="Accepted for older configs; grants nothing: a config cannot allow code itself (`--allow-code` "
+        "does)."
     )
     arguments: dict[str, Any] = setting(
         factory=dict, doc="Keyword arguments of the type's class (the table's other keys)."
@@ -227,14 +230,12 @@ def _resolve_external(class_path: str, allow_external_code: bool) -> type:
         raise ConfigError(f"{TABLE}.class = {class_path!r} is not a dotted class path; write it like "
                           "'torch.optim.SGD'")
     if not is_allowed(class_path):
-        if not allow_external_code:
-            raise ConfigError(
-                f"{TABLE}.class = {class_path!r} is outside the allowed modules ({', '.join(ALLOWED_MODULES)}); set "
-                "allow_external_code = true in the same table to import and run code from another module"
-            )
+        if not code_allowed():
+            not_enough = " (allow_external_code = true in the config is not enough)" if allow_external_code else ""
+            raise ConfigError(refusal(f"{TABLE}.class", class_path, ", ".join(ALLOWED_MODULES)) + not_enough)
         if class_path not in _warned:
             _warned.add(class_path)
-            log.warning("optimizer: importing %s from outside torch.optim (allow_external_code = true)", class_path)
+            log.warning("optimizer: importing %s from outside torch.optim (%s)", class_path, FLAG)
     module_name, name = class_path.rpartition(".")[0], parts[-1]
     try:
         module = importlib.import_module(module_name)

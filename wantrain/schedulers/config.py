@@ -126,11 +126,13 @@ class SchedulerConfig:
     class_path: str | None = setting(
         None,
         doc="`external`: dotted path of the scheduler class, e.g. `torch.optim.lr_scheduler.StepLR`; classes under "
-        "torch.optim.lr_scheduler, timm.scheduler and transformers.optimization are allowed.",
+        "torch.optim.lr_scheduler, timm.scheduler and transformers.optimization are allowed, other modules only with "
+        "`--allow-code` on the command line.",
         aliases=("class",),
     )
     allow_external_code: bool = setting(
-        False, doc="`external`: allow a class from any other module (imports and runs its code; logged as a warning)."
+        False, doc="Accepted for older configs; grants nothing: a config cannot allow code itself (`--allow-code` "
+        "does)."
     )
     extra: dict[str, Any] = setting(
         factory=dict, doc="Arguments of an external scheduler class (the table's other keys)."

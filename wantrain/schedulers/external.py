@@ -2,9 +2,10 @@
 
 Naming a class in a config must not run arbitrary code. The allowlist is decided from the dotted string alone,
 before anything is imported (importing a module runs its top-level code): the class must live in one of
-:data:`ALLOWED_MODULES` or a submodule of one, unless the table sets ``allow_external_code = true``, which is
-logged as a warning. After import the class must be a torch ``LRScheduler`` or a timm scheduler (adapted to
-optimizer-step units); ``ReduceLROnPlateau`` is refused (see :data:`_PLATEAU_REASON`).
+:data:`ALLOWED_MODULES` or a submodule of one, unless the person running wantrain allows code
+(``--allow-code``, ``allow_code=True``: :mod:`wantrain.core.trust`; ``allow_external_code = true`` in the config
+grants nothing), which is logged as a warning. After import the class must be a torch ``LRScheduler`` or a timm
+scheduler (adapted to optimizer-step units); ``ReduceLROnPlateau`` is refused (see :data:`_PLATEAU_REASON`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 from typing import Any
 
 from wantrain.core.errors import ConfigError
+from wantrain.core.trust import FLAG, code_allowed, refusal
 
 log = logging.getLogger("wantrain.schedulers")
 
@@ -57,15 +59,12 @@ def resolve_class(class_path: str, *, allow_external_code: bool) -> tuple[type, 
     """
     module_name, class_name = _split(class_path)
     if not is_allowed(class_path):
-        if not allow_external_code:
-            raise ConfigError(
-                f"{TABLE}.class = {class_path!r} is outside the allowed modules ({', '.join(ALLOWED_MODULES)}); "
-                "set allow_external_code = true in the same table to import and run code from another module"
-            )
+        if not code_allowed():
+            not_enough = " (allow_external_code = true in the config is not enough)" if allow_external_code else ""
+            raise ConfigError(refusal(f"{TABLE}.class", class_path, ", ".join(ALLOWED_MODULES)) + not_enough)
         if class_path not in _warned:
             _warned.add(class_path)
-            log.warning("lr_scheduler: importing %s from outside the allowed modules (allow_external_code = true)",
-                        class_path)
+            log.warning("lr_scheduler: importing %s from outside the allowed modules (%s)", class_path, FLAG)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
