@@ -141,8 +141,10 @@ class WeightSource:
         return f"wan22:{self.spec.name}:{self.path.resolve()}:{digest.hexdigest()[:16]}"
 
     # -- loading -------------------------------------------------------------------------------------------
-    def transformer(self, expert: str | None, dtype: torch.dtype):
-        """A fresh base transformer of ``expert`` in ``dtype`` on the CPU (call again for an identical copy)."""
+    def transformer(self, expert: str | None, dtype: torch.dtype, *, fp8_scaled: bool = False):
+        """A fresh base transformer of ``expert`` in ``dtype`` on the CPU (call again for an identical copy).
+        ``fp8_scaled``: a single file's block Linears are read straight into scaled fp8 (``fp8.py``), keeping an
+        ``fp8_scaled`` file's own scales; other sources come in ``dtype`` and the adapter converts them."""
         from diffusers import WanTransformer3DModel
 
         if self.random:
@@ -150,12 +152,12 @@ class WeightSource:
             return architecture.cast_keeping_fp32_modules(transformer, dtype)
         file = self._expert_file(expert)
         if file is not None:
-            return self._single_file(file, expert, dtype)
+            return self._single_file(file, expert, dtype, fp8_scaled=fp8_scaled)
         return WanTransformer3DModel.from_pretrained(
             str(self.path), subfolder=EXPERT_FOLDER[expert], torch_dtype=dtype, local_files_only=True
         )
 
-    def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
+    def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype, *, fp8_scaled: bool = False):
         """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
         only knows Wan 2.1 and would build I2V/5B files with the wrong config), streamed tensor by tensor into the
         dtypes of the folder path (``single_file.py``: float32 for ``_keep_in_fp32_modules``, ``dtype`` else)."""
@@ -168,7 +170,8 @@ class WeightSource:
         if file.is_dir():  # the original repos' sharded folders
             return self._sharded_folder(file, key, dtype)
         kwargs = architecture.transformer_kwargs(self.spec)
-        return load_transformer(file, key, self.spec.name, lambda: WanTransformer3DModel(**kwargs), dtype)
+        return load_transformer(file, key, self.spec.name, lambda: WanTransformer3DModel(**kwargs), dtype,
+                                fp8_scaled=fp8_scaled)
 
     def _sharded_folder(self, folder: Path, key: str, dtype: torch.dtype):
         """An original-repo expert folder (shards + index), read whole and converted by diffusers' single-file

@@ -14,6 +14,9 @@ Checks, each one line naming the file (:class:`~wantrain.core.errors.UserError`)
   weight is ``weight.float() * scale_weight``; the scale is applied exactly (in float32, one rounding to the
   training dtype) when it is one number or one per output row, else the file is refused. Their ``scaled_fp8``
   marker and ``scale_input`` tensors (activation scales for fp8 matmuls) carry no weight and are not used.
+  With ``fp8_scaled=True`` (``model.base_dtype = "fp8_scaled"``) the blocks' Linear weights are not multiplied out:
+  a float8 weight stays float8 with its own scale (1 without one), any other is quantised as it is read
+  (``fp8.quantise_rows``), and the model comes back with those Linears as ``fp8.ScaledFp8Linear``.
 
 Building blocks for other streamed loads (folder shards, other key layouts): :func:`training_dtype`,
 :func:`stream_into`.
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
+from wantrain.models.wan22 import fp8
 
 SCALE_SUFFIX = ".scale_weight"
 _UNUSED_SUFFIXES = (".scale_input",)
@@ -115,7 +119,7 @@ class _Reader:
 
 
 def load_transformer(file: Path, setting: str, variant: str, build: Callable[[], nn.Module],
-                     dtype: torch.dtype) -> nn.Module:
+                     dtype: torch.dtype, *, fp8_scaled: bool = False) -> nn.Module:
     """The transformer in ``file`` (``setting`` is the config key naming it, for messages), built by ``build``
     (called under ``torch.device("meta")``) and streamed into ``dtype`` (see the module docstring)."""
     from safetensors import SafetensorError
@@ -123,6 +127,8 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
     where = f"model.{setting} '{file}'"
     with torch.device("meta"):
         model = build()
+    kept_in_fp8 = fp8.target_weights(model) if fp8_scaled else set()
+    fp8_scales: dict[str, torch.Tensor] = {}
     try:
         with _Reader(file) as reader:
             keys = reader.keys()
@@ -139,7 +145,14 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
             def read(name: str, target: torch.dtype) -> torch.Tensor:
                 key = mapping[name]
                 tensor = reader.get(key)
-                if name in scale_of:  # fp8_scaled: the real weight is weight * scale, computed in float32
+                if name in kept_in_fp8:  # scaled fp8 storage: the file's fp8 and scale as they are, or quantised
+                    if tensor.dtype == fp8.FP8:
+                        fp8_scales[name] = (reader.get(scale_of[name]).to(torch.float32) if name in scale_of
+                                            else torch.ones(()))
+                    else:
+                        tensor, fp8_scales[name] = fp8.quantise_rows(tensor)
+                    target = fp8.FP8
+                elif name in scale_of:  # fp8_scaled: the real weight is weight * scale, computed in float32
                     scale = reader.get(scale_of[name]).to(torch.float32)
                     tensor = tensor.to(torch.float32).mul_(scale.reshape(-1, *([1] * (tensor.dim() - 1)))
                                                            if scale.numel() > 1 else scale.reshape(()))
@@ -154,6 +167,8 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{where} is not a readable safetensors file ({exc})") from None
     _rebuild_derived_buffers(model)
+    if fp8_scaled:
+        fp8.to_scaled_fp8(model, fp8_scales, compute_dtype=dtype)
     return model.eval()
 
 
