@@ -213,3 +213,17 @@ def test_a_bf16_single_file_is_quantised_as_it_is_read_to_the_same_weights_as_th
     weights = [n for n in p if n.endswith("base_layer.weight")]
     assert all(p[n].dtype == q[n].dtype == E4M3 and torch.equal(p[n].view(torch.uint8), q[n].view(torch.uint8))
                for n in weights)
+
+
+def test_the_memory_planner_counts_the_scales_and_the_bf16_copies_of_scaled_fp8():
+    from wantrain.models.wan22.memory import MemorySettings, estimate, weight_bytes
+
+    rest8, blocks8 = weight_bytes("t2v-a14b", "fp8")
+    rest_s, blocks_s = weight_bytes("t2v-a14b", "fp8_scaled")
+    # per output row of a block's 10 Linears (8 x 5120 + 13824 + 5120): a float32 scale, and a bias in bf16
+    # rather than float8
+    assert rest_s == rest8 and blocks_s[0] - blocks8[0] == (8 * 5120 + 13824 + 5120) * (4 + 1)
+    size = dict(width=832, height=480, frames=81, rank=32)
+    plain, scaled = (estimate("t2v-a14b", MemorySettings(d, 20, True), **size) for d in ("fp8", "fp8_scaled"))
+    assert scaled.parts["one recomputed block"] == plain.parts["one recomputed block"]  # the bf16 weight copies
+    assert 0 < scaled.allocated - plain.allocated < 0.01 * plain.allocated
