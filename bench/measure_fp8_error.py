@@ -19,7 +19,7 @@
 
 Runs on a CPU (fp8 storage is allowed on the CPU here, as the tests allow it). JSON on stdout.
 
-    python bench/measure_fp8_error.py                 # ~3-5 min on 2 shared cores, ~6 GB RAM
+    python bench/measure_fp8_error.py                 # ~7-10 min on 2 shared cores, ~6 GB RAM
     python bench/measure_fp8_error.py --tokens 4096
 """
 
