@@ -227,3 +227,16 @@ def test_the_memory_planner_counts_the_scales_and_the_bf16_copies_of_scaled_fp8(
     plain, scaled = (estimate("t2v-a14b", MemorySettings(d, 20, True), **size) for d in ("fp8", "fp8_scaled"))
     assert scaled.parts["one recomputed block"] == plain.parts["one recomputed block"]  # the bf16 weight copies
     assert 0 < scaled.allocated - plain.allocated < 0.01 * plain.allocated
+
+
+def test_block_swap_moves_the_scales_with_the_float8_weights_and_gives_the_same_gradients(fp8_on_cpu):
+    plain = make_adapter("tiny-t2v", base_dtype="fp8_scaled", experts="high_noise")
+    swapped = make_adapter("tiny-t2v", base_dtype="fp8_scaled", experts="high_noise", blocks_to_swap=1)
+    last = swapped.transformer_for("high_noise").blocks[-1].attn1.to_q.base_layer
+    assert last.weight.is_meta and last.weight_scale.is_meta  # unloaded: both are placeholders
+    batch = plain.encode_batch(raw_batch())
+    grads = []
+    for adapter in (plain, swapped):
+        adapter.loss(batch, "high_noise", torch.Generator().manual_seed(3)).backward()
+        grads.append([p.grad for p in adapter.trainable_parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
