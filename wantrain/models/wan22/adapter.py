@@ -25,8 +25,8 @@ from torch import nn
 
 from wantrain.core.errors import UserError
 from wantrain.core.optim_state import check_rescalable, rescale_state, state_kind
-from wantrain.models.wan22 import architecture
-from wantrain.models.wan22.config import LoraConfig, ModelConfig
+from wantrain.models.wan22 import architecture, fp8
+from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.export import (
     ADAPTER_NAME,
     LORA_TARGET_REGEX,
@@ -56,11 +56,10 @@ def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device, 
     choice = model.base_dtype
     if choice == "auto":
         choice = "fp32" if spec.tiny else "bf16"
-    if choice == "fp8":
+    if choice in FP8_DTYPES:
         if training and device.type not in FP8_DEVICE_TYPES:
-            raise UserError(
-                f"model.base_dtype = 'fp8' needs a CUDA device (training device is {device.type}); use 'bf16' or 'fp32'"
-            )
+            raise UserError(f"model.base_dtype = '{choice}' needs a CUDA device (training device is {device.type}); "
+                            "use 'bf16' or 'fp32'")
         return torch.bfloat16, torch.bfloat16
     dtype = torch.float32 if choice == "fp32" else torch.bfloat16
     return dtype, dtype
@@ -131,8 +130,9 @@ class Wan22Adapter:
         self._swaps: dict[str | None, BlockSwap] = {}  # model.blocks_to_swap > 0: per expert
         self._offload = ActivationOffload(self.device) if model.offload_activations else None
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
-            transformer = self.source.transformer(expert, load_dtype)
-            self._transformers[expert] = self._prepare(transformer, fp8=model.base_dtype == "fp8",
+            scaled = model.base_dtype == "fp8_scaled"
+            transformer = self.source.transformer(expert, load_dtype, fp8_scaled=scaled)
+            self._transformers[expert] = self._prepare(transformer, storage=model.base_dtype,
                                                        init_seed=lora_init_seed(seed, expert))
             if expert in init_files:
                 self._start_from(expert, init_files[expert])
@@ -153,12 +153,15 @@ class Wan22Adapter:
         self._text_encoder = None
         self._next_quantile: float | None = None  # set_timestep_quantile(): for the next loss() only
 
-    def _prepare(self, transformer: nn.Module, fp8: bool, init_seed: int) -> nn.Module:
+    def _prepare(self, transformer: nn.Module, storage: str, init_seed: int) -> nn.Module:
         from peft import LoraConfig as PeftLoraConfig
 
         transformer.requires_grad_(False)
-        if fp8:  # before the LoRA is added, so that only base Linears are stored in fp8
+        # before the LoRA is added, so that only base Linears are stored in fp8
+        if storage == "fp8":
             transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        elif storage == "fp8_scaled":  # a streamed file or folder comes converted already (single_file.py)
+            fp8.to_scaled_fp8(transformer)
         if self.model_config.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         lora = self.lora_config
@@ -393,9 +396,12 @@ class Wan22Adapter:
         (expert,) = missing
         self.source.check_expert(expert, "needed to sample with one trained expert")
         load_dtype, _ = _storage_dtype(self.model_config, self.spec, self.device)
-        transformer = self.source.transformer(expert, load_dtype)
-        if self.model_config.base_dtype == "fp8":
+        storage = self.model_config.base_dtype
+        transformer = self.source.transformer(expert, load_dtype, fp8_scaled=storage == "fp8_scaled")
+        if storage == "fp8":
             transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        elif storage == "fp8_scaled":
+            fp8.to_scaled_fp8(transformer)
         if lora_file is not None:
             _load_lora_file(transformer, Path(lora_file), expert)
         transformer.requires_grad_(False).eval()

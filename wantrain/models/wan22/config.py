@@ -16,6 +16,8 @@ from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
 from wantrain.models.wan22.variants import VARIANTS
 
+FP8_DTYPES = ("fp8", "fp8_scaled")  # base dtypes that store the blocks' Linears in float8_e4m3fn
+
 
 @section
 class ModelConfig:
@@ -89,10 +91,12 @@ class ModelConfig:
         range=between(0.0, 1.0),
     )
     gradient_checkpointing: bool = setting(True, doc="Recompute transformer activations in the backward pass.")
-    base_dtype: Literal["auto", "fp32", "bf16", "fp8"] = setting(
+    base_dtype: Literal["auto", "fp32", "bf16", "fp8", "fp8_scaled"] = setting(
         "auto",
         doc="Storage dtype of the frozen base transformer: `auto` is fp32 for tiny variants and bf16 for real "
-        "ones; `fp8` stores float8_e4m3fn and computes in bf16 (CUDA only).",
+        "ones; `fp8` casts the blocks' Linears to float8_e4m3fn and computes in bf16; `fp8_scaled` stores them "
+        "in float8_e4m3fn with one float32 scale per output row (max|row|/448; a ComfyUI fp8_scaled file keeps "
+        "its own) and computes in bf16: less error than `fp8`, same memory (both CUDA only).",
     )
     offload_device: str = setting(
         "cpu", doc="Where the inactive expert and its optimizer state wait while the other one trains."
@@ -137,13 +141,13 @@ class ModelConfig:
                 "model.vram_budget_gb chooses blocks_to_swap and offload_activations itself; remove those two keys "
                 "or the budget"
             )
-        if self.base_dtype == "fp8" and not self.gradient_checkpointing:
-            # layerwise casting computes each Linear from a bf16 copy of its weight, and autograd keeps that copy
+        if self.base_dtype in FP8_DTYPES and not self.gradient_checkpointing:
+            # both fp8 storages compute each Linear from a bf16 copy of its weight, and autograd keeps that copy
             # for the backward in every block: more memory than bf16 storage (tests/data/test_vram_estimate.py)
             raise ConfigError(
-                "model.base_dtype = 'fp8' with model.gradient_checkpointing = false keeps a bf16 copy of every "
-                "frozen Linear for the backward (more memory than 'bf16'); set gradient_checkpointing = true or "
-                "base_dtype = 'bf16'"
+                f"model.base_dtype = '{self.base_dtype}' with model.gradient_checkpointing = false keeps a bf16 copy "
+                "of every frozen Linear for the backward (more memory than 'bf16'); set gradient_checkpointing = "
+                "true or base_dtype = 'bf16'"
             )
         if spec.boundary_ratio is None:
             if self.experts != "both":

@@ -2,8 +2,9 @@
 
 The weights are counted exactly, tensor by tensor, on a ``meta`` build of the variant's architecture in the dtypes
 a run gives them (``_keep_in_fp32_modules`` in fp32; with fp8 the Linears diffusers' layerwise casting stores in
-float8_e4m3fn). The activations use constants measured by ``bench/trace_memory.py`` (a fake-tensor trace of a
-real-size step on a CPU; docs/benchmarks.md has its table and the estimate's error on every row). Parts (bytes):
+float8_e4m3fn; with fp8_scaled those Linears in float8 plus their per-row float32 scales, ``fp8.py``). The
+activations use constants measured by ``bench/trace_memory.py`` (a fake-tensor trace of a real-size step on a CPU;
+docs/benchmarks.md has its table and the estimate's error on every row). Parts (bytes):
 
 * ``weights resident``: the frozen base outside the swapped blocks (one expert; the other waits on the host);
 * ``swap buffers``: ``ring`` blocks' frozen tensors (``model.blocks_to_swap`` > 0);
@@ -43,7 +44,7 @@ LORA_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 
 @attrs.frozen
 class MemorySettings:
-    base_dtype: str  # "fp32", "bf16" or "fp8"
+    base_dtype: str  # "fp32", "bf16", "fp8" or "fp8_scaled"
     blocks_to_swap: int = 0
     offload_activations: bool = False
 
@@ -106,6 +107,10 @@ def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tu
     cast_keeping_fp32_modules(model, dtype)
     if base_dtype == "fp8":
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    elif base_dtype == "fp8_scaled":  # float8 weights, bf16 biases and the float32 scales, as the adapter stores them
+        from wantrain.models.wan22.fp8 import to_scaled_fp8
+
+        to_scaled_fp8(model)
 
     def size(module) -> float:
         return float(sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]))
@@ -168,7 +173,7 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     tokens = tokens_of(spec, width, height, frames, batch)
     hidden = tokens * d * 2.0
     per_block = tokens * (C_WIDTH * d + C_FFN * f)
-    if settings.base_dtype == "fp8":
+    if settings.base_dtype in ("fp8", "fp8_scaled"):  # both compute from bf16 copies of the block's Linears
         per_block += _linear_bytes_bf16(variant, layers)
     if not gradient_checkpointing:
         inputs, per_block = 0.0, per_block * n

@@ -14,6 +14,9 @@ Checks, each one line naming the file (:class:`~wantrain.core.errors.UserError`)
   weight is ``weight.float() * scale_weight``; the scale is applied exactly (in float32, one rounding to the
   training dtype) when it is one number or one per output row, else the file is refused. Their ``scaled_fp8``
   marker and ``scale_input`` tensors (activation scales for fp8 matmuls) carry no weight and are not used.
+  With ``fp8_scaled=True`` (``model.base_dtype = "fp8_scaled"``) the blocks' Linear weights are not multiplied out:
+  a float8 weight stays float8 with its own scale (1 without one), any other is quantised as it is read
+  (``fp8.quantise_rows``), and the model comes back with those Linears as ``fp8.ScaledFp8Linear``.
 
 Other sources stream through the same loop: ``reader`` (an object with this module's ``_Reader`` methods, e.g.
 ``sharded.ShardReader`` over a folder of shards), ``key_map`` (the file's names to diffusers', e.g. the identity for
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
+from wantrain.models.wan22 import fp8
 
 SCALE_SUFFIX = ".scale_weight"
 _UNUSED_SUFFIXES = (".scale_input",)
@@ -127,15 +131,17 @@ class _Reader:
 def load_transformer(file: Path, setting: str, variant: str, build: Callable[[], nn.Module],
                      dtype: torch.dtype, *, reader: Any = None,
                      key_map: Callable[[Iterable[str]], dict[str, str]] | None = None,
-                     store: Mapping[str, torch.dtype] | None = None) -> nn.Module:
+                     store: Mapping[str, torch.dtype] | None = None, fp8_scaled: bool = False) -> nn.Module:
     """The transformer in ``file`` (``setting`` is the config key naming it, for messages), built by ``build``
     (called under ``torch.device("meta")``) and streamed into ``dtype`` (see the module docstring; ``reader``,
-    ``key_map`` and ``store`` there)."""
+    ``key_map``, ``store`` and ``fp8_scaled`` there)."""
     from safetensors import SafetensorError
 
     where = f"model.{setting} '{file}'"
     with torch.device("meta"):
         model = build()
+    kept_in_fp8 = fp8.target_weights(model) if fp8_scaled else set()
+    fp8_scales: dict[str, torch.Tensor] = {}
     try:
         with reader if reader is not None else _Reader(file) as reader:
             keys = reader.keys()
@@ -152,7 +158,14 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
             def read(name: str, target: torch.dtype) -> torch.Tensor:
                 key = mapping[name]
                 tensor = reader.get(key)
-                if name in scale_of:  # fp8_scaled: the real weight is weight * scale, computed in float32
+                if name in kept_in_fp8:  # scaled fp8 storage: the file's fp8 and scale as they are, or quantised
+                    if tensor.dtype == fp8.FP8:
+                        fp8_scales[name] = (reader.get(scale_of[name]).to(torch.float32) if name in scale_of
+                                            else torch.ones(()))
+                    else:  # from the training dtype's rounding, whatever the source stores (same scales)
+                        tensor, fp8_scales[name] = fp8.quantise_rows(tensor.to(dtype))
+                    target = fp8.FP8
+                elif name in scale_of:  # fp8_scaled: the real weight is weight * scale, computed in float32
                     scale = reader.get(scale_of[name]).to(torch.float32)
                     tensor = tensor.to(torch.float32).mul_(scale.reshape(-1, *([1] * (tensor.dim() - 1)))
                                                            if scale.numel() > 1 else scale.reshape(()))
@@ -168,6 +181,8 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{where} is not a readable safetensors file ({exc})") from None
     _rebuild_derived_buffers(model)
+    if fp8_scaled:
+        fp8.to_scaled_fp8(model, fp8_scales, compute_dtype=dtype)
     return model.eval()
 
 
