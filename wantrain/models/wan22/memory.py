@@ -45,8 +45,9 @@ C_WIDTH = 75.8
 C_FFN = 10.0
 # ... and per text token per unit of width (bench/measure_block_activations.py, saved_tensors_hooks on one block).
 C_TEXT = 17.0
-# With activation offload, the block inputs still on the device: this many blocks' worth plus a fixed part.
-OFFLOAD_BLOCKS = 1.03
+# With activation offload, the block inputs still on the device: this many blocks' worth plus a fixed part (the
+# block recomputing and the next one's inputs, prefetched while it does: bench/trace_memory.py).
+OFFLOAD_BLOCKS = 2.03
 OFFLOAD_FIXED = 0.53 * GIB
 WORKSPACE_FIXED = 0.10 * GIB
 FRAGMENTATION = 1.05
