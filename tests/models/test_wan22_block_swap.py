@@ -145,7 +145,7 @@ def offload_timeline(prefetch: bool):
     model = six_block_model()
     events: list[tuple[str, int]] = []
     offload = ActivationOffload(CPU, "cpu", min_bytes=512, prefetch=prefetch,
-                                on_copy_back=lambda place: events.append(("copy", place)))
+                                on_copy_back=lambda place, nbytes: events.append(("copy", place)))
     saved_before: dict[int, int] = {}  # block -> places saved before its forward starts (its inputs: the last ones)
 
     def before(k):

@@ -39,12 +39,12 @@ class _Packed:
 
 class ActivationOffload:
     """Saved-tensor hooks moving large device tensors to ``host`` (pinned on CUDA) and prefetching them back.
-    ``on_pack(nbytes)`` is called for every device->host copy, ``on_copy_back(index)`` for every host->device copy
-    with the tensor's place in the save order (tests, benchmarks). ``prefetch=False``: each tensor is copied back
-    only when the backward pass unpacks it."""
+    ``on_pack(nbytes)`` is called for every device->host copy, ``on_copy_back(index, nbytes)`` for every
+    host->device copy with the tensor's place in the save order (tests, benchmarks). ``prefetch=False``: each
+    tensor is copied back only when the backward pass unpacks it."""
 
     def __init__(self, device: torch.device, host: torch.device | str = "cpu", *, min_bytes: int = 1 << 20,
-                 on_pack: Callable[[int], None] | None = None, on_copy_back: Callable[[int], None] | None = None,
+                 on_pack: Callable[[int], None] | None = None, on_copy_back: Callable[[int, int], None] | None = None,
                  prefetch: bool = True) -> None:
         self.device = torch.device(device)
         self.host = torch.device(host)
@@ -109,7 +109,7 @@ class ActivationOffload:
 
     def _copy_back(self, packed: _Packed) -> None:
         if self.on_copy_back is not None:
-            self.on_copy_back(packed.index)
+            self.on_copy_back(packed.index, packed.host.numel() * packed.host.element_size())
         if self._stream is None:
             packed.ready = packed.host.to(packed.device, non_blocking=self._pin)
             return
