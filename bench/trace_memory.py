@@ -7,7 +7,7 @@ memory) in the dtypes a run gives them (base in bf16 or float8_e4m3fn with diffu
 when asked. One step (forward with gradient checkpointing, the flow-matching MSE, backward, AdamW with its state)
 runs under a dispatch mode that counts the bytes of every live storage on the device: the peak is what the
 tensors need, the quantity ``torch.cuda.max_memory_allocated`` reports, and what the planner's estimate
-(``wantrain.data.report.memory_plan``) is checked against.
+(``wantrain.models.wan22.memory``, what ``wantrain check`` prints) is checked against.
 
 Choices that differ from a GPU:
 

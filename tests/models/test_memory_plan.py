@@ -171,3 +171,29 @@ def test_memory_settings_that_cannot_work_are_one_line_config_errors(keys, messa
 
     with pytest.raises(ConfigError, match=message):
         ModelConfig(variant="t2v-a14b", **keys)
+
+
+def test_the_readme_table_of_what_fits_where_is_the_planners():
+    """README's "What fits where" is the planner's output (one estimate everywhere): every cell's setting and
+    figures, recomputed."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (\d+) \| (.+?) \| (.+?) \|$", text.split("## What fits where")[1].split("\n## ")[0],
+                      flags=re.M)
+    assert [int(r[0]) for r in rows] == [80, 48, 32, 24, 16]
+    for budget, *cells in rows:
+        for (width, height), cell in zip(((832, 480), (1280, 720)), cells):
+            chosen, smallest = plan("t2v-a14b", float(budget), base_dtype="auto", width=width, height=height,
+                                    frames=81, rank=32)
+            if chosen is None:
+                assert cell.startswith("does not fit"), (budget, cell)
+                best = re.search(r"\(([\d.]+) at best\)", cell)
+                assert best is None or best.group(1) == f"{smallest.device_gib:.1f}", (budget, cell)
+                continue
+            s = chosen.settings
+            swapped = re.search(r"(\d+) blocks swapped", cell)
+            assert (int(swapped.group(1)) if swapped else 0) == s.blocks_to_swap, (budget, cell)
+            assert ("offload" in cell) == s.offload_activations and cell.startswith(s.base_dtype), (budget, cell)
+            figures = re.search(r"\(([\d.]+)(?: tensors)?, ([\d.]+)(?: card)?\)", cell).groups()
+            assert figures == (f"{chosen.allocated / GIB:.1f}", f"{chosen.device_gib:.1f}"), (budget, cell)
