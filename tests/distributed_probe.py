@@ -1,6 +1,7 @@
 """A test observer for the torchrun tests (``[observers] extra = ["distributed_probe:RankProbe"]``), attached on
 every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory, what its rank saw:
-``rank<R>.json`` (each optimizer step's skip decision, each log step's loss, the run's status) and
+``rank<R>.json`` (each optimizer step's skip decision, each log step's loss, the metric names of every
+``MetricsLogged``, the run's status) and
 ``rank<R>.safetensors`` (the rank's final LoRA weights). On ranks other than 0 it records, through an audit hook,
 every write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
 ``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only."""
@@ -27,7 +28,7 @@ class RankProbe(Observer):
         self.directory = Path(directory) if directory else None
         self.stop_at = int(os.environ.get("WANTRAIN_PROBE_STOP_AT", "0"))
         self.stop_rank = int(os.environ.get("WANTRAIN_PROBE_STOP_RANK", "-1"))
-        self.record: dict = {"rank": self.rank, "steps": [], "losses": {}, "writes": []}
+        self.record: dict = {"rank": self.rank, "steps": [], "losses": {}, "keys": [], "writes": []}
         watch = os.environ.get("WANTRAIN_PROBE_WATCH")
         if watch and self.rank != 0:
             self._install_hook(str(Path(watch).resolve()))
@@ -61,6 +62,7 @@ class RankProbe(Observer):
     @on(MetricsLogged)
     def logged(self, event: MetricsLogged, ctx) -> None:
         self.record["losses"][str(event.step)] = event.values.get("train/loss")
+        self.record["keys"].append([event.step, sorted(event.values)])
 
     @on(RunEnded)
     def ended(self, event: RunEnded, ctx) -> None:

@@ -191,3 +191,57 @@ def test_the_lr_finder_sweeps_on_both_ranks_and_rank_0_writes_its_files(workspac
     assert record1["writes"] == []
     record0, _ = probe(workspace, "finder", 0)
     assert record0["losses"] == record1["losses"] and len(record0["losses"]) == 16
+
+
+def launcher(workspace: Path, *args: str) -> list[str]:
+    """A torchrun command line (``args``: its options) running the quickstart copy in ``workspace``."""
+    return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "wantrain", "run",
+            str(workspace / "quickstart.toml"), "--set", "observers.progress=false"]
+
+
+def test_the_quickstart_runs_under_torchrun_with_its_validation_and_samples(tmp_path):
+    """`torchrun --nproc_per_node 2 -m wantrain run examples/quickstart.toml`, shortened: one run directory with the
+    val/ series and the samples; every rank's MetricsLogged has the same names; the step-0 validation (before any
+    training, so the same model on both sides) equals a one-process run's up to the float64 sum's order."""
+    config = copy_examples(tmp_path, validation_and_samples=True)
+    shutil.copy(ROOT / "tests" / "distributed_probe.py", tmp_path / "distributed_probe.py")
+    steps = ["--max-steps", "4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANTRAIN_PROBE_DIR": str(tmp_path / "probe")}
+    done = subprocess.run(
+        launcher(tmp_path, "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()))
+        + steps + ["--set", 'observers.extra=["distributed_probe:RankProbe"]'],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert sorted(p.name for p in (run_dir / "samples").glob("*.mp4")) == ["step_000000_00.mp4",
+                                                                           "step_000004_00.mp4"]
+    lines = metrics(run_dir)
+    val = {r["step"]: r for r in lines if "val/loss" in r}
+    assert sorted(val) == [0, 4] and {"val/loss/high_noise", "val/loss/t_0.5"} <= set(val[4])
+    record0, record1 = (json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert record0["keys"] == record1["keys"] and len(record0["keys"]) >= 2
+
+    assert main(["run", str(config), "--max-steps", "1", "--set", "sample.enabled=false",
+                 "--set", f'run.output_dir="{tmp_path / "one"}"', "--set", "observers.progress=false"]) == 0
+    one = {r["step"]: r for r in metrics(only_run_dir(tmp_path / "one")) if "val/loss" in r}
+    for name, value in one[0].items():
+        if name.startswith("val/"):
+            assert val[0][name] == pytest.approx(value, rel=1e-12, abs=0), name
+
+
+def test_two_torchrun_launchers_meet_through_a_c10d_rendezvous_as_two_nodes(tmp_path):
+    """docs/distributed.md's multi-node command, both "machines" on localhost: two launchers of one process each
+    (`--nnodes 2`, c10d rendezvous, gloo) train one run."""
+    copy_examples(tmp_path)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = launcher(tmp_path, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+                       "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "wantrain-test") + ["--max-steps", "2"]
+    nodes = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [node.communicate(timeout=600) for node in nodes]
+    for node, (_, err) in zip(nodes, results, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert [r["step"] for r in metrics(run_dir)][-1] == 2
+    assert sorted(loras(run_dir)) == ["quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"]

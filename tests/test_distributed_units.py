@@ -194,3 +194,43 @@ def test_the_other_ranks_wait_for_rank0_filling_the_cache_past_the_collective_ti
 
     mp.spawn(_cache_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
     assert [(tmp_path / f"out.{r}").read_text() for r in (0, 1)] == ["waited", "waited"]
+
+
+BUSY_S = 5.0
+GROUP_TIMEOUT_S = 2.0
+
+
+def _waiting_worker(rank: int, store: str, out: str) -> None:
+    import datetime
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    from wantrain.core.distributed import ProcessGroupSync, Topology
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    sync = ProcessGroupSync(Topology(rank=rank, world_size=2), torch.device("cpu"))
+    # validation sums: every rank's share added up, the same numbers on both ranks
+    sums = sync.sum_values([0.25 + rank, 1.0])
+    started = time.monotonic()
+    if rank == 0:
+        time.sleep(BUSY_S)  # rank 0 samples, longer than the default group's timeout
+    sync.wait_for_rank0()  # built without start(): the patient group is created here, by rank 0 5 s late
+    waited = time.monotonic() - started
+    sync.barrier()  # the default group still works afterwards
+    with open(f"{out}.{rank}", "w") as fh:
+        json.dump({"sums": sums, "waited": waited}, fh)
+    dist.destroy_process_group()
+
+
+def test_other_ranks_wait_for_rank_0s_samples_past_the_process_groups_timeout(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_waiting_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
+    assert r0["sums"] == r1["sums"] == [1.5, 2.0]
+    assert r1["waited"] >= BUSY_S - 1.0 > GROUP_TIMEOUT_S  # rank 1 waited the whole time, without timing out

@@ -71,3 +71,62 @@ def test_a_switch_with_block_swap_moves_no_swapped_block_and_the_leaving_expert_
     assert swapped > lora  # the swapped block is big enough to show in the byte counts
     assert device.bytes("to_device") == waiting + 3 * lora  # its base (swapped block left out), LoRA, moments
     assert adapter.swap_for("high_noise").loaded == () and adapter.swap_for("high_noise").live_blocks() == []
+
+
+def _frozen_bytes(module, where=None) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]
+               if not t.requires_grad and (where is None or t.device == where))
+
+
+def test_a_sampling_only_expert_keeps_one_host_copy_and_never_shares_the_device_with_the_trained_one():
+    """One trained expert plus the other one for sampling (``add_sampling_expert``): it waits on the host, comes in
+    and goes out like a trained expert, its device copy is dropped when it leaves (nothing copied back) and its
+    host copy is the one it was loaded into, every time."""
+    seen: list[list] = []
+    adapter = None
+
+    def resident() -> list:
+        return [e for e in adapter.placement.where
+                if any(t.device == DEVICE for t in [*adapter.transformer_for(e).parameters(),
+                                                     *adapter.transformer_for(e).buffers()] if not t.requires_grad)]
+
+    with MetaAsDevice(on_device_tensor=lambda: adapter is not None and seen.append(resident())) as device:
+        adapter = make_adapter("tiny-t2v", device=DEVICE, offload_device="cpu", experts="low_noise")
+        optimizer = _with_state(adapter)
+        assert adapter.add_sampling_expert() == "high_noise"
+        seen.clear()
+        high, low = adapter.transformer_for("high_noise"), adapter.transformer_for("low_noise")
+        host = [t.data_ptr() for t in [*high.parameters(), *high.buffers()]]
+        frozen, low_base = _frozen_bytes(high, HOST), _frozen_bytes(low)
+        lora = sum(p.numel() * p.element_size() for p in adapter.trainable_parameters("low_noise"))
+        assert adapter.placement.where == {"low_noise": DEVICE, "high_noise": HOST}
+        assert frozen == _frozen_bytes(high) and not any(p.requires_grad for p in high.parameters())
+        device.copies.clear()
+        for expert in ("high_noise", "low_noise", "high_noise", "low_noise"):  # two sampling rounds
+            adapter.activate(expert, optimizer)
+            assert resident() == [expert]
+        assert [t.data_ptr() for t in [*high.parameters(), *high.buffers()]] == host  # the same host copy
+    assert len(seen) > 50 and max(len(r) for r in seen) == 1, "two experts were on the device at once"
+    assert device.bytes("to_host") == 2 * 3 * lora  # the trained expert's LoRA and moments; no base weight
+    assert device.bytes("to_device") == 2 * frozen + 2 * (low_base + 3 * lora)
+    assert adapter.trainable_parameters() == adapter.trainable_parameters("low_noise")
+
+
+def test_a_sampling_only_expert_gets_its_own_block_swap_and_keeps_no_block_on_the_device_when_it_leaves():
+    with MetaAsDevice() as device:
+        adapter = make_adapter("tiny-t2v", device=DEVICE, offload_device="cpu", experts="low_noise",
+                               gradient_checkpointing=True, blocks_to_swap=1)
+        optimizer = _with_state(adapter)
+        adapter.add_sampling_expert()
+        swap = adapter.swap_for("high_noise")
+        high = adapter.transformer_for("high_noise")
+        waiting = _frozen_bytes(high, HOST)  # what the placement keeps for it: the swapped block left out
+        device.copies.clear()
+        adapter.activate("high_noise", optimizer)
+        assert device.bytes("to_device") == waiting  # its base without the swapped block
+        swap.load(1)  # as during its forward pass: the swapped block in its ring
+        device.copies.clear()
+        adapter.activate("low_noise", optimizer)
+    assert swap.host_bytes() > 0 and swap.loaded == () and swap.live_blocks() == []
+    assert device.bytes("to_host") == 0  # nothing of it is copied back
+    assert adapter.placement.where == {"low_noise": DEVICE, "high_noise": HOST}

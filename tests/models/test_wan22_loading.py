@@ -129,3 +129,35 @@ def test_encoders_load_lazily_and_are_released():
     assert adapter.encoders_loaded
     adapter.release_encoders()
     assert not adapter.encoders_loaded
+
+
+def test_the_sampling_only_expert_comes_from_the_same_kinds_of_source_and_a_missing_one_is_one_line(tiny_dir,
+                                                                                                     tmp_path):
+    """experts = "low_noise" with [sample]: the high-noise expert is read from its folder, from
+    model.high_noise_file, or refused in one line naming what is missing (folder, file, or a partial folder of
+    shards)."""
+    from diffusers import WanTransformer3DModel
+
+    path = tiny_dir("tiny-t2v")
+    original = WanTransformer3DModel.from_pretrained(str(path), subfolder="transformer").state_dict()
+    single = tmp_path / "wan2.2_t2v_high_noise_tiny.safetensors"
+    save_file(to_comfyui_keys(original), str(single))
+    partial = _link_dir(path, tmp_path / "no_transformer", skip=("transformer",))
+    for source in ({"path": str(path)}, {"path": str(partial), "high_noise_file": str(single)}):
+        adapter = make_adapter("tiny-t2v", experts="low_noise", **source)
+        assert adapter.add_sampling_expert() == "high_noise"
+        loaded = adapter.transformer_for("high_noise").state_dict()
+        assert all(torch.equal(loaded[k], original[k]) for k in original), source
+    empty = tmp_path / "high_noise_model"
+    empty.mkdir()
+    for source, refusal in (
+            ({"path": str(partial)}, r"missing transformer/ \(the high-noise expert, needed to sample with one "
+                                     r"trained expert; or set model.high_noise_file\)"),
+            ({"path": str(partial), "high_noise_file": str(tmp_path / "gone.safetensors")},
+             "model.high_noise_file .*gone.safetensors' does not exist"),
+            ({"path": str(partial), "high_noise_file": str(empty)},
+             "model.high_noise_file .* is a folder without a .*index.json and with 0 .safetensors files")):
+        adapter = make_adapter("tiny-t2v", experts="low_noise", **source)
+        with pytest.raises(UserError, match=refusal) as err:
+            adapter.add_sampling_expert()
+        assert "\n" not in str(err.value)

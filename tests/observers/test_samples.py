@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -133,15 +134,156 @@ def test_training_sample_equals_diffusers_pipeline_with_the_saved_lora(variant, 
     assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
 
 
+SECOND = dict(prompt="a green ball", width=48, height=32, frames=9, seed=11, steps=2, guidance_scale=1.5,
+              guidance_scale_high_noise=2.5, negative_prompt="rain")
+"""A prompt with options of its own: another size, frame count, seed, steps, guidance per expert, negative."""
+
+
+def random_lora_file(path: Path, expert: str) -> Path:
+    """A LoRA file of ``expert`` (tiny-t2v, rank 4) with random A and B, written by wantrain's own saver."""
+    from tests.models.wan22_helpers import make_adapter
+    from wantrain.models.wan22.export import lora_layers
+
+    adapter = make_adapter("tiny-t2v", experts=expert, gradient_checkpointing=False)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, layer in lora_layers(adapter.transformer_for(expert)):
+            weight = layer.lora_B["wantrain"].weight
+            weight.copy_(torch.randn(weight.shape, generator=g) * 0.2)
+    (written,) = adapter.saver(path.parent, path.stem).save(0, final=True)
+    return Path(written)
+
+
+@pytest.mark.slow
+def test_one_trained_expert_and_a_prompts_own_options_sample_what_diffusers_makes(tmp_path, monkeypatch):
+    """experts = "low_noise": the high-noise steps run its base weights plus `sample.other_expert_lora`; a second
+    prompt sets its own size, frames, seed, steps, guidance and negative prompt. Both videos equal diffusers'
+    pipeline from the model folder with the two LoRA files loaded, and the mp4s hold each prompt's size and frame
+    count (read back with PyAV)."""
+    import av
+    import diffusers
+
+    model_dir = tmp_path / "model"
+    write_tiny_diffusers_dir(VARIANTS["tiny-t2v"], 7, model_dir)
+    other = random_lora_file(tmp_path / "other" / "earlier.safetensors", "high_noise")
+    second = "{ " + ", ".join(f"{k} = {v!r}".replace("'", '"') for k, v in SECOND.items()) + " }"
+    config = write_config(tmp_path, "tiny-t2v", model_dir, image=False, extra=f'other_expert_lora = "{other}"')
+    text = config.read_text().replace(f'prompts = ["{PROMPT}"]', f'prompts = ["{PROMPT}", {second}]')
+    config.write_text(text.replace("switch_every = 1\n", 'switch_every = 1\nexperts = "low_noise"\n'))
+    written = record_videos(monkeypatch)
+    outcome = prepare(load_config(config)).execute()
+    assert outcome.status == "completed"
+    assert sorted(written) == ["step_000000_00.mp4", "step_000000_01.mp4", "step_000004_00.mp4",
+                               "step_000004_01.mp4"]
+    assert [Path(p).name for p in outcome.saved if "_step" not in Path(p).name] == ["s_low_noise.safetensors"]
+
+    pipe = diffusers.WanPipeline.from_pretrained(str(model_dir), local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(other))
+    pipe.load_lora_weights(str(outcome.run_dir / "s_low_noise.safetensors"), load_into_transformer_2=True)
+    common = dict(max_sequence_length=VARIANTS["tiny-t2v"].text_len, output_type="np")
+    first = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=32, width=32, num_frames=5, num_inference_steps=3,
+                 guidance_scale=2.0, generator=torch.Generator().manual_seed(5), **common).frames[0]
+    own = pipe(prompt=SECOND["prompt"], negative_prompt=SECOND["negative_prompt"], height=32, width=48,
+               num_frames=9, num_inference_steps=2, guidance_scale=2.5, guidance_scale_2=1.5,
+               generator=torch.Generator().manual_seed(11), **common).frames[0]
+    for name, reference in (("step_000004_00.mp4", first), ("step_000004_01.mp4", own)):
+        diff = np.abs(written[name].astype(int) - samples_module.to_uint8(reference).astype(int)).max()
+        print(f"{name}: max difference {diff} uint8 levels")
+        assert diff <= TOLERANCE_LEVELS, name
+    effect = np.abs(written["step_000004_00.mp4"].astype(int) - written["step_000000_00.mp4"]).max()
+    assert effect > 4 * TOLERANCE_LEVELS  # the trained low-noise LoRA changed the video: the comparison bites
+
+    for name, (frames, height, width) in (("step_000004_00.mp4", (5, 32, 32)), ("step_000004_01.mp4", (9, 32, 48))):
+        with av.open(str(outcome.run_dir / "samples" / name)) as container:
+            decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        assert len(decoded) == frames and decoded[0].shape == (height, width, 3), name
+    # the latents beside each video change as the LoRA learns (the tiny VAE's frames are noise either way)
+    from PIL import Image
+
+    before, after = (np.asarray(Image.open(outcome.run_dir / "samples" / f"step_00000{s}_00_latents.png"), dtype=int)
+                     for s in (0, 4))
+    assert before.shape == after.shape and np.abs(after - before).max() > 4
+    log = [json.loads(x) for x in (outcome.run_dir / "log.jsonl").read_text().splitlines()]
+    notes = {x.get("note") for x in log if x["event"] == "samples_written"}
+    assert any(n and "random toy model" in n for n in notes)
+
+
+def test_a_lora_file_of_the_trained_expert_given_for_the_other_one_is_refused(tmp_path):
+    from wantrain.core.errors import ConfigError
+
+    wrong = random_lora_file(tmp_path / "lora" / "mine.safetensors", "low_noise")
+    config = write_config(tmp_path, "tiny-t2v", tmp_path / "unused", image=False,
+                          extra=f'other_expert_lora = "{wrong}"')
+    config.write_text(config.read_text().replace(f'path = "{tmp_path / "unused"}"\n', 'experts = "low_noise"\n'))
+    with pytest.raises(ConfigError, match="is a LoRA of the low_noise expert .* the expert this run does not train "
+                                          "is high_noise"):
+        prepare(load_config(config))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sampling_with_one_trained_expert_never_has_two_experts_on_the_device(tmp_path, monkeypatch):
+    from tests.models.wan22_helpers import make_adapter
+    from wantrain.observers.evaluation.samples import SampleJob, SampleVideos
+
+    record_videos(monkeypatch)
+    adapter = make_adapter("tiny-t2v", experts="low_noise", gradient_checkpointing=False)
+    # one real device here: a distinct (equivalent) offload device makes every placement decision visible
+    adapter.offload_device = torch.device("cpu", 0)
+    assert adapter.add_sampling_expert() == "high_noise"
+    assert adapter.experts == ("low_noise",) and adapter.placement.where["high_noise"] == adapter.offload_device
+    seen = []
+    for expert in ("high_noise", "low_noise"):
+        adapter.transformer_for(expert).register_forward_pre_hook(
+            lambda module, args, expert=expert: seen.append((expert, dict(adapter.placement.where))))
+    text = adapter.encode_text(["a red ball"])["text_embeds"]
+    job = SampleJob(index=0, prompt_embeds=text, negative_embeds=None, width=32, height=32, frames=5, seed=1,
+                    steps=6, guidance_scale=1.0, guidance_scale_high_noise=1.0)
+    observer = SampleVideos(out_dir=tmp_path, jobs=[job], every=1, fps=16)
+    observer.sample(3, adapter)
+    assert {e for e, _ in seen} == {"high_noise", "low_noise"}  # both bands were sampled
+    for expert, placement in seen:
+        on_device = [e for e, d in placement.items() if d == adapter.device]
+        assert on_device == [expert], (expert, placement)
+    assert adapter.active == "low_noise" and adapter.placement.where["high_noise"] == adapter.offload_device
+    assert adapter.trainable_parameters() == adapter.trainable_parameters("low_noise")  # nothing of it trains
+    assert "high_noise" not in {k.split("/")[0] for k in adapter.state_dict()["weights"]}
+
+
+def test_a_sampling_only_expert_with_block_swap_samples_the_same_video_and_leaves_no_block_behind(tmp_path,
+                                                                                                  monkeypatch):
+    from tests.models.wan22_helpers import make_adapter
+    from wantrain.observers.evaluation.samples import SampleJob, SampleVideos
+
+    written = record_videos(monkeypatch)
+    for swapped in (0, 2):
+        adapter = make_adapter("tiny-t2v", experts="low_noise", gradient_checkpointing=True, blocks_to_swap=swapped)
+        adapter.offload_device = torch.device("cpu", 0)  # distinct from the training device: every move happens
+        adapter.add_sampling_expert()
+        swap = adapter.swap_for("high_noise")
+        copies: list[int] = []
+        if swapped:
+            swap.on_copy = copies.append
+        text = adapter.encode_text(["a red ball"])["text_embeds"]
+        job = SampleJob(index=0, prompt_embeds=text, negative_embeds=None, width=32, height=32, frames=5, seed=1,
+                        steps=6, guidance_scale=1.0, guidance_scale_high_noise=1.0)
+        SampleVideos(out_dir=tmp_path / str(swapped), jobs=[job], every=1, fps=16).sample(swapped, adapter)
+        if swapped:
+            assert sorted(set(copies)) == list(swap.swapped) != []  # its swapped blocks ran through the ring
+            assert swap.loaded == () and swap.live_blocks() == []  # released when it left the device
+    assert np.array_equal(written["step_000000_00.mp4"], written["step_000002_00.mp4"])
+
+
 def test_sampling_leaves_the_global_rng_and_train_mode_alone(tmp_path, monkeypatch):
     from tests.models.wan22_helpers import make_adapter
-    from wantrain.observers.evaluation.samples import SampleVideos
+    from wantrain.observers.evaluation.samples import SampleJob, SampleVideos
 
     written = record_videos(monkeypatch)
     adapter = make_adapter("tiny-t2v", lora={"dropout": 0.2}, gradient_checkpointing=False)
     text = adapter.encode_text(["a red ball"])["text_embeds"]
-    observer = SampleVideos(out_dir=tmp_path, prompt_embeds=[text], negative_embeds=text * 0, images=[],
-                            width=32, height=32, frames=5, steps=2, guidance_scale=3.0, seed=1, every=1, fps=16)
+    job = SampleJob(index=0, prompt_embeds=text, negative_embeds=text * 0, width=32, height=32, frames=5, seed=1,
+                    steps=2, guidance_scale=3.0, guidance_scale_high_noise=3.0)
+    observer = SampleVideos(out_dir=tmp_path, jobs=[job], every=1, fps=16)
     torch.manual_seed(123)
     before = torch.get_rng_state()
     (path,) = observer.sample(7, adapter)

@@ -120,8 +120,9 @@ def test_run_with_validation_trains_bitwise_like_a_run_without_it(runs):
     line_6 = next(x for x in watched_lines if x["step"] == 6)
     assert "train/loss" in line_6 and "val/loss" in line_6  # one line per log step
     assert series[6]["val/loss"] != series[0]["val/loss"]  # the LoRA trained
-    assert sorted(p.name for p in (watched.run_dir / "samples").iterdir()) == [
+    assert sorted(p.name for p in (watched.run_dir / "samples").glob("*.mp4")) == [
         "step_000000_00.mp4", "step_000003_00.mp4", "step_000006_00.mp4"]
+    assert len(list((watched.run_dir / "samples").glob("*_latents.png"))) == 3
     events = {json.loads(x)["event"] for x in (watched.run_dir / "log.jsonl").read_text().splitlines()}
     assert {"validation", "samples_written"} <= events  # their cost is in the run log
 
@@ -166,15 +167,35 @@ def test_timesteps_of_an_untrained_expert_are_left_out():
     ("[sample]\nenabled = true\n", "tiny-t2v", "'sample.prompts' is empty"),
     ("[sample]\nenabled = true\nprompts = ['x']\nframes = 6\n", "tiny-t2v", r"4k\+1"),
     ("[sample]\nenabled = true\nprompts = ['x']\nwidth = 40\n", "tiny-t2v", "multiple of 16"),
-    ("[sample]\nenabled = true\nprompts = ['x']\n", "tiny-i2v", "one first-frame image per prompt"),
+    ("[sample]\nenabled = true\nprompts = [{prompt = 'x', frames = 6}]\n", "tiny-t2v",
+     r"'sample.prompts\[0\].frames' = 6: use a count of the form 4k\+1"),
+    ("[sample]\nenabled = true\nprompts = ['x', {prompt = 'y', widht = 32}]\n", "tiny-t2v",
+     r"unknown config key 'sample.prompts\[1\].widht': did you mean 'sample.prompts\[1\].width'"),
+    ("[sample]\nenabled = true\nprompts = [{prompt = 'x', width = 40}]\n", "tiny-t2v",
+     r"'sample.prompts\[0\].width' = 40: tiny-t2v needs a multiple of 16"),
+    ("[sample]\nenabled = true\nprompts = [{prompt = 'x', steps = 0}]\n", "tiny-t2v",
+     r"'sample.prompts\[0\].steps' = 0 is out of range"),
+    ("[sample]\nenabled = true\nprompts = [{prompt = 'x', image = 'a.png'}]\n", "tiny-t2v",
+     r"'sample.prompts\[0\].image' is set but tiny-t2v is text-to-video"),
+    ("[sample]\nenabled = true\nprompts = ['x']\nguidance_scale_high_noise = 2.0\n", "tiny-ti2v",
+     "applies to the two-expert A14B variants"),
+    ("[sample]\nenabled = true\nprompts = [{prompt = 'x', guidance_scale_high_noise = 1.0}]\nguidance_scale = 3.0\n",
+     "tiny-t2v", "diffusers runs the negative pass only when the high-noise scale is above 1"),
+    ("[sample]\nenabled = true\nprompts = ['x']\nother_expert_lora = 'run.toml'\n", "tiny-t2v",
+     "is for a run that trains one expert"),
+    ("[sample]\nenabled = true\nprompts = ['x']\nother_expert_lora = 'no.safetensors'\n", "tiny-t2v:low_noise",
+     "'sample.other_expert_lora' = .* does not exist"),
+    ("[sample]\nenabled = true\nprompts = ['x']\nother_expert_lora = 'run.toml'\n", "tiny-t2v:low_noise",
+     "'sample.other_expert_lora' = .* is not a readable safetensors file"),
     ("[sample]\nenabled = true\nprompts = ['x']\nimages = ['a.png']\n", "tiny-t2v", "text-to-video"),
     ("[sample]\nenabled = true\nprompts = ['x']\nimages = ['missing.png']\n", "tiny-ti2v", "does not exist"),
     ("[sample]\nenabled = true\nprompts = ['x']\nimages = ['run.toml']\n", "tiny-ti2v", "not a readable image"),
 ])
 def test_bad_validation_and_sample_settings_are_refused_before_the_run_directory(tmp_path, extra, variant, expected):
+    variant, _, experts = variant.partition(":")  # "tiny-t2v:low_noise": one trained expert
     config = write_run(tmp_path, extra, variant=variant)
     with pytest.raises((ConfigError, UserError), match=expected):
-        prepare(load_config(config))
+        prepare(load_config(config, [f"model.experts={experts}"] if experts else []))
     assert not (tmp_path / "runs").exists()
 
 

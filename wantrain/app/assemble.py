@@ -30,7 +30,7 @@ import torch
 from wantrain.app.config import to_plain
 from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
-from wantrain.app.observers import build_observers, resolve_extra_observers
+from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers
 from wantrain.app.preflight import plan_memory, resolve_device
 from wantrain.app.resume import (
     ResumePoint,
@@ -249,11 +249,22 @@ class PreparedRun:
             stats = ensure_cache(self.validation_data, adapter, remove_orphans=False)
             log.info("validation_cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded)
             v = cfg.validation
-            out.append(Validation(cached_batches(self.validation_data, adapter), timesteps=v.timesteps, seed=v.seed,
-                                  every=v.every))
+            topology = self.sync.topology  # under torchrun each rank evaluates every world_size-th clip
+            batches = cached_batches(self.validation_data, adapter)
+            share = list(range(topology.rank, len(batches), topology.world_size))
+            out.append(Validation([batches[c] for c in share], timesteps=v.timesteps, seed=v.seed, every=v.every,
+                                  sync=self.sync if topology.distributed else None, clip_indices=share))
         if cfg.sample.enabled:
-            out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir))
+            out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir, sync=self.sync,
+                                             clips=self._first_frame_sources()))
         return out
+
+    def _first_frame_sources(self) -> list[tuple[Any, int, str]]:
+        """Where an I2V prompt without an image takes its first frame: the validation clips in order, else the
+        first training clip (as (data, clip index, what it is) triples)."""
+        if self.validation_data is not None and self.validation_data.clips:
+            return [(self.validation_data, i, "validation clip") for i in range(len(self.validation_data.clips))]
+        return [(self.data, 0, "training clip")] if self.data.clips else []
 
 
 def _without_faults(plain: dict[str, Any]) -> dict[str, Any]:
@@ -295,15 +306,14 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
     extra_observers = resolve_extra_observers(cfg, config_dir)
+    if cfg.observers.wandb:
+        require_wandb()
     topology = detect_topology()
     point = None
     if resume is not None:
         point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank))
         refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
         check_resume_world_size(point, topology.world_size)
-    if topology.distributed and (cfg.validation.enabled or cfg.sample.enabled):
-        raise UserError("[validation] and [sample] do not run under torchrun yet (several processes); set "
-                        "validation.enabled = false and sample.enabled = false, or train with one process")
     device = resolve_device(cfg.train.device)
     if topology.distributed and device.type == "cuda":
         device = torch.device("cuda", topology.local_rank)  # one GPU per rank
@@ -334,6 +344,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
         cfg = attrs.evolve(cfg, lora=attrs.evolve(cfg.lora, rank=adapter.lora_config.rank,
                                                   alpha=adapter.lora_config.alpha))
+    if cfg.sample.enabled and topology.is_main:  # one trained expert: the other one's weights, for sampling only
+        adapter.add_sampling_expert(cfg.sample.other_expert_lora)
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync)

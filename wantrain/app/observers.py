@@ -83,6 +83,10 @@ BUILT_IN: tuple[BuiltIn, ...] = (
                                     metrics_path=w.run_dir / "alpha_metrics.jsonl" if w.writes_files else None,
                                     stability_applicable=stability_applicable(cfg.model.trained_experts,
                                                                               cfg.model.switch_every))),
+    BuiltIn("wandb", "wantrain.observers.wandb_logger:WandbLogger", lambda cfg: cfg.observers.wandb,
+            lambda cls, cfg, w: cls(project=cfg.observers.wandb_project, run_name=cfg.observers.wandb_run_name,
+                                    tags=cfg.observers.wandb_tags, mode=cfg.observers.wandb_mode, config=w.hparams),
+            sink=True),
     # Prodigy: log d and d * lr (optimizer/effective_lr/<group>)
     BuiltIn("adaptive_lr", "wantrain.observers.adaptive_lr:AdaptiveLR", lambda cfg: _adaptive(cfg) is not None,
             lambda cls, cfg, w: cls(_adaptive(cfg))),
@@ -90,6 +94,15 @@ BUILT_IN: tuple[BuiltIn, ...] = (
 """The built-in observers in attachment order."""
 
 BY_KEY = {row.key: row for row in BUILT_IN}
+
+
+def require_wandb() -> None:
+    """Refuse ``observers.wandb = true`` without the package, in one line (before the run directory exists)."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise UserError("observers.wandb = true needs the wandb package: pip install 'wantrain[wandb]' (or set "
+                        "observers.wandb = false)")
 
 
 def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),

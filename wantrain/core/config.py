@@ -290,8 +290,8 @@ class _Structurer:
             return tp
         origin = typing.get_origin(tp)
         args = typing.get_args(tp)
-        if origin in (list, tuple) and args and _is_section(args[0]):
-            return args[0]
+        if origin in (list, tuple) and args:
+            return _Structurer._section_of(args[0])
         if origin in (typing.Union, types.UnionType):
             for a in args:
                 if _is_section(a):
@@ -361,6 +361,9 @@ class _Structurer:
                     return self.value(a, value, path, f)
                 except ConfigError as exc:
                     errors.append(exc)
+            tables = [e for a, e in zip(non_none, errors, strict=True) if _is_section(a)]
+            if isinstance(value, Mapping) and len(tables) == 1:
+                raise tables[0]  # a table given where a table is valid: its own error (an unknown key, a range)
             if len(errors) == 1:
                 raise errors[0]
             raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected {_type_name(tp)}")
@@ -457,6 +460,15 @@ def unstructure(obj: Any) -> Any:
     return obj
 
 
+def _takes_plain_values(tp: Any) -> bool:
+    """Whether a key whose type holds a section also takes plain values (``list[str | Section]``)."""
+    if typing.get_origin(tp) in (list, tuple) and typing.get_args(tp):
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return False
+    return any(not _is_section(a) and a is not type(None) for a in typing.get_args(tp))
+
+
 def config_reference(root: type, title_prefix: str = "") -> str:
     """Markdown tables documenting every key: name, type, default and meaning, one table per section."""
     lines: list[str] = []
@@ -474,7 +486,8 @@ def config_reference(root: type, title_prefix: str = "") -> str:
             if inner is not None:
                 is_list = typing.get_origin(tp) in (list, tuple)
                 subsections.append((f, inner, is_list))
-                continue
+                if not _takes_plain_values(tp):
+                    continue
             if f.default is NOTHING:
                 default = "required"
             elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]

@@ -42,7 +42,9 @@ import numpy as np
 import torch
 
 PATIENT_TIMEOUT_S = 7 * 24 * 3600.0
-"""How long the other ranks wait for rank 0 to fill the cache (:meth:`ProcessGroupSync.wait_for_rank0`)."""
+"""How long ranks wait for rank 0's own work (:meth:`ProcessGroupSync.wait_for_rank0`: filling the cache, a round
+of samples): far beyond any such job, so in practice no timeout, while a rank 0 that died still ends the wait
+(torchrun also ends the others)."""
 
 PER_RANK_STATE = ("train_state", "generator", "rng", "data", "metrics", "interval")
 """Keys of ``Trainer.state_dict()`` that differ between ranks (each rank's random streams, data position, micro-step
@@ -134,6 +136,10 @@ class SingleProcess:
     def wait_for_rank0(self) -> None:
         return None
 
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        return [float(v) for v in values]
+        return None
+
     def broadcast_parameters(self, params: Sequence[torch.Tensor]) -> None:
         return None
 
@@ -154,7 +160,7 @@ class ProcessGroupSync:
         self.is_main = topology.is_main
         self.device = device
         self._stop_agreed = False
-        self._patient = patient  # a gloo group with a long timeout, for wait_for_rank0
+        self._patient = patient  # a gloo group with a long timeout, for wait_for_rank0 (created lazily if None)
 
     @classmethod
     def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0,
@@ -342,14 +348,35 @@ class ProcessGroupSync:
 
         dist.barrier()
 
-    def wait_for_rank0(self) -> None:
-        """A barrier without the collective timeout: rank 0 calls it when it has finished a long job alone
-        (filling the cache: hours for a large uncached dataset), the others call it to wait for that. On a gloo
-        group of its own (host only) with a timeout of :data:`PATIENT_TIMEOUT_S`, so an NCCL group's 30-minute
-        watchdog never fires while rank 0 encodes."""
+    def _patient_group(self) -> Any:
+        """The gloo group of every rank with a :data:`PATIENT_TIMEOUT_S` timeout. :meth:`start` creates it (every
+        rank passes there at the same point); a sync built without one creates it at its first wait
+        (``new_group`` is a collective of the default group, which every rank reaches at the same call). Gloo also
+        for NCCL runs: a barrier of host processes needs no GPU and keeps NCCL's watchdog out."""
         import torch.distributed as dist
 
-        dist.barrier(group=self._patient)
+        if self._patient is None:
+            self._patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=PATIENT_TIMEOUT_S))
+        return self._patient
+
+    def wait_for_rank0(self) -> None:
+        """A barrier without the collective timeout: rank 0 calls it when it has finished a long job alone
+        (filling the cache: hours for a large uncached dataset; a round of samples: minutes on A14B), the others
+        call it to wait for that. On the patient group (:meth:`_patient_group`), so the default group's timeout
+        (``timeout_s``; an NCCL group's 30-minute watchdog) never fires while rank 0 works."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._patient_group())
+
+    def sum_values(self, values: Sequence[float]) -> list[float]:
+        """The element-wise sum of every rank's ``values`` (same length on every rank), in float64, identical on
+        every rank (rank 0's result is broadcast): one all-reduce and one broadcast."""
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.broadcast(t, src=0)
+        return t.tolist()
 
     def gather_state(self, tree: dict[str, Any]) -> dict[str, Any] | None:
         """Rank 0: ``tree`` plus ``ranks``, every rank's :data:`PER_RANK_STATE` in rank order. Other ranks: None.

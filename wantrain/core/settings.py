@@ -100,6 +100,14 @@ class ObserversConfig:
     extra: list[str] = setting(
         factory=list, doc="Users' observer classes as `package.module:ClassName`, built with no arguments."
     )
+    wandb: bool = setting(False, doc="Log metrics, sample videos and the config to Weights & Biases (the `wandb` "
+                          "extra; docs/observers.md).")
+    wandb_project: str | None = setting(None, doc="wandb project; unset: wandb's default.")
+    wandb_run_name: str | None = setting(None, doc="wandb run name; unset: the run directory's name.")
+    wandb_tags: list[str] = setting(factory=list, doc="wandb tags of the run.")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = setting(
+        None, doc="wandb mode (`offline` writes `<run_dir>/wandb/` only; `wandb sync` uploads it later); unset: "
+        "wandb's default (`WANDB_MODE`, else online).")
 
 
 @section(key="checkpoint")

@@ -319,6 +319,18 @@ class TrainingData:
         return list(out)
 
     # ---- decoding and verification -------------------------------------------------------------------------
+    def first_frame(self, i: int, width: int, height: int) -> np.ndarray:
+        """The first frame clip ``i`` trains on, upright, resized to cover ``width`` x ``height`` and
+        centre-cropped like its training pixels: ``uint8 [H, W, 3]``. Raises ``MediaError`` when it cannot be
+        read (an I2V sample's first frame when the prompt has no image)."""
+        c = self.clips[i]
+        if c.kind == "image":
+            return load_image(c.path, width, height)[0]
+        decoded = decode_video(c.path, c.source_indices()[:1], width, height, c.rotation)
+        if decoded.frames is None:
+            raise MediaError(f"cannot decode the first frame of '{c.path}' ({decoded.error or 'no frames'})")
+        return decoded.frames[0]
+
     def _load_pixels(self, i: int, *, remember: bool) -> torch.Tensor | None:
         """Clip ``i`` as float32 ``[3, F, H, W]`` in [-1, 1]; None (after re-bucketing or skipping it) on failure."""
         c = self.clips[i]

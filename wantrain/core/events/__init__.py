@@ -35,7 +35,8 @@ Python)::
         emit OptimizerStepped                  # says whether the step was skipped (host-known reasons) and the LRs
                                                # may: evaluate the model (validation, samples) inside
                                                #   control.evaluation(): the core brings experts in with their
-                                               #   optimizer state and puts the training expert back at exit
+                                               #   optimizer state and puts the training expert back at exit;
+                                               #   the sample observer then emits SamplesWritten (queued next)
         if too many out-of-memory steps in a row: emergency checkpoint; end `failed`
         if step is a log step:                 # every train.log_every steps, and the last step
             values = ctx.metrics.gather()      # THE one device->host transfer of the interval (with the
@@ -179,6 +180,14 @@ class CheckpointSaved(Event):
 
 
 @attrs.frozen(slots=True, kw_only=True)
+class SamplesWritten(Event):
+    """The sample observer wrote this step's videos (``paths``, the mp4 files in prompt order), on rank 0.
+    Emitted by that observer, queued after the event it sampled at (``RunStarted`` or ``OptimizerStepped``)."""
+
+    paths: tuple[str, ...]
+
+
+@attrs.frozen(slots=True, kw_only=True)
 class OutOfMemory(Event):
     """The device ran out of memory in ``phase`` (``forward``, ``backward`` or ``optimizer``); the micro-batch's
     gradients were dropped. ``consecutive`` counts OOMs in a row."""
@@ -221,6 +230,7 @@ CATALOGUE: tuple[type[Event], ...] = (
     OptimizerStepped,
     MetricsLogged,
     CheckpointSaved,
+    SamplesWritten,
     OutOfMemory,
     ObserverFailed,
     RunEnded,
@@ -296,6 +306,7 @@ __all__ = [
     "OutOfMemory",
     "RunEnded",
     "RunStarted",
+    "SamplesWritten",
     "StepStarted",
     "from_record",
     "known_event_types",

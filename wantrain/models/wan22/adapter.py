@@ -89,6 +89,20 @@ def init_lora_in_fp32(transformer: nn.Module, seed: int) -> None:
         b.zero_()
 
 
+def _load_lora_file(transformer: nn.Module, path: Path, expert: str) -> None:
+    """Load the LoRA file ``path`` into ``transformer`` the way ``WanPipeline.load_lora_weights`` does (its state
+    dict conversion, then ``load_lora_into_transformer``), so a sample equals diffusers' with the same files."""
+    from diffusers.loaders import WanLoraLoaderMixin
+
+    try:
+        state = WanLoraLoaderMixin.lora_state_dict(str(path))
+        WanLoraLoaderMixin.load_lora_into_transformer(state, transformer=transformer, adapter_name="other_expert")
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"config key 'sample.other_expert_lora' = '{path}' does not fit the {expert} expert "
+                        f"({first[:200]}); give a LoRA file of that expert") from None
+
+
 class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
@@ -133,6 +147,7 @@ class Wan22Adapter:
             with self._swapped_blocks_excluded():
                 self.placement.add(self._transformers, first=self.experts[0])
         self.active: str | None = self.experts[0]
+        self.sampling_only: tuple[str, ...] = ()  # experts loaded for sampling only (add_sampling_expert)
         self._vae = None
         self._tokenizer = None
         self._text_encoder = None
@@ -217,8 +232,9 @@ class Wan22Adapter:
 
     def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
         """Put ``expert`` (weights, LoRA, gradients, optimizer state) on the training device after moving every
-        other trained expert off it: the device never holds two experts (``models/wan22/placement.py``). A no-op
-        for an expert already in place. With block swap, an expert that stops training drops its ring."""
+        other expert (trained, or :meth:`sampling-only <add_sampling_expert>`) off it: the device never holds two
+        experts (``models/wan22/placement.py``). A no-op for an expert already in place. With block swap, an
+        expert that leaves the device drops its ring."""
         for e, swap in self._swaps.items():
             if e != expert:
                 swap.release()  # the expert not training keeps no swapped block on the device
@@ -361,10 +377,43 @@ class Wan22Adapter:
         return diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                  flow_shift=5.0 if self.spec.vae == "wan2.2" else 3.0)
 
+    def add_sampling_expert(self, lora_file: Path | None = None) -> str | None:
+        """With one expert of an A14B model trained, load the other one for sampling its timesteps: its base
+        weights from the same kind of source as a trained expert (``model.*_file``: one file or a folder of
+        shards; else its folder in ``model.path``; the tiny twin), frozen, with ``lora_file`` (a Wan 2.2 LoRA in
+        any naming diffusers reads) loaded into it by diffusers' own LoRA loader. It joins the placement as a
+        frozen expert (``ExpertPlacement.add_frozen``): it waits on ``offload_device`` (one host copy) and comes
+        onto the device only through :meth:`activate`, like a trained expert, with its own block swap when
+        ``model.blocks_to_swap`` is set; it has no optimizer group and is neither saved nor checkpointed. Returns
+        the expert (None when there is nothing to add: both experts trained, or a single-transformer variant).
+        Raises ``UserError`` (one line) for missing weights or a LoRA file that does not fit."""
+        missing = [e for e in self.spec.experts if e is not None and e not in self._transformers]
+        if self.spec.boundary_ratio is None or not missing:
+            return None
+        (expert,) = missing
+        self.source.check_expert(expert, "needed to sample with one trained expert")
+        load_dtype, _ = _storage_dtype(self.model_config, self.spec, self.device)
+        transformer = self.source.transformer(expert, load_dtype)
+        if self.model_config.base_dtype == "fp8":
+            transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        if lora_file is not None:
+            _load_lora_file(transformer, Path(lora_file), expert)
+        transformer.requires_grad_(False).eval()
+        if self.model_config.blocks_to_swap:  # as for a trained expert: the host copies are the loaded tensors
+            blocks = transformer.blocks
+            self._swaps[expert] = BlockSwap(transformer, blocks, range(len(blocks) - self.model_config.blocks_to_swap,
+                                                                       len(blocks)), self.device)
+        self._transformers[expert] = transformer
+        with self._swapped_blocks_excluded():
+            self.placement.add_frozen(expert, transformer)
+        self.sampling_only = (*self.sampling_only, expert)
+        return expert
+
     def sampling_pipeline(self, vae: nn.Module, *, image_to_video: bool):
         """diffusers' own ``WanPipeline`` / ``WanImageToVideoPipeline`` around the training transformers (LoRA
         active, no copies) and ``vae``; no text encoder (pass ``prompt_embeds`` and ``negative_prompt_embeds``).
-        Both experts of an A14B variant must be trained. The caller places the experts (:meth:`activate`)."""
+        An A14B variant needs both experts: trained ones, or one trained and the other added by
+        :meth:`add_sampling_expert`. The caller places the experts (:meth:`activate`)."""
         WanPipeline, WanImageToVideoPipeline = architecture.wan_pipelines()
         parts: dict[str, Any] = dict(tokenizer=None, text_encoder=None, vae=vae, scheduler=self.sampling_scheduler())
         if self.spec.boundary_ratio is None:

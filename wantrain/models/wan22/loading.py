@@ -22,6 +22,7 @@ from wantrain.models.wan22.variants import VARIANTS, VariantSpec
 EXPERT_FOLDER = {"high_noise": "transformer", None: "transformer", "low_noise": "transformer_2"}
 _EXPERT_FILE_KEY = {"high_noise": "high_noise_file", "low_noise": "low_noise_file", None: "transformer_file"}
 _ENCODER_PARTS = ("vae", "text_encoder", "tokenizer")
+_ROLE = {"high_noise": "the high-noise expert", "low_noise": "the low-noise expert"}
 
 
 class WeightSource:
@@ -53,15 +54,9 @@ class WeightSource:
         if not self.path.is_dir():
             raise UserError(f"model.path '{self.path}' is not a directory (expected a diffusers-format model folder)")
         for expert in self.experts:
-            if self._expert_file(expert) is not None:
-                continue  # checked by model_files.check_files
-            folder = EXPERT_FOLDER[expert]
-            role = {"high_noise": "the high-noise expert", "low_noise": "the low-noise expert"}.get(
-                expert, "the transformer"
-            )
-            why = f"needed with model.experts = '{self.model.experts}'" if expert else "needed to train"
-            self._require(folder, f"{role}, {why}; or set model.{_EXPERT_FILE_KEY[expert]}")
-            self._check_transformer_config(folder)
+            if self._expert_file(expert) is None:  # a file or folder of shards: checked by model_files.check_files
+                why = f"needed with model.experts = '{self.model.experts}'" if expert else "needed to train"
+                self._check_expert_folder(expert, why)
         if self.model.vae_file is None:
             self._check_vae_folder()
         if self.model.text_encoder_file is None:
@@ -80,6 +75,29 @@ class WeightSource:
                 f"model.path '{self.path}': vae/config.json has z_dim = {vae_z}, but {self.spec.name} uses the "
                 f"{self.spec.vae} VAE with {self.spec.latent_channels} latent channels"
             )
+
+    def check_expert(self, expert: str | None, why: str) -> None:
+        """Refuse, in one line, a missing or unusable transformer of an expert the run does not train but needs
+        (the other A14B expert for sampling), from the same kinds of source as a trained one: its
+        ``model.*_file`` (one file, or the original repos' folder of shards), else its folder in ``model.path``;
+        ``why`` says what it is needed for. Nothing to check for the tiny random twins."""
+        if self.random:
+            return
+        key = _EXPERT_FILE_KEY[expert]
+        if self._expert_file(expert) is not None:
+            model_files.check_expert_source(self.model, expert)
+            return
+        if self.path is None:
+            raise UserError(
+                f"model.{key} or model.path is needed for {_ROLE.get(expert, 'the transformer')} ({why}): give "
+                "its file (or folder of shards), or a diffusers-format model folder"
+            )
+        self._check_expert_folder(expert, why)
+
+    def _check_expert_folder(self, expert: str | None, why: str) -> None:
+        folder = EXPERT_FOLDER[expert]
+        self._require(folder, f"{_ROLE.get(expert, 'the transformer')}, {why}; or set model.{_EXPERT_FILE_KEY[expert]}")
+        self._check_transformer_config(folder)
 
     def _check_transformer_config(self, folder: str) -> None:
         """Every architecture key of ``folder/config.json`` must equal the variant's (``architecture.py``); keys

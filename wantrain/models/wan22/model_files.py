@@ -45,17 +45,7 @@ def everything_from_files(model: Any) -> bool:
 def check_files(model: Any, spec: Any) -> None:
     """One-line refusals for every file key of ``model`` that is set (headers and key names only)."""
     for expert in model.trained_experts:
-        source = expert_source(model, expert)
-        if source is None:
-            continue
-        key = EXPERT_FILE_KEY[expert]
-        if source.is_dir():
-            sharded.check_folder(source, key)
-        elif not source.is_file():
-            raise UserError(f"model.{key} '{source}' does not exist")
-        elif source.suffix != ".safetensors":
-            raise UserError(f"model.{key} '{source}' is not a .safetensors file or a folder of shards (only "
-                            "safetensors are read; convert .pt/.ckpt first)")
+        check_expert_source(model, expert)
     for key in ("vae_file", "text_encoder_file"):
         path = _path(model, key)
         if path is None:
@@ -78,6 +68,22 @@ def check_files(model: Any, spec: Any) -> None:
     if tokenizer is not None and not any((tokenizer / n).is_file() for n in TOKENIZER_FILES):
         raise UserError(f"model.tokenizer_path '{tokenizer}' is not a folder with tokenizer files "
                         f"({', '.join(TOKENIZER_FILES)}: the UMT5 tokenizer, as the original repo's google/umt5-xxl/)")
+
+
+def check_expert_source(model: Any, expert: str | None) -> None:
+    """Refuse ``expert``'s file key (``model.high_noise_file``, ...) when it is set and names neither a .safetensors
+    file nor a complete folder of shards (headers and key names only). Unset: nothing to check."""
+    source = expert_source(model, expert)
+    if source is None:
+        return
+    key = EXPERT_FILE_KEY[expert]
+    if source.is_dir():
+        sharded.check_folder(source, key)
+    elif not source.is_file():
+        raise UserError(f"model.{key} '{source}' does not exist")
+    elif source.suffix != ".safetensors":
+        raise UserError(f"model.{key} '{source}' is not a .safetensors file or a folder of shards (only "
+                        "safetensors are read; convert .pt/.ckpt first)")
 
 
 def files_digest(model: Any) -> str:

@@ -22,7 +22,10 @@ bitsandbytes' paged state (tensors with ``is_paged``) is unified memory the driv
 where it is, so that it stays paged.
 
 With one trained expert (or when the training and offload devices are the same) nothing ever moves and no
-waiting copy is kept. All transfers are issued from the host thread; a non-blocking host->device copy from pinned
+waiting copy is kept. A run that trains one A14B expert and samples adds the other one as a *frozen* expert
+(:meth:`ExpertPlacement.add_frozen`: no LoRA of its own to train, no optimizer state): it waits on the offload device
+like an inactive trained expert, its waiting copy being the host tensors it was loaded into, and the same rules
+hold for both. All transfers are issued from the host thread; a non-blocking host->device copy from pinned
 memory is ordered before any kernel that reads it on the same stream.
 """
 
@@ -84,8 +87,9 @@ def _place(owner: nn.Module, attr: str, value: torch.Tensor, is_param: bool) -> 
 
 
 class ExpertPlacement:
-    """The placement of every trained expert's transformer (see the module docstring). ``where[e]`` is the device
-    of expert ``e``'s base weights; :meth:`resident` lists those on the training device."""
+    """The placement of every expert's transformer: the trained ones (:meth:`add`) and one that only runs
+    (:meth:`add_frozen`; see the module docstring). ``where[e]`` is the device of expert ``e``'s base weights;
+    :meth:`resident` lists those on the training device."""
 
     def __init__(self, device: torch.device, offload_device: torch.device) -> None:
         self.device = torch.device(device)
@@ -102,21 +106,9 @@ class ExpertPlacement:
         self._transformers = dict(experts)
         moves = len(experts) > 1 and self.device != self.offload_device
         if moves:
-            total = sum(t.numel() * t.element_size() for m in experts.values()
-                        for _, _, t, _ in _tensors(m, trainable=False))
-            self.pinned = self.device.type == "cuda" and torch.cuda.is_available() and total <= pin_budget()
-            for expert, transformer in experts.items():
-                waiting = []
-                for owner, attr, tensor, is_param in list(_tensors(transformer, trainable=False)):
-                    copy = tensor.to(self.offload_device)
-                    if self.pinned and copy.device.type == "cpu":
-                        try:
-                            copy = copy.pin_memory()
-                        except RuntimeError:  # the driver refused more pinned memory: pageable from here on
-                            self.pinned = False
-                    _place(owner, attr, copy, is_param)
-                    waiting.append((owner, attr, copy, is_param))
-                self._waiting[expert] = waiting
+            self.pinned = self._may_pin()
+            for expert in experts:
+                self._keep_waiting_copy(expert)
                 self._move_trainable(expert, self.offload_device, None)
                 self.where[expert] = self.offload_device
         else:
@@ -127,6 +119,51 @@ class ExpertPlacement:
                 self.where[expert] = target
         if moves:
             self._move_in(first, None)
+
+    def add_frozen(self, expert: str | None, transformer: nn.Module) -> None:
+        """Add an expert that only runs, never trains (the other A14B expert, for sampling a run that trains one):
+        ``transformer`` has no trainable tensor and its base weights are on the host. It waits off the device and
+        comes in through :meth:`activate` like a trained expert. Its waiting copy is the tensors it was loaded
+        into (one host copy); where the devices differ, an expert placed before without a waiting copy (the one
+        trained expert, which never moved) gets one now, copied back once, so no later move copies base weights
+        to the host."""
+        if any(t.requires_grad for t in transformer.parameters()):
+            raise ValueError(f"add_frozen: the {expert} expert has trainable parameters")
+        self._transformers[expert] = transformer
+        if self.device == self.offload_device:  # nothing ever moves
+            self._move_base(expert, self.device)
+            self.where[expert] = self.device
+            return
+        if not self._waiting:
+            self.pinned = self._may_pin()
+        for e in self._transformers:
+            if e not in self._waiting:
+                self._keep_waiting_copy(e)
+        self.where[expert] = self.offload_device
+
+    def _may_pin(self) -> bool:
+        """Whether the waiting copies of every expert may be pinned (:func:`pin_budget`)."""
+        total = sum(t.numel() * t.element_size() for m in self._transformers.values()
+                    for _, _, t, _ in _tensors(m, trainable=False))
+        return self.device.type == "cuda" and torch.cuda.is_available() and total <= pin_budget()
+
+    def _keep_waiting_copy(self, expert: str | None) -> None:
+        """Make ``expert``'s waiting copy on the offload device (pinned if :attr:`pinned`). Its tensors already
+        there become the copy; an expert off the device then points at its copy, one on the device keeps its
+        device tensors."""
+        on_device = self.where.get(expert) == self.device
+        waiting = []
+        for owner, attr, tensor, is_param in list(_tensors(self._transformers[expert], trainable=False)):
+            copy = tensor.to(self.offload_device)
+            if self.pinned and copy.device.type == "cpu":
+                try:
+                    copy = copy.pin_memory()
+                except RuntimeError:  # the driver refused more pinned memory: pageable from here on
+                    self.pinned = False
+            if not on_device:
+                _place(owner, attr, copy, is_param)
+            waiting.append((owner, attr, copy, is_param))
+        self._waiting[expert] = waiting
 
     def resident(self) -> list[str | None]:
         """The experts whose base weights are on the training device (at most one)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from wantrain.core.config import at_least, between, section, setting
 from wantrain.core.errors import ConfigError
 
@@ -51,15 +53,63 @@ class ValidationConfig:
                               "and 'validation.from_training' (a number of training clips)")
 
 
+PROMPT_KEYS = ("width", "height", "frames", "seed", "steps", "guidance_scale", "guidance_scale_high_noise",
+               "negative_prompt", "image")
+"""The options a prompt of ``[sample]`` may set for itself (the section's values are the defaults)."""
+
+
+@section
+class SamplePrompt:
+    """One prompt of `sample.prompts` with options of its own (`prompts = ["text", {prompt = "text", frames = 17}]`
+    or `[[sample.prompts]]` tables); unset options take the section's values."""
+
+    prompt: str = setting(doc="The prompt.")
+    width: int | None = setting(None, doc="Width in pixels.", range=at_least(16))
+    height: int | None = setting(None, doc="Height in pixels.", range=at_least(16))
+    frames: int | None = setting(None, doc="Frames (4k+1).", range=at_least(1))
+    seed: int | None = setting(None, doc="Seed of this video's initial noise (unset: `sample.seed` + its index).",
+                               range=between(0, 2**63 - 1))
+    steps: int | None = setting(None, doc="Inference (denoising) steps.", range=at_least(1))
+    guidance_scale: float | None = setting(None, doc="Classifier-free guidance scale.", range=at_least(1.0))
+    guidance_scale_high_noise: float | None = setting(
+        None, doc="Guidance of the high-noise expert's steps (A14B).", range=at_least(1.0))
+    negative_prompt: str | None = setting(None, doc="Negative prompt.")
+    image: Path | None = setting(None, doc="First-frame image (I2V; TI2V: image-to-video).")
+
+
+@attrs.frozen
+class PromptSettings:
+    """Everything one sample video is made with: a prompt's own options over the section's."""
+
+    index: int
+    prompt: str
+    width: int
+    height: int
+    frames: int
+    seed: int
+    steps: int
+    guidance_scale: float  # the low-noise expert's steps (every step of a single-transformer model)
+    guidance_scale_high_noise: float
+    negative_prompt: str
+    image: Path | None
+
+    @property
+    def guided(self) -> bool:
+        """Whether diffusers runs the negative pass: its rule is the first (high-noise) stage's scale > 1."""
+        return self.guidance_scale_high_noise > 1.0
+
+
 @section
 class SampleConfig:
     """Sample videos generated during training with diffusers' Wan pipelines (docs/validation.md)."""
 
     enabled: bool = setting(False, doc="Generate sample videos at step 0, every `every` steps and at the end.")
-    prompts: list[str] = setting(factory=list, doc="One video per prompt (`samples/step_000200_00.mp4`, ...).")
+    prompts: list[str | SamplePrompt] = setting(
+        factory=list, doc="One video per prompt (`samples/step_000200_00.mp4`, ...): a string, or a table with "
+        "`prompt` and options of its own (`[[sample.prompts]]`, the keys below).")
     images: list[Path] = setting(
-        factory=list, doc="First-frame images, one per prompt: required for I2V, optional for TI2V (image-to-video "
-        "when given), refused for T2V."
+        factory=list, doc="First-frame images, one per prompt: optional for I2V (a prompt without one takes the "
+        "first frame of a validation or training clip) and TI2V (image-to-video when given), refused for T2V."
     )
     every: int = setting(200, doc="Sample every N optimizer steps (besides step 0 and the end).", range=at_least(1))
     every_epochs: int | None = setting(
@@ -72,11 +122,17 @@ class SampleConfig:
     steps: int = setting(30, doc="Inference (denoising) steps.", range=at_least(1))
     guidance_scale: float = setting(5.0, doc="Classifier-free guidance scale (1 disables the negative pass).",
                                     range=at_least(1.0))
+    guidance_scale_high_noise: float | None = setting(
+        None, doc="Guidance of the high-noise expert's steps (A14B; diffusers' `guidance_scale`, while "
+        "`guidance_scale` is its `guidance_scale_2`); unset: `guidance_scale`.", range=at_least(1.0))
     negative_prompt: str = setting("", doc="Negative prompt used with guidance.")
     seed: int = setting(42, doc="Seed of each video's initial noise (video i uses seed + i).",
                         range=between(0, 2**63 - 1))
     fps: float | None = setting(None, doc="Frame rate written to the mp4 files; unset: the variant's.",
                                 range=at_least(1.0))
+    other_expert_lora: Path | None = setting(
+        None, doc="With one A14B expert trained (`model.experts`), a LoRA file for the other expert, applied while "
+        "sampling its timesteps (e.g. a `_high_noise.safetensors` of an earlier run); unset: its base weights.")
 
     def __attrs_post_init__(self) -> None:
         if self.enabled and not self.prompts:
@@ -84,12 +140,50 @@ class SampleConfig:
         if self.frames is not None and (self.frames - 1) % 4:
             raise ConfigError(f"config key 'sample.frames' = {self.frames}: use a count of the form 4k+1 "
                               "(1, 5, 9, ..., 81)")
+        for i, p in enumerate(self.prompts):
+            if isinstance(p, SamplePrompt) and p.frames is not None and (p.frames - 1) % 4:
+                raise ConfigError(f"config key 'sample.prompts[{i}].frames' = {p.frames}: use a count of the form "
+                                  "4k+1 (1, 5, 9, ..., 81)")
+            if isinstance(p, SamplePrompt) and p.image is not None and i < len(self.images):
+                raise ConfigError(f"prompt {i} has an image twice: 'sample.prompts[{i}].image' and "
+                                  f"'sample.images[{i}]'; keep one")
+        if len(self.images) > len(self.prompts):
+            raise ConfigError(f"config key 'sample.images' has {len(self.images)} images for "
+                              f"{len(self.prompts)} prompts; give at most one per prompt")
+
+    def resolved(self, spec: Any) -> list[PromptSettings]:
+        """Each prompt's settings: its own options, else the section's, else the variant's defaults."""
+        width, height = spec.default_resolution
+        out = []
+        for i, p in enumerate(self.prompts):
+            own = p if isinstance(p, SamplePrompt) else SamplePrompt(prompt=p)
+
+            def pick(key: str, default: Any, source: Any = own) -> Any:
+                value = getattr(source, key)
+                return default if value is None else value
+
+            low = pick("guidance_scale", self.guidance_scale)
+            # the prompt's high-noise guidance, else the section's, else the prompt's guidance_scale
+            high = pick("guidance_scale_high_noise", pick("guidance_scale_high_noise", low, self))
+            out.append(PromptSettings(
+                index=i, prompt=own.prompt, width=pick("width", self.width or width),
+                height=pick("height", self.height or height), frames=pick("frames", self.frames or spec.default_frames),
+                seed=pick("seed", self.seed + i), steps=pick("steps", self.steps), guidance_scale=low,
+                guidance_scale_high_noise=high, negative_prompt=pick("negative_prompt", self.negative_prompt),
+                image=pick("image", self.images[i] if i < len(self.images) else None),
+            ))
+        return out
 
 
 def sample_size(cfg: SampleConfig, spec: Any) -> tuple[int, int, int]:
-    """(width, height, frames) of the samples, unset values taken from the variant."""
-    width, height = spec.default_resolution
-    return cfg.width or width, cfg.height or height, cfg.frames or spec.default_frames
+    """(width, height, frames) of the largest sample (the memory estimate's), unset values taken from the
+    variant."""
+    prompts = cfg.resolved(spec) or [None]
+    if prompts == [None]:
+        width, height = spec.default_resolution
+        return cfg.width or width, cfg.height or height, cfg.frames or spec.default_frames
+    big = max(prompts, key=lambda p: p.width * p.height * p.frames)
+    return big.width, big.height, big.frames
 
 
 def check_sections(validation: ValidationConfig, sample: SampleConfig, spec: Any, experts: tuple) -> None:
@@ -104,26 +198,40 @@ def check_sections(validation: ValidationConfig, sample: SampleConfig, spec: Any
                               f"t = {spec.boundary_ratio})")
     if not sample.enabled:
         return
-    width, height, _ = sample_size(sample, spec)
     multiple = spec.spatial_multiple
-    for key, value in (("width", width), ("height", height)):
-        if value % multiple:
-            raise ConfigError(f"config key 'sample.{key}' = {value}: {spec.name} needs a multiple of {multiple}")
-    if spec.conditioning == "t2v" and sample.images:
-        raise ConfigError(f"config key 'sample.images' is set but {spec.name} is text-to-video; remove it")
-    if spec.conditioning == "i2v" and len(sample.images) != len(sample.prompts):
-        raise ConfigError(f"{spec.name} is image-to-video: 'sample.images' needs one first-frame image per prompt "
-                          f"({len(sample.prompts)} prompts, {len(sample.images)} images)")
-    if spec.conditioning == "ti2v" and sample.images and len(sample.images) != len(sample.prompts):
-        raise ConfigError(f"config key 'sample.images': give one image per prompt ({len(sample.prompts)}) or none "
-                          f"(text-to-video), not {len(sample.images)}")
-    for i, image in enumerate(sample.images):
-        if not Path(image).is_file():
-            raise ConfigError(f"config key 'sample.images[{i}]' = '{image}' does not exist (an image file)")
-        _check_image(f"sample.images[{i}]", Path(image))
-    if experts != tuple(spec.experts) and spec.boundary_ratio is not None:
-        raise ConfigError(f"[sample] needs both experts of {spec.name} (sampling runs the high- and the low-noise "
-                          "expert); set model.experts = 'both' or disable [sample]")
+    for p in sample.resolved(spec):
+        own = sample.prompts[p.index]
+        where = f"sample.prompts[{p.index}]." if isinstance(own, SamplePrompt) else "sample."
+        for key, value in (("width", p.width), ("height", p.height)):
+            if value % multiple:
+                prefix = where if isinstance(own, SamplePrompt) and getattr(own, key) is not None else "sample."
+                raise ConfigError(f"config key '{prefix}{key}' = {value}: {spec.name} needs a multiple of {multiple}")
+        image_key = (f"sample.prompts[{p.index}].image" if isinstance(own, SamplePrompt) and own.image is not None
+                     else f"sample.images[{p.index}]")
+        if p.image is not None:
+            if spec.conditioning == "t2v":
+                raise ConfigError(f"config key '{image_key}' is set but {spec.name} is text-to-video; remove it")
+            if not Path(p.image).is_file():
+                raise ConfigError(f"config key '{image_key}' = '{p.image}' does not exist (an image file)")
+            _check_image(image_key, Path(p.image))
+        if spec.boundary_ratio is None and isinstance(own, SamplePrompt) and own.guidance_scale_high_noise is not None:
+            raise ConfigError(f"config key 'sample.prompts[{p.index}].guidance_scale_high_noise' applies to the "
+                              f"two-expert A14B variants; {spec.name} has one transformer: use guidance_scale")
+        if p.guidance_scale_high_noise == 1.0 and p.guidance_scale > 1.0 and spec.boundary_ratio is not None:
+            raise ConfigError(f"prompt {p.index}: guidance_scale_high_noise = 1 with guidance_scale = "
+                              f"{p.guidance_scale:g}: diffusers runs the negative pass only when the high-noise "
+                              "scale is above 1, so the low-noise guidance would be ignored; raise "
+                              "guidance_scale_high_noise above 1 or set guidance_scale = 1")
+    if spec.boundary_ratio is None and sample.guidance_scale_high_noise is not None:
+        raise ConfigError(f"config key 'sample.guidance_scale_high_noise' applies to the two-expert A14B variants; "
+                          f"{spec.name} has one transformer: use sample.guidance_scale")
+    if sample.other_expert_lora is not None:
+        if spec.boundary_ratio is None or len(experts) != 1:
+            raise ConfigError("config key 'sample.other_expert_lora' is for a run that trains one expert of an A14B "
+                              f"model (model.experts = 'high_noise' or 'low_noise'); this run trains "
+                              f"{'the single transformer' if spec.boundary_ratio is None else 'both'}: remove it")
+        other = "low_noise" if experts[0] == "high_noise" else "high_noise"
+        _check_lora_file(Path(sample.other_expert_lora), other)
 
 
 def expert_for_t(t: float, boundary: float | None, experts: tuple) -> str | None:
@@ -142,3 +250,25 @@ def _check_image(key: str, path: Path) -> None:
             im.load()
     except (OSError, UnidentifiedImageError, ValueError) as exc:
         raise ConfigError(f"config key '{key}' = '{path}' is not a readable image ({exc})") from None
+
+
+def _check_lora_file(path: Path, expert: str) -> None:
+    """``sample.other_expert_lora``: a readable safetensors file holding LoRA tensors, not one that says (in
+    wantrain's metadata) it belongs to the other expert. Reads the header only."""
+    from safetensors import SafetensorError, safe_open
+
+    key = "sample.other_expert_lora"
+    if not path.is_file():
+        raise ConfigError(f"config key '{key}' = '{path}' does not exist (a LoRA .safetensors file of the "
+                          f"{expert} expert)")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            names, meta = list(fh.keys()), fh.metadata() or {}
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(f"config key '{key}' = '{path}' is not a readable safetensors file ({exc})") from None
+    if not any("lora" in n for n in names):
+        raise ConfigError(f"config key '{key}' = '{path}' holds no LoRA tensors (no 'lora' in its {len(names)} "
+                          "key names)")
+    if meta.get("expert") not in (None, expert):
+        raise ConfigError(f"config key '{key}' = '{path}' is a LoRA of the {meta['expert']} expert (its metadata "
+                          f"says so); the expert this run does not train is {expert}: give its file")

@@ -2,23 +2,33 @@
 
 At step 0 (a baseline, at ``RunStarted`` of a fresh run), every ``sample.every`` optimizer steps and at the last
 step (not at a stop: the LoRA and the checkpoint are saved first; the run log says so), one video per prompt of
-``[sample]``:
+``[sample]``, each with its own settings (size, frames, seed, steps, guidance, negative prompt, first frame: the
+prompt's own options over the section's, ``SampleConfig.resolved``):
 
-* ``samples/step_000200_00.mp4`` (H.264 via PyAV, ``sample.fps`` or the variant's frame rate), and
-* a frame strip (up to 8 evenly spaced frames side by side) in TensorBoard as the image ``samples/00`` at that
-  step (event files in ``<run_dir>/tensorboard`` with the suffix ``.samples``).
+* ``samples/step_000200_00.mp4`` (H.264 via PyAV, ``sample.fps`` or the variant's frame rate),
+* ``samples/step_000200_00_latents.png``: the denoised latents of the last step (latent channels 0-2 as RGB, one
+  tile per latent frame, a fixed value range so that rounds compare), which show what the LoRA changes even where
+  the decoded frames cannot (the tiny twins' random VAE decodes everything to noise), and
+* in TensorBoard (event files in ``<run_dir>/tensorboard`` with the suffix ``.samples``) the image ``samples/00``:
+  the first frame the video was conditioned on (I2V, TI2V with an image), then up to 8 evenly spaced frames side
+  by side; and ``samples/00/latents``, the latents image.
 
 How: ``WanPipeline`` (text-to-video; TI2V-5B with ``expand_timesteps``) or ``WanImageToVideoPipeline`` (I2V, or
-TI2V with first-frame ``images``) built by ``adapter.sampling_pipeline`` over the LoRA-carrying transformers, the
+TI2V with a first-frame image) built by ``adapter.sampling_pipeline`` over the LoRA-carrying transformers, the
 scheduler of the model folder (fallback: ``adapter.sampling_scheduler``), prompt embeddings computed once before
 the encoders were released, and the VAE loaded for each round and released after. Each video's initial noise comes
-from its own CPU generator seeded ``sample.seed + index``; nothing is drawn from the training random streams, and
-the transformers run in eval mode under ``torch.no_grad``.
+from its own CPU generator (its seed: the prompt's, else ``sample.seed + index``); nothing is drawn from the
+training random streams, and the transformers run in eval mode under ``torch.no_grad``.
 
-Memory: with two experts only one is on the device at a time -- the high-noise expert comes in (with its optimizer
-state) for the high-noise steps, the low-noise one replaces it at the boundary, and the training expert is active
-again afterwards; the core moves them (``ctx.control.evaluation()``). Each round logs ``samples_written`` with its
-wall time in the run log.
+Memory: only one expert is on the device at a time -- the high-noise expert comes in (with its optimizer state)
+for the high-noise steps, the low-noise one replaces it at the boundary, and the training expert is active again
+afterwards; the core moves them (``ctx.control.evaluation()``). With one expert trained, the other one is the
+adapter's sampling-only expert (its base weights, or ``sample.other_expert_lora`` on them), waiting on the offload
+device like an inactive trained expert.
+
+Under torchrun rank 0 samples and the other ranks wait (``sync.wait_for_rank0``: a barrier without the process
+group's timeout); each round logs ``samples_written`` with its wall time in the run log and emits
+``SamplesWritten`` (the wandb observer logs the videos from it).
 """
 
 from __future__ import annotations
@@ -30,21 +40,49 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import structlog
 import torch
 
 from wantrain.core.adapter import SamplingCapable, TextEncoding, check_needs, evaluation_session
 from wantrain.core.bus import Observer, Priority, on
-from wantrain.core.events import OptimizerStepped, RunStarted
+from wantrain.core.events import OptimizerStepped, RunStarted, SamplesWritten
 
 log = structlog.get_logger("wantrain.samples")
 
 STRIP_FRAMES = 8
+LATENT_RANGE = 3.0
+"""Latent values shown: [-3, 3] maps to [0, 255] (normalized Wan latents are mostly within +-3)."""
+GAP = 4  # pixels between the first frame and the strip
+
+
+@attrs.frozen
+class SampleJob:
+    """One video of a round: the resolved settings of a prompt (``PromptSettings``) and what was encoded for it.
+    ``negative_embeds`` is None without guidance; ``image`` a PIL image (first frame) or None; ``image_source``
+    names where it came from (a file, or a clip for I2V prompts without an image)."""
+
+    index: int
+    prompt_embeds: torch.Tensor
+    negative_embeds: torch.Tensor | None
+    width: int
+    height: int
+    frames: int
+    seed: int
+    steps: int
+    guidance_scale: float
+    guidance_scale_high_noise: float
+    image: Any = None
+    image_source: str | None = None
 
 
 def sample_path(directory: Path, step: int, index: int) -> Path:
     return Path(directory) / f"step_{step:06d}_{index:02d}.mp4"
+
+
+def latents_path(directory: Path, step: int, index: int) -> Path:
+    return Path(directory) / f"step_{step:06d}_{index:02d}_latents.png"
 
 
 def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
@@ -73,49 +111,99 @@ def frame_strip(frames: np.ndarray, count: int = STRIP_FRAMES) -> np.ndarray:
     return np.concatenate([frames[i] for i in picks], axis=1)
 
 
+def with_first_frame(strip: np.ndarray, image: Any) -> np.ndarray:
+    """``image`` (the conditioning first frame, resized to the strip's height like the pipeline resizes it), a
+    black gap of ``GAP`` pixels, then ``strip``."""
+    height = strip.shape[0]
+    width = round(image.width * height / image.height)
+    first = np.asarray(image.convert("RGB").resize((width, height)), dtype=np.uint8)
+    return np.concatenate([first, np.zeros((height, GAP, 3), np.uint8), strip], axis=1)
+
+
+def latents_image(latents: torch.Tensor, height: int) -> np.ndarray:
+    """Latents [1, C, f, h, w] -> uint8 [height', f*w', 3]: channels 0-2 as RGB, [-LATENT_RANGE, LATENT_RANGE]
+    -> [0, 255], each latent frame scaled up (nearest) by the whole factor that brings h closest to ``height``."""
+    lat = latents[0, :3].float().cpu()
+    if lat.shape[0] < 3:
+        lat = torch.cat([lat, lat[:1].expand(3 - lat.shape[0], *lat.shape[1:])])
+    scale = max(1, round(height / lat.shape[2]))
+    tiles = ((lat.clamp(-LATENT_RANGE, LATENT_RANGE) + LATENT_RANGE) * (255 / (2 * LATENT_RANGE))).round()
+    tiles = tiles.to(torch.uint8).permute(1, 2, 3, 0).numpy()  # [f, h, w, 3]
+    tiles = tiles.repeat(scale, axis=1).repeat(scale, axis=2)
+    return np.concatenate(list(tiles), axis=1)
+
+
 def to_uint8(video: np.ndarray) -> np.ndarray:
     """The pipeline's float frames in [0, 1] -> uint8, rounded like diffusers' ``numpy_to_pil``."""
     return (np.clip(video, 0.0, 1.0) * 255).round().astype(np.uint8)
 
 
 class SampleVideos(Observer):
-    """Writes sample videos (see the module docstring). ``prompt_embeds``: one [1, L, D] tensor per prompt;
-    ``negative_embeds``: [1, L, D] or None (guidance 1); ``images``: PIL images, one per prompt, or empty."""
+    """Writes sample videos (see the module docstring). ``jobs``: one :class:`SampleJob` per prompt (empty on
+    torchrun ranks other than 0, which only wait). ``sync``: the run's ``core.distributed`` link (None: one
+    process). ``note``: a line logged with the first round (the tiny twins' noise)."""
 
     priority = Priority.SINK
     needs = (SamplingCapable,)
 
-    def __init__(self, *, out_dir: Path, prompt_embeds: Sequence[torch.Tensor], negative_embeds: torch.Tensor | None,
-                 images: Sequence[Any], width: int, height: int, frames: int, steps: int, guidance_scale: float,
-                 seed: int, every: int, fps: float, tensorboard_dir: Path | None = None) -> None:
+    def __init__(self, *, out_dir: Path, jobs: Sequence[SampleJob], every: int, fps: float,
+                 tensorboard_dir: Path | None = None, sync: Any = None, note: str | None = None) -> None:
         self.out_dir = Path(out_dir)
-        self.prompt_embeds = list(prompt_embeds)
-        self.negative_embeds = negative_embeds
-        self.images = list(images)
-        self.width, self.height, self.frames = width, height, frames
-        self.steps, self.guidance_scale, self.seed, self.every, self.fps = steps, guidance_scale, seed, every, fps
+        self.jobs = list(jobs)
+        self.every, self.fps = every, fps
         self.tensorboard_dir = tensorboard_dir
+        self.sync = sync
+        self.note = note
         self._writer: Any = None
+        self._bus: Any = None
+        self._noted = False  # the note goes with the first round only
         self.seconds = 0.0
+
+    @property
+    def samples_here(self) -> bool:
+        return self.sync is None or self.sync.is_main
+
+    def attach_to(self, bus: Any) -> None:
+        """Attach to ``bus`` and keep it: each round emits ``SamplesWritten`` there."""
+        self._bus = bus
+        bus.attach(self)
 
     @on(RunStarted)
     def on_run_started(self, event: RunStarted, ctx) -> None:
-        if self.tensorboard_dir is not None:
+        if self.tensorboard_dir is not None and self.samples_here:
             from tensorboardX import SummaryWriter
 
             self._close_writer()
             self._writer = SummaryWriter(logdir=str(self.tensorboard_dir), filename_suffix=".samples",
                                          purge_step=event.step + 1 if event.step > 0 else None)
         if event.step == 0:
-            self.sample(0, ctx.adapter, ctx.control)
+            self._round(0, ctx)
 
     @on(OptimizerStepped)
     def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
-        if ctx.control.stop_requested:  # the run's last step: no end-of-run samples, the saves come first
+        stopping = ctx.control.stop_requested  # the run's last step: no end-of-run samples, the saves come first
+        if stopping and self.samples_here:
             log.info("samples skipped: stopping", step=event.step,
                      reason="a stop saves the LoRA and the checkpoint first")
-        elif event.step % self.every == 0 or event.step == ctx.state.total_steps:
-            self.sample(event.step, ctx.adapter, ctx.control)
+        if event.step % self.every == 0 or event.step == ctx.state.total_steps:
+            self._round(event.step, ctx, skip=stopping)
+
+    def _round(self, step: int, ctx, *, skip: bool = False) -> None:
+        """One round of samples: rank 0 samples (unless ``skip``), the others wait. Under torchrun every rank
+        reaches it at the same steps, a rule of the step alone: never of a stop request, which one rank may see
+        before the others (its waiting barrier would then meet another collective)."""
+        if not self.samples_here:
+            self.sync.wait_for_rank0()  # rank 0 samples; no collective timeout while it does
+            return
+        paths = None
+        try:
+            if not skip:
+                paths = self.sample(step, ctx.adapter, ctx.control)
+        finally:
+            if self.sync is not None:
+                self.sync.wait_for_rank0()  # let the waiting ranks go on
+        if paths is not None and self._bus is not None:
+            self._bus.emit(SamplesWritten(step=step, paths=tuple(str(p) for p in paths)))
 
     def sample(self, step: int, adapter: SamplingCapable, control: Any = None) -> list[Path]:
         """Generate and write every sample of ``step``; returns the mp4 paths. The experts are brought in by the
@@ -123,18 +211,28 @@ class SampleVideos(Observer):
         started = time.perf_counter()
         vae = adapter.load_vae().to(adapter.device).requires_grad_(False)
         paths = []
+        pipes: dict[bool, Any] = {}
         try:
-            pipe = adapter.sampling_pipeline(vae, image_to_video=bool(self.images))
             with control.evaluation() if control is not None else evaluation_session(adapter) as bring_in:
-                for index, embeds in enumerate(self.prompt_embeds):
-                    frames = to_uint8(self._generate(pipe, adapter, bring_in, index, embeds)[0])
-                    path = sample_path(self.out_dir, step, index)
+                for job in self.jobs:
+                    i2v = job.image is not None
+                    if i2v not in pipes:
+                        pipes[i2v] = adapter.sampling_pipeline(vae, image_to_video=i2v)
+                    video, latents = self._generate(pipes[i2v], adapter, bring_in, job)
+                    frames = to_uint8(video[0])
+                    path = sample_path(self.out_dir, step, job.index)
                     write_video(path, frames, self.fps)
                     paths.append(path)
+                    picture = latents_image(latents, job.height)
+                    _write_png(latents_path(self.out_dir, step, job.index), picture)
                     if self._writer is not None:
-                        self._writer.add_image(f"samples/{index:02d}", frame_strip(frames), step, dataformats="HWC")
+                        strip = frame_strip(frames)
+                        if job.image is not None:
+                            strip = with_first_frame(strip, job.image)
+                        self._writer.add_image(f"samples/{job.index:02d}", strip, step, dataformats="HWC")
+                        self._writer.add_image(f"samples/{job.index:02d}/latents", picture, step, dataformats="HWC")
         finally:
-            del vae
+            del vae, pipes
             gc.collect()
             if adapter.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -142,34 +240,43 @@ class SampleVideos(Observer):
             self._writer.flush()
         seconds = time.perf_counter() - started
         self.seconds += seconds
+        extra = {"note": self.note} if self.note and not self._noted else {}
+        self._noted = True
         log.info("samples_written", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),
-                 paths=[str(p) for p in paths])
+                 paths=[str(p) for p in paths], **extra)
         return paths
 
-    def _generate(self, pipe: Any, adapter: SamplingCapable, bring_in: Any, index: int,
-                  embeds: torch.Tensor) -> np.ndarray:
+    def _generate(self, pipe: Any, adapter: SamplingCapable, bring_in: Any,
+                  job: SampleJob) -> tuple[np.ndarray, torch.Tensor]:
         device = adapter.device
         boundary = adapter.boundary_ratio
         if boundary is not None:
             bring_in("high_noise")  # the first steps are high-noise ones
+        final: list[torch.Tensor] = []
 
-        def swap_at_boundary(pipe: Any, i: int, t: Any, kwargs: dict) -> dict:
+        def on_step_end(pipe: Any, i: int, t: Any, kwargs: dict) -> dict:
             timesteps = pipe.scheduler.timesteps
+            if i + 1 == len(timesteps):
+                final.append(kwargs["latents"].detach())
             if (boundary is not None and adapter.active == "high_noise" and i + 1 < len(timesteps)
                     and float(timesteps[i + 1]) < boundary * pipe.scheduler.config.num_train_timesteps):
                 bring_in("low_noise")
             return {}
 
         kwargs: dict[str, Any] = dict(
-            prompt_embeds=embeds.to(device), height=self.height, width=self.width, num_frames=self.frames,
-            num_inference_steps=self.steps, guidance_scale=self.guidance_scale, output_type="np",
-            generator=torch.Generator().manual_seed(self.seed + index), callback_on_step_end=swap_at_boundary,
+            prompt_embeds=job.prompt_embeds.to(device), height=job.height, width=job.width, num_frames=job.frames,
+            num_inference_steps=job.steps, guidance_scale=job.guidance_scale_high_noise, output_type="np",
+            generator=torch.Generator().manual_seed(job.seed), callback_on_step_end=on_step_end,
         )
-        if self.negative_embeds is not None:
-            kwargs["negative_prompt_embeds"] = self.negative_embeds.to(device)
-        if self.images:
-            kwargs["image"] = self.images[index]
-        return pipe(**kwargs).frames
+        if boundary is not None:
+            kwargs["guidance_scale_2"] = job.guidance_scale  # the low-noise expert's steps
+        else:
+            kwargs["guidance_scale"] = job.guidance_scale
+        if job.negative_embeds is not None:
+            kwargs["negative_prompt_embeds"] = job.negative_embeds.to(device)
+        if job.image is not None:
+            kwargs["image"] = job.image
+        return pipe(**kwargs).frames, final[-1]
 
     def close(self) -> None:
         self._close_writer()
@@ -180,25 +287,58 @@ class SampleVideos(Observer):
             self._writer = None
 
 
-def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path) -> SampleVideos:
-    """The observer of ``cfg.sample`` (a ``RunConfig``); encodes the prompts now (call it before
-    ``adapter.release_encoders()``) and keeps the embeddings on the CPU."""
+def _write_png(path: Path, picture: np.ndarray) -> None:
     from PIL import Image
 
-    from wantrain.observers.evaluation.config import sample_size
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    Image.fromarray(picture).save(tmp, format="PNG")
+    tmp.replace(path)
+
+
+def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, sync: Any = None,
+                          clips: Sequence[tuple[Any, int, str]] = ()) -> Any:
+    """The observer of ``cfg.sample``: encodes each prompt (and negative prompt) now, while the text encoder is
+    loaded, keeping the embeddings on the CPU; reads the first-frame images. An I2V prompt without an image takes
+    the first frame of ``clips[index % len(clips)]`` at its sample size (logged as ``sample_first_frame``).
+    torchrun ranks other than 0 encode nothing: they only wait while rank 0 samples."""
+    from PIL import Image
 
     s = cfg.sample
-    check_needs("SampleVideos", adapter, needs=(*SampleVideos.needs, TextEncoding))  # before encoding anything
-    width, height, frames = sample_size(s, spec)
-    embeds = [adapter.encode_text([p])["text_embeds"].cpu() for p in s.prompts]
-    negative = adapter.encode_text([s.negative_prompt])["text_embeds"].cpu() if s.guidance_scale > 1 else None
-    images = []
-    for path in s.images:
-        with Image.open(path) as im:
-            images.append(im.convert("RGB"))
+    main = sync is None or sync.is_main
+    if main:
+        check_needs("SampleVideos", adapter, needs=(*SampleVideos.needs, TextEncoding))  # before encoding anything
+    jobs = []
+    negatives: dict[str, torch.Tensor] = {}
+    for p in s.resolved(spec) if main else ():
+        negative = None
+        if p.guided:
+            if p.negative_prompt not in negatives:
+                negatives[p.negative_prompt] = adapter.encode_text([p.negative_prompt])["text_embeds"].cpu()
+            negative = negatives[p.negative_prompt]
+        image, source = None, None
+        if p.image is not None:
+            with Image.open(p.image) as im:
+                image, source = im.convert("RGB"), str(p.image)
+        elif spec.conditioning == "i2v" and clips:
+            data, i, kind = clips[p.index % len(clips)]
+            clip = data.clips[i]
+            image = Image.fromarray(data.first_frame(i, p.width, p.height))
+            source = f"{clip.path} (frame {clip.start})" if clip.kind == "video" else str(clip.path)
+            log.info("sample_first_frame", prompt=p.index, source=source,
+                     reason=f"the prompt has no image: the first frame of a {kind}")
+        jobs.append(SampleJob(
+            index=p.index, prompt_embeds=adapter.encode_text([p.prompt])["text_embeds"].cpu(),
+            negative_embeds=negative, width=p.width, height=p.height, frames=p.frames, seed=p.seed, steps=p.steps,
+            guidance_scale=p.guidance_scale, guidance_scale_high_noise=p.guidance_scale_high_noise, image=image,
+            image_source=source,
+        ))
+    note = None
+    if spec.tiny:
+        note = (f"{spec.name} is a random toy model: its VAE cannot draw, so the decoded frames look like noise "
+                "at every step; the *_latents.png beside each video (and samples/NN/latents in TensorBoard) show "
+                "what the LoRA changes")
     return SampleVideos(
-        out_dir=Path(run_dir) / "samples", prompt_embeds=embeds, negative_embeds=negative, images=images,
-        width=width, height=height, frames=frames, steps=s.steps, guidance_scale=s.guidance_scale, seed=s.seed,
-        every=s.every, fps=s.fps or spec.target_fps,
-        tensorboard_dir=Path(run_dir) / "tensorboard" if cfg.observers.tensorboard else None,
+        out_dir=Path(run_dir) / "samples", jobs=jobs, every=s.every, fps=s.fps or spec.target_fps,
+        tensorboard_dir=Path(run_dir) / "tensorboard" if cfg.observers.tensorboard else None, sync=sync, note=note,
     )

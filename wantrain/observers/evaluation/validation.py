@@ -49,14 +49,20 @@ def metric_name(t: float) -> str:
 
 
 def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], timesteps: Sequence[float],
-             seed: int, control: Any = None) -> dict[str, float]:
+             seed: int, control: Any = None, *, sync: Any = None,
+             clip_indices: Sequence[int] | None = None) -> dict[str, float]:
     """The ``val/*`` metrics of ``adapter`` on ``batches`` (cached batches: ``latents``, ``text_embeds``, ...).
 
-    Timesteps whose expert is not trained are left out. Experts are visited in the adapter's order starting with
-    the active one, brought in by the core (``control.evaluation()``; without ``control``, outside a run:
-    ``core.adapter.evaluation_session``); the active expert is restored at the end. One device->host transfer.
+    ``clip_indices``: each batch's index in the whole validation set (its noise seed; default 0, 1, ...). Under
+    torchrun each rank passes its share and ``sync`` (``core.distributed``) adds up the ranks' sums: per timestep
+    the float64 sum of the per-clip losses (each clip's loss a float32 mean over its elements) and the clip count,
+    so the mean is the same as one process's up to the order of that float64 sum. Timesteps whose expert is not
+    trained are left out. Experts are visited in the adapter's order starting with the active one, brought in by
+    the core (``control.evaluation()``; without ``control``, outside a run: ``core.adapter.evaluation_session``);
+    the active expert is restored at the end. One device->host transfer (and, under torchrun, one all-reduce).
     """
     training_expert = adapter.active
+    indices = list(range(len(batches))) if clip_indices is None else list(clip_indices)
     owners: dict[Any, list[int]] = {}
     for i, t in enumerate(timesteps):
         expert = adapter.expert_for_timestep(t)
@@ -68,19 +74,30 @@ def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], t
         for expert in order:
             bring_in(expert)
             for i in owners[expert]:
-                for c, batch in enumerate(batches):
+                for c, batch in zip(indices, batches, strict=True):
                     shape = batch["latents"].shape
                     noise = torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(seed, c, i)))
                     losses.setdefault(i, []).append(adapter.validation_loss(batch, timesteps[i], noise))
-    if not losses:
+    evaluated = sorted(i for e in order for i in owners[e])
+    if not evaluated:
         return {}
-    indices = sorted(losses)
-    means = torch.stack([torch.stack(losses[i]).mean() for i in indices])
-    per_t = dict(zip(indices, means.tolist(), strict=True))  # the one device->host transfer
+    host = torch.stack([v for i in evaluated for v in losses.get(i, [])]).tolist() if batches else []
+    sums, counts, pos = [], [], 0  # the one device->host transfer
+    for i in evaluated:
+        n = len(losses.get(i, []))
+        sums.append(sum(host[pos:pos + n]))
+        counts.append(float(n))
+        pos += n
+    if sync is not None:
+        reduced = sync.sum_values(sums + counts)
+        sums, counts = reduced[:len(evaluated)], reduced[len(evaluated):]
+    per_t = {i: total / count for i, total, count in zip(evaluated, sums, counts, strict=True) if count > 0}
+    if not per_t:
+        return {}
     out = {"val/loss": sum(per_t.values()) / len(per_t)}
     if len(adapter.experts) > 1:
         for expert in order:
-            mine = [per_t[i] for i in owners[expert]]
+            mine = [per_t[i] for i in owners[expert] if i in per_t]
             out[f"val/loss/{expert}"] = sum(mine) / len(mine)
     for i, value in per_t.items():
         out[metric_name(timesteps[i])] = value
@@ -94,8 +111,10 @@ class Validation(Observer):
     needs = (ValidationCapable,)
 
     def __init__(self, batches: Sequence[Mapping[str, Any]], *, timesteps: Sequence[float], seed: int,
-                 every: int) -> None:
+                 every: int, sync: Any = None, clip_indices: Sequence[int] | None = None) -> None:
         self.batches = list(batches)
+        self.clip_indices = list(range(len(self.batches))) if clip_indices is None else list(clip_indices)
+        self.sync = sync  # torchrun: this rank's share of the clips, the sums added up over the ranks
         self.timesteps = list(timesteps)
         self.seed = seed
         self.every = every
@@ -133,7 +152,8 @@ class Validation(Observer):
 
     def _run(self, step: int, ctx) -> dict[str, float]:
         started = time.perf_counter()
-        values = validate(ctx.adapter, self.batches, self.timesteps, self.seed, ctx.control)
+        values = validate(ctx.adapter, self.batches, self.timesteps, self.seed, ctx.control, sync=self.sync,
+                          clip_indices=self.clip_indices)
         seconds = time.perf_counter() - started
         self.seconds += seconds
         log.info("validation", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),
