@@ -1,5 +1,5 @@
 """The GPU acceptance check of issue 23: what only a CUDA device shows, in one run, as JSON. No download: tiny twins
-and random weights at real shapes. About 10 minutes on one H100/H200 (most of it section d).
+and random weights at real shapes. About 15 minutes on one H100/H200 (most of it sections d and f).
 
 Sections (each in its own try/except: one failure is reported and the others still run):
 
@@ -12,8 +12,14 @@ b. ``expert_switch_memory``: two experts of A14B width (d=5120) with a few block
    expert's bytes; it must stay below two experts.
 c. ``block_activations``: one real-width block at 8192 video tokens: bytes per token per width it keeps for
    backward (allocated after the forward minus before), peak minus baseline, for fp32 LoRA on bf16, bf16 LoRA on
-   bf16, fp8 storage with and without gradient checkpointing — next to ``wantrain.data.report``'s figure.
-d. ``gpu_step``: ``bench/gpu_step.py`` (one A14B expert: s/step, MFU, peak VRAM for bf16 and fp8).
+   bf16, fp8 storage with and without gradient checkpointing — next to the planner's "one recomputed block"
+   (``wantrain.models.wan22.memory``) per token per width.
+d. ``gpu_step``: ``bench/gpu_step.py --settings bf16,fp8`` (one A14B expert at 480x832x81: s/step, MFU, peak
+   VRAM; the other swap/offload settings: run ``bench/gpu_step.py`` itself).
+f. ``vram_plan``: the setting ``model.vram_budget_gb = 24`` plans for T2V-A14B at 832x480x81, rank 32, run by
+   ``bench/gpu_step.py`` next to ``bf16`` with nothing swapped: ``torch.cuda.max_memory_allocated`` against the
+   planner's allocated peak (issue 24: within 10 %), the card figure against 24 GiB, and the s/step ratio
+   (target <= 1.15).
 e. ``sync_debug``: ``torch.cuda.set_sync_debug_mode("warn")`` over three non-log steps of a tiny run: the list of
    synchronising calls (file:line of the innermost wantrain frame) — the loop promises none.
 
@@ -166,8 +172,19 @@ def _block_bytes(dev: torch.device, name: str, checkpointing: bool, tokens_frame
     return row
 
 
+def _planned_bytes_per_token_per_width(name: str, shape: dict, tokens: int) -> float:
+    """The planner's "one recomputed block" (wantrain.models.wan22.memory) per video token per unit of width."""
+    from wantrain.models.wan22.memory import recompute_block_bytes
+
+    width, ffn = shape["width"], shape["ffn"]
+    out = recompute_block_bytes(tokens, width, ffn, 512)
+    if name.startswith("fp8"):  # the bf16 copies of the block's 10 Linears
+        out += 2 * (8 * width * width + 2 * width * ffn)
+    return round(out / tokens / width, 2)
+
+
 def section_c(device: str, smoke: bool) -> dict:
-    from wantrain.data.report import saved_bytes_per_token_per_width
+    import measure_block_activations as mba
 
     dev = torch.device(device)
     frames, size = (1, 16) if smoke else (8, 64)  # 8 x 32 x 32 = 8192 tokens
@@ -176,8 +193,8 @@ def section_c(device: str, smoke: bool) -> dict:
                                 ("fp8 base, fp32 LoRA", False), ("fp8 base, fp32 LoRA", True)):
         try:
             row = _block_bytes(dev, name, checkpointing, frames, size, smoke)
-            base = name.split()[0]
-            row["estimate_bytes_per_token_per_width"] = saved_bytes_per_token_per_width(base)
+            row["estimate_bytes_per_token_per_width"] = _planned_bytes_per_token_per_width(
+                name, mba.NARROW if smoke else mba.A14B, row["tokens"])
         except Exception as exc:  # noqa: BLE001 -- one configuration failing must not hide the others
             row = {"configuration": name, "gradient_checkpointing": checkpointing, "error": _short(exc)}
         rows.append(row)
@@ -189,7 +206,7 @@ def section_c(device: str, smoke: bool) -> dict:
 def section_d(device: str, smoke: bool) -> dict:
     import gpu_step
 
-    argv = ["--smoke"] if smoke else ["--device", device]
+    argv = ["--smoke", "--settings", "bf16"] if smoke else ["--device", device, "--settings", "bf16,fp8"]
     import contextlib
     import io
 
@@ -197,6 +214,38 @@ def section_d(device: str, smoke: bool) -> dict:
     with contextlib.redirect_stdout(buffer):
         gpu_step.main(argv)
     return json.loads(buffer.getvalue())
+
+
+def section_f(device: str, smoke: bool) -> dict:
+    import contextlib
+    import io
+
+    import gpu_step
+
+    from wantrain.models.wan22.memory import plan
+
+    chosen, _ = plan("t2v-a14b", 24.0, base_dtype="auto", width=832, height=480, frames=81, rank=32)
+    s = chosen.settings
+    name = f"{s.base_dtype}" + (f"-swap{s.blocks_to_swap}" if s.blocks_to_swap else "") + (
+        "-offload" if s.offload_activations else "")
+    out = {"plan": name, "planned_allocated_gib": round(chosen.allocated / 2**30, 2),
+           "planned_card_gib": round(chosen.device_gib, 2)}
+    # smoke: the tiny twin (two blocks) with one swapped and offload on, the CPU path of the same machinery
+    run = "bf16-swap1-offload" if smoke else name
+    argv = ["--smoke"] if smoke else ["--device", device]
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        gpu_step.main([*argv, "--settings", f"bf16,{run}"])
+    base, planned = json.loads(buffer.getvalue())["results"]
+    out.update(ran=run, s_per_step=planned["s_per_step"], s_per_step_vs_bf16=planned["s_per_step_vs_bf16"],
+               link_bytes_per_step=planned["link_bytes_per_step"], copy_s_per_step=planned.get("copy_s_per_step"),
+               bf16_s_per_step=base["s_per_step"])
+    if "peak_vram_gib" in planned:
+        out.update(peak_allocated_gib=planned["peak_vram_gib"], peak_reserved_gib=planned["peak_vram_reserved_gib"],
+                   planner_error_pct=round(100 * (chosen.allocated / 2**30 / planned["peak_vram_gib"] - 1), 1))
+        out["within_10_percent"] = abs(out["planner_error_pct"]) <= 10.0
+        out["fits_24_gib_reserved"] = planned["peak_vram_reserved_gib"] <= 24.0
+    return out
 
 
 SYNC_STEPS = (2, 3, 4)  # non-log steps of the run below (log_every = 10)
@@ -247,7 +296,8 @@ class SyncWatch(Observer):
 
 
 SECTIONS = {"a": ("tiny_t2v_resume", section_a), "b": ("expert_switch_memory", section_b),
-            "c": ("block_activations", section_c), "d": ("gpu_step", section_d), "e": ("sync_debug", section_e)}
+            "c": ("block_activations", section_c), "d": ("gpu_step", section_d), "e": ("sync_debug", section_e),
+            "f": ("vram_plan", section_f)}
 
 
 def _short(exc: BaseException) -> str:
@@ -257,7 +307,7 @@ def _short(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--only", help="comma-separated sections (a-e)")
+    parser.add_argument("--only", help="comma-separated sections (a-f)")
     parser.add_argument("--smoke", action="store_true", help="on the CPU with tiny shapes (the suite runs this)")
     args = parser.parse_args(argv)
     device = "cpu" if args.smoke else args.device

@@ -5,10 +5,19 @@ diffusers constructor arguments: 40 layers, dim 5120) with random bf16 weights, 
 (rank 32 on the attention and FFN projections, LoRA weights in fp32) and trains it on random latents and text
 embeddings with the flow-matching loss, fused AdamW and gradient clipping, as a wantrain step does:
 
-* ``bf16``: 480x832, 81 frames (latents 16x21x60x104, 32 760 tokens), gradient checkpointing: s/step (median
-  of the timed steps, after warm-up), MFU and peak VRAM.
-* ``fp8``: 512x512, 81 frames, base weights stored in float8_e4m3fn (computed in bf16, as ``base_dtype = "fp8"``):
-  peak VRAM (and s/step).
+* the memory settings of issue 24 at 480x832, 81 frames (latents 16x21x60x104, 32 760 tokens), gradient
+  checkpointing: base ``bf16`` or ``fp8`` (stored in float8_e4m3fn, computed in bf16, as ``base_dtype = "fp8"``)
+  x ``model.blocks_to_swap`` 0 / 20 / 38 (wantrain's ``BlockSwap``: the frozen tensors of the last N blocks in
+  pinned host memory, a ring of two device slots, copies on a side stream) x ``model.offload_activations`` off /
+  on (wantrain's ``ActivationOffload``, with its prefetch). Settings are named ``bf16``, ``bf16-swap20``,
+  ``fp8-swap38-offload``, ...; ``--settings`` picks some (default: those twelve; any ``bf16|fp8[-swapN][-offload]``
+  is accepted, e.g. the 24 GB plan's).
+* For each: s/step (median of the timed steps, after warm-up) and its ratio to ``bf16`` with nothing swapped
+  (issue 24's target: <= 1.15 for the 24 GB plan's setting), MFU, peak allocated and reserved VRAM and the
+  planner's estimate of the allocated peak (``wantrain.models.wan22.memory``), and the host<->device traffic:
+  bytes copied per step (counted by the swap's and the offload's callbacks), the link's measured pinned
+  host->device bandwidth, and the copy time per step at that bandwidth against the step (the copies overlap the
+  compute when the prefetch works; the s/step ratio shows what is left).
 
 MFU = model FLOPs per step / step time / the GPU's peak dense bf16 FLOP/s. Model FLOPs per step =
 2 x F_linear + 3 x F_attention, from one forward counted with ``torch.utils.flop_counter.FlopCounterMode``: the
@@ -20,8 +29,8 @@ counted, as usual for MFU. The peak comes from ``--peak-tflops`` or a table of k
 The model is built on ``meta`` in its storage dtypes (bf16, or float8 Linears for ``fp8``) and materialised on
 the device afterwards, and the peak-memory counter is reset after the build: the peak is that of training.
 
-    python bench/gpu_step.py                       # both configurations on cuda:0, JSON on stdout
-    python bench/gpu_step.py --only bf16 --steps 5
+    python bench/gpu_step.py                       # every setting on cuda:0, JSON on stdout (~15 min on an H200)
+    python bench/gpu_step.py --settings bf16,bf16-swap38-offload --steps 3
     python bench/gpu_step.py --smoke               # tiny model, tiny shapes, on the CPU: checks the script runs
 
 Never run on a GPU by its author (written on a machine without one); ``--smoke`` was run on the CPU.
@@ -30,6 +39,8 @@ Never run on a GPU by its author (written on a machine without one); ``--smoke``
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import statistics
 import sys
@@ -39,6 +50,8 @@ import torch
 
 from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
 from wantrain.models.wan22.export import ADAPTER_NAME, LORA_TARGET_REGEX
+from wantrain.models.wan22.offload import ActivationOffload
+from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.variants import VARIANTS
 
 # dense bf16 tensor FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name()
@@ -91,6 +104,80 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
     return model.train(), spec, dtype
 
 
+def settings_table(smoke: bool) -> dict[str, dict]:
+    """Setting name -> (fp8, blocks_to_swap, offload). Smoke: the tiny twin's two blocks, fp32 on the CPU."""
+    if smoke:
+        return {"bf16": dict(fp8=False, swap=0, offload=False), "bf16-swap1": dict(fp8=False, swap=1, offload=False),
+                "bf16-swap1-offload": dict(fp8=False, swap=1, offload=True)}
+    out = {}
+    for fp8 in (False, True):
+        for swap in (0, 20, 38):
+            for offload in (False, True):
+                name = ("fp8" if fp8 else "bf16") + (f"-swap{swap}" if swap else "") + ("-offload" if offload else "")
+                out[name] = dict(fp8=fp8, swap=swap, offload=offload)
+    return out
+
+
+def parse_setting(name: str, blocks: int) -> dict | None:
+    """``bf16``, ``fp8-swap38``, ``bf16-swap39-offload``, ... -> (fp8, blocks_to_swap, offload); None if not one."""
+    import re
+
+    match = re.fullmatch(r"(bf16|fp8)(?:-swap(\d+))?(-offload)?", name)
+    if match is None or int(match.group(2) or 0) > blocks:
+        return None
+    return dict(fp8=match.group(1) == "fp8", swap=int(match.group(2) or 0), offload=bool(match.group(3)))
+
+
+def swap_blocks(model, swap: int, device: torch.device, on_copy) -> BlockSwap | None:
+    """Put the frozen tensors of the last ``swap`` blocks on the host and hand them to wantrain's BlockSwap."""
+    if not swap:
+        return None
+    from torch import nn
+
+    blocks = model.blocks
+    swapped = range(len(blocks) - swap, len(blocks))
+    for k in swapped:
+        for module in blocks[k].modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None and not param.requires_grad:
+                    module._parameters[key] = nn.Parameter(param.detach().to("cpu"), requires_grad=False)
+            for key, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[key] = buffer.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return BlockSwap(model, blocks, swapped, device, ring=2, on_copy=on_copy)
+
+
+def link_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Pinned host->device bytes per second (median of three copies of ``nbytes``); on a CPU a plain copy."""
+    pinned = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(3):
+        if pinned:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(host, non_blocking=pinned)
+        if pinned:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    del host, target
+    return nbytes / statistics.median(times)
+
+
+def planned_gib(setting: dict, shape: tuple[int, int, int], rank: int, tiny: bool) -> float:
+    """The planner's allocated peak (GiB) of the setting (``wantrain check`` prints it part by part)."""
+    from wantrain.models.wan22.memory import GIB, MemorySettings, estimate
+
+    height, width, frames = shape
+    dtype = "fp32" if tiny else ("fp8" if setting["fp8"] else "bf16")
+    est = estimate("tiny-t2v" if tiny else "t2v-a14b", MemorySettings(dtype, setting["swap"], setting["offload"]),
+                   width=width, height=height, frames=frames, rank=rank)
+    return est.allocated / GIB
+
+
 def model_flops(counts: dict) -> tuple[float, float]:
     """(linear FLOPs, attention FLOPs) of one forward from ``FlopCounterMode.get_flop_counts()["Global"]``."""
     attention = sum(v for op, v in counts.items() if "attention" in str(op))
@@ -98,10 +185,28 @@ def model_flops(counts: dict) -> tuple[float, float]:
 
 
 def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape: tuple[int, int, int],
-               steps: int, warmup: int, rank: int, peak_tflops: float | None) -> dict:
+               steps: int, warmup: int, rank: int, peak_tflops: float | None, swap: int = 0,
+               offload: bool = False, bandwidth: float | None = None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank)
+    traffic = {"bytes": 0}
+    block_bytes: dict[int, int] = {}
+
+    def on_block(k: int) -> None:
+        traffic["bytes"] += block_bytes[k]
+
+    swapper = swap_blocks(model, swap, device, on_block)
+    if swapper is not None:
+        for k, entries in swapper._host.items():
+            block_bytes[k] = sum(h.numel() * h.element_size() for *_, h in entries)
+
+    def on_moved(*args: int) -> None:
+        traffic["bytes"] += args[-1]
+
+    # (the tiny twin's tensors are all under the default 1 MiB floor: offload them all)
+    offloader = ActivationOffload(device, on_pack=on_moved, on_copy_back=on_moved,
+                                  min_bytes=0 if tiny else 1 << 20) if offload else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
     g = torch.Generator(device=device).manual_seed(0)
@@ -114,8 +219,9 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
         t = torch.rand(1, generator=g, device=device)
         noise = torch.randn(latents.shape, generator=g, device=device)
         x_t = (1 - t.view(1, 1, 1, 1, 1)) * latents + t.view(1, 1, 1, 1, 1) * noise
-        pred = model(hidden_states=x_t.to(dtype), timestep=t * 1000, encoder_hidden_states=text,
-                     return_dict=False)[0].float()
+        with offloader.active() if offloader is not None else contextlib.nullcontext():
+            pred = model(hidden_states=x_t.to(dtype), timestep=t * 1000, encoder_hidden_states=text,
+                         return_dict=False)[0].float()
         return ((pred - (noise - latents)) ** 2).mean()
 
     def sync() -> None:
@@ -137,6 +243,8 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     times = []
     for i in range(warmup + steps):
         sync()
+        if i == warmup:
+            traffic["bytes"] = 0  # the timed steps' traffic only
         start = time.perf_counter()
         loss = loss_fn()
         loss.backward()
@@ -149,25 +257,33 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     s_per_step = statistics.median(times)
     out = {"config": name, "latents": list(latents.shape), "tokens": int(latents.shape[2] * latents.shape[3]
                                                                          * latents.shape[4] // 4),
-           "lora_rank": rank, "fp8_base": fp8, "gradient_checkpointing": True, "steps_timed": steps,
+           "lora_rank": rank, "fp8_base": fp8, "blocks_to_swap": swap, "offload_activations": offload,
+           "gradient_checkpointing": True, "steps_timed": steps,
            "s_per_step": round(s_per_step, 4), "forward_tflops": round(forward_flops / 1e12, 3),
            "forward_attention_tflops": round(attention_flops / 1e12, 3), "step_tflops": round(step_flops / 1e12, 3),
            "trainable_params": sum(p.numel() for p in params), "final_loss": loss.item()}
     if peak_tflops:
         out["mfu"] = round(step_flops / s_per_step / (peak_tflops * 1e12), 4)
         out["peak_tflops"] = peak_tflops
+    out["link_bytes_per_step"] = traffic["bytes"] / steps
+    if bandwidth:
+        copy_s = out["link_bytes_per_step"] / bandwidth
+        out.update(copy_s_per_step=round(copy_s, 4), copy_fraction_of_step=round(copy_s / s_per_step, 4))
+    out["planned_allocated_gib"] = round(planned_gib({"fp8": fp8, "swap": swap, "offload": offload}, shape, rank,
+                                                     tiny), 2)
     if device.type == "cuda":
         out["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         out["peak_vram_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+        out["planned_vs_measured"] = round(out["planned_allocated_gib"] / out["peak_vram_gib"], 3)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--only", choices=("bf16", "fp8"), help="run one configuration")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--settings", help="comma-separated setting names (default: all; see the docstring)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 TFLOP/s (default: from a table)")
     parser.add_argument("--smoke", action="store_true",
@@ -180,16 +296,31 @@ def main(argv: list[str] | None = None) -> int:
         gpu = torch.cuda.get_device_name(device)
         info["gpu"] = gpu
         peak = peak or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
-    configs = {"bf16": dict(fp8=False, shape=(480, 832, 81)), "fp8": dict(fp8=True, shape=(512, 512, 81))}
-    if args.smoke:
-        configs = {"bf16": dict(fp8=False, shape=(64, 64, 9))}  # fp8 storage needs CUDA
+    table = settings_table(args.smoke)
+    wanted = args.settings.split(",") if args.settings else list(table)
+    blocks = VARIANTS["tiny-t2v" if args.smoke else "t2v-a14b"].num_layers
+    for w in wanted:
+        setting = table.get(w) or parse_setting(w, blocks)
+        if setting is None:
+            parser.error(f"unknown setting {w!r}; use bf16|fp8[-swapN][-offload] with N <= {blocks}, e.g. "
+                         f"{', '.join(table)}")
+        table[w] = setting
+    bandwidth = link_bandwidth(device, 1 << 20 if args.smoke else 1 << 30)
+    info["link_bytes_per_s"] = round(bandwidth)
+    shape = (64, 64, 9) if args.smoke else (480, 832, 81)
     results = []
-    for name, cfg in configs.items():
-        if args.only and name != args.only:
-            continue
-        results.append(run_config(name, device, tiny=args.smoke, rank=args.rank if not args.smoke else 4,
+    for name in wanted:
+        results.append(run_config(name, device, tiny=args.smoke, shape=shape, rank=args.rank if not args.smoke else 4,
                                   steps=args.steps if not args.smoke else 2, warmup=args.warmup if not args.smoke
-                                  else 1, peak_tflops=peak, **cfg))
+                                  else 1, peak_tflops=peak, bandwidth=bandwidth, **table[name]))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # progress, in case the run is cut short
+        gc.collect()  # the swap's hooks hold the model in reference cycles: free it before the next setting
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = next((r for r in results if r["config"] == "bf16"), None)
+    if base is not None:
+        for r in results:
+            r["s_per_step_vs_bf16"] = round(r["s_per_step"] / base["s_per_step"], 3)
     print(json.dumps({**info, "results": results}, indent=1))
     return 0
 

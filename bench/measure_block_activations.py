@@ -7,9 +7,9 @@ per-token figure is the slope between two token counts, so what does not grow wi
 and values, fp8 weight copies) is the intercept, reported apart. No GPU needed: the saved tensors of a block are
 the same on a CPU (attention saves its output and log-sum-exp there as the CUDA flash kernels do).
 
-``wantrain.data.report`` takes its per-configuration figures from this script run at the real A14B width
-(``--real``); ``tests/data/test_vram_estimate.py`` runs it on a narrow block with the same proportions and checks
-that the estimate covers what it measures.
+The VRAM planner (``wantrain.models.wan22.memory``) took its per-text-token figure (``C_TEXT``) from this script;
+``tests/data/test_vram_estimate.py`` runs it on a narrow block with the same proportions and checks that the
+planner's "one recomputed block" covers what it measures.
 
     python bench/measure_block_activations.py            # narrow block (d=1280), every configuration, JSON
     python bench/measure_block_activations.py --real     # the real A14B block too (d=5120; ~1 min, ~3 GB RAM)

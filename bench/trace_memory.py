@@ -7,7 +7,7 @@ memory) in the dtypes a run gives them (base in bf16 or float8_e4m3fn with diffu
 when asked. One step (forward with gradient checkpointing, the flow-matching MSE, backward, AdamW with its state)
 runs under a dispatch mode that counts the bytes of every live storage on the device: the peak is what the
 tensors need, the quantity ``torch.cuda.max_memory_allocated`` reports, and what the planner's estimate
-(``wantrain.data.report.memory_plan``) is checked against.
+(``wantrain.models.wan22.memory``, what ``wantrain check`` prints) is checked against.
 
 Choices that differ from a GPU:
 
@@ -23,6 +23,8 @@ Choices that differ from a GPU:
     python bench/trace_memory.py                           # the table of docs/benchmarks.md (markdown + JSON)
     python bench/trace_memory.py --variant t2v-a14b --dtype fp8 --swap 20 --offload --size 832x480x81
     python bench/trace_memory.py --json out.json
+    python bench/trace_memory.py --sampling                # the sampling table (a no-grad denoising step with
+                                                           # guidance, then the VAE decode)
 """
 
 from __future__ import annotations
@@ -216,6 +218,95 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
             "seconds": round(time.perf_counter() - start, 1), "block_copies": len(copies)}
 
 
+def build_fake_vae(variant: str, fake: FakeTensorMode):
+    """The variant's VAE in fp32 (as the sample observer loads it), with fake tensors on :data:`DEVICE`."""
+    from diffusers import AutoencoderKLWan
+
+    from wantrain.models.wan22.architecture import _TINY_VAE
+    from wantrain.models.wan22.memory import REAL_VAE
+
+    spec = VARIANTS[variant]
+    with torch.device("meta"):
+        vae = AutoencoderKLWan(**(_TINY_VAE[spec.vae] if spec.tiny else REAL_VAE[spec.vae]))
+    with fake:
+        for module in vae.modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None:
+                    module._parameters[key] = torch.nn.Parameter(
+                        torch.empty(param.shape, dtype=torch.float32, device=DEVICE), requires_grad=False)
+            for key, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[key] = torch.empty(buffer.shape, dtype=buffer.dtype, device=DEVICE)
+    return vae.eval()
+
+
+def trace_sampling(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0,
+                   size: tuple[int, int, int] = (832, 480, 81), rank: int = 32, guidance: bool = True,
+                   layers: int | None = None) -> dict:
+    """Peak live device bytes (GiB) of sampling one video as the sample observer does (diffusers' Wan pipeline):
+    the expert with its LoRA and the optimizer's moments (no gradients: they are freed after each step), the VAE in
+    fp32; one denoising step (no autograd; with ``guidance`` the conditional and the unconditional pass one after
+    the other, as the pipeline runs them, and their combination), then the VAE decode of the latents and the
+    pipeline's scaling of the frames. ``denoise_gib`` and ``decode_gib`` are the two phases' peaks."""
+    spec = VARIANTS[variant]
+    width, height, frames = size
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    start = time.perf_counter()
+    with fake_layerwise_casting():
+        model = build_fake_expert(variant, dtype, rank, fake, layers)
+    model.eval()
+    vae = build_fake_vae(variant, fake)
+    blocks = model.blocks
+    with fake:
+        if swap:
+            swapped = range(len(blocks) - swap, len(blocks))
+            for k in swapped:
+                for module in blocks[k].modules():
+                    for key, param in list(module._parameters.items()):
+                        if param is not None and not param.requires_grad:
+                            module._parameters[key] = torch.nn.Parameter(
+                                torch.empty(param.shape, dtype=param.dtype, device=HOST), requires_grad=False)
+            BlockSwap(model, blocks, swapped, DEVICE, ring=2)
+        counter = LiveBytes(DEVICE.type)
+        for tensor in [*model.parameters(), *model.buffers(), *vae.parameters(), *vae.buffers()]:
+            counter.track(tensor)
+        moments = [torch.zeros_like(p) for p in model.parameters() if p.requires_grad for _ in range(2)]
+        for tensor in moments:
+            counter.track(tensor)
+        at_rest = counter.live
+        frames_latent = (frames - 1) // spec.frame_multiple + 1
+        stride = spec.spatial_multiple // 2
+        shape = (1, spec.latent_channels, frames_latent, height // stride, width // stride)
+        with torch.no_grad(), counter:
+            latents = torch.empty(shape, dtype=torch.float32, device=DEVICE)
+            text = torch.empty(1, spec.text_len, 4096, dtype=torch.bfloat16, device=DEVICE)
+            negative = torch.empty(1, spec.text_len, 4096, dtype=torch.bfloat16, device=DEVICE)
+            timestep = torch.full((1,), 500.0, device=DEVICE)
+            extra = shape[1:] if spec.transformer_in_channels == spec.latent_channels else None
+            latent_in = latents.to(torch.bfloat16)
+            if extra is None:  # I2V: the image condition concatenated on the channels
+                cond_shape = (1, spec.transformer_in_channels - spec.latent_channels, *shape[2:])
+                latent_in = torch.cat([latent_in, torch.empty(cond_shape, dtype=torch.bfloat16)], dim=1)
+            pred = model(hidden_states=latent_in, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+            if guidance:
+                uncond = model(hidden_states=latent_in, timestep=timestep, encoder_hidden_states=negative,
+                               return_dict=False)[0]
+                pred = uncond + 5.0 * (pred - uncond)
+                del uncond
+            latents = latents - 0.05 * pred.float()  # the scheduler's step
+            del pred, latent_in, text, negative
+            denoise = counter.peak
+            counter.peak = counter.live
+            video = vae.decode(latents, return_dict=False)[0]
+            video = (video / 2 + 0.5).clamp(0, 1)  # the video processor, before the frames go to the host
+            del video
+            decode = counter.peak
+    return {"variant": variant, "dtype": dtype, "swap": swap, "size": f"{width}x{height}x{frames}", "rank": rank,
+            "guidance": guidance, "layers": len(blocks), "at_rest_gib": at_rest / 2**30,
+            "denoise_gib": denoise / 2**30, "decode_gib": decode / 2**30, "peak_gib": max(denoise, decode) / 2**30,
+            "seconds": round(time.perf_counter() - start, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", default="t2v-a14b", choices=sorted(VARIANTS))
@@ -226,12 +317,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--layers", type=int, help="fewer blocks than the variant has (a quick check)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sampling", action="store_true", help="trace sampling instead of a training step")
     args = parser.parse_args(argv)
     dtypes = [args.dtype] if args.dtype else ["bf16", "fp8"]
     swaps = [args.swap] if args.swap is not None else [0, 20, 38]
     offloads = [args.offload] if args.offload is not None else [False, True]
     sizes = [args.size] if args.size else [(832, 480, 81), (1280, 720, 81)]
     rows = []
+    if args.sampling:
+        for size, dtype, swap in itertools.product(sizes, dtypes, swaps):
+            row = trace_sampling(args.variant, dtype, swap, size, args.rank, layers=args.layers)
+            row.update(compare_sampling(row))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        print(markdown_sampling(rows))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     for size, dtype, swap, offload in itertools.product(sizes, dtypes, swaps, offloads):
         row = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers)
         row.update(compare(row))
@@ -252,6 +354,28 @@ def compare(row: dict) -> dict:
                    height=height, frames=frames, rank=row["rank"], batch=row["batch"],
                    layers=row["layers"] if row["layers"] != VARIANTS[row["variant"]].num_layers else None)
     return {"estimate_gib": est.allocated / GIB, "error_pct": 100 * (est.allocated / GIB / row["peak_gib"] - 1)}
+
+
+def compare_sampling(row: dict) -> dict:
+    """The planner's sampling estimate of the same configuration and its error against the trace."""
+    from wantrain.models.wan22.memory import GIB, MemorySettings, SampleSize, estimate
+
+    width, height, frames = parse_size(row["size"])
+    est = estimate(row["variant"], MemorySettings(row["dtype"], row["swap"]), width=width, height=height,
+                   frames=frames, rank=row["rank"], sample=SampleSize(width, height, frames, row["guidance"]),
+                   layers=row["layers"] if row["layers"] != VARIANTS[row["variant"]].num_layers else None)
+    return {"estimate_gib": est.sampling_allocated / GIB,
+            "error_pct": 100 * (est.sampling_allocated / GIB / row["peak_gib"] - 1)}
+
+
+def markdown_sampling(rows: list[dict]) -> str:
+    lines = ["| size | base | swapped | traced denoise GiB | traced decode GiB | traced peak GiB | estimate GiB "
+             "| error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['dtype']} | {r['swap']} | {r['denoise_gib']:.2f} | {r['decode_gib']:.2f} | "
+                     f"{r['peak_gib']:.2f} | {r['estimate_gib']:.2f} | {r['error_pct']:+.1f} % |")
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict]) -> str:

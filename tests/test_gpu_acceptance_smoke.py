@@ -18,7 +18,7 @@ def test_the_gpu_acceptance_script_runs_every_section_on_the_cpu():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    sections = ("tiny_t2v_resume", "expert_switch_memory", "block_activations", "gpu_step", "sync_debug")
+    sections = ("tiny_t2v_resume", "expert_switch_memory", "block_activations", "gpu_step", "sync_debug", "vram_plan")
     assert [s for s in sections if "error" in report[s]] == []
     resume = report["tiny_t2v_resume"]
     assert resume["status_resumed"] == "completed" and resume["compared"] == resume["tensors"] > 0
@@ -27,3 +27,29 @@ def test_the_gpu_acceptance_script_runs_every_section_on_the_cpu():
     assert len(rows) == 4 and all("error" not in r and r["estimate_bytes_per_token_per_width"] > 0 for r in rows)
     assert report["gpu_step"]["results"][0]["final_loss"] > 0
     assert report["sync_debug"]["status"] == "completed" and report["sync_debug"]["syncs"] == []
+    # the 24 GB plan's setting: named from the planner, its estimate recorded; on the CPU the tiny twin runs the
+    # same swap and offload code with one block swapped, and its offload traffic is counted
+    plan = report["vram_plan"]
+    assert plan["plan"].startswith(("bf16-swap", "fp8-swap")) and plan["planned_card_gib"] <= 24.0
+    assert plan["ran"] == "bf16-swap1-offload" and plan["link_bytes_per_step"] > 0
+    assert "peak_allocated_gib" not in plan  # only CUDA measures it
+
+
+def test_gpu_step_runs_every_memory_setting_it_names_on_the_cpu():
+    """``bench/gpu_step.py --smoke``: each setting (bf16, swap, swap + offload) reports s/step, the traffic over
+    the host link and the planner's figure; an unknown setting is refused in one line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_step.py"), "--smoke"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    rows = {r["config"]: r for r in report["results"]}
+    assert list(rows) == ["bf16", "bf16-swap1", "bf16-swap1-offload"]
+    assert [r["blocks_to_swap"] for r in rows.values()] == [0, 1, 1]
+    assert rows["bf16"]["link_bytes_per_step"] == 0 < rows["bf16-swap1-offload"]["link_bytes_per_step"]
+    assert all(r["s_per_step"] > 0 and r["planned_allocated_gib"] > 0 and "s_per_step_vs_bf16" in r
+               for r in rows.values())
+    assert report["link_bytes_per_s"] > 0
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_step.py"), "--smoke", "--settings", "bf16-swap9"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "unknown setting 'bf16-swap9'" in bad.stderr

@@ -33,7 +33,7 @@ def test_check_prints_the_report_and_writes_json(tmp_path, capsys):
     rc = check_cmd.run(_args(check_cmd, [str(cfg), "--json", str(tmp_path / "r.json"), "--set", "train.batch_size=2"]))
     out = capsys.readouterr().out
     assert rc == 0
-    assert "32x32x9" in out and "bad.mp4: empty file (0 bytes)" in out and "estimated peak VRAM" in out
+    assert "32x32x9" in out and "bad.mp4: empty file (0 bytes)" in out and "card needs" in out
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["batch_size"] == 2 and rep["skipped"][0]["reason"] == "empty file (0 bytes)"
 

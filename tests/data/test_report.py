@@ -1,11 +1,10 @@
-"""The pre-flight report and the VRAM estimate."""
+"""The pre-flight report (the memory plan it prints: tests/models/test_memory_plan.py)."""
 
 import json
 
 from conftest import data_config, make_image, make_video
 
-from wantrain.data import build_dataset, estimate_peak_vram_gb
-from wantrain.models.wan22.variants import variant_spec
+from wantrain.data import build_dataset
 
 
 def test_report_counts_clips_per_bucket_steps_and_waste(tmp_path, tiny_spec):
@@ -27,24 +26,3 @@ def test_pixels_cropped_is_the_share_cut_by_the_centre_crop(tmp_path, tiny_spec)
     make_image(tmp_path, "wide", width=64, height=32)  # 2:1 into a 1:1-only bucket set: half the width is cut
     data = build_dataset(data_config(tmp_path, aspect_ratios=[1.0]), spec=tiny_spec, seed=0, batch_size=1)
     assert round(data.report.pixels_cropped_pct, 1) == 50.0
-
-
-def test_vram_estimate_grows_with_frames_resolution_rank_and_without_checkpointing():
-    spec = variant_spec("t2v-a14b")
-    base = estimate_peak_vram_gb(spec, 832, 480, 81, 32, 1, "bf16", True)
-    assert 40 < base < 90
-    assert estimate_peak_vram_gb(spec, 832, 480, 41, 32, 1, "bf16", True) < base
-    assert estimate_peak_vram_gb(spec, 512, 512, 81, 32, 1, "bf16", True) < base
-    assert estimate_peak_vram_gb(spec, 832, 480, 81, 128, 1, "bf16", True) > base
-    assert estimate_peak_vram_gb(spec, 832, 480, 81, 32, 1, "fp8", True) < base - 10
-    assert estimate_peak_vram_gb(spec, 832, 480, 81, 32, 1, "bf16", False) > 3 * base
-
-
-def test_report_includes_the_vram_estimate_for_the_largest_bucket(tmp_path, tiny_spec):
-    make_video(tmp_path, "v", frames=9)
-    make_image(tmp_path, "i")
-    data = build_dataset(data_config(tmp_path), spec=tiny_spec, seed=0, batch_size=2)
-    data.set_vram_estimate(rank=8, base_dtype="auto", gradient_checkpointing=True)
-    v = data.report.to_json()["vram"]
-    assert (v["width"], v["height"], v["frames"], v["base_dtype"]) == (32, 32, 9, "fp32") and v["gb"] > 0
-    assert "estimated peak VRAM" in data.report.format()

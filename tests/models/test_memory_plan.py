@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from wantrain.models.wan22.memory import GIB, MemorySettings, estimate, plan, weight_bytes
+from wantrain.models.wan22.memory import GIB, MemorySettings, SampleSize, estimate, plan, weight_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,16 +59,19 @@ def test_a_budget_nothing_fits_has_no_plan_and_names_the_smallest_setting():
     assert smallest.settings == MemorySettings("fp8", 40, True)
 
 
-def a14b_config(tmp_path: Path, budget: float) -> Path:
-    """An A14B config on one 81-frame clip (its bucket: 832x464x81); the model folder is never read."""
+def a14b_config(tmp_path: Path, budget: float | None, sample: str = "") -> Path:
+    """An A14B config on one 81-frame clip (its bucket: 832x464x81); the model folder is never read. ``sample``:
+    keys of an enabled ``[sample]`` section."""
     from wantrain.data.demo import render, write_video
 
     (tmp_path / "media").mkdir()
     write_video(tmp_path / "media" / "v0.mp4", render("circle", (230, 40, 40), (0, 0, 0), "left", 104, 60, 81), 16.0)
     (tmp_path / "media" / "v0.txt").write_text("a red circle moving left", encoding="utf-8")
     config = tmp_path / "run.toml"
-    config.write_text(f'[run]\noutput_dir = "out"\n\n[model]\nvariant = "t2v-a14b"\nvram_budget_gb = {budget}\n\n'
-                      '[data]\npath = "media"\n', encoding="utf-8")
+    budget_line = f"vram_budget_gb = {budget}\n" if budget is not None else ""
+    sample_section = f'\n[sample]\nenabled = true\nprompts = ["a red circle"]\n{sample}\n' if sample else ""
+    config.write_text(f'[run]\noutput_dir = "out"\n\n[model]\nvariant = "t2v-a14b"\n{budget_line}\n'
+                      f'[data]\npath = "media"\n{sample_section}', encoding="utf-8")
     return config
 
 
@@ -79,10 +82,72 @@ def test_check_on_an_a14b_config_prints_the_plan_part_by_part(tmp_path, capsys, 
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
     assert main(["check", str(a14b_config(tmp_path, 24))]) == 0
     out = capsys.readouterr().out
-    assert "memory plan for 832x464x81, one expert resident, budget 24 GiB: bf16 base, 36 blocks swapped" in out
+    assert "memory plan for 832x464x81, one expert resident, budget 24 GiB: bf16 base, 37 blocks swapped" in out
     for part in ("weights resident", "swap buffers", "LoRA + optimizer", "checkpointed inputs",
-                 "one recomputed block", "workspace", "sampling (no backward)", "card needs"):
+                 "one recomputed block", "workspace", "card needs"):
         assert part in out
+    assert "sampling (" not in out  # [sample] is off: no sampling to plan
+
+
+def test_check_prints_one_vram_figure_and_it_is_the_planners(tmp_path, capsys, monkeypatch):
+    """One estimate: `check` prints the planner's, part by part (training and sampling), and no other VRAM figure."""
+    import json
+    import re
+
+    from wantrain.cli.main import main
+
+    monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+    config = a14b_config(tmp_path, None, sample="width = 832\nheight = 480\nframes = 81")
+    assert main(["check", str(config), "--json", str(tmp_path / "report.json")]) == 0
+    out, host = capsys.readouterr().out.split("host memory (RAM)")  # the host-RAM lines come last (not VRAM)
+    assert "VRAM" not in host and "card needs" not in host
+    est = estimate("t2v-a14b", MemorySettings("bf16"), width=832, height=464, frames=81, rank=16,
+                   sample=SampleSize(832, 480, 81))
+    figures = re.findall(r"([\d.]+) GiB", out)
+    card = re.findall(r"card needs +([\d.]+) GiB", out)
+    assert card == [f"{est.device_gib:.2f}"]
+    assert re.findall(r"tensors at the peak +([\d.]+) GiB", out) == [f"{est.allocated / GIB:.2f}",
+                                                                   f"{est.sampling_allocated / GIB:.2f}"]
+    parts = [*est.parts.values(), *est.sampling_parts.values()]
+    # every GiB figure printed is a part, a peak or the card figure of the planner's estimate, or the CUDA context
+    # allowance it adds (nothing else)
+    expected = [f"{v / GIB:.2f}" for v in parts] + card + [f"{est.allocated / GIB:.2f}",
+                                                           f"{est.sampling_allocated / GIB:.2f}", "0.75"]
+    assert sorted(figures) == sorted(expected)
+    assert "estimated peak VRAM" not in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "vram" not in report and report["memory_plan"]["device_gib"] == pytest.approx(est.device_gib)
+
+
+def test_a_sample_size_nothing_fits_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    from wantrain.cli.main import main
+
+    monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+    config = a14b_config(tmp_path, 22, sample="width = 1440\nheight = 816\nframes = 81")
+    assert main(["check", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "model.vram_budget_gb = 22: nothing fits" in err
+    assert "training fits but sampling does not ([sample] 1440x816x81, guidance needs" in err
+    # the same budget with a smaller sample fits (the training bucket is unchanged)
+    (tmp_path / "small").mkdir()
+    config = a14b_config(tmp_path / "small", 22, sample="width = 832\nheight = 480\nframes = 81")
+    assert main(["check", str(config)]) == 0
+
+
+@pytest.mark.parametrize("settings", [MemorySettings("bf16", 0, False), MemorySettings("fp8", 1, False)],
+                         ids=lambda s: s.describe())
+def test_the_sampling_estimate_is_within_ten_percent_of_a_traced_sampling_step(settings):
+    # Two real-width A14B blocks and the real Wan 2.1 VAE at 480x272x33: the transformer pass, the VAE decode and
+    # the weights all count here.
+    traced = trace_module().trace_sampling("t2v-a14b", settings.base_dtype, settings.blocks_to_swap, (480, 272, 33),
+                                           rank=32, layers=2)
+    est = estimate("t2v-a14b", settings, width=480, height=272, frames=33, rank=32, layers=2,
+                   sample=SampleSize(480, 272, 33))
+    assert abs(est.sampling_allocated / GIB / traced["peak_gib"] - 1) < 0.10, (est.sampling_parts, traced)
+    decode = est.sampling_parts["VAE decode"] + est.sampling_allocated - max(
+        est.sampling_parts["denoising step"], est.sampling_parts["VAE decode"])
+    assert abs(decode / GIB / traced["decode_gib"] - 1) < 0.10
 
 
 def test_a_budget_nothing_fits_is_refused_in_one_line_before_the_run_directory_exists(tmp_path, capsys):
@@ -107,3 +172,29 @@ def test_memory_settings_that_cannot_work_are_one_line_config_errors(keys, messa
 
     with pytest.raises(ConfigError, match=message):
         ModelConfig(variant="t2v-a14b", **keys)
+
+
+def test_the_readme_table_of_what_fits_where_is_the_planners():
+    """README's "What fits where" is the planner's output (one estimate everywhere): every cell's setting and
+    figures, recomputed."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (\d+) \| (.+?) \| (.+?) \|$", text.split("## What fits where")[1].split("\n## ")[0],
+                      flags=re.M)
+    assert [int(r[0]) for r in rows] == [80, 48, 32, 24, 16]
+    for budget, *cells in rows:
+        for (width, height), cell in zip(((832, 480), (1280, 720)), cells):
+            chosen, smallest = plan("t2v-a14b", float(budget), base_dtype="auto", width=width, height=height,
+                                    frames=81, rank=32)
+            if chosen is None:
+                assert cell.startswith("does not fit"), (budget, cell)
+                best = re.search(r"\(([\d.]+) at best\)", cell)
+                assert best is None or best.group(1) == f"{smallest.device_gib:.1f}", (budget, cell)
+                continue
+            s = chosen.settings
+            swapped = re.search(r"(\d+) blocks swapped", cell)
+            assert (int(swapped.group(1)) if swapped else 0) == s.blocks_to_swap, (budget, cell)
+            assert ("offload" in cell) == s.offload_activations and cell.startswith(s.base_dtype), (budget, cell)
+            figures = re.search(r"\(([\d.]+)(?: tensors)?, ([\d.]+)(?: card)?\)", cell).groups()
+            assert figures == (f"{chosen.allocated / GIB:.1f}", f"{chosen.device_gib:.1f}"), (budget, cell)

@@ -138,6 +138,53 @@ def test_offloaded_activations_give_the_same_gradients_and_copy_the_block_inputs
     assert packed.count(text) == 1 and packed.count(modulation) == 1  # given to every block, copied once
 
 
+def offload_timeline(prefetch: bool):
+    """One step of the six-block model with activation offload: the gradients, which block each offloaded tensor
+    was saved for (its place in the save order -> block), and the backward pass's timeline: ("copy", place) for
+    every host->device copy, ("run", k) when block k's recompute starts."""
+    model = six_block_model()
+    events: list[tuple[str, int]] = []
+    offload = ActivationOffload(CPU, "cpu", min_bytes=512, prefetch=prefetch,
+                                on_copy_back=lambda place, nbytes: events.append(("copy", place)))
+    saved_before: dict[int, int] = {}  # block -> places saved before its forward starts (its inputs: the last ones)
+
+    def before(k):
+        def hook(module, args):
+            if torch._C._current_graph_task_id() != -1:
+                events.append(("run", k))
+            elif k not in saved_before:
+                saved_before[k] = offload.packed
+        return hook
+
+    for k, block in enumerate(model.blocks):
+        block.register_forward_pre_hook(before(k))
+    with offload.active():
+        grads = step(model)
+    owner = {}
+    for k in range(6):
+        for place in range(saved_before[k - 1] if k else 0, saved_before[k]):
+            owner[place] = k
+    return grads, owner, events
+
+
+def test_offloaded_block_inputs_come_back_while_the_next_block_recomputes_and_the_gradients_stay_equal():
+    reference = step(six_block_model())
+    grads, owner, events = offload_timeline(prefetch=True)
+    assert grads.keys() == reference.keys() and all(torch.equal(grads[k], reference[k]) for k in reference)
+    copies = [place for kind, place in events if kind == "copy"]
+    assert sorted(copies) == sorted(set(copies)) and set(owner) <= set(copies)  # each copied back once
+    runs = [events.index(("run", k)) for k in range(6)]
+    assert runs == sorted(runs, reverse=True)  # the recompute goes from the last block to the first
+    for k in range(1, 6):  # block k-1's inputs are all on their way before block k's recompute starts
+        inputs = [events.index(("copy", place)) for place, block in owner.items() if block == k - 1]
+        assert inputs and max(inputs) < runs[k], (k, events)
+    # without the prefetch each block's inputs come back only when its own recompute needs them
+    _, owner, events = offload_timeline(prefetch=False)
+    k = 3
+    late = [events.index(("copy", place)) for place, block in owner.items() if block == k - 1]
+    assert min(late) > events.index(("run", k))
+
+
 def adapter_run(**model):
     """Six steps of tiny-t2v through two expert switches; the adapter and both LoRAs in Wan naming."""
     from wan22_helpers import make_adapter, raw_batch, train_steps

@@ -152,8 +152,6 @@ class PreparedRun:
         sync.broadcast_text("path:" + str(run_dir))
         (run_dir / "config.toml").write_text(tomli_w.dumps(self.plain), encoding="utf-8")
         write_config_source(run_dir, self.config_dir)
-        data.set_vram_estimate(rank=cfg.lora.rank, base_dtype=cfg.model.base_dtype,
-                               gradient_checkpointing=cfg.model.gradient_checkpointing)
         _write_preflight(run_dir, data)
         return self._execute_in(run_dir, configure_logging(run_dir / "log.jsonl"), options)
 

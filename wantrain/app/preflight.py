@@ -16,7 +16,7 @@ from wantrain.core.errors import UserError
 from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.cache import describe_entries, remove_entries
 from wantrain.data.dataset import NoUsableSample
-from wantrain.data.report import PreflightReport, estimate_sampling_vram_gb
+from wantrain.data.report import PreflightReport
 from wantrain.models.wan22 import build_encoders, check_model_files
 from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
@@ -38,10 +38,11 @@ def resolved_config(cfg: Any) -> Any:
 
 
 def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None = None) -> PreflightReport:
-    """The pre-flight data report of ``wantrain check`` (``verify``: decode every clip first), with the VRAM
-    estimate of training and, with ``[sample]`` on, of sampling. First the checks ``wantrain run`` makes before it
-    loads anything (the schedule, users' observers, the model files, [validation]/[sample]): the same one-line
-    refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys go."""
+    """The pre-flight data report of ``wantrain check`` (``verify``: decode every clip first), with the memory plan
+    (:func:`plan_memory`: training and, with ``[sample]`` on, sampling, part by part). First the checks ``wantrain
+    run`` makes before it loads anything (the schedule, users' observers, the model files, [validation]/[sample]):
+    the same one-line refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys
+    go."""
     from wantrain.app.epochs import uses_epochs
 
     if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
@@ -61,8 +62,6 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
     data.report.model_files = model_plan(cfg)
-    data.set_vram_estimate(**memory_options(cfg))
-    add_sampling_estimate(cfg, data.report)
     plan_memory(cfg, data)
     return data.report
 
@@ -90,8 +89,8 @@ def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
     return ensure_cache(data, encoders, remove_orphans=False), data.report
 
 
-__all__ = ["NoUsableSample", "add_sampling_estimate", "dataset", "describe_entries", "fill_cache", "memory_options",
-           "preflight_report", "remove_entries", "resolve_device", "resolved_config"]
+__all__ = ["NoUsableSample", "dataset", "describe_entries", "fill_cache", "plan_memory", "preflight_report",
+           "remove_entries", "resolve_device", "resolved_config"]
 
 
 def model_plan(cfg: Any) -> list[str]:
@@ -106,33 +105,16 @@ def model_plan(cfg: Any) -> list[str]:
     return plan_lines(cfg.model, source.spec, random=source.random)
 
 
-def memory_options(cfg) -> dict:
-    """Memory options of the run that the VRAM estimate uses (keys the model section may or may not have yet)."""
-    model, train = cfg.model, cfg.train
-    dtype = getattr(model, "base_dtype", None) or getattr(model, "dtype", None) or "bf16"
-    gc = getattr(model, "gradient_checkpointing", getattr(train, "gradient_checkpointing", True))
-    return {"rank": cfg.lora.rank, "base_dtype": str(dtype), "gradient_checkpointing": bool(gc)}
-
-
-def add_sampling_estimate(cfg, report) -> None:
-    """With ``[sample]`` enabled, add the sampling footprint to the report's VRAM estimate."""
-    if not cfg.sample.enabled or not report.vram:
-        return
-    spec = variant_spec(cfg.model.variant)
-    width, height, frames = sample_size(cfg.sample, spec)
-    options = memory_options(cfg)
-    gb = estimate_sampling_vram_gb(spec, width, height, frames, options["rank"], options["base_dtype"])
-    report.vram.update(sampling_gb=round(gb, 2), sampling_size=f"{width}x{height}x{frames}")
-
-
 def plan_memory(cfg: Any, data: Any) -> Any:
     """The ``[model]`` section the run trains with: with ``model.vram_budget_gb`` the planner's choice of
     ``base_dtype`` (when ``auto``), ``blocks_to_swap`` and ``offload_activations`` for the largest bucket, else the
-    section as it is. The estimate, part by part, goes into ``data.report.memory_plan`` (``wantrain check`` prints
-    it). A budget nothing fits is a one-line ``UserError`` naming the smallest setting and what would fit."""
+    section as it is. With ``[sample]`` on, the plan covers sampling at the sample size too (the card needs the
+    larger peak). The estimate, part by part, goes into ``data.report.memory_plan`` (``wantrain check`` prints it;
+    the run's ``preflight.json``). A budget nothing fits is a one-line ``UserError`` naming the smallest setting
+    and what would fit."""
     import attrs
 
-    from wantrain.models.wan22.memory import MemorySettings, estimate, plan
+    from wantrain.models.wan22.memory import MemorySettings, SampleSize, estimate, plan
 
     model = cfg.model
     buckets = data.report.buckets
@@ -141,6 +123,8 @@ def plan_memory(cfg: Any, data: Any) -> Any:
     spec = variant_spec(model.variant)
     b = max(buckets, key=lambda r: (r.width * r.height * r.frames, r.frames))
     size = dict(width=b.width, height=b.height, frames=b.frames, rank=_lora_rank(cfg), batch=cfg.train.batch_size)
+    if cfg.sample.enabled:
+        size["sample"] = SampleSize(*sample_size(cfg.sample, spec), guidance=cfg.sample.guidance_scale > 1)
     dtype = model.base_dtype
     if dtype == "auto" and spec.tiny:
         dtype = "fp32"
@@ -178,14 +162,24 @@ def host_memory(cfg: Any, model: Any, settings: Any, size: dict) -> dict:
     other = tuple(e for e in spec.experts if e is not None and e not in model.trained_experts) \
         if cfg.sample.enabled and spec.boundary_ratio is not None else ()
     est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda, sampling_only=other,
-                        **size)
+                        **{k: v for k, v in size.items() if k != "sample"})
     return {"cuda": cuda, "lines": est.lines(), **est.to_json()}
 
 
 def _what_fits(variant: str, budget: float, dtype: str, size: dict) -> str:
-    """What would fit ``budget``: fewer frames or a lower resolution (same aspect) with the smallest setting."""
+    """What would fit ``budget``: fewer frames (training or, when training alone fits, sampling) with the smallest
+    setting, or a budget."""
     from wantrain.models.wan22.memory import plan
 
+    sample = size.get("sample")
+    if sample is not None and plan(variant, budget, base_dtype=dtype, **{**size, "sample": None})[0] is not None:
+        _, smallest = plan(variant, 0.0, base_dtype=dtype, **size)
+        head = (f"training fits but sampling does not ([sample] {sample.describe()} needs "
+                f"{smallest.sampling_gib:.1f} GiB at best)")
+        for f in range(sample.frames - 4, 0, -4):
+            if plan(variant, budget, base_dtype=dtype, **{**size, "sample": attrs.evolve(sample, frames=f)})[0]:
+                return f"{head}; sample.frames = {f} would fit, or a budget of {_smallest_budget(variant, dtype, size)}"
+        return f"{head}; a smaller sample.width/height or a budget of {_smallest_budget(variant, dtype, size)}"
     width, height, frames = size["width"], size["height"], size["frames"]
     for f in range(frames - 4, 0, -4):
         if plan(variant, budget, base_dtype=dtype, **{**size, "frames": f})[0] is not None:

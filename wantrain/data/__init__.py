@@ -16,10 +16,10 @@ from wantrain.data.cache import CacheStats
 from wantrain.data.clips import Clip, MediaEncoders
 from wantrain.data.config import DataConfig, DatasetConfig
 from wantrain.data.dataset import build_dataset
-from wantrain.data.report import PreflightReport, estimate_peak_vram_gb
+from wantrain.data.report import PreflightReport
 from wantrain.data.training import TrainingData, ensure_cache
 
 __all__ = [
     "CacheStats", "Clip", "DataConfig", "DatasetConfig", "MediaEncoders", "PreflightReport", "TrainingData",
-    "build_dataset", "ensure_cache", "estimate_peak_vram_gb",
+    "build_dataset", "ensure_cache",
 ]

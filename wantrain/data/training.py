@@ -31,7 +31,7 @@ from wantrain.data.captions import CAPTION_STREAM, EMPTY, batch_draws, draw
 from wantrain.data.clips import Bucket, Clip, MediaEncoders
 from wantrain.data.media import MediaError, decode_video, load_image
 from wantrain.data.plan import pick_frame_bucket, retimed_count
-from wantrain.data.report import BucketRow, PreflightReport, estimate_peak_vram_gb
+from wantrain.data.report import BucketRow, PreflightReport
 
 log = structlog.get_logger("wantrain.data")
 
@@ -106,19 +106,6 @@ class TrainingData:
             steps += batches
         self.report.buckets = rows
         self.report.steps_per_epoch = self.steps_per_epoch = steps
-
-    def set_vram_estimate(self, *, rank: int, base_dtype: str = "bf16", gradient_checkpointing: bool = True) -> None:
-        """Fill ``report.vram`` for the bucket with the most pixels x frames."""
-        if not self.report.buckets:
-            return
-        if base_dtype == "auto":
-            base_dtype = "fp32" if self.spec.tiny else "bf16"
-        b = max(self.report.buckets, key=lambda r: (r.width * r.height * r.frames, r.frames))
-        gb = estimate_peak_vram_gb(self.spec, b.width, b.height, b.frames, rank, self.batch_size, base_dtype,
-                                   gradient_checkpointing)
-        self.report.vram = {"gb": round(gb, 2), "width": b.width, "height": b.height, "frames": b.frames,
-                            "rank": rank, "batch_size": self.batch_size, "base_dtype": base_dtype,
-                            "gradient_checkpointing": gradient_checkpointing, "variant": self.spec.name}
 
     def _epoch(self, epoch: int, carry: dict[Bucket, list[int]]) -> tuple[list[tuple[Bucket, list[int]]], dict]:
         rng = np.random.default_rng(_epoch_seed(self.seed, epoch))

@@ -12,8 +12,20 @@ docs/benchmarks.md has its table and the estimate's error on every row). Parts (
 * ``checkpointed inputs``: each block's input hidden states, bf16 (``blocks x tokens x width x 2``), kept for the
   recompute; with ``model.offload_activations`` on the host, and on the device only the few in flight;
 * ``one recomputed block``: what one block's recompute saves and its backward needs at once, per token
-  ``C_WIDTH x width + C_FFN x ffn_width`` bytes (fp8: plus the bf16 copies of the block's Linears);
+  ``C_WIDTH x width + C_FFN x ffn_width`` bytes and per text token ``C_TEXT x width`` (fp8: plus the bf16 copies
+  of the block's Linears);
 * ``workspace``: the layers outside the blocks, the loss, and a fixed allowance.
+
+Sampling (``[sample]``: diffusers' Wan pipeline around the training expert, no autograd), at the sample size:
+
+* ``weights resident`` and ``swap buffers`` as in training; ``LoRA + moments``: the LoRA weights and AdamW's two
+  moments (12 bytes per LoRA parameter; the gradients are freed after each step); ``VAE``: its weights in fp32;
+* then the larger of ``denoising step``, the transient of one transformer pass at a time (the pipeline runs the
+  conditional and the unconditional pass of classifier-free guidance one after the other, not batched):
+  ``SAMPLE_FIXED + tokens x (SAMPLE_C_WIDTH x width + SAMPLE_C_FFN x ffn_width)``, and ``VAE decode``, the
+  decoder's transient: ``VAE_DECODE_PER_PIXEL x height x width`` (its causal chunks work on a few frames at a time)
+  plus the fp32 video (``VIDEO_BYTES_PER_PIXEL x frames x height x width``). The decode constant is the real VAE's
+  (a tiny twin's decoder, far narrower, is overestimated).
 
 The planner's total for a budget adds 5 % for the allocator's fragmentation and 0.75 GiB for the CUDA context and
 cuBLAS workspaces (assumptions: no GPU has checked them yet).
@@ -32,14 +44,27 @@ GIB = 2**30
 # resolutions each, bf16 base, fp32 rank-32 LoRA).
 C_WIDTH = 75.8
 C_FFN = 10.0
-# With activation offload, the block inputs still on the device: this many blocks' worth plus a fixed part.
-OFFLOAD_BLOCKS = 1.03
+# ... and per text token per unit of width (bench/measure_block_activations.py, saved_tensors_hooks on one block).
+C_TEXT = 17.0
+# With activation offload, the block inputs still on the device: this many blocks' worth plus a fixed part (the
+# block recomputing and the next one's inputs, prefetched while it does: bench/trace_memory.py).
+OFFLOAD_BLOCKS = 2.03
 OFFLOAD_FIXED = 0.53 * GIB
 WORKSPACE_FIXED = 0.10 * GIB
 FRAGMENTATION = 1.05
 CUDA_OVERHEAD = 0.75 * GIB
 SWAP_RING = 2
 LORA_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
+LORA_SAMPLING_BYTES_PER_PARAM = 12  # while sampling: no gradient
+# Sampling, measured with ``bench/trace_memory.py --sampling`` (docs/benchmarks.md): one no-grad transformer pass's
+# transient per token, per unit of width and of FFN width (fit to A14B and TI2V-5B; the same at 2 and at 40 blocks
+# and from 4590 to 75600 tokens) ...
+SAMPLE_C_WIDTH = 11.4
+SAMPLE_C_FFN = 10.3
+SAMPLE_FIXED = 0.013 * GIB
+# ... and the VAE decode's transient per pixel of a frame, by VAE family (fp32 VAE), plus the decoded fp32 video.
+VAE_DECODE_PER_PIXEL = {"wan2.1": 19460.0, "wan2.2": 21500.0}
+VIDEO_BYTES_PER_PIXEL = 12.5
 
 
 @attrs.frozen
@@ -56,11 +81,30 @@ class MemorySettings:
 
 
 @attrs.frozen
+class SampleSize:
+    """What ``[sample]`` generates: the video size and whether classifier-free guidance runs a second pass."""
+
+    width: int
+    height: int
+    frames: int
+    guidance: bool = True
+
+    def describe(self) -> str:
+        return f"{self.width}x{self.height}x{self.frames}" + (", guidance" if self.guidance else "")
+
+
+# The sampling parts that are alternatives (the pipeline decodes after the last denoising step): the peak has the
+# larger of the two.
+SAMPLING_PHASES = ("denoising step", "VAE decode")
+
+
+@attrs.frozen
 class MemoryEstimate:
     settings: MemorySettings
     parts: dict[str, float]  # bytes, in print order
-    sampling_parts: dict[str, float]
+    sampling_parts: dict[str, float]  # empty: no sampling planned ([sample] off)
     link_bytes: float = 0.0  # host<->device bytes per step the settings add (swap copies, offloaded inputs)
+    sample: SampleSize | None = None
 
     @property
     def allocated(self) -> float:
@@ -68,24 +112,51 @@ class MemoryEstimate:
         return sum(self.parts.values())
 
     @property
+    def sampling_allocated(self) -> float:
+        """Bytes the tensors need at sampling's peak (0 without sampling)."""
+        common = sum(v for k, v in self.sampling_parts.items() if k not in SAMPLING_PHASES)
+        return common + max((self.sampling_parts.get(k, 0.0) for k in SAMPLING_PHASES), default=0.0) \
+            if self.sampling_parts else 0.0
+
+    @property
+    def training_gib(self) -> float:
+        return card_gib(self.allocated)
+
+    @property
+    def sampling_gib(self) -> float:
+        return card_gib(self.sampling_allocated) if self.sampling_parts else 0.0
+
+    @property
     def device_gib(self) -> float:
-        """What the card must have (GiB): the tensors plus fragmentation and the CUDA context."""
-        return (FRAGMENTATION * max(self.allocated, sum(self.sampling_parts.values())) + CUDA_OVERHEAD) / GIB
+        """What the card must have (GiB): the larger peak (training, sampling) plus fragmentation and the CUDA
+        context."""
+        return card_gib(max(self.allocated, self.sampling_allocated))
 
     def lines(self) -> list[str]:
-        out = [f"  {name:<24} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
-        out.append(f"  {'tensors at the peak':<24} {self.allocated / GIB:7.2f} GiB")
-        sampling = sum(self.sampling_parts.values())
+        out = ["  training step:"]
+        out += [f"    {name:<26} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
+        out.append(f"    {'tensors at the peak':<26} {self.allocated / GIB:7.2f} GiB")
         if self.sampling_parts:
-            out.append(f"  {'sampling (no backward)':<24} {sampling / GIB:7.2f} GiB")
-        out.append(f"  {'card needs':<24} {self.device_gib:7.2f} GiB (x{FRAGMENTATION} fragmentation + "
-                   f"{CUDA_OVERHEAD / GIB:.2f} GiB CUDA context)")
+            out.append(f"  sampling ([sample] {self.sample.describe()}; no autograd):")
+            for name, value in self.sampling_parts.items():
+                out.append(f"    {name:<26} {value / GIB:7.2f} GiB" + (" (the peak has the larger of these two)"
+                                                                      if name == SAMPLING_PHASES[-1] else ""))
+            out.append(f"    {'tensors at the peak':<26} {self.sampling_allocated / GIB:7.2f} GiB")
+        out.append(f"  {'card needs':<28} {self.device_gib:7.2f} GiB (the larger peak x{FRAGMENTATION} "
+                   f"fragmentation + {CUDA_OVERHEAD / GIB:.2f} GiB CUDA context)")
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {"settings": attrs.asdict(self.settings), "parts_gib": {k: v / GIB for k, v in self.parts.items()},
                 "sampling_parts_gib": {k: v / GIB for k, v in self.sampling_parts.items()},
-                "allocated_gib": self.allocated / GIB, "device_gib": self.device_gib}
+                "sample": attrs.asdict(self.sample) if self.sample is not None else None,
+                "allocated_gib": self.allocated / GIB, "sampling_allocated_gib": self.sampling_allocated / GIB,
+                "device_gib": self.device_gib}
+
+
+def card_gib(tensor_bytes: float) -> float:
+    """What a card must have (GiB) for ``tensor_bytes`` of tensors at the peak."""
+    return (FRAGMENTATION * tensor_bytes + CUDA_OVERHEAD) / GIB
 
 
 @functools.lru_cache(maxsize=16)
@@ -135,6 +206,66 @@ def _linear_bytes_bf16(variant: str, layers: int | None = None) -> float:
     return float(sum(m.weight.numel() * 2 for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear)))
 
 
+@functools.lru_cache(maxsize=8)
+def vae_bytes(variant: str) -> float:
+    """fp32 bytes of the variant's VAE (as the sample observer loads it), counted on a ``meta`` build."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    from wantrain.models.wan22.architecture import _TINY_VAE
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    with torch.device("meta"):
+        vae = AutoencoderKLWan(**(_TINY_VAE[spec.vae] if spec.tiny else REAL_VAE[spec.vae]))
+    params = sum(t.numel() * 4 for t in vae.parameters())
+    return float(params + sum(t.numel() * t.element_size() for t in vae.buffers()))
+
+
+# The real VAE of each family: AutoencoderKLWan's defaults are Wan 2.1's; Wan 2.2's (TI2V-5B) as diffusers'
+# conversion script writes it.
+REAL_VAE: dict[str, dict[str, Any]] = {
+    "wan2.1": {},
+    "wan2.2": dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                   temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                   patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4),
+}
+
+
+def recompute_block_bytes(tokens: float, width: float, ffn: float, text_tokens: float) -> float:
+    """What one checkpointed block's recompute saves and its backward needs at once (bf16 base, fp32 LoRA): per
+    video token, per text token (the cross-attention's keys and values, their LoRA inputs)."""
+    return tokens * (C_WIDTH * width + C_FFN * ffn) + text_tokens * C_TEXT * width
+
+
+def _shapes_and_weights(variant: str, settings: MemorySettings, layers: int | None):
+    """(spec, width, FFN width, block bytes, resident bytes, swap-ring bytes) of one expert under ``settings``."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    kwargs = transformer_kwargs(spec)
+    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
+    rest, blocks = weight_bytes(variant, settings.base_dtype, layers)
+    n = len(blocks)
+    swap = min(settings.blocks_to_swap, n)
+    ring = min(SWAP_RING, swap) * max(blocks, default=0.0)
+    return spec, d, kwargs["ffn_dim"], blocks, rest + sum(blocks[: n - swap]), ring
+
+
+def sampling_parts(variant: str, settings: MemorySettings, sample: SampleSize, *, rank: int,
+                   layers: int | None = None) -> dict[str, float]:
+    """The parts of sampling one video of ``sample``'s size with one expert on the device (module docstring)."""
+    spec, d, f, _, resident, ring = _shapes_and_weights(variant, settings, layers)
+    tokens = tokens_of(spec, sample.width, sample.height, sample.frames, 1)
+    pixels = sample.width * sample.height
+    return {"weights resident": resident, "swap buffers": ring,
+            "LoRA + moments": lora_params(variant, rank, layers) * LORA_SAMPLING_BYTES_PER_PARAM,
+            "VAE": vae_bytes(variant),
+            "denoising step": SAMPLE_FIXED + tokens * (SAMPLE_C_WIDTH * d + SAMPLE_C_FFN * f),
+            "VAE decode": VAE_DECODE_PER_PIXEL[spec.vae] * pixels + VIDEO_BYTES_PER_PIXEL * pixels * sample.frames}
+
+
 def lora_params(variant: str, rank: int, layers: int | None = None) -> float:
     """LoRA parameters of one expert at ``rank`` on the 10 Linears of every block."""
     from wantrain.models.wan22.architecture import transformer_kwargs
@@ -155,24 +286,17 @@ def tokens_of(spec: Any, width: int, height: int, frames: int, batch: int) -> in
 
 
 def estimate(variant: str, settings: MemorySettings, *, width: int, height: int, frames: int, rank: int,
-             batch: int = 1, layers: int | None = None, gradient_checkpointing: bool = True) -> MemoryEstimate:
-    """The parts of one training step's peak and of a sampling step, for one expert of ``variant``."""
-    from wantrain.models.wan22.architecture import transformer_kwargs
-    from wantrain.models.wan22.variants import VARIANTS
-
-    spec = VARIANTS[variant]
-    kwargs = transformer_kwargs(spec)
-    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
-    f = kwargs["ffn_dim"]
-    rest, blocks = weight_bytes(variant, settings.base_dtype, layers)
+             batch: int = 1, layers: int | None = None, gradient_checkpointing: bool = True,
+             sample: SampleSize | None = None) -> MemoryEstimate:
+    """The parts of one training step's peak, for one expert of ``variant``, and with ``sample`` those of
+    sampling one video."""
+    spec, d, f, blocks, resident, ring = _shapes_and_weights(variant, settings, layers)
     n = len(blocks)
     swap = min(settings.blocks_to_swap, n)
-    resident = rest + sum(blocks[: n - swap])
-    ring = min(SWAP_RING, swap) * max(blocks, default=0.0)
     lora = lora_params(variant, rank, layers) * LORA_BYTES_PER_PARAM
     tokens = tokens_of(spec, width, height, frames, batch)
     hidden = tokens * d * 2.0
-    per_block = tokens * (C_WIDTH * d + C_FFN * f)
+    per_block = recompute_block_bytes(tokens, d, f, batch * spec.text_len)
     if settings.base_dtype in ("fp8", "fp8_scaled"):  # both compute from bf16 copies of the block's Linears
         per_block += _linear_bytes_bf16(variant, layers)
     if not gradient_checkpointing:
@@ -185,11 +309,10 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     workspace = WORKSPACE_FIXED + text + tokens * 64 * 4 * 4  # latents, prediction, target, loss terms (fp32)
     parts = {"weights resident": resident, "swap buffers": ring, "LoRA + optimizer": lora,
              "checkpointed inputs": inputs, "one recomputed block": per_block, "workspace": workspace}
-    sampling = {"weights resident": resident, "swap buffers": ring, "LoRA": lora / 4,
-                "one block's forward": tokens * C_WIDTH * d * 0.5, "workspace": workspace}
+    sampling = sampling_parts(variant, settings, sample, rank=rank, layers=layers) if sample is not None else {}
     # A swapped block crosses twice per step (forward, recompute); offloaded inputs go out and come back.
     link = 2.0 * sum(blocks[n - swap:]) + (2.0 * n * hidden if settings.offload_activations else 0.0)
-    return MemoryEstimate(settings, parts, sampling, link)
+    return MemoryEstimate(settings, parts, sampling, link, sample)
 
 
 def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
@@ -205,9 +328,10 @@ def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
 
 
 def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height: int, frames: int, rank: int,
-         batch: int = 1) -> tuple[MemoryEstimate | None, MemoryEstimate]:
+         batch: int = 1, sample: SampleSize | None = None) -> tuple[MemoryEstimate | None, MemoryEstimate]:
     """(the chosen estimate or None, the smallest one). The choice: the first dtype of :func:`candidates` that
-    fits, and within it the fitting setting moving the fewest bytes over the host link per step."""
+    fits (training and, with ``sample``, sampling), and within it the fitting setting moving the fewest bytes over
+    the host link per step."""
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
@@ -218,7 +342,8 @@ def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height
     for settings in candidates(base_dtype, n):
         if chosen_dtype is not None and settings.base_dtype != chosen_dtype:
             break
-        est = estimate(variant, settings, width=width, height=height, frames=frames, rank=rank, batch=batch)
+        est = estimate(variant, settings, width=width, height=height, frames=frames, rank=rank, batch=batch,
+                       sample=sample)
         if smallest is None or est.device_gib < smallest.device_gib:
             smallest = est
         if est.device_gib <= budget_gib:

@@ -1,11 +1,19 @@
 """Activation offload (``model.offload_activations``): tensors autograd saves outside the checkpointed blocks go
-to host memory during the forward pass and come back when the backward pass unpacks them.
+to host memory during the forward pass and come back ahead of the backward pass's need for them.
 
 With gradient checkpointing the saved tensors that stay on the device are each block's inputs (torch's
 non-reentrant checkpoint saves them through the saved-tensor hooks in force around the block call) and the few
 activations of the layers outside the blocks; everything the blocks' recompute saves is made inside the backward
 pass, under the checkpoint's own hooks, and is not offloaded. A tensor saved several times (the text embeddings and
-RoPE tables every block receives) is copied once. Small tensors (under ``min_bytes``) stay where they are.
+RoPE tables every block receives) is copied to the host once. Small tensors (under ``min_bytes``) stay where they
+are.
+
+Prefetch: every tensor sent to the host gets a place in the order it was saved. The backward pass unpacks them in
+about the reverse order (block ``i``'s recompute starts by unpacking block ``i``'s inputs), so each unpack issues
+the host->device copy of the nearest earlier saved tensor not yet copied back: while block ``i`` recomputes, block
+``i - 1``'s inputs are on their way. On CUDA that copy runs on a side stream and the compute stream waits on its
+event only when the tensor is unpacked; on a CPU the copy is synchronous (and the order of the copies is what tests
+observe). At most one block's inputs are on the device ahead of their use.
 """
 
 from __future__ import annotations
@@ -17,18 +25,44 @@ from collections.abc import Callable, Iterator
 import torch
 
 
+class _Packed:
+    """One saved tensor sent to the host: its place in the save order, the host copy, and the device copy issued
+    ahead of its unpack (with its CUDA event)."""
+
+    __slots__ = ("__weakref__", "device", "event", "host", "index", "ready")
+
+    def __init__(self, index: int, device: torch.device, host: torch.Tensor) -> None:
+        self.index, self.device, self.host = index, device, host
+        self.ready: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+
+
 class ActivationOffload:
-    """Saved-tensor hooks moving large device tensors to ``host`` (pinned on CUDA). ``on_pack(nbytes)`` is called
-    for every copy made (tests, benchmarks)."""
+    """Saved-tensor hooks moving large device tensors to ``host`` (pinned on CUDA) and prefetching them back.
+    ``on_pack(nbytes)`` is called for every device->host copy, ``on_copy_back(index, nbytes)`` for every
+    host->device copy with the tensor's place in the save order (tests, benchmarks). ``prefetch=False``: each
+    tensor is copied back only when the backward pass unpacks it."""
 
     def __init__(self, device: torch.device, host: torch.device | str = "cpu", *, min_bytes: int = 1 << 20,
-                 on_pack: Callable[[int], None] | None = None) -> None:
+                 on_pack: Callable[[int], None] | None = None, on_copy_back: Callable[[int, int], None] | None = None,
+                 prefetch: bool = True) -> None:
         self.device = torch.device(device)
         self.host = torch.device(host)
         self.min_bytes = min_bytes
         self.on_pack = on_pack
+        self.on_copy_back = on_copy_back
+        self.prefetch = prefetch
         self._pin = self.device.type == "cuda" and self.host.type == "cpu"
+        self._stream = torch.cuda.Stream(self.device) if self._pin and torch.cuda.is_available() else None
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        # every _Packed of the last forward, in save order; weak: autograd's graph owns them, and they go with it
+        self._order: list[weakref.ref] = []
+        self._next = -1  # the highest place that may still need a prefetch
+
+    @property
+    def packed(self) -> int:
+        """How many saved tensors of the current forward went to the host (each place in the save order)."""
+        return len(self._order)
 
     def _pack(self, tensor: torch.Tensor):
         if tensor.device != self.device or tensor.numel() * tensor.element_size() < self.min_bytes:
@@ -36,24 +70,74 @@ class ActivationOffload:
         key = id(tensor)
         seen = self._copies.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
-            return (tensor.device, seen[2])
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host, pin_memory=self._pin)
-        host.copy_(tensor, non_blocking=self._pin)
-        self._copies[key] = (weakref.ref(tensor, lambda _r, key=key: self._copies.pop(key, None)), tensor._version,
-                             host)
-        if self.on_pack is not None:
-            self.on_pack(tensor.numel() * tensor.element_size())
-        return (tensor.device, host)
+            host = seen[2]
+        else:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host, pin_memory=self._pin)
+            host.copy_(tensor, non_blocking=self._pin)
+            self._copies[key] = (weakref.ref(tensor, lambda _r, key=key: self._copies.pop(key, None)),
+                                 tensor._version, host)
+            if self.on_pack is not None:
+                self.on_pack(tensor.numel() * tensor.element_size())
+        packed = _Packed(len(self._order), tensor.device, host)
+        self._order.append(weakref.ref(packed))
+        self._next = packed.index
+        return packed
 
     def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
+        if not isinstance(packed, _Packed):
             return packed
-        device, host = packed
-        return host.to(device, non_blocking=self._pin)
+        if packed.ready is None:
+            self._copy_back(packed)
+        out = packed.ready
+        if packed.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(packed.event)
+            packed.event = None
+        packed.ready = None  # the caller owns it now; a second unpack copies again
+        if self.prefetch:
+            self._prefetch_before(packed.index)
+        return out
+
+    def _prefetch_before(self, index: int) -> None:
+        """Issue the copy back of the nearest tensor saved before place ``index`` that is still waiting."""
+        self._next = min(self._next, index - 1)
+        while self._next >= 0:
+            packed = self._order[self._next]()
+            self._next -= 1
+            if packed is not None and packed.ready is None:
+                self._copy_back(packed)
+                return
+
+    def _copy_back(self, packed: _Packed) -> None:
+        if self.on_copy_back is not None:
+            self.on_copy_back(packed.index, packed.host.numel() * packed.host.element_size())
+        if self._stream is None:
+            packed.ready = packed.host.to(packed.device, non_blocking=self._pin)
+            return
+        # Allocated on the compute stream (which frees it), written on the side stream once the compute stream's
+        # earlier work is done; the compute stream waits on the event before its first use.
+        buffer = torch.empty(packed.host.shape, dtype=packed.host.dtype, device=packed.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            buffer.copy_(packed.host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        packed.ready, packed.event = buffer, event
+
+    def _reset(self) -> None:
+        """Drop the previous forward's prefetched copies (a backward that never ran, or stopped part way)."""
+        for ref in self._order:
+            packed = ref()
+            if packed is not None:
+                if packed.event is not None:
+                    packed.event.synchronize()  # no copy may land in memory handed out again
+                packed.ready = packed.event = None
+        self._order.clear()
+        self._next = -1
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Offload what autograd saves inside this context."""
+        self._reset()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
