@@ -157,10 +157,8 @@ def host_memory(cfg: Any, model: Any, settings: Any, size: dict) -> dict:
 
     device = str(cfg.train.device)
     cuda = device.startswith("cuda") or (device == "auto" and not variant_spec(model.variant).tiny)
-    spec = variant_spec(model.variant)
     # sampling with one trained A14B expert loads the other one frozen (adapter.add_sampling_expert)
-    other = tuple(e for e in spec.experts if e is not None and e not in model.trained_experts) \
-        if cfg.sample.enabled and spec.boundary_ratio is not None else ()
+    other = model.untrained_experts if cfg.sample.enabled else ()
     est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda, sampling_only=other,
                         **{k: v for k, v in size.items() if k != "sample"})
     return {"cuda": cuda, "lines": est.lines(), **est.to_json()}

@@ -38,11 +38,8 @@ def check_model_files(model: ModelConfig, *, sampling: bool = False) -> None:
     source when only one is trained, as ``Wan22Adapter.add_sampling_expert`` checks it. ``wantrain check`` runs
     them, so it refuses what ``run`` would."""
     source = WeightSource(model, seed=0)
-    spec = VARIANTS[model.variant]
-    if sampling and spec.boundary_ratio is not None:
-        for expert in spec.experts:
-            if expert is not None and expert not in model.trained_experts:
-                source.check_expert(expert, "needed to sample with one trained expert")
+    for expert in model.untrained_experts if sampling else ():
+        source.check_expert(expert, "needed to sample with one trained expert")
 
 
 def build_encoders(model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device) -> Wan22Adapter:

@@ -390,8 +390,8 @@ class Wan22Adapter:
         ``model.blocks_to_swap`` is set; it has no optimizer group and is neither saved nor checkpointed. Returns
         the expert (None when there is nothing to add: both experts trained, or a single-transformer variant).
         Raises ``UserError`` (one line) for missing weights or a LoRA file that does not fit."""
-        missing = [e for e in self.spec.experts if e is not None and e not in self._transformers]
-        if self.spec.boundary_ratio is None or not missing:
+        missing = [e for e in self.model_config.untrained_experts if e not in self._transformers]
+        if not missing:
             return None
         (expert,) = missing
         self.source.check_expert(expert, "needed to sample with one trained expert")

@@ -194,6 +194,12 @@ class ModelConfig:
             return (None,)
         return spec.experts if self.experts == "both" else (self.experts,)
 
+    @property
+    def untrained_experts(self) -> tuple[str, ...]:
+        """The A14B expert this config does not train (``()`` with both trained or one transformer): with
+        ``[sample]`` on, it is loaded frozen to sample its timesteps (``Wan22Adapter.add_sampling_expert``)."""
+        return tuple(e for e in VARIANTS[self.variant].experts if e is not None and e not in self.trained_experts)
+
 
 def _trained_range(boundary: float | None, experts: str) -> tuple[float, float]:
     if boundary is None or experts == "both":
