@@ -88,6 +88,16 @@ def init_lora_in_fp32(transformer: nn.Module, seed: int) -> None:
         b.zero_()
 
 
+def _store_base(transformer: nn.Module, storage: str) -> None:
+    """Store the frozen base Linears as ``model.base_dtype`` says: ``fp8`` through diffusers' layerwise casting,
+    ``fp8_scaled`` as ``fp8.ScaledFp8Linear`` (a streamed file or folder comes converted already:
+    ``single_file.py``; the tiny twins are converted here). Call before the LoRA is added."""
+    if storage == "fp8":
+        transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    elif storage == "fp8_scaled":
+        fp8.to_scaled_fp8(transformer)
+
+
 def _load_lora_file(transformer: nn.Module, path: Path, expert: str) -> None:
     """Load the LoRA file ``path`` into ``transformer`` the way ``WanPipeline.load_lora_weights`` does (its state
     dict conversion, then ``load_lora_into_transformer``), so a sample equals diffusers' with the same files."""
@@ -130,8 +140,7 @@ class Wan22Adapter:
         self._swaps: dict[str | None, BlockSwap] = {}  # model.blocks_to_swap > 0: per expert
         self._offload = ActivationOffload(self.device) if model.offload_activations else None
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
-            scaled = model.base_dtype == "fp8_scaled"
-            transformer = self.source.transformer(expert, load_dtype, fp8_scaled=scaled)
+            transformer = self.source.transformer(expert, load_dtype)
             self._transformers[expert] = self._prepare(transformer, storage=model.base_dtype,
                                                        init_seed=lora_init_seed(seed, expert))
             if expert in init_files:
@@ -157,11 +166,7 @@ class Wan22Adapter:
         from peft import LoraConfig as PeftLoraConfig
 
         transformer.requires_grad_(False)
-        # before the LoRA is added, so that only base Linears are stored in fp8
-        if storage == "fp8":
-            transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-        elif storage == "fp8_scaled":  # a streamed file or folder comes converted already (single_file.py)
-            fp8.to_scaled_fp8(transformer)
+        _store_base(transformer, storage)  # before the LoRA is added, so that only base Linears are stored in fp8
         if self.model_config.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         lora = self.lora_config
@@ -396,12 +401,8 @@ class Wan22Adapter:
         (expert,) = missing
         self.source.check_expert(expert, "needed to sample with one trained expert")
         load_dtype, _ = _storage_dtype(self.model_config, self.spec, self.device)
-        storage = self.model_config.base_dtype
-        transformer = self.source.transformer(expert, load_dtype, fp8_scaled=storage == "fp8_scaled")
-        if storage == "fp8":
-            transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-        elif storage == "fp8_scaled":
-            fp8.to_scaled_fp8(transformer)
+        transformer = self.source.transformer(expert, load_dtype)
+        _store_base(transformer, self.model_config.base_dtype)
         if lora_file is not None:
             _load_lora_file(transformer, Path(lora_file), expert)
         transformer.requires_grad_(False).eval()

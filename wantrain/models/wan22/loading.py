@@ -159,33 +159,33 @@ class WeightSource:
         return f"wan22:{self.spec.name}:{self.path.resolve()}:{digest.hexdigest()[:16]}"
 
     # -- loading -------------------------------------------------------------------------------------------
-    def transformer(self, expert: str | None, dtype: torch.dtype, *, fp8_scaled: bool = False):
+    def transformer(self, expert: str | None, dtype: torch.dtype):
         """A fresh base transformer of ``expert`` in ``dtype`` on the CPU (call again for an identical copy). Files
         and folders stream tensor by tensor into the dtypes a run trains in (``single_file.py``); with
         ``model.base_dtype = "fp8"`` the Linears diffusers' layerwise casting stores in float8 arrive in float8, so
         the host never holds the expert in bf16 (it would be 2x the fp8 expert: 28.6 GB for one A14B expert).
-        ``fp8_scaled``: the block Linears are read straight into scaled fp8 (``fp8.py``), keeping an
-        ``fp8_scaled`` file's own scales."""
+        With ``model.base_dtype = "fp8_scaled"`` the block Linears are read straight into scaled fp8 (``fp8.py``),
+        keeping an ``fp8_scaled`` file's own scales."""
         if self.random:
             transformer = architecture.tiny_transformer(self.spec, self.seed, expert)
             return architecture.cast_keeping_fp32_modules(transformer, dtype)
         file = self._expert_file(expert)
         if file is not None:
-            return self._single_file(file, expert, dtype, fp8_scaled=fp8_scaled)
+            return self._single_file(file, expert, dtype)
         assert self.path is not None
         folder = self.path / EXPERT_FOLDER[expert]
-        return self._stream(folder, "path", dtype, key_map=lambda keys: {k: k for k in keys}, fp8_scaled=fp8_scaled)
+        return self._stream(folder, "path", dtype, key_map=lambda keys: {k: k for k in keys})
 
-    def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype, *, fp8_scaled: bool = False):
+    def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
         """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
         only knows Wan 2.1 and would build I2V/5B files with the wrong config), streamed tensor by tensor into the
         dtypes of the folder path (``single_file.py``: float32 for ``_keep_in_fp32_modules``, ``dtype`` else).
         An original-repo expert folder (shards + index) streams shard by shard (``sharded.ShardReader``)."""
         key = _EXPERT_FILE_KEY[expert]
         _refuse_wan21_image_branch(file, key, self.spec.name)
-        return self._stream(file, key, dtype, fp8_scaled=fp8_scaled)
+        return self._stream(file, key, dtype)
 
-    def _stream(self, source: Path, key: str, dtype: torch.dtype, key_map=None, *, fp8_scaled: bool = False):
+    def _stream(self, source: Path, key: str, dtype: torch.dtype, key_map=None):
         from diffusers import WanTransformer3DModel
 
         from wantrain.models.wan22.single_file import load_transformer
@@ -198,7 +198,7 @@ class WeightSource:
         store = fp8_stored(build) if self.model.base_dtype == "fp8" else None
         reader = sharded.ShardReader(source, key) if source.is_dir() else None
         return load_transformer(source, key, self.spec.name, build, dtype, reader=reader, key_map=key_map,
-                                store=store, fp8_scaled=fp8_scaled)
+                                store=store, fp8_scaled=self.model.base_dtype == "fp8_scaled")
 
     def vae(self):
         from diffusers import AutoencoderKLWan
