@@ -404,3 +404,4 @@ def test_the_plain_function_example_in_the_observer_guide_runs(capsys):
     assert namespace["running"]["micro_steps"] == 6 and torch.is_tensor(namespace["running"]["loss"])
     out = capsys.readouterr().out
     assert "step 2: saved lora_2.safetensors" in out and "step 3: saved lora_3_final.safetensors" in out
+    assert out.rstrip().endswith("run completed after 3 steps")

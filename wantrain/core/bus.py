@@ -197,7 +197,7 @@ class _Policy:
     def __init__(self, max_failures: int) -> None:
         self.max_failures = max_failures
         self.pending: list[ObserverFailed] = []
-        self._owners: dict[int, _Owner] = {}
+        self._owners: dict[Any, _Owner] = {}  # by _receiver_key of the observer or function
 
     def owner(self, obj: Any, name: str) -> _Owner:
         key = _receiver_key(obj)
@@ -274,8 +274,7 @@ class EventSignal(blinker.NamedSignal):
         super().__init__(name, doc=f"{event_type.__name__} events; receivers take (event, ctx)")
         self.event_type = event_type
         self._policy = policy
-        self._seq = itertools.count()
-        self._connections: dict[Any, _Connection] = {}  # blinker's id of the user's function -> its wrapper
+        self._connections: dict[Any, _Connection] = {}  # _receiver_key of a connected function -> its wrapper
         self._order: list[_Connection] = []  # dispatch order
 
     def connect(self, receiver: Any, sender: Any = blinker.ANY, weak: bool = False, *,
@@ -300,10 +299,10 @@ class EventSignal(blinker.NamedSignal):
         connection = _Connection(wrapped, int(priority))
         later = [c for c in self._order if c.priority < connection.priority]
         for c in later:  # blinker calls in connection order: what must run after the new receiver reconnects
-            blinker.NamedSignal.disconnect(self, c.receiver)
-        blinker.NamedSignal.connect(self, wrapped, blinker.ANY, False)
+            super().disconnect(c.receiver)
+        super().connect(wrapped, blinker.ANY, False)
         for c in later:
-            blinker.NamedSignal.connect(self, c.receiver, blinker.ANY, False)
+            super().connect(c.receiver, blinker.ANY, False)
         self._order.insert(len(self._order) - len(later), connection)
         self._connections[key] = connection
         owner.connections.append((self, key))
@@ -316,7 +315,7 @@ class EventSignal(blinker.NamedSignal):
         connection = self._connections.pop(key, None)
         if connection is not None:
             self._order.remove(connection)
-            blinker.NamedSignal.disconnect(self, connection.receiver)
+            super().disconnect(connection.receiver)
 
     def _disconnect_all(self) -> None:
         for key in list(self._connections):
