@@ -39,7 +39,6 @@ import itertools
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+from callgrind import Control, run_counted
 
 from wantrain.app.config import RunConfig
 from wantrain.app.observers import build_observers
@@ -296,15 +296,10 @@ def callgrind_child(args, tmp: Path, devnull) -> None:
     is switched on after the models are built and warmed up (``callgrind_control -i on``); for each variant and
     log_every the counters are zeroed, N steps run, a dump is taken, then the same for 3N steps. The difference of
     the two dumps over 2N is the per-step count without the start/end costs of a run."""
-    import subprocess
-
     global COUNTING
     COUNTING = True
-    pid = str(os.getpid())
     n = args.callgrind_steps
-
-    def control(*what: str) -> None:
-        subprocess.run(["callgrind_control", *what, pid], check=True, stdout=subprocess.DEVNULL)
+    control = Control()
 
     setups = {name: Setup(args.checkpointing) for name in args.variants}
     for name in args.variants:
@@ -319,29 +314,12 @@ def callgrind_child(args, tmp: Path, devnull) -> None:
 
 
 def callgrind_parent(args, argv: list[str]) -> dict:
-    """Re-runs this script under callgrind in a scratch directory and reads the dumps back."""
-    import re
-    import subprocess
-
-    with tempfile.TemporaryDirectory() as work:
-        # a fixed hash seed: dict and set layouts (and so their probe counts) are the same in every process
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
-        # sys.executable itself (not a shell shim): valgrind does not follow exec without --trace-children
-        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", sys.executable, str(Path(__file__).resolve()),
-               *argv, "--callgrind-child"]
-        subprocess.run(cmd, cwd=work, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if args.callgrind_keep:  # for callgrind_annotate: where the instructions go, function by function
-            Path(args.callgrind_keep).mkdir(parents=True, exist_ok=True)
-            for dump in Path(work).glob("callgrind.out.*"):
-                shutil.copy(dump, Path(args.callgrind_keep) / dump.name)
-        counts: dict[tuple[str, int, int], int] = {}
-        for dump in Path(work).glob("callgrind.out.*"):
-            text = dump.read_text(errors="replace")
-            trigger = re.search(r"^desc: Trigger: dump (\S+)@(\d+)@(\d+)$", text, re.M)
-            total = re.search(r"^summary: (\d+)", text, re.M)
-            if trigger and total:
-                counts[(trigger[1], int(trigger[2]), int(trigger[3]))] = int(total[1])
+    """Re-runs this script under callgrind and reads the dumps back."""
+    dumps = run_counted(__file__, [*argv, "--callgrind-child"], keep=args.callgrind_keep)
+    counts: dict[tuple[str, int, int], int] = {}
+    for trigger, total in dumps.items():
+        name, log_every, k = trigger.split("@")
+        counts[(name, int(log_every), int(k))] = total
     n = args.callgrind_steps
     out: dict = {"steps": [n, 3 * n], "instructions_per_step": {}, "ratios": {}}
     for log_every in args.log_every:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import re
+from pathlib import Path
 
 import attrs
+import blinker
 import pytest
 import torch
 
-from wantrain.core.bus import Bus, Observer, Priority, on
+from wantrain.core.bus import Bus, Observer, Priority, on, signal_name
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import (
     CATALOGUE,
@@ -23,6 +26,7 @@ from wantrain.core.events import (
 from wantrain.core.loop import LoopSettings, Trainer
 
 from .fakes import LinearAdapter, linear_batches
+from .test_loop import Recorder, make_trainer
 
 
 def ended(step: int = 0) -> RunEnded:
@@ -57,9 +61,10 @@ def test_strong_references_keep_a_lambda_observer_firing():
             seen.append("temp")
 
     bus.attach(Temp())  # no other reference to the observer exists
+    bus.signal("run_ended").connect(lambda e, ctx: seen.append("blinker"))  # blinker's default would be weak
     gc.collect()
     bus.emit(ended(7))
-    assert seen == [7, "temp"]
+    assert seen == [7, "temp", "blinker"]
 
 
 def test_each_bus_has_its_own_namespace_not_the_global_one():
@@ -68,6 +73,9 @@ def test_each_bus_has_its_own_namespace_not_the_global_one():
     a.subscribe(RunEnded, lambda e, c: seen.append("a"))
     b.emit(ended())
     assert seen == []
+    assert isinstance(a.namespace, blinker.Namespace) and a.namespace is not b.namespace
+    assert a.signal("run_ended") is not b.signal("run_ended") and a.signal(RunEnded) is a.namespace["run_ended"]
+    assert not blinker.signal("run_ended").receivers  # nothing in blinker's global namespace
 
 
 def test_passive_failure_emits_observer_failed_and_training_goes_on_then_disables():
@@ -274,3 +282,126 @@ def test_wants_says_whether_an_event_would_reach_a_handler_or_a_journal():
     assert bus.wants(GradsReady) and not bus.wants(StepStarted)
     bus.add_journal(lambda record: None)
     assert bus.wants(StepStarted)
+
+
+# -- the signals: blinker's API on the bus ---------------------------------------------------------------------------
+def test_each_event_type_has_a_signal_named_as_the_design_names_it():
+    names = {event_type.__name__: signal_name(event_type) for event_type in CATALOGUE}
+    assert {names[n] for n in ("StepStarted", "LossComputed", "GradsReady", "CheckpointSaved")} == {
+        "step_start", "loss_computed", "grads_ready", "checkpoint_saved"}  # the design's four, as written
+    assert names["OptimizerStepped"] == "optimizer_stepped" and names["OutOfMemory"] == "out_of_memory"
+    assert len(set(names.values())) == len(CATALOGUE)
+    bus = Bus()
+    for event_type in CATALOGUE:
+        signal = bus.signal(signal_name(event_type))
+        assert isinstance(signal, blinker.NamedSignal) and signal.name == signal_name(event_type)
+        assert bus.signal(event_type) is signal
+
+    @register_event_type
+    @attrs.frozen(kw_only=True)
+    class LRChanged(Event):
+        lr: float
+
+    assert signal_name(LRChanged) == "lr_changed" and bus.signal("lr_changed") is bus.signal(LRChanged)
+
+
+def test_emit_sends_through_the_events_blinker_signal():
+    bus = Bus()
+    seen = []
+    bus.subscribe(GradsReady, lambda e, c: seen.append(e.step))
+    signal = bus.signal("grads_ready")
+    sent = []
+    signal.send = lambda event, **kwargs: sent.append((event.step, kwargs)) or blinker.NamedSignal.send(
+        signal, event, **kwargs)  # what Bus.emit calls
+    bus.ctx = "the context"
+    bus.emit(grads_ready(1))
+    with signal.muted():  # blinker's own switch silences the bus's dispatch of this event
+        bus.emit(grads_ready(2))
+    bus.emit(grads_ready(3))
+    assert sent == [(1, {"ctx": "the context"}), (2, {"ctx": "the context"}), (3, {"ctx": "the context"})]
+    assert seen == [1, 3]
+
+
+def test_a_function_connected_through_the_blinker_signal_receives_events_in_the_documented_order():
+    bus = Bus()
+    rec = bus.attach(Recorder())  # an observer, the other way to subscribe, sees the same run
+    names: list[str] = []
+    grads_order: list[str] = []
+
+    def record(event, ctx):
+        names.append(signal_name(type(event)))
+
+    for event_type in CATALOGUE:
+        bus.signal(signal_name(event_type)).connect(record)
+    bus.signal("grads_ready").connect(lambda e, ctx: grads_order.append("recorder"), priority=Priority.RECORDER)
+
+    @bus.signal("grads_ready").connect
+    def sink(event, ctx):
+        grads_order.append("sink")
+
+    class Controller(Observer):  # attached last, runs first
+        priority = Priority.CONTROLLER
+
+        @on(GradsReady)
+        def grads(self, event, ctx):
+            grads_order.append("controller")
+
+    bus.attach(Controller())
+    make_trainer(bus=bus, max_steps=3, grad_accum=1, log_every=2, save_every=2).run()
+    step = ["step_start", "loss_computed", "grads_ready", "optimizer_stepped"]
+    assert names == ["run_started", *step, *step, "metrics_logged", "checkpoint_saved",
+                     *step, "metrics_logged", "checkpoint_saved", "run_ended"]
+    assert names == [signal_name(type(e)) for e in rec.events]
+    assert grads_order == ["controller", "sink", "recorder"] * 3
+
+
+def test_a_function_connected_through_blinker_follows_the_error_policy_and_disconnects():
+    bus = Bus(max_failures=2)
+    failures: list[ObserverFailed] = []
+    bus.signal("observer_failed").connect(lambda e, ctx: failures.append(e))
+    seen = []
+
+    @bus.signal("grads_ready").connect
+    def broken(event, ctx):
+        raise ValueError("disk full")
+
+    def counting(event, ctx):
+        seen.append(event.step)
+
+    with bus.signal("grads_ready").connected_to(counting):  # blinker's temporary connection
+        for step in range(3):
+            bus.emit(grads_ready(step))
+    bus.emit(grads_ready(3))
+    assert seen == [0, 1, 2]  # ran after the failing receiver every time, and not after disconnection
+    assert [(f.observer, f.failures, f.disabled) for f in failures] == [
+        ("test_a_function_connected_through_blinker_follows_the_error_policy_and_disconnects.<locals>.broken", 1,
+         False), (failures[0].observer, 2, True)]
+    assert not bus.signal("grads_ready").receivers  # disabled: disconnected from its signal
+    bus.signal("run_ended").connect(_raise(RuntimeError("nan loss")), name="guard", critical=True)
+    with pytest.raises(CriticalObserverError, match="guard"):
+        bus.emit(ended())
+
+
+def test_connecting_weakly_to_a_sender_or_to_an_unknown_signal_is_refused():
+    bus = Bus()
+    with pytest.raises(TypeError, match="strongly"):
+        bus.signal("grads_ready").connect(lambda e, ctx: None, weak=True)
+    with pytest.raises(TypeError, match="sent with the event as the sender"):
+        bus.signal("grads_ready").connect(lambda e, ctx: None, sender="trainer")
+    with pytest.raises(TypeError, match=r"must accept \(event, ctx\)"):
+        bus.signal("grads_ready").connect(lambda sender: None)
+    with pytest.raises(TypeError, match="no registered event type has the signal 'grads_redy'.*grads_ready"):
+        bus.signal("grads_redy")
+    assert not bus.wants(GradsReady)
+
+
+def test_the_plain_function_example_in_the_observer_guide_runs(capsys):
+    text = (Path(__file__).resolve().parents[2] / "docs" / "observers.md").read_text()
+    block = re.search(r"<!-- signal-example:start -->\n```python\n(.*?)```\n<!-- signal-example:end -->", text, re.S)
+    namespace: dict = {}
+    exec(compile(block[1], "docs/observers.md", "exec"), namespace)
+    make_trainer(bus=namespace["bus"], max_steps=3, grad_accum=2, log_every=2, save_every=2).run()
+    assert namespace["running"]["micro_steps"] == 6 and torch.is_tensor(namespace["running"]["loss"])
+    out = capsys.readouterr().out
+    assert "step 2: saved lora_2.safetensors" in out and "step 3: saved lora_3_final.safetensors" in out
+    assert out.rstrip().endswith("run completed after 3 steps")
