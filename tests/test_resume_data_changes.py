@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from test_end_to_end import copy_examples
+from test_resume_damage import resume_copy
 
 from wantrain.cli.main import main
 from wantrain.core.events.log import read
@@ -37,12 +38,7 @@ def copy(finished: Path, tmp_path: Path):
     data folder (the resolved config names it; a moved folder would be a changed config). A test edits that folder;
     it is restored afterwards, file times included."""
     (original,) = (finished / "runs").iterdir()
-    run_dir = tmp_path / "runs" / original.name
-    shutil.copytree(original, run_dir, symlinks=True)
-    config = tmp_path / "quickstart.toml"
-    config.write_text((finished / "quickstart.toml").read_text()
-                      .replace('output_dir = "runs"', f'output_dir = "{tmp_path / "runs"}"')
-                      .replace('path = "demo_data"', f'path = "{finished / "demo_data"}"'))
+    config, run_dir = resume_copy((finished, original), tmp_path)
     data = finished / "demo_data"
     shutil.copytree(data, tmp_path / "data_backup", symlinks=True)
     try:
@@ -117,3 +113,14 @@ def test_allow_data_changes_trains_on_and_records_the_changed_files(copy):
     assert changed[0].checkpoint.endswith("step_000002") and changed[0].step == 2
     # the new checkpoint carries the data as it is now: the next resume has nothing to allow
     assert main(["run", str(config), "--max-steps", "4", *SETTINGS, "--resume", "auto"]) == 0
+
+
+def test_max_steps_below_the_checkpoints_step_is_refused_in_one_line(finished, tmp_path, capsys):
+    (original,) = (finished / "runs").iterdir()
+    config, run_dir = resume_copy((finished, original), tmp_path)
+    before = files(run_dir)
+    capsys.readouterr()
+    assert main(["run", str(config), "--max-steps", "1", *SETTINGS, "--resume", "auto"]) == 2
+    err = refusal(capsys)
+    assert "train.max_steps = 1 is below the step of checkpoint" in err and "(2)" in err and "--max-steps 3" in err
+    assert files(run_dir) == before

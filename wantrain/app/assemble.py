@@ -362,6 +362,11 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     data_changes: tuple[str, ...] = ()
     if point is not None:
+        if cfg.train.max_steps < point.step:  # it would report "completed" at more than 100 %
+            raise UserError(f"train.max_steps = {cfg.train.max_steps} is below the step of checkpoint "
+                            f"'{point.checkpoint}' ({point.step}): the run is already past it; resume with "
+                            f"--max-steps {point.step + 1} or more to train on (its LoRA files are in the run "
+                            "directory)")
         data_changes = _check_data(point, data, allow_data_changes)
     torch.manual_seed(cfg.run.seed)
     model_cfg = plan_memory(cfg, data)  # a budget nothing fits is refused here, before the adapter loads
