@@ -16,7 +16,14 @@ from wantrain.app.config import apply_overrides
 from wantrain.cli.main import main
 from wantrain.core.bus import Bus
 from wantrain.core.errors import ConfigError, UserError
-from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded, RunStarted, StepStarted
+from wantrain.core.events import (
+    CheckpointSaved,
+    MetricsLogged,
+    OptimizerStepped,
+    RunEnded,
+    RunStarted,
+    StepStarted,
+)
 from wantrain.core.events.log import event_log_path, iter_log_lines, read
 from wantrain.observers.event_recorder import EventRecorder
 
@@ -123,6 +130,7 @@ def test_an_unknown_event_type_is_skipped_with_one_warning(tmp_path):
     records = [json.loads(x) for x in path.read_text().splitlines()]
     own = {"step": 1, "_type": "MyOwnEvent", "detail": 3, "seq": 50, "wall_time": 0.0, "schema": 1}
     records[2:2] = [own, {**own, "step": 2}]
+    records = [{**r, "seq": i} for i, r in enumerate(records, 1)]  # numbered as the bus numbers a real log
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     with capture_logs() as logs:
         assert list(read(path)) == _events(2)
@@ -250,3 +258,89 @@ def test_a_stopped_and_resumed_runs_log_replays_as_one_run_without_dropped_event
     lines = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [2, 4, 6, 8] and result.last_step == 8
     assert any("ended stopped at step 4 and was resumed" in n for n in result.notes)
+
+
+# -- seq: the numbering of a log, checked by replay and by resume ---------------------------------------------------
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines(keepends=True)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda lines: lines[:4] + lines[5:], r"line 5: seq jumps from 4 \(line 4\) to 6: 1 record\(s\) are missing"),
+    (lambda lines: lines[:5] + [lines[4]] + lines[5:], r"line 6: seq 5 repeats line 5 \(a duplicated record\)"),
+    (lambda lines: lines[:4] + [lines[5], lines[4]] + lines[6:], r"line 5: seq jumps from 4"),
+    (lambda lines: [lines[0], *lines], r"line 2: seq 1 repeats line 1"),  # a fresh RunStarted is no resume
+    (lambda lines: lines[3:], r"line 1: the log starts at seq 4, not 1"),
+], ids=["gap", "duplicate", "reorder", "first-line-twice", "head-removed"])
+def test_a_log_with_records_removed_duplicated_or_reordered_is_refused_naming_the_line(tmp_path, edit, message):
+    path = tmp_path / "events.jsonl"
+    _record(path, _events(4))
+    path.write_text("".join(edit(_lines(path))))
+    with pytest.raises(UserError, match=message):
+        list(read(path))
+
+
+def test_a_resumed_run_starts_its_numbering_again_with_its_run_started(tmp_path):
+    path = tmp_path / "events.jsonl"
+    _record(path, [*_events(4), CheckpointSaved(step=4, paths=(), final=False, reason="every 4 steps",
+                                                checkpoint="c4")])
+    # the resumed process delivers again the CheckpointSaved already on record: the recorder leaves it out and
+    # numbers the records after it so that no gap shows
+    later = [RunStarted(step=4, run_dir="x", total_steps=6, grad_accum=1, experts=(None,), log_every=2,
+                        resumed_from="c4"),
+             CheckpointSaved(step=4, paths=(), final=False, reason="every 4 steps", checkpoint="c4"),
+             *[e for e in _events(6) if e.step > 4]]
+    _record(path, later, keep_through_step=4)
+    events = list(read(path))
+    assert [type(e).__name__ for e in events].count("CheckpointSaved") == 1
+    assert [json.loads(x)["seq"] for x in _lines(path)][-len(later) + 1:] == list(range(1, len(later)))
+
+
+def test_a_replay_of_a_damaged_log_is_one_line_and_leaves_nothing_in_out(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("")
+    path = run / "events.jsonl"
+    _record(path, _events(8))
+    lines = _lines(path)
+    path.write_text("".join(lines[:12] + lines[13:]))  # a record removed late in the log
+    out = tmp_path / "out"
+    out.mkdir()  # an empty folder the user made is a valid --out
+    assert main(["replay", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if "error:" in x]  # the replayed run log's info lines come first
+    assert len(errors) == 1 and "line 13: seq jumps from 12" in errors[0] and "Traceback" not in err
+    assert list(out.iterdir()) == []  # observers had written the first steps: none of it is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no partial sibling either
+    path.write_text("".join(lines))
+    assert main(["replay", str(run), "--out", str(out)]) == 0  # the intact log replays into the same folder
+    assert (out / "replay.json").is_file() and (out / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize(("damage", "problem"), [
+    (lambda lines: lines[:3] + ["garbage\n"] + lines[3:], "line 4 is not JSON"),
+    (lambda lines: lines[:3] + lines[4:], "line 4: seq jumps from 3"),
+], ids=["garbage", "gap"])
+def test_resume_keeps_a_damaged_log_beside_it_and_names_the_line(tmp_path, damage, problem):
+    path = tmp_path / "events.jsonl"
+    _record(path, _events(6))
+    damaged = "".join(damage(_lines(path)))
+    path.write_text(damaged)
+    later = [RunStarted(step=4, run_dir="x", total_steps=6, grad_accum=1, experts=(None,), log_every=2,
+                        resumed_from="ckpt")]
+    with capture_logs() as logs:
+        _record(path, later, keep_through_step=4)
+    warnings = [x for x in logs if x["event"] == "damaged_log_kept"]
+    assert len(warnings) == 1 and warnings[0]["problem"].startswith(problem)
+    copies = list(tmp_path.glob("events.jsonl.damaged-*"))
+    assert [str(c) for c in copies] == [warnings[0]["copy"]] and copies[0].read_text() == damaged
+
+
+def test_resume_of_an_intact_log_warns_nothing_and_keeps_no_copy(tmp_path):
+    path = tmp_path / "events.jsonl"
+    _record(path, _events(6))
+    with capture_logs() as logs:
+        _record(path, [RunStarted(step=4, run_dir="x", total_steps=6, grad_accum=1, experts=(None,), log_every=2,
+                                  resumed_from="ckpt")], keep_through_step=4)
+    assert not [x for x in logs if x["event"] == "damaged_log_kept"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl"]

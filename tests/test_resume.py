@@ -333,9 +333,13 @@ def test_the_faults_example_in_docs_resume_md_is_a_valid_config(tmp_path):
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "resume.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", docs, re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     config = tmp_path / "c.toml"
-    config.write_text("[data]\npath = '.'\n" + "\n".join(blocks))
+    config.write_text("[data]\npath = '.'\n" + "\n".join(b for b in blocks if "[train]" not in b))
     cfg = load_config(config)
+    guard = [b for b in blocks if "[train]" in b]  # the divergence guard's example
+    assert len(guard) == 1
+    config.write_text("[data]\npath = '.'\n" + guard[0])
+    assert load_config(config).train.divergence_factor == 10
     assert cfg.faults.oom_at_steps == [13, 14, 15] and cfg.checkpoint.keep_every == 500
     assert cfg.faults.kill_at_steps == [12] and cfg.faults.kill_phase == "step"

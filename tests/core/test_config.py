@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,7 +174,8 @@ def test_largest_accepted_seed_seeds_torch():
 def test_a_section_built_in_code_is_refused_naming_the_key_like_the_toml_file():
     from wantrain.core.settings import TrainConfig
 
-    with pytest.raises(ConfigError, match=r"^config key 'train\.max_steps' = -5 is out of range; expected >= 1$"):
+    with pytest.raises(ConfigError,
+                       match=r"^config key 'train\.max_steps' = -5 is out of range; expected >= 1 and <= 1000000000$"):
         TrainConfig(max_steps=-5)
 
 
@@ -192,3 +194,73 @@ def test_an_evolve_with_a_bad_value_is_refused_naming_the_key():
 def test_an_item_of_a_list_section_is_named_by_its_path_in_the_file():
     with pytest.raises(ConfigError, match=r"^config key 'data\.datasets\[1\]\.repeats' = 0 is out of range"):
         structure(RunConfig, {"data": {"datasets": [{"path": "a"}, {"path": "b", "repeats": 0}]}})
+
+
+def _float_keys() -> list[tuple[type, str, str, bool]]:
+    """(section, field, key path, is a list) of every float key reachable from RunConfig."""
+    import typing
+
+    import attrs
+
+    from wantrain.core.config import _Structurer
+
+    found, seen = [], set()
+
+    def walk(cls: type, path: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in attrs.fields(cls):
+            tp, sub = hints[f.name], f"{path}.{f.name}" if path else f.name
+            inner = _Structurer._section_of(tp)
+            if inner is not None:
+                if inner not in seen:
+                    seen.add(inner)
+                    walk(inner, sub + ("[0]" if typing.get_origin(tp) in (list, tuple) else ""))
+            elif "float" in str(tp):
+                found.append((cls, f.name, sub, typing.get_origin(tp) in (list, tuple) or "list" in str(tp)))
+
+    walk(RunConfig, "")
+    return found
+
+
+def test_every_float_key_refuses_nan_and_infinities_naming_the_key():
+    import math
+
+    from wantrain.core.config import check_value
+
+    keys = _float_keys()
+    assert len(keys) > 40  # the walk reached every section
+    for cls, name, path, is_list in keys:
+        for bad in (math.nan, math.inf, -math.inf):
+            value = [bad] if is_list else bad
+            pattern = "^config key '" + re.escape(path) + r"(\[0\])?' = (nan|inf|-inf) is not a finite number"
+            with pytest.raises(ConfigError, match=pattern):
+                check_value(cls, name, value, path)
+
+
+@pytest.mark.parametrize(("toml", "key"), [
+    ("[optimizer]\neps = inf\n", "optimizer.eps"),
+    ("[lora]\ndropout = nan\n", "lora.dropout"),
+    ("[data]\npath = 'd'\ncaption_dropout = nan\n", "data.caption_dropout"),
+    ("[optimizer]\nlr = nan\n", "optimizer.lr"),
+    ("[optimizer]\ntype = 'prodigy'\nd_coef = inf\n", "optimizer.d_coef"),  # a table's extra argument
+])
+def test_non_finite_values_in_a_file_are_one_line_from_check_and_run(tmp_path, capsys, toml, key):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml)
+    for command in ("check", "run"):
+        code = main([command, str(cfg)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, err
+        assert f"config key '{key}' = " in err and "is not a finite number" in err
+        assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_non_finite_value_built_in_code_is_refused_naming_the_key():
+    import attrs
+
+    cfg = RunConfig()
+    with pytest.raises(ConfigError, match=r"^config key 'optimizer\.eps' = inf is not a finite number"):
+        attrs.evolve(cfg.optimizer, eps=float("inf"))
+    with pytest.raises(ConfigError, match=r"^config key 'lora\.dropout' = nan is not a finite number"):
+        attrs.evolve(cfg.lora, dropout=float("nan"))

@@ -47,6 +47,7 @@ from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import latest_complete
 from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology, rank_seed, rank_view
 from wantrain.core.errors import UserError
+from wantrain.core.events import RunStarted
 from wantrain.core.events.log import event_log_path
 from wantrain.core.faults import inject_faults
 from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
@@ -54,6 +55,8 @@ from wantrain.core.rundir import create_run_dir, refuse_links, sanitize_run_id
 from wantrain.core.state import TrainState
 from wantrain.core.state_check import check_state_tree
 from wantrain.data import build_dataset, ensure_cache
+from wantrain.data.fingerprints import DataChanged, file_fingerprints, name_some
+from wantrain.data.fingerprints import compare as compare_data
 from wantrain.data.training import TrainingData
 from wantrain.models.wan22 import build_adapter
 from wantrain.models.wan22.variants import variant_spec
@@ -132,6 +135,7 @@ class PreparedRun:
     resume: ResumePoint | None = None
     validation_data: Any = None  # the [validation] clips (build_validation_data)
     sync: Any = attrs.field(factory=SingleProcess)  # core.distributed: SingleProcess, or ProcessGroupSync (torchrun)
+    data_changes: tuple[str, ...] = ()  # media changed since the resumed checkpoint (--allow-data-changes)
 
     def execute(self, options: RunOptions = RunOptions()) -> RunOutcome:
         """Train (see the module docstring) as ``options`` say."""
@@ -216,13 +220,17 @@ class PreparedRun:
         if cfg.observers.record_events and main:
             EventRecorder(event_log_path(run_dir, cfg.observers.record_compression),
                           keep_through_step=resume.step if resume else 0).attach_to(bus)
+        if self.data_changes and resume is not None:  # on record, right after RunStarted
+            changed = DataChanged(step=resume.step, changed=self.data_changes, checkpoint=str(resume.checkpoint))
+            bus.subscribe(RunStarted, lambda _event, _ctx: bus.emit(changed), name="data_changes")
         state = TrainState()
         policy = None
         if cfg.checkpoint.enabled and options.saves:
             policy = CheckpointPolicy(
                 directory=run_dir / "checkpoints", every=cfg.checkpoint.every, keep_last=cfg.checkpoint.keep_last,
                 keep_every=cfg.checkpoint.keep_every,
-                meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain)},
+                meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain),
+                      "data_files": file_fingerprints(data.clips)},
             )
         trainer = Trainer(
             adapter=inject_faults(model, optimizer, cfg.faults, state, rank, checkpoints=policy),
@@ -290,17 +298,41 @@ def _run_check(adapter: Any, rank: int) -> Callable[[Any], str | None]:
     return lambda tree: check_state_tree(rank_view(tree, rank), model=model, param_groups=groups)
 
 
-def _check_clip_list(point: ResumePoint, data: Any) -> None:
-    saved_data = point.tree.get("data") or {}
-    if saved_data.get("fingerprint") not in (None, data.fingerprint()):
-        raise UserError(
-            f"checkpoint '{point.checkpoint}' was trained on another clip list (files were added, removed or "
-            "renamed in the dataset folders since); restore the data or start a new run"
-        )
+def _check_data(point: ResumePoint, data: Any, allow_changes: bool) -> tuple[str, ...]:
+    """The data against the checkpoint's (``wantrain.data.fingerprints``): files added or removed are refused,
+    naming them; files whose content or caption changed are refused naming them, unless ``allow_changes``
+    (``--allow-data-changes``): then they are returned, for the event log."""
+    saved_list = (point.tree.get("data") or {}).get("fingerprint")
+    list_changed = saved_list not in (None, data.fingerprint())
+    saved_files = point.meta.get("data_files")
+    where = f"checkpoint '{point.checkpoint}' was trained on other data"
+    if not isinstance(saved_files, dict):  # written before checkpoints carried fingerprints: the clip list only
+        if list_changed:
+            raise UserError(f"{where} (files were added, removed or renamed in the dataset folders since); restore "
+                            "the data or start a new run")
+        return ()
+    diff = compare_data(saved_files, file_fingerprints(data.clips))
+    if diff.added or diff.removed or list_changed:
+        parts = [f"{kind}: {name_some(files)}" for kind, files in
+                 (("added", diff.added), ("removed", diff.removed), ("changed", diff.changed)) if files]
+        if not (diff.added or diff.removed):
+            parts.append("the clips cut from the media differ" if diff.changed else "the clip order differs")
+        raise UserError(f"{where}; " + "; ".join(parts) + " (its data position counts the clips it was saved "
+                        "with: restore the data or start a new run)")
+    if diff.changed and not allow_changes:
+        raise UserError(f"{where}: {len(diff.changed)} file(s) changed since it was saved: {name_some(diff.changed)}"
+                        "; restore them, start a new run, or pass --allow-data-changes to train on them as they are "
+                        "now (the change is recorded in the event log)")
+    if diff.changed:
+        log.warning("data_changed_on_resume", checkpoint=str(point.checkpoint), changed=list(diff.changed))
+    return diff.changed
 
 
-def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None) -> PreparedRun:
-    """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing."""
+def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None,
+            allow_data_changes: bool = False) -> PreparedRun:
+    """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing.
+    ``allow_data_changes``: resume on media whose content or caption changed since the checkpoint (``_check_data``).
+    """
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
     plain = to_plain(cfg)
@@ -328,8 +360,14 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if uses_epochs(cfg):
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
+    data_changes: tuple[str, ...] = ()
     if point is not None:
-        _check_clip_list(point, data)
+        if cfg.train.max_steps < point.step:  # it would report "completed" at more than 100 %
+            raise UserError(f"train.max_steps = {cfg.train.max_steps} is below the step of checkpoint "
+                            f"'{point.checkpoint}' ({point.step}): the run is already past it; resume with "
+                            f"--max-steps {point.step + 1} or more to train on (its LoRA files are in the run "
+                            "directory)")
+        data_changes = _check_data(point, data, allow_data_changes)
     torch.manual_seed(cfg.run.seed)
     model_cfg = plan_memory(cfg, data)  # a budget nothing fits is refused here, before the adapter loads
     adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
@@ -341,7 +379,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
             point = confirmed
             refuse_links(point.run_dir)
             check_resume_world_size(point, topology.world_size)
-            _check_clip_list(point, data)
+            data_changes = _check_data(point, data, allow_data_changes)
     if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
         cfg = attrs.evolve(cfg, lora=attrs.evolve(cfg.lora, rank=adapter.lora_config.rank,
                                                   alpha=adapter.lora_config.alpha))
@@ -349,7 +387,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
         adapter.add_sampling_expert(cfg.sample.other_expert_lora)
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
-                       validation_data=validation_data, sync=sync)
+                       validation_data=validation_data, sync=sync, data_changes=data_changes)
 
 
 def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:

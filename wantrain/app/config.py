@@ -20,7 +20,7 @@ from wantrain.core.settings import (
     TrainConfig,
 )
 from wantrain.data.config import DataConfig
-from wantrain.models.wan22.config import LoraConfig, ModelConfig
+from wantrain.models.wan22.config import LoraConfig, ModelConfig, check_rank
 from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
 from wantrain.observers.lr_finder.config import LrFinderConfig, check_run_id
@@ -86,6 +86,7 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         _check_alpha_schedule(self)
+        check_rank(self.model.variant, self.lora.rank)
         if self.lr_finder.active:
             check_run_id(self.run.run_id)  # the sweep's run directory adds __lr_finder to the id
 
@@ -255,6 +256,11 @@ def reference_markdown() -> str:
         "with one line naming the key and what would be valid (exit code 2). `--set section.key=value` overrides\n"
         "any key from the command line (the value is read as TOML; a bare word is a string). A relative path is\n"
         "relative to the config file's folder; a path may start with `~` (your home folder).\n\n"
+        "Values are checked for what they mean, too: NaN and infinities are refused in every number key (and in\n"
+        "the numbers of an optimizer's or scheduler's own arguments); `lora.rank` may not exceed the width of the\n"
+        "layers it adapts (24 for the tiny models, 5120 for the A14B ones, 3072 for TI2V-5B); a learning rate above\n"
+        "1 is refused for the optimizers whose `lr` is the step size itself (every type but `prodigy`, whose `lr`\n"
+        "is a multiplier of about 1); a plan that no accelerator's memory holds is refused by `check` and `run`.\n\n"
     )
     return header + config_reference(RunConfig) + "\n"
 

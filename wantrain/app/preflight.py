@@ -105,13 +105,18 @@ def model_plan(cfg: Any) -> list[str]:
     return plan_lines(cfg.model, source.spec, random=source.random)
 
 
+LARGEST_DEVICE_GIB = 288.0
+"""About the memory of the largest single accelerators sold (B300, MI355X: 288 GB): a plan that needs more with its
+smallest setting fits no device, and is refused by ``check`` and ``run`` alike."""
+
+
 def plan_memory(cfg: Any, data: Any) -> Any:
     """The ``[model]`` section the run trains with: with ``model.vram_budget_gb`` the planner's choice of
     ``base_dtype`` (when ``auto``), ``blocks_to_swap`` and ``offload_activations`` for the largest bucket, else the
     section as it is. With ``[sample]`` on, the plan covers sampling at the sample size too (the card needs the
     larger peak). The estimate, part by part, goes into ``data.report.memory_plan`` (``wantrain check`` prints it;
     the run's ``preflight.json``). A budget nothing fits is a one-line ``UserError`` naming the smallest setting
-    and what would fit."""
+    and what would fit; so is a plan no device fits (:data:`LARGEST_DEVICE_GIB`)."""
     import attrs
 
     from wantrain.models.wan22.memory import MemorySettings, SampleSize, estimate, plan
@@ -132,6 +137,15 @@ def plan_memory(cfg: Any, data: Any) -> Any:
         settings = MemorySettings("bf16" if dtype == "auto" else dtype, model.blocks_to_swap, model.offload_activations)
         chosen = estimate(model.variant, settings, **size,
                           gradient_checkpointing=model.gradient_checkpointing)
+        if chosen.device_gib > LARGEST_DEVICE_GIB and plan(model.variant, LARGEST_DEVICE_GIB, base_dtype=dtype,
+                                                           **size)[0] is None:
+            _, smallest = plan(model.variant, 0.0, base_dtype=dtype, **size)
+            raise UserError(
+                f"the largest bucket {b.width}x{b.height}x{b.frames} needs {smallest.device_gib:,.0f} GiB of device "
+                f"memory even with the smallest setting ({smallest.settings.describe()}), more than any accelerator "
+                f"has (the largest hold about {LARGEST_DEVICE_GIB:g} GiB); lower data.resolutions, data.frames, "
+                "train.batch_size or lora.rank"
+            )
     else:
         chosen, smallest = plan(model.variant, model.vram_budget_gb, base_dtype=dtype, **size)
         if chosen is None:

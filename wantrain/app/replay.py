@@ -18,6 +18,8 @@ come from a run whose alpha differed from the replayed schedule's (docs/replay.m
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,16 +102,33 @@ def _replay(run_dir: Path, observers: Sequence[str] | None, overrides: Sequence[
         enable.append("observers.progress=false")
     cfg = load_config(run_dir / "config.toml", [*enable, *overrides])
     out_dir = _out_dir(run_dir, out)
+    # Written into a hidden sibling and renamed into place when complete: a replay that fails (a damaged log, an
+    # observer's error) leaves nothing in --out, not a partial output that reads like a finished one.
+    work = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    try:
+        result = _replay_into(work, out_dir, run_dir, log_path, cfg, wanted, overrides, until, notes)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if out_dir.is_dir():
+        out_dir.rmdir()  # the empty folder --out named (_out_dir refuses any other)
+    os.replace(work, out_dir)
+    return result
+
+
+def _replay_into(work: Path, out_dir: Path, run_dir: Path, log_path: Path, cfg: Any, wanted: list[str] | None,
+                 overrides: list[str], until: int | None, notes: list[str]) -> ReplayResult:
+    """The replay itself, writing into ``work`` (renamed to ``out_dir`` by the caller once it is complete)."""
     config_dir = read_config_source(run_dir)  # users' observers: beside the run's config first, as run looked
     cfg, unimported = _importable_extras(cfg, wanted, observer_search_dirs(config_dir))
     plain = to_plain(cfg)
     extra = resolve_extra_observers(cfg, config_dir)  # imports users' observers: their event types become readable
-    built = build_observers(cfg, out_dir, extra=extra, hparams=plain)
+    built = build_observers(cfg, work, extra=extra, hparams=plain)
     chosen, skipped = _choose(built, wanted)
     skipped.extend(unimported)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True)
 
-    ctx = Context(control=Control(), state=TrainState(), metrics=DeviceMetrics(), live=Live(), run_dir=out_dir)
+    ctx = Context(control=Control(), state=TrainState(), metrics=DeviceMetrics(), live=Live(), run_dir=work)
     bus = Bus(ctx)
     emitted_types: set[type[Event]] = set()
     for observer in chosen:
@@ -139,7 +158,7 @@ def _replay(run_dir: Path, observers: Sequence[str] | None, overrides: Sequence[
                     count += 1
                 ended = None
             if isinstance(event, RunStarted):
-                event = attrs.evolve(event, run_dir=str(out_dir))  # observers that write there write the replay's
+                event = attrs.evolve(event, run_dir=str(out_dir))  # the replay's folder, as it will be named
             ctx.state.step, last_step = event.step, event.step
             ctx.state.expert = getattr(event, "expert", ctx.state.expert)
             bus.emit(event)
@@ -156,13 +175,13 @@ def _replay(run_dir: Path, observers: Sequence[str] | None, overrides: Sequence[
     finally:
         bus.close()
     # not config.toml: the replay folder is no run (`--resume auto` and the tools looking for runs pass it over)
-    (out_dir / "replay_config.toml").write_text(_toml(plain), encoding="utf-8")
+    (work / "replay_config.toml").write_text(_toml(plain), encoding="utf-8")
     result = ReplayResult(out_dir, tuple(o.name for o in chosen), tuple(skipped), count, last_step,
                           tuple(recorded), tuple(regenerated), tuple(notes))
     summary = {"source": str(run_dir), "event_log": str(log_path), "overrides": overrides, "until": until,
                "observers": list(result.observers), "skipped": list(skipped), "events": count,
                "last_step": last_step, "notes": list(notes)}
-    (out_dir / "replay.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    (work / "replay.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     return result
 
 

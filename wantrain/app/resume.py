@@ -45,6 +45,7 @@ RESUME_RULES: dict[str, str] = {
     # free: how the run is written, watched or placed in memory, not what it computes
     "run.output_dir": "free", "run.run_id": "free", "train.log_every": "free", "train.save_every": "free",
     "train.device": "free", "train.max_consecutive_oom": "free", "train.max_consecutive_nan": "free",
+    "train.divergence_factor": "free",
     "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
     "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
     "lr_finder.": "free", "train.save_every_epochs": "free",

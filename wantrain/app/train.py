@@ -24,12 +24,14 @@ from wantrain.core.trust import allowing_code
 
 
 def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | None = None,
-          config_dir: Path | None = None, allow_code: bool = False) -> RunOutcome:
+          config_dir: Path | None = None, allow_code: bool = False, allow_data_changes: bool = False) -> RunOutcome:
     """Train from a config file path (with ``section.key=value`` overrides) or a loaded ``RunConfig``.
 
-    ``resume``: ``"auto"`` or a run/checkpoint directory. ``allow_code``: import the code the config names outside
-    wantrain's allowed modules (users' observers, an external optimizer or scheduler class); without it such a config
-    is refused, whatever the config itself says (``wantrain.core.trust``; the CLI's ``--allow-code``). Raises
+    ``resume``: ``"auto"`` or a run/checkpoint directory; ``allow_data_changes``: resume on media whose content or
+    caption changed since the checkpoint (recorded in the event log; docs/resume.md). ``allow_code``: import the
+    code the config names outside wantrain's allowed modules (users' observers, an external optimizer or scheduler
+    class); without it such a config is refused, whatever the config itself says (``wantrain.core.trust``; the
+    CLI's ``--allow-code``). Raises
     :class:`wantrain.core.errors.UserError` (one line) for bad input; returns the outcome otherwise
     (``outcome.exit_code`` is what ``wantrain run`` exits with).
     """
@@ -44,7 +46,7 @@ def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | No
             cfg = config
         if cfg.lr_finder.active:
             check_lr_finder(cfg, resume)  # refusals of the config alone, before anything is prepared
-        prepared = prepare(cfg, config_dir=config_dir, resume=resume)
+        prepared = prepare(cfg, config_dir=config_dir, resume=resume, allow_data_changes=allow_data_changes)
         try:
             return run_lr_finder(prepared) if cfg.lr_finder.active else prepared.execute()
         finally:

@@ -1,6 +1,6 @@
-"""``wantrain run CONFIG [--resume auto|PATH] [--lr-finder ...]``: parse the arguments and hand them to
-``wantrain.app.assemble``, the one place that assembles a run. Exit codes: 0 completed, 1 failed, 2 bad input, 3 stopped
-(resumable), 130 aborted."""
+"""``wantrain run CONFIG [--resume auto|PATH [--allow-data-changes]] [--lr-finder ...]``: parse the arguments and
+hand them to ``wantrain.app.assemble``, the one place that assembles a run. Exit codes: 0 completed, 1 failed, 2 bad
+input, 3 stopped (resumable), 130 aborted."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", metavar="auto|PATH",
         help="continue from a checkpoint: 'auto' (the latest complete checkpoint of the latest run with the same "
              "run.name under run.output_dir), a run directory or a checkpoint directory",
+    )
+    parser.add_argument(
+        "--allow-data-changes", dest="allow_data_changes", action="store_true",
+        help="with --resume: train on media whose content or caption changed since the checkpoint (named, and "
+             "recorded in the event log) instead of refusing; files added or removed are still refused",
     )
     add_lr_finder_arguments(parser)
 
@@ -68,6 +73,8 @@ def continue_command(args: argparse.Namespace) -> str:
         words += ["--max-steps", str(args.max_steps)]
     if getattr(args, "allow_code", False):
         words.append("--allow-code")
+    if getattr(args, "allow_data_changes", False):
+        words.append("--allow-data-changes")
     return shlex.join([*words, "--resume", "auto"])
 
 
@@ -80,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     if args.run_id is not None:
         overrides.append(f"run.run_id={json.dumps(args.run_id)}")
     overrides += lr_finder_overrides(args)
-    outcome = train(args.config, overrides=overrides, resume=args.resume, allow_code=args.allow_code)
+    outcome = train(args.config, overrides=overrides, resume=args.resume, allow_code=args.allow_code,
+                    allow_data_changes=args.allow_data_changes)
     out, err = summary(outcome, args)
     for line in out:
         print(line)

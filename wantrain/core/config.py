@@ -9,6 +9,8 @@ names the full key path and what would be valid:
   the wrong one (peer trainers silently ignore such keys and lose whole runs to them);
 * wrong types (``train.max_steps = "ten"``: expected an integer);
 * out-of-range values and unknown choices, naming the range or the choices;
+* a NaN or an infinity in any float value of any key (``optimizer.eps = inf``: not a finite number), one check
+  for every section (:class:`_Checks`), not code per key;
 * strings that break a key's :class:`Rule` (``run.name = "../x"``), and empty paths (``data.path = ""``).
 
 Types are checked while a TOML table is read; ranges, choices and rules are the keys' attrs validators (built by
@@ -25,6 +27,7 @@ test keeps the two in sync).
 from __future__ import annotations
 
 import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -114,8 +117,7 @@ def setting(
         _DOC: doc, _RANGE: range, _CHOICES: tuple(choices) if choices else None, _ALIASES: tuple(aliases),
         _RULE: rule,
     }
-    checks = _Checks(range, tuple(choices) if choices else None, rule)
-    validator = checks if checks.any else None
+    validator = _Checks(range, tuple(choices) if choices else None, rule)
     if factory is not None:
         return attrs.field(factory=factory, metadata=metadata, validator=validator)
     return attrs.field(default=default, metadata=metadata, validator=validator)
@@ -140,24 +142,32 @@ class InvalidValue(ConfigError):
 class _Checks:
     """The attrs validator of one key: its range, choices and rule, applied to the value (or to each item of a
     list value); ``None`` passes (an unset optional key). Runs wherever the section is built -- from TOML, in code,
-    in ``attrs.evolve`` -- so a value is refused the same way everywhere."""
+    in ``attrs.evolve`` -- so a value is refused the same way everywhere.
 
-    range: Range | None
-    choices: tuple[Any, ...] | None
-    rule: Rule | None
+    Every key of every section has one (:func:`section` gives it to keys declared without :func:`setting`): a NaN
+    or an infinity is refused in any float value -- a number key, an item of a list, a value of a table (an
+    external class's arguments) -- whatever the key's range, since no key means anything by them."""
 
-    @property
-    def any(self) -> bool:
-        return self.range is not None or self.choices is not None or self.rule is not None
+    range: Range | None = None
+    choices: tuple[Any, ...] | None = None
+    rule: Rule | None = None
 
     def __call__(self, instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         problem = self.problem(value)
         if problem is not None:
             index, what = problem
-            raise InvalidValue(section_key(type(instance)), attribute.name, index, what)
+            name = attribute.name
+            if name == getattr(type(instance), "__wantrain_extra__", None) and index.startswith("."):
+                name, index = index[1:], ""  # a key of the table itself (``optimizer.d_coef``)
+            raise InvalidValue(section_key(type(instance)), name, index, what)
 
     def problem(self, value: Any) -> tuple[str, str] | None:
         """``(index suffix, what is wrong)`` for a bad value, else None."""
+        if isinstance(value, Mapping):
+            for name, item in value.items():
+                if not _finite(item):
+                    return f".{name}", f"= {item!r} is not a finite number; expected {self._finite_range()}"
+            return None
         if isinstance(value, list | tuple):
             for i, item in enumerate(value):
                 problem = self.problem(item)
@@ -166,6 +176,8 @@ class _Checks:
             return None
         if value is None:
             return None
+        if not _finite(value):
+            return "", f"= {value!r} is not a finite number; expected {self._finite_range()}"
         if self.range is not None:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 return "", f"= {_fmt(value)} has the wrong type; expected a number"
@@ -181,6 +193,35 @@ class _Checks:
                 return "", f"= {value!r} is not valid; expected {self.rule.describe}"
         return None
 
+    def _finite_range(self) -> str:
+        if self.range is None or self.range.describe() == "any number":
+            return "a finite number (NaN and infinities are refused)"
+        return f"a finite number {self.range.describe()}"
+
+
+def _finite(value: Any) -> bool:
+    """False for a float NaN or infinity, at any depth of lists and tables; True for anything else."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+def _checked_fields(cls: type, fields: list[attrs.Attribute]) -> list[attrs.Attribute]:
+    """attrs field transformer of :func:`section`: a key declared without :func:`setting` still gets the
+    finiteness check of :class:`_Checks`."""
+    out = []
+    for f in fields:
+        if f.validator is None:
+            f = f.evolve(validator=_Checks())
+        elif not isinstance(f.validator, _Checks):
+            f = f.evolve(validator=attrs.validators.and_(_Checks(), f.validator))
+        out.append(f)
+    return out
+
 
 def section(cls: type | None = None, *, key: str | None = None) -> Any:
     """Make ``cls`` a frozen, slotted, keyword-only config section (``@section`` or ``@section(key="train")``).
@@ -195,7 +236,7 @@ def section(cls: type | None = None, *, key: str | None = None) -> Any:
     """
 
     def make(cls: type) -> type:
-        built = attrs.frozen(kw_only=True)(cls)
+        built = attrs.frozen(kw_only=True, field_transformer=_checked_fields)(cls)
         if key is not None:
             built.__wantrain_key__ = key
         return built

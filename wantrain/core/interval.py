@@ -14,6 +14,9 @@ At the log step (host values, so replaying the event log reproduces every decisi
 * ``train/loss`` -- mean of the interval's finite micro-step losses; absent when none was finite.
 * ``train/loss/<expert>`` -- the same per expert.
 * ``train/nan_skipped_steps`` -- optimizer steps skipped as non-finite since the run started.
+* ``train/lora_norm`` -- with ``train.divergence_factor`` set only: the L2 norm of every trainable LoRA tensor;
+  ``train/lora_norm_start``, at the first log step of a fresh run only: the same before the first step
+  (:class:`DivergenceGuard`).
 * ``train/nan_streak_max`` -- the longest run of consecutive non-finite steps reached at a step of the interval
   (a streak that began in an earlier interval counts from its start; one that ended at the previous log step is
   not counted again).
@@ -40,8 +43,9 @@ class LogInterval:
     resume) allocates another buffer.
     """
 
-    def __init__(self, device: torch.device | str, capacity: int) -> None:
+    def __init__(self, device: torch.device | str, capacity: int, divergence_factor: float | None = None) -> None:
         self.device = torch.device(device)
+        self.divergence = DivergenceGuard(divergence_factor)
         self.capacity = max(1, int(capacity))
         self._one = torch.ones((), device=self.device)
         self._losses: list[torch.Tensor] = []
@@ -133,6 +137,7 @@ class LogInterval:
             "flags": torch.cat(flags) if flags else None,
             "nan_skipped": self.nan_skipped, "streak": self.streak, "streak_max": self.streak_max,
             "carried": {name: list(v) for name, v in self._carried.items()},
+            "divergence_baseline": self.divergence.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -146,6 +151,7 @@ class LogInterval:
         self.nan_skipped, self.streak = int(state["nan_skipped"]), int(state["streak"])
         self.streak_max = int(state["streak_max"])
         self._carried = {name: [float(s), float(c)] for name, (s, c) in state.get("carried", {}).items()}
+        self.divergence.load_state_dict(state.get("divergence_baseline", {}))  # none in older checkpoints
 
     def load_legacy(self, guard: Mapping[str, Any], metric_sums: dict[str, Any]) -> None:
         """Restore from a checkpoint written before this class existed (its ``nonfinite_guard`` device counters;
@@ -157,3 +163,51 @@ class LogInterval:
         for name in [n for n in metric_sums if n == _LOSS or n.startswith(f"{_LOSS}/")]:
             entry = metric_sums.pop(name)
             self._carried[name] = [float(entry["total"]), float(entry["count"])]
+
+
+LORA_NORM = "train/lora_norm"
+LORA_NORM_START = "train/lora_norm_start"
+
+
+class DivergenceGuard:
+    """The non-finite guard's sibling for losses that grow but stay finite (``train.divergence_factor``).
+
+    At each log step, from host values that reach the event log (so replay reproduces the decision): each of
+    ``train/loss``, ``train/loss/<expert>`` (the interval's mean: smoothed, never a single step) and
+    ``train/lora_norm`` (the L2 norm of every trainable LoRA tensor, computed on the device at log steps only and
+    sent with the log step's single transfer) is compared with its *baseline*: for the losses their first logged
+    value in the run, for the norm the LoRA's norm before the first step (``train/lora_norm_start``, logged once,
+    at the first log step: a high learning rate may grow the LoRA tenfold within the first interval).
+    A value above ``factor`` times its baseline trips the guard: :meth:`check` returns what grew, and the loop
+    stops the run as failed (exit code 1), saving nothing, so the last checkpoint is the last good one. Baselines
+    travel in checkpoints (a resumed run compares with the original run's early values)."""
+
+    def __init__(self, factor: float | None) -> None:
+        self.factor = factor
+        self.baseline: dict[str, float] = {}
+
+    @staticmethod
+    def watches(name: str) -> bool:
+        return name in (_LOSS, LORA_NORM) or name.startswith(f"{_LOSS}/")
+
+    def check(self, values: Mapping[str, float]) -> str | None:
+        """What diverged at this log step (one line), or None; the first value of each metric becomes its
+        baseline."""
+        if self.factor is None:
+            return None
+        if LORA_NORM_START in values:
+            self.baseline.setdefault(LORA_NORM, values[LORA_NORM_START])
+        for name, value in values.items():
+            if not self.watches(name) or not math.isfinite(value):
+                continue
+            base = self.baseline.setdefault(name, value)
+            if base > 0 and value > self.factor * base:
+                return (f"{name} = {value:.4g} is {value / base:.0f}x its first logged value {base:.4g} (more than "
+                        f"train.divergence_factor = {self.factor:g})")
+        return None
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(self.baseline)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.baseline = {name: float(v) for name, v in state.items()}

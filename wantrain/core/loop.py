@@ -44,7 +44,7 @@ from wantrain.core.events import (
     RunStarted,
     StepStarted,
 )
-from wantrain.core.interval import LogInterval
+from wantrain.core.interval import LORA_NORM, LORA_NORM_START, LogInterval
 from wantrain.core.state import RunParts, TrainState, capture, restore
 
 
@@ -59,6 +59,7 @@ class LoopSettings:
     save_every: int | None = None
     max_consecutive_oom: int = 3
     max_consecutive_nan: int = 5
+    divergence_factor: float | None = None  # core.interval.DivergenceGuard; None: off
 
     @classmethod
     def from_config(cls, train: Any) -> LoopSettings:
@@ -168,8 +169,9 @@ class Trainer:
         self._saved: list[str] = []
         self._resumed_from: str | None = None
         self._undelivered: CheckpointSaved | None = None  # see load_state_dict
+        self._norm_at_start: torch.Tensor | None = None  # the divergence guard's norm baseline, until logged
         # The interval's losses and the non-finite guard's per-step flags: device tensors, read at log steps only
-        self._interval = LogInterval(adapter.device, settings.log_every)
+        self._interval = LogInterval(adapter.device, settings.log_every, settings.divergence_factor)
         self._step_losses: list[torch.Tensor] = []  # the current optimizer step's micro-step losses
         self._agreed_flag: torch.Tensor | None = None  # torchrun: the ranks' verdict on their losses
         self._expert_params: dict[str | None, list[torch.Tensor]] = {}  # torchrun: what average_gradients takes
@@ -202,6 +204,9 @@ class Trainer:
             if self._undelivered is not None:  # resumed from a checkpoint whose CheckpointSaved a kill cut off
                 self.bus.emit(self._undelivered)
                 mark_announced(Path(self._undelivered.checkpoint))  # type: ignore[arg-type]
+            divergence = self._interval.divergence
+            if divergence.factor is not None and LORA_NORM not in divergence.baseline:  # a fresh run: no sync
+                self._norm_at_start = self._lora_norm()
             batches = iter(self.batches)
             self._optimizer_mode("train")
             while state.step < s.max_steps and not self.sync.should_stop(control):
@@ -449,6 +454,11 @@ class Trainer:
         if len(lrs) > 1 or self._group_names[0] != "0":
             for name, lr in zip(self._group_names, lrs, strict=True):
                 metrics.put(f"train/lr/{name}", lr)
+        if self._interval.divergence.factor is not None:
+            metrics.put(LORA_NORM, self._lora_norm())  # a device value: it travels with the transfer below
+            if self._norm_at_start is not None:
+                metrics.put(LORA_NORM_START, self._norm_at_start)
+                self._norm_at_start = None
         # the one device->host transfer of this log interval: the observers' values, the losses, the guard's flags
         values, interval = metrics.gather_with(self._interval.device_parts())
         values.update(self._interval.close(interval))
@@ -469,6 +479,19 @@ class Trainer:
             self._fail(f"non-finite loss or gradients on {int(values['train/nan_streak_max'])} optimizer steps in "
                        f"a row (train.max_consecutive_nan = {s.max_consecutive_nan}); those steps were skipped. "
                        "Lower the learning rate or check the data; the last good checkpoint is kept")
+        diverged = self._interval.divergence.check(values)  # from logged host values too: replay reproduces it
+        if diverged is not None:
+            self._fail(f"the run diverged: {diverged}. Lower the learning rate; the last good checkpoint is kept")
+
+    def _lora_norm(self) -> torch.Tensor:
+        """L2 norm of every trainable LoRA tensor, on the training device (log steps only; no sync: a waiting
+        expert's tensors on another device are reduced there and their one number copied over)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for p in self.adapter.trainable_parameters():
+            by_device.setdefault(p.device, []).append(p.detach())
+        squares = [torch.stack(torch._foreach_norm(ps)).float().square().sum().to(self._interval.device)
+                   for ps in by_device.values()]
+        return torch.stack(squares).sum().sqrt()
 
     # -- saving: on request or schedule, the emergency checkpoint, the final save -----------------------------
     def _save_if_due(self, step: int) -> None:

@@ -12,6 +12,7 @@ from wantrain.core.rundir import SAFE_NAME_RULE, is_safe_name
 
 # run.name and run.run_id become parts of file and folder names: the same rule keeps both inside the output folder.
 _SAFE_NAME = Rule(is_safe_name, SAFE_NAME_RULE)
+MAX_STEPS = 10**9  # train.max_steps: a billion optimizer steps is no run that ends
 
 
 @section(key="run")
@@ -37,10 +38,11 @@ class TrainConfig:
 
     max_steps: int | None = setting(
         None, doc="Optimizer steps to train; unset: 100, or what `max_epochs` resolves to. Give `max_steps` or "
-        "`max_epochs`, not both.", range=at_least(1))
+        "`max_epochs`, not both. At most a billion: more is no run that can end (at ten steps a second, three "
+        "years), and a warmup or decay given as a share of it would keep the LR near 0.", range=between(1, MAX_STEPS))
     max_epochs: int | None = setting(
         None, doc="Train this many epochs of the data plan instead of `max_steps`; resolved to optimizer steps "
-        "before anything is written (`wantrain check` prints it; docs/data.md).", range=at_least(1))
+        "before anything is written (`wantrain check` prints it; docs/data.md).", range=between(1, MAX_STEPS))
     grad_accum: int = setting(1, doc="Micro-batches accumulated per optimizer step.", range=at_least(1))
     batch_size: int = setting(1, doc="Samples per micro-batch.", range=at_least(1))
     clip_grad_norm: float | None = setting(
@@ -64,6 +66,12 @@ class TrainConfig:
         5, doc="Optimizer steps in a row with a non-finite loss or gradient norm (each one is skipped) after which "
         "the run stops, keeping the last good checkpoint; checked at log steps.",
         range=at_least(1),
+    )
+    divergence_factor: float | None = setting(
+        None, doc="Divergence guard for finite losses: stop the run (failed, exit code 1, the last good checkpoint "
+        "kept) when, at a log step, the interval's mean loss (per expert) or the LoRA's L2 norm (`train/lora_norm`, "
+        "logged while the guard is on) exceeds this multiple of its first logged value; unset: off (docs/resume.md).",
+        range=above(1.0),
     )
 
     def __attrs_post_init__(self) -> None:

@@ -16,10 +16,11 @@ from wantrain.data.cache import CacheStats
 from wantrain.data.clips import Clip, MediaEncoders
 from wantrain.data.config import DataConfig, DatasetConfig
 from wantrain.data.dataset import build_dataset
+from wantrain.data.fingerprints import DataChanged  # registers the event type: every reader of a log knows it
 from wantrain.data.report import PreflightReport
 from wantrain.data.training import TrainingData, ensure_cache
 
 __all__ = [
-    "CacheStats", "Clip", "DataConfig", "DatasetConfig", "MediaEncoders", "PreflightReport", "TrainingData",
-    "build_dataset", "ensure_cache",
+    "CacheStats", "Clip", "DataChanged", "DataConfig", "DatasetConfig", "MediaEncoders", "PreflightReport",
+    "TrainingData", "build_dataset", "ensure_cache",
 ]

@@ -7,7 +7,9 @@ of an observer's own type, and at the end of the run, so a killed run loses at m
 in (possibly a torn last line, which readers skip). A gzip log is
 flushed with ``Z_SYNC_FLUSH`` at the same points: everything up to the last flush decompresses from a killed
 run's file. On resume the log is cut back to the checkpoint's step (``keep_through_step``) before recording goes
-on; a gzip log is rewritten as one member and later records are appended as further members.
+on; a gzip log is rewritten as one member and later records are appended as further members. A record left out
+there (a ``CheckpointSaved`` already on record) does not leave a gap: the later records of the process are
+renumbered, so ``seq`` stays contiguous (``core.events.log.SequenceCheck``).
 
 Size (tiny model, two experts, grad_accum 1; docs/benchmarks.md): about 1.1 kB per optimizer step as plain JSONL,
 about 160 bytes gzip-compressed. The format (encoding, torn tails, cutting back, reading):
@@ -41,12 +43,13 @@ class EventRecorder:
 
     def __init__(self, path: Path, *, keep_through_step: int = 0) -> None:
         self.path = Path(path)
-        kept = cut_back(self.path, keep_through_step)
+        kept = cut_back(self.path, keep_through_step, sequenced=True)
         # A resumed run delivers again a CheckpointSaved a kill may have cut short (core.loop); one already on
         # record (the kill came while observers handled it) is not written twice.
         self._on_record = {(r["step"], r.get("checkpoint")) for r in kept
                            if r.get("_type") == "CheckpointSaved" and r["step"] == keep_through_step}
         self._fh = open_append(self.path)
+        self._seq_shift = 0  # records left out (above) so far: later ones are renumbered to keep seq contiguous
 
     @property
     def name(self) -> str:
@@ -60,7 +63,10 @@ class EventRecorder:
             key = (record["step"], record.get("checkpoint"))
             if key in self._on_record:
                 self._on_record.discard(key)
+                self._seq_shift += 1
                 return
+        if self._seq_shift:
+            record = {**record, "seq": record["seq"] - self._seq_shift}
         self._fh.write(encode_record(record))
         if record["_type"] not in _NOT_FLUSHED:
             self._fh.flush()

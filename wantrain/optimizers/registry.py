@@ -33,6 +33,9 @@ class OptimizerType:
     adaptive_lr: str | None = None  # parameter-group key of the optimizer's own step-size estimate
     # with adaptive_lr, lr multiplies the estimate: the accepted multipliers around the documented one (inclusive)
     lr_range: tuple[float, float] | None = None
+    # without adaptive_lr, lr is the step size itself: above this no LoRA trains (every weight moves by about lr
+    # per step; LoRA learning rates are about 1e-5 to 1e-3), so a larger one is a typo or another optimizer's value
+    lr_max: float | None = None
     state_kind: str | None = None  # how its state follows an alpha rescale (wantrain.core.optim_state); None: no map
     summary: str = ""
     shown: str = ""  # how messages name the class (the library's, where wantrain subclasses it)
@@ -58,12 +61,13 @@ TYPES: dict[str, OptimizerType] = {
         OptimizerType(
             "adamw", "torch.optim.AdamW", None, dict(_ADAM_DEFAULTS),
             refused={"differentiable": "wantrain does not differentiate through the optimizer step"},
-            state_kind="adam", summary="torch's AdamW; fused kernel on CPU and CUDA (the default)",
+            state_kind="adam", summary="torch's AdamW; fused kernel on CPU and CUDA (the default)", lr_max=1.0,
         ),
         OptimizerType(
             "adamw8bit", "bitsandbytes.optim.AdamW8bit", "bitsandbytes", dict(_ADAM_DEFAULTS),
             refused={"args": "set the keyword arguments directly", "optim_bits": "use type = 'adamw' for 32-bit"},
             state_kind="adam8bit", summary="AdamW with 8-bit block-wise quantized moments (bitsandbytes)",
+            lr_max=1.0,
         ),
         OptimizerType(
             "prodigy", "wantrain.optimizers.prodigy.ExpertProdigy", "prodigyopt", {**_ADAM_DEFAULTS, "lr": 1.0},
@@ -79,13 +83,13 @@ TYPES: dict[str, OptimizerType] = {
             refused={"eps": "Adafactor's eps is a pair of regularisation constants; it keeps its defaults"},
             refused_values={"relative_step": (True, "the LR schedule ([lr_scheduler]) owns the learning rate; "
                                               "Adafactor's relative step would ignore it")},
-            state_kind="adafactor",
+            state_kind="adafactor", lr_max=1.0,
             summary="Adafactor: factored second moments (row and column sums), no first moment by default",
         ),
         OptimizerType(
             "adamw_schedulefree", "schedulefree.AdamWScheduleFree", "schedulefree", dict(_ADAM_DEFAULTS),
             group_state_keys=("k", "train_mode", "weight_sum", "lr_max", "scheduled_lr"),
-            modes=True, state_kind="schedulefree",
+            modes=True, state_kind="schedulefree", lr_max=1.0,
             summary="schedule-free AdamW: iterate averaging instead of a decaying schedule",
         ),
     )
@@ -109,9 +113,19 @@ def resolve_type_class(spec: OptimizerType) -> type:
 def check_lr_multiplier(type_name: str, key: str, value: float | None) -> None:
     """An adaptive optimizer's ``lr`` multiplies its own step-size estimate (Prodigy: ``d``, documented lr 1.0): a
     value far from that -- an AdamW learning rate such as 2e-3 left in the config -- makes the effective LR ~1000x
-    smaller and the LoRA trains nothing, without a word. Refused (ValueError: the config layer words it)."""
+    smaller and the LoRA trains nothing, without a word. Refused (ValueError: the config layer words it). A plain
+    optimizer's lr is the step size itself: one above its ``lr_max`` (AdamW at lr = 50) is refused too."""
     spec = TYPES.get(type_name)
-    if value is None or spec is None or spec.lr_range is None:
+    if value is None or spec is None:
+        return
+    if spec.lr_max is not None and value > spec.lr_max:
+        raise ValueError(
+            f"{key} = {value:g} with optimizer.type = {type_name!r} is no learning rate a LoRA trains with: "
+            f"{spec.shown or spec.class_path} moves every weight by about lr per step, so anything above "
+            f"{spec.lr_max:g} diverges at once; LoRA learning rates are about 1e-5 to 1e-3 (type = 'prodigy' is the "
+            "one whose lr is a multiplier near 1)"
+        )
+    if spec.lr_range is None:
         return
     low, high = spec.lr_range
     if not low <= value <= high:

@@ -11,8 +11,12 @@ line (``wantrain.core.events.to_record``: the event's fields, ``_type``, ``seq``
 * Read typed events: :func:`read` / :func:`read_events`.
 
 Robustness of :func:`read`: a torn last line (a crash mid-write) is skipped with a warning; a record of another
-schema version stops with one line (:class:`~wantrain.core.errors.UserError`); a record of an event type this
-process does not know (a user's own, whose module is not imported) is skipped with one warning per type.
+schema version stops with one line (:class:`~wantrain.core.errors.UserError`); so does a line that is not JSON
+before the last one and a break in the ``seq`` numbering (:class:`SequenceCheck`: a gap, a duplicate or a reorder,
+named with its line); a record of an event type this process does not know (a user's own, whose module is not
+imported) is skipped with one warning per type. On resume, :func:`cut_back` notices the same damage, keeps the
+damaged file beside the log and warns instead of refusing (the checkpoint, not the log, is what a run continues
+from).
 
 Written by ``wantrain.observers.event_recorder``; read by ``wantrain.app.replay`` and notebooks::
 
@@ -27,6 +31,8 @@ import gzip
 import json
 import math
 import os
+import shutil
+import time
 import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -160,23 +166,41 @@ def _decodable_prefix(decompressor: Any, raw: bytes) -> bytes:
     return b"".join(out)
 
 
-def cut_back(path: Path, step: int) -> list[dict[str, Any]]:
+def cut_back(path: Path, step: int, *, sequenced: bool = False) -> list[dict[str, Any]]:
     """Keep only the complete lines of the JSONL file ``path`` (plain or gzip) that are records with an integer
     ``step <= step``, byte for byte, rewritten atomically; nothing happens when the file does not exist. Resume
     cuts the event log and every metrics file back to the checkpoint's step with it (a torn tail goes too).
-    Returns the kept records, parsed."""
+    Returns the kept records, parsed.
+
+    Damage is never dropped silently: a complete line that is not JSON (garbage in the middle) and, for the event
+    log (``sequenced``), a break in the ``seq`` numbering (:class:`SequenceCheck`: records removed, duplicated or
+    reordered) keep the file as it was beside it (``<name>.damaged-<time>``) and log a warning naming the first
+    damaged line and the copy; the run goes on with the records that could be read."""
     path = Path(path)
     if not path.exists():
         return []
-    kept, records = [], []
-    for _, line, complete in iter_log_lines(path):
+    kept, records, damage = [], [], None
+    sequence = SequenceCheck() if sequenced else None
+    for number, line, complete in iter_log_lines(path):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
+            if complete and line.strip() and damage is None:
+                damage = f"line {number} is not JSON"
             continue  # a blank or torn line
-        if complete and isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+        if not complete:
+            continue
+        if sequence is not None and damage is None:
+            problem = sequence.problem(number, record)
+            damage = f"line {number}: {problem}" if problem is not None else None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
             kept.append(line + "\n")
             records.append(record)
+    if damage is not None:
+        copy = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d_%H%M%S')}")
+        shutil.copy2(path, copy)
+        log.warning("damaged_log_kept", path=str(path), problem=damage, copy=str(copy),
+                    hint="the run goes on; the damaged records are not in the rewritten log, the copy keeps them")
     tmp = path.with_name(path.name + ".tmp")
     if path.suffix == ".gz":
         with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as fh:
@@ -187,12 +211,45 @@ def cut_back(path: Path, step: int) -> list[dict[str, Any]]:
     return records
 
 
+class SequenceCheck:
+    """The ``seq`` numbering of an event log, record by record: the bus numbers every event it dispatches from 1,
+    so within one process the numbers go up by one; a resumed run's process starts again at 1 with its
+    ``RunStarted`` (``resumed_from`` set). Anything else is damage: a gap (records removed), a number seen again
+    (a duplicate) or one going back (a reorder)."""
+
+    def __init__(self) -> None:
+        self.previous: int | None = None
+        self.previous_line = 0
+
+    def problem(self, number: int, record: Any) -> str | None:
+        """What is wrong with the record on line ``number`` after the ones seen so far, or None."""
+        seq = record.get("seq") if isinstance(record, dict) else None
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            return "the record has no sequence number ('seq')"
+        previous, self.previous, before = self.previous, seq, self.previous_line
+        self.previous_line = number
+        expected = 1 if previous is None else previous + 1
+        if seq == expected:
+            return None
+        if seq == 1 and record.get("_type") == "RunStarted" and record.get("resumed_from"):
+            return None  # a resumed run's first record
+        if previous is None:
+            return f"the log starts at seq {seq}, not 1 (records are missing before it)"
+        if seq > expected:
+            return (f"seq jumps from {previous} (line {before}) to {seq}: {seq - expected} record(s) are missing "
+                    "there")
+        if seq == previous:
+            return f"seq {seq} repeats line {before} (a duplicated record)"
+        return f"seq {seq} comes after seq {previous} (line {before}): the records are out of order"
+
+
 def read(path: str | Path, *, until: int | None = None) -> Iterator[Event]:
     """Yield the typed events of an event log (a run directory, ``events.jsonl`` or ``events.jsonl.gz``), in the
     order they were dispatched; ``until``: stop after the events of that optimizer step."""
     path = resolve_event_log(Path(path))
     unknown: dict[str, int] = {}
     known = {t.__name__ for t in known_event_types()}
+    sequence = SequenceCheck()
     for number, line, complete in iter_log_lines(path):
         if not line.strip():
             continue
@@ -213,6 +270,10 @@ def read(path: str | Path, *, until: int | None = None) -> Iterator[Event]:
                 f"event log '{path}' has schema version {record.get('schema')!r} (line {number}); this wantrain "
                 f"reads version {SCHEMA_VERSION}: replay it with the wantrain version that recorded it"
             )
+        problem = sequence.problem(number, record)
+        if problem is not None:
+            raise UserError(f"event log '{path}' line {number}: {problem}; the log is damaged (records removed, "
+                            "duplicated or reordered since it was written)")
         kind = record["_type"]
         if kind not in known:
             if kind not in unknown:

@@ -244,3 +244,22 @@ class LoraConfig:
         """The alpha the LoRA starts with (alpha = rank when unset). The run config's ``[lora]`` section
         (``wantrain.app.config.LoraSection``) adds the alpha schedule, whose first phase sets it instead."""
         return float(self.rank) if self.alpha is None else float(self.alpha)
+
+
+def check_rank(variant: str, rank: int | None) -> None:
+    """Refuse a LoRA rank wider than the layers it adapts: on a Linear of ``in`` by ``out`` features a rank above
+    ``min(in, out)`` adds parameters (and memory: ``lora.rank = 1000000000`` plans terabytes) but no capacity. The
+    narrowest Linear a Wan LoRA targets is the attention's, ``heads x head_dim`` wide (its feed-forward is wider).
+    ``rank`` None: read from an ``init_from`` file later (checked there by the file's own shapes)."""
+    if rank is None:
+        return
+    from wantrain.models.wan22.architecture import transformer_kwargs
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    width = min(kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"])
+    if rank > width:
+        raise ConfigError(
+            f"config key 'lora.rank' = {rank} is wider than the layers it adapts: the narrowest Linear a LoRA of "
+            f"model.variant = {variant!r} targets has {width} features, and a rank above min(in, out) adds "
+            f"parameters but no capacity; expected 1 to {width}"
+        )
