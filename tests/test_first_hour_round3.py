@@ -327,3 +327,47 @@ def test_the_report_shows_flat_memory_below_the_top_edge_and_one_legend_beside_t
     box, panel = legends[0].get_window_extent(), loss.get_window_extent()
     assert box.x0 >= panel.x1  # beside the panel: it covers no curve
 
+
+# -- the docs a newcomer reads -------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_readme_lists_every_docs_page_and_says_how_to_run_under_torchrun():
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index("## Documentation"):]
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"(docs/{p.name})" not in listed]
+    assert not missing
+    assert "torchrun --nproc_per_node N -m wantrain run CONFIG" in listed
+
+
+def test_data_md_names_every_key_a_dataset_table_may_set():
+    import attrs
+
+    from wantrain.data.config import DatasetConfig
+
+    text = (ROOT / "docs" / "data.md").read_text()
+    paragraph = text[text.index("Several folders (the full form)"):].split("```")[0]
+    missing = [f.name for f in attrs.fields(DatasetConfig) if f"`{f.name}`" not in paragraph]
+    assert not missing
+
+
+def test_the_wandb_key_points_to_the_page_that_documents_it_and_benchmarks_count_no_tests():
+    config = (ROOT / "docs" / "config.md").read_text()
+    (row,) = [line for line in config.splitlines() if line.startswith("| `wandb` |")]
+    assert "docs/metrics.md" in row and "## Weights & Biases" in (ROOT / "docs" / "metrics.md").read_text()
+    import re
+
+    assert not re.search(r"\d+ passed", (ROOT / "docs" / "benchmarks.md").read_text())  # a count goes stale
+
+
+def test_the_t2v_example_states_the_memory_estimate_and_how_a_24_gb_card_fits():
+    from wantrain.models.wan22.memory import MemorySettings, estimate
+
+    header = "".join(line for line in (ROOT / "examples" / "t2v_a14b.toml").read_text().splitlines(True)
+                     if line.startswith("#"))
+    size = dict(width=832, height=480, frames=81, rank=32, batch=1, gradient_checkpointing=True)
+    fp8 = estimate("t2v-a14b", MemorySettings("fp8", 0, False), **size).device_gib
+    swapped = estimate("t2v-a14b", MemorySettings("bf16", 40, True), **size).device_gib
+    assert f"~{fp8:.0f} GiB with base_dtype = \"fp8\"" in header
+    assert f"~{swapped:.1f} GiB" in header and swapped < 24
+    assert "blocks_to_swap" in header and "vram_budget_gb" in header
