@@ -221,6 +221,9 @@ def test_the_quickstart_runs_under_torchrun_with_its_validation_and_samples(tmp_
     assert sorted(val) == [0, 4] and {"val/loss/high_noise", "val/loss/t_0.5"} <= set(val[4])
     record0, record1 = (json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in (0, 1))
     assert record0["keys"] == record1["keys"] and len(record0["keys"]) >= 2
+    logged = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    validations = [x for x in logged if x["event"] == "validation"]  # the set's size, not rank 0's share
+    assert validations and all(x["clips"] == 4 and x["clips_this_rank"] == 2 for x in validations), validations
 
     assert main(["run", str(config), "--max-steps", "1", "--set", "sample.enabled=false",
                  "--set", f'run.output_dir="{tmp_path / "one"}"', "--set", "observers.progress=false"]) == 0

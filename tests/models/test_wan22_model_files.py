@@ -219,10 +219,10 @@ def test_wrong_and_partial_encoder_files_are_refused_in_one_line(tiny_dir, tmp_p
         make_adapter("tiny-t2v", path=str(path), tokenizer_path=str(tmp_path), experts="high_noise")
 
 
-def test_check_names_what_the_run_loads_from_where(tiny_dir, tmp_path, capsys):
+def vae_file_and_data(tiny_dir, tmp_path):
+    """The tiny model folder, its VAE as one original-layout file and a one-image dataset in ``tmp_path/data``."""
     from PIL import Image
 
-    from wantrain.cli.main import main
     from wantrain.data.demo import render
 
     path, vae, _ = encoder_parts(tiny_dir)
@@ -231,6 +231,13 @@ def test_check_names_what_the_run_loads_from_where(tiny_dir, tmp_path, capsys):
     (tmp_path / "data").mkdir()
     Image.fromarray(render("square", (50, 90, 240), (0, 0, 0), "right", 32, 32, 1)[0]).save(tmp_path / "data/a.png")
     (tmp_path / "data" / "a.txt").write_text("a blue square")
+    return path, vae_file
+
+
+def test_check_names_what_the_run_loads_from_where(tiny_dir, tmp_path, capsys):
+    from wantrain.cli.main import main
+
+    path, vae_file = vae_file_and_data(tiny_dir, tmp_path)
     config = tmp_path / "c.toml"
     config.write_text(f'[model]\nvariant = "tiny-t2v"\npath = "{path}"\nvae_file = "{vae_file}"\n'
                       f'[data]\npath = "data"\n')
@@ -238,3 +245,19 @@ def test_check_names_what_the_run_loads_from_where(tiny_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"  high-noise expert: {path / 'transformer'}/ (diffusers folder)" in out
     assert f"  VAE: {vae_file} (model.vae_file)" in out and f"  tokenizer: {path / 'tokenizer'}/" in out
+
+
+def test_check_refuses_a_vae_given_as_an_expert_file_as_run_does(tiny_dir, tmp_path, capsys):
+    from wantrain.cli.main import main
+
+    path, vae_file = vae_file_and_data(tiny_dir, tmp_path)
+    config = tmp_path / "c.toml"
+    config.write_text(f'[run]\noutput_dir = "runs"\n[model]\nvariant = "tiny-t2v"\npath = "{path}"\n'
+                      f'high_noise_file = "{vae_file}"\nexperts = "high_noise"\n[data]\npath = "data"\n')
+    line = (f"model.high_noise_file '{vae_file}' does not fit the tiny-t2v transformer: "
+            "69 tensors of the model are not in the file")
+    for command in ("check", "run"):
+        assert main([command, str(config)]) == 2
+        err = capsys.readouterr().err
+        assert line in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()

@@ -28,7 +28,7 @@ import tomli_w
 import torch
 
 from wantrain.app.config import to_plain
-from wantrain.app.epochs import resolve_epochs, uses_epochs
+from wantrain.app.epochs import check_every_expert_trains, resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
 from wantrain.app.preflight import plan_memory, resolve_device
@@ -163,6 +163,8 @@ class PreparedRun:
         data, resume, sync = self.data, self.resume, self.sync
         for note in resume.warnings if resume is not None else ():
             log.warning("resume_note", note=note)
+        for note in data.report.warnings if sync.is_main else ():
+            log.warning("config_warning", note=note)
         control_ref: list[Any] = []
         try:
             with stop_on_signals(control_ref):
@@ -262,7 +264,8 @@ class PreparedRun:
             batches = cached_batches(self.validation_data, adapter)
             share = list(range(topology.rank, len(batches), topology.world_size))
             out.append(Validation([batches[c] for c in share], timesteps=v.timesteps, seed=v.seed, every=v.every,
-                                  sync=self.sync if topology.distributed else None, clip_indices=share))
+                                  sync=self.sync if topology.distributed else None, clip_indices=share,
+                                  clips_total=len(batches)))
         if cfg.sample.enabled:
             out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir, sync=self.sync,
                                              clips=self._first_frame_sources()))
@@ -357,10 +360,14 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
     data.shard(topology.rank, topology.world_size)
+    given = cfg
     if uses_epochs(cfg):
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     data_changes: tuple[str, ...] = ()
+    idle = check_every_expert_trains(cfg, user_cfg=given)  # an epoch-length run is refused here
+    if idle:
+        data.report.warnings.append(idle)  # logged once the run's log exists (config_warning)
     if point is not None:
         if cfg.train.max_steps < point.step:  # it would report "completed" at more than 100 %
             raise UserError(f"train.max_steps = {cfg.train.max_steps} is below the step of checkpoint "
@@ -402,7 +409,7 @@ def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:
         data_cfg = attrs.evolve(cfg.data, datasets=[attrs.evolve(d, repeats=1) for d in cfg.data.datasets],
                                 repeats=1)
     data_cfg = attrs.evolve(data_cfg, shuffle=False, remainder="smaller_batch")
-    full = build_dataset(data_cfg, spec=spec, seed=seed, batch_size=1)
+    full = build_dataset(data_cfg, spec=spec, seed=seed, batch_size=1, warn_skipped=v.path is not None)
     limit = min(v.max_clips, v.from_training or v.max_clips)
     return TrainingData(full.clips[:limit], full.report, batch_size=1, remainder="smaller_batch", shuffle=False,
                         seed=seed, spec=spec, draw_captions=False)

@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from wantrain.app.migration import peer_file_problem, peer_hint, table_markdown
 from wantrain.core.config import ConfigError, config_reference, name_sections, section, setting, structure, unstructure
 from wantrain.core.settings import (
     CheckpointConfig,
@@ -199,24 +200,69 @@ def _list_index(items: list[Any], part: str, item: str) -> int:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    """The config file's TOML. A folder, or a peer trainer's config (``wantrain.app.migration``), is refused with
+    one line saying what it is and what to do instead."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"'{path}' is a folder, not a config file; wantrain takes a run config (.toml): copy "
+            f"examples/quickstart.toml, set [data] path = \"{path.resolve()}\" and model.variant in it, and pass that "
+            "file (wantrain check it first)")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' does not exist (pass the path of a .toml file)")
     try:
         with path.open("rb") as fh:
-            return tomllib.load(fh)
+            data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
+        problem = peer_file_problem(path, text=path.read_text(encoding="utf-8", errors="replace"))
+        raise ConfigError(problem or f"config file '{path}' is not valid TOML: {exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file '{path}' is not UTF-8 text") from None
+    problem = peer_file_problem(path, data)
+    if problem:
+        raise ConfigError(problem)
+    return data
+
+
+# Keys that say the same thing in two units: an override of one replaces the other as the file gives it (so that
+# `--max-steps 5` shortens a `train.max_epochs` config for a smoke run); both in the file, or both overridden, are
+# still refused by the section.
+EITHER_OR = {("train", "max_steps"): ("train", "max_epochs"), ("train", "save_every"): ("train", "save_every_epochs"),
+             ("validation", "every"): ("validation", "every_epochs"), ("sample", "every"): ("sample", "every_epochs")}
+EITHER_OR.update({b: a for a, b in EITHER_OR.items()})
+
+
+def _drop_replaced(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    given = {tuple(_parse_override(item)[0]) for item in overrides}
+    for key in given:
+        other = EITHER_OR.get(key)
+        if other is not None and other not in given and isinstance(data.get(other[0]), dict):
+            data[other[0]].pop(other[1], None)
+    return data
+
+
+def _peer_keys_in_argument_tables(data: dict[str, Any]) -> None:
+    """[optimizer] and [lr_scheduler] hand the keys they do not know to the class as its arguments; another
+    trainer's name there (``learning_rate``) is refused with the wantrain key, unless the table names a class of
+    the user's own (whose arguments may be called anything)."""
+    for name in ("optimizer", "lr_scheduler"):
+        table = data.get(name)
+        if not isinstance(table, dict) or "class" in table or "class_path" in table:
+            continue
+        for key in table:
+            hint = peer_hint(key)
+            if hint:
+                raise ConfigError(f"unknown config key '{name}.{key}': {hint}")
 
 
 def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read, override and validate a run config. Paths in it may start with ``~`` (the home folder, expanded
-    when the key is read); relative paths are resolved against the file's folder."""
+    when the key is read); relative paths are resolved against the file's folder. An override of a key in
+    :data:`EITHER_OR` replaces its other-unit twin from the file (``train.max_steps`` replaces ``max_epochs``)."""
     path = Path(path)
-    data = apply_overrides(read_toml(path), list(overrides))
-    cfg = structure(RunConfig, data)
+    data = apply_overrides(_drop_replaced(read_toml(path), list(overrides)), list(overrides))
+    _peer_keys_in_argument_tables(data)
+    cfg = structure(RunConfig, data, hint=peer_hint)
     return resolve_paths(cfg, path.parent)
 
 
@@ -262,7 +308,7 @@ def reference_markdown() -> str:
         "1 is refused for the optimizers whose `lr` is the step size itself (every type but `prodigy`, whose `lr`\n"
         "is a multiplier of about 1); a plan that no accelerator's memory holds is refused by `check` and `run`.\n\n"
     )
-    return header + config_reference(RunConfig) + "\n"
+    return header + config_reference(RunConfig) + "\n" + table_markdown()
 
 
 if __name__ == "__main__":

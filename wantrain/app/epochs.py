@@ -48,3 +48,39 @@ def resolve_epochs(cfg: Any, data: Any) -> Any:
             resolved[f"{section}.every_epochs"] = {"epochs": sub.every_epochs, "steps": every}
     data.report.epochs = resolved
     return attrs.evolve(cfg, **changes)
+
+
+def idle_experts(cfg: Any) -> list[str]:
+    """The trained experts that get no optimizer step in the run's steps ``1..train.max_steps`` (a resumed run
+    keeps the step numbering of its checkpoint, so the count is the same however many sessions the run takes):
+    with two experts, step ``s`` trains ``experts[(s - 1) // switch_every % 2]``
+    (``Wan22Adapter.expert_for_step``), so the second one needs more than ``switch_every`` steps."""
+    experts = [e for e in cfg.model.trained_experts if e is not None]
+    every = cfg.model.switch_every
+    return [e for i, e in enumerate(experts) if len(experts) > 1 and i * every >= cfg.train.max_steps]
+
+
+def check_every_expert_trains(cfg: Any, *, user_cfg: Any = None) -> str | None:
+    """Refuse a run whose length came from ``train.max_epochs`` (``user_cfg``: the config as the user wrote it,
+    before :func:`resolve_epochs`) when an expert would get no optimizer step and be exported untrained (all-zero
+    B matrices): nobody means that, and the step count was not theirs to see. With ``train.max_steps`` given (a
+    smoke run may mean it) the same finding is returned as one warning line for the caller to log or print;
+    ``None`` when every expert trains or the run is only the LR range test (it trains each expert itself)."""
+    if cfg.lr_finder.active and not cfg.lr_finder.then_train:
+        return None
+    idle = idle_experts(cfg)
+    if not idle:
+        return None
+    steps, every = cfg.train.max_steps, cfg.model.switch_every
+    user_epochs = getattr(getattr(user_cfg, "train", None), "max_epochs", None)
+    length = (f"train.max_epochs = {user_epochs} is {steps} optimizer steps" if user_epochs is not None
+              else f"train.max_steps = {steps}")
+    fix = (f"set model.switch_every <= {max(1, steps // 2)} (both experts share the steps), train longer, or "
+           f"model.experts = '{cfg.model.trained_experts[0]}' to train one expert")
+    line = (f"{length} with model.switch_every = {every}: the {' and '.join(idle)} expert gets no optimizer step "
+            f"and its LoRA would be saved untrained (all-zero); {fix}")
+    if user_epochs is not None:
+        from wantrain.core.errors import ConfigError
+
+        raise ConfigError(line)
+    return line

@@ -67,6 +67,10 @@ def _alpha_enabled(cfg: Any) -> bool:
     return bool(getattr(getattr(cfg, "lora", None), "schedule_enabled", False))  # absent or off: nothing changes
 
 
+def _phase_names(cfg: Any) -> tuple[str, ...]:
+    return tuple(p.name for p in cfg.lora.alpha_schedule.phases) if _alpha_enabled(cfg) else ()
+
+
 BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn("run_log", "wantrain.observers.run_log:RunLog", lambda cfg: True, lambda cls, cfg, w: cls()),
     BuiltIn("memory_probe", "wantrain.observers.memory_probe:MemoryProbe", lambda cfg: cfg.observers.memory_probe,
@@ -79,7 +83,7 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn("jsonl", "wantrain.observers.jsonl_metrics:JsonlMetrics", lambda cfg: cfg.observers.jsonl,
             lambda cls, cfg, w: cls(w.run_dir / "metrics.jsonl"), flag="observers.jsonl=true", sink=True),
     BuiltIn("progress", "wantrain.observers.progress:ProgressLine", lambda cfg: cfg.observers.progress,
-            lambda cls, cfg, w: cls(), flag="observers.progress=true", sink=True),
+            lambda cls, cfg, w: cls(alpha_phases=_phase_names(cfg)), flag="observers.progress=true", sink=True),
     # every rank decides alike; only rank 0 writes alpha_metrics.jsonl
     BuiltIn("alpha", "wantrain.observers.alpha.controller:AlphaController", _alpha_enabled,
             lambda cls, cfg, w: cls(cfg.lora.alpha_schedule, cfg.model.trained_experts,

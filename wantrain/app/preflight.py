@@ -43,8 +43,9 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     run`` makes before it loads anything (the schedule, users' observers, the model files, [validation]/[sample]):
     the same one-line refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys
     go."""
-    from wantrain.app.epochs import uses_epochs
+    from wantrain.app.epochs import check_every_expert_trains, uses_epochs
 
+    given = cfg
     if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     resolve_extra_observers(cfg, config_dir)
@@ -58,6 +59,9 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     if uses_epochs(cfg):
         cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
+    idle = check_every_expert_trains(cfg, user_cfg=given)  # an epoch-length run refuses here
+    if idle:
+        data.report.warnings.append(idle)
     if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)

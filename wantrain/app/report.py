@@ -135,9 +135,9 @@ def build_report(records: Sequence[dict[str, Any]], title: str = ""):
     spans = phase_spans(records)
     for ax in axes:
         _shade_phases(ax, spans, label=ax is axes[0])
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend_handles_labels()[0] and ax is not axes[0]:
             ax.legend(fontsize="small", loc="best")
-    _plot_alpha(axes[0], records)
+    _loss_legend(axes[0], _plot_alpha(axes[0], records))
     for ax in axes[-2:]:
         ax.set_xlabel("optimizer step")
     if title:
@@ -203,9 +203,11 @@ def _plot_lines(ax, records, fields: Sequence[str], log: bool = False) -> None:
 
 
 def _from_zero(ax) -> None:
-    """Start the axis at 0 (values are sizes), keeping matplotlib's top."""
-    if ax.get_lines():
-        ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-9))
+    """Start the axis at 0 (values are sizes) and end it 15 % above the largest value: a flat series (memory
+    usually is) would otherwise sit on the top edge, where matplotlib's autoscale leaves it, hidden by the frame."""
+    values = [v for line in ax.get_lines() for v in line.get_ydata() if math.isfinite(v)]
+    if values:
+        ax.set_ylim(bottom=0, top=max(max(values) * 1.15, 1e-9))
 
 
 def _plot_alpha(ax, records) -> None:
@@ -222,7 +224,20 @@ def _plot_alpha(ax, records) -> None:
             twin.plot(steps, values, drawstyle="steps-post", linestyle=":", linewidth=1.6, color=f"C{i + 6}",
                       label=f"alpha {field.removeprefix('alpha/linear_alpha/')}")
     twin.set_ylim(bottom=0)
-    twin.legend(fontsize="small", loc="upper right")
+    return twin
+
+
+def _loss_legend(ax, twin) -> None:
+    """One legend for the loss panel, its alpha axis included, outside the plot on the right: the panel has the
+    most entries (raw and EMA per expert, validation, phases, alpha per expert), and two legends inside it
+    covered each other and the curves."""
+    handles, labels = ax.get_legend_handles_labels()
+    if twin is not None:
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    if handles:
+        (twin or ax).legend(handles, labels, fontsize="small", loc="upper left", borderaxespad=0,
+                            bbox_to_anchor=(1.1 if twin is not None else 1.02, 1.0))
 
 
 def _plot_speed(ax, records) -> None:

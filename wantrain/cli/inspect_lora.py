@@ -32,6 +32,7 @@ def inspect(path: Path) -> list[str]:
     from wantrain.models.wan22.variants import VARIANTS
 
     path = Path(path)
+    _refuse_checkpoint(path)
     if not path.is_file():
         raise UserError(f"LoRA file '{path}' does not exist or is not a file")
     try:
@@ -83,6 +84,22 @@ def inspect(path: Path) -> list[str]:
             lines.append(f"{group}: rank {fmt(ranks[group])}, alpha {fmt(group_alphas[group])}")
     lines.append("keys: all valid Wan 2.2 module names")
     return lines
+
+
+def _refuse_checkpoint(path: Path) -> None:
+    """A resumable checkpoint (``checkpoints/step_N/`` or its ``tensors.safetensors``) is no LoRA file: say so and
+    name the run's LoRA files, which are what a loader (and this command) reads."""
+    from wantrain.core.checkpoint import STATE_FILE, TENSOR_FILE
+
+    folder = path if path.is_dir() else path.parent
+    if not ((folder / STATE_FILE).is_file() and (folder / TENSOR_FILE).is_file()):
+        return
+    run_dir = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
+    loras = sorted(str(p) for p in run_dir.glob("*.safetensors"))
+    where = (f"inspect one of the run's LoRA files: {', '.join(loras[:4])}{' ...' if len(loras) > 4 else ''}"
+             if loras else f"the run's LoRA files (<name>_high_noise.safetensors, ...) go into '{run_dir}'")
+    raise UserError(f"'{path}' is a resumable checkpoint (state.json and tensors.safetensors, for --resume), not a "
+                    f"LoRA file; {where}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -309,8 +309,9 @@ def _fmt(value: Any) -> str:
 class _Structurer:
     """Walks a TOML document along a root section type. Holds the schema index for misplaced-key hints."""
 
-    def __init__(self, root: type) -> None:
+    def __init__(self, root: type, hint: typing.Callable[[str], str | None] | None = None) -> None:
         self.root = root
+        self.hint = hint  # names from elsewhere (another trainer's keys): asked before the did-you-mean
         self.index: dict[str, list[str]] = {}
         self._index(root, "")
 
@@ -345,7 +346,10 @@ class _Structurer:
             known.extend((f.name, *f.metadata.get(_ALIASES, ())))
         full = f"{path}.{key}" if path else key
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        if close:
+        named = self.hint(key) if self.hint is not None else None
+        if named:
+            hint = named
+        elif close:
             hint = f"did you mean '{path + '.' if path else ''}{close[0]}'?"
         elif key in self.index:
             places = " or ".join(f"'{p}'" for p in self.index[key])
@@ -464,9 +468,10 @@ class _Structurer:
         raise TypeError(f"unsupported config type {tp!r} at {path}")  # a schema bug, not a user error
 
 
-def structure(root: type, data: Mapping[str, Any]) -> Any:
-    """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line)."""
-    return _Structurer(root).structure(root, data, "")
+def structure(root: type, data: Mapping[str, Any], hint: typing.Callable[[str], str | None] | None = None) -> Any:
+    """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line). ``hint``
+    names an unknown key's meaning when it knows it (another trainer's name for a key), before any did-you-mean."""
+    return _Structurer(root, hint).structure(root, data, "")
 
 
 def check_value(owner: type, name: str, value: Any, path: str) -> Any:

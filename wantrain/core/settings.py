@@ -109,7 +109,7 @@ class ObserversConfig:
         factory=list, doc="Users' observer classes as `package.module:ClassName`, built with no arguments."
     )
     wandb: bool = setting(False, doc="Log metrics, sample videos and the config to Weights & Biases (the `wandb` "
-                          "extra; docs/observers.md).")
+                          "extra; docs/metrics.md, Weights & Biases).")
     wandb_project: str | None = setting(None, doc="wandb project; unset: wandb's default.")
     wandb_run_name: str | None = setting(None, doc="wandb run name; unset: the run directory's name.")
     wandb_tags: list[str] = setting(factory=list, doc="wandb tags of the run.")

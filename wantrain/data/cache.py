@@ -34,6 +34,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from wantrain.core.errors import UserError
+
 FORMAT_VERSION = 1
 CACHE_DIRNAME = ".wantrain_cache"
 # A temporary file untouched this long is a killed writer's; younger ones may be another process's write in flight.
@@ -92,6 +94,27 @@ def split_batch(out: dict[str, torch.Tensor], n: int, who: str) -> list[dict[str
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise TypeError(f"{who} returned {k!r} with shape {shape}; every value must be a tensor with dim 0 = {n}")
     return [{k: v[i] for k, v in out.items()} for i in range(n)]
+
+
+def check_writable(cache_dir: Path, key: str | None) -> None:
+    """Refuse, in one line, a cache folder that cannot be written (under /proc, below a file, read-only) before
+    anything is written or loaded: a probe file in it, or in its nearest existing parent, made and removed at once.
+    ``key`` is the config key that named it (``None``: the default next to the data)."""
+    base = cache_dir
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    why = f"'{base}' is a file, not a folder" if not base.is_dir() else None
+    if why is None:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".wantrain_probe.", dir=base)
+        except OSError as exc:
+            why = f"{exc.strerror or exc} in '{base}'"
+        else:
+            os.close(fd)
+            os.unlink(probe)
+    if why is not None:
+        what = f"{key} '{cache_dir}'" if key else f"the cache folder '{cache_dir}' (next to the data)"
+        raise UserError(f"{what} cannot be written ({why}); set data.cache_dir to a folder you can write")
 
 
 def read_verified(cache_dir: Path) -> dict[str, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,11 @@ class NoUsableSample(UserError):
         self.report = report
 
 
-def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> TrainingData:
-    """Scan, probe and bucket every dataset of ``cfg`` for the variant ``spec`` (a ``VariantSpec``).
+def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, warn_skipped: bool = True,
+                  ) -> TrainingData:
+    """Scan, probe and bucket every dataset of ``cfg`` for the variant ``spec`` (a ``VariantSpec``). Skipped files
+    are counted in one ``data.files_skipped`` warning, by kind of reason, unless ``warn_skipped`` is False (the
+    validation clips taken from the training data: their files were counted already).
 
     Decodes nothing. Raises :class:`UserError` when a dataset folder is missing, a frame bucket does not suit the
     variant, or no usable sample is left.
@@ -140,6 +144,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
         sizes = {s: size_buckets(s, cfg.aspect_ratios, spec.spatial_multiple) for s in sides}
         home = r.path.parent if r.metadata else r.path  # a metadata dataset's cache sits next to its file
         cache_dir = (cfg.cache_dir or (home / cachelib.CACHE_DIRNAME)).resolve()
+        cachelib.check_writable(cache_dir, "data.cache_dir" if cfg.cache_dir else None)
         verified = cachelib.read_verified(cache_dir)
         ext = _normalise_ext(r.caption_extension)
         if r.clip_mode not in report.clip_modes:
@@ -221,9 +226,10 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
                                 "clips": n_clips, "repeats": r.repeats, "skipped": skipped_here,
                                 "resolutions": sides, "frames": frame_buckets, "clip_mode": r.clip_mode,
                                 "cache_dir": str(cache_dir)})
-    if report.skipped:
-        reasons = Counter(s["reason"].split(":")[0] for s in report.skipped)
-        log.warning("data.files_skipped", count=len(report.skipped), reasons=dict(reasons))
+    if report.skipped and warn_skipped:
+        reasons = Counter(_reason_kind(s["reason"]) for s in report.skipped)
+        log.warning("data.files_skipped", count=len(report.skipped), reasons=dict(reasons),
+                    listed_by="wantrain check")
     if not clips:
         raise NoUsableSample(report)
     report.set_captions(clips)
@@ -232,6 +238,15 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int) -> 
                                    if report.source_frames_total else 0.0)
     return TrainingData(clips, report, batch_size=batch_size, remainder=cfg.remainder, shuffle=cfg.shuffle,
                         seed=seed, spec=spec)
+
+
+def _reason_kind(reason: str) -> str:
+    """What went wrong, without the line number, the file or the detail (the report lists every file):
+    ``line 5: clips/a.mp4 does not exist`` -> ``does not exist``; ``cannot decode: ...`` -> ``cannot decode``."""
+    text = re.sub(r"^line \d+: ", "", reason).split(":")[0]
+    text = re.sub(r"\s*\(.*$", "", text).strip()
+    first, _, rest = text.partition(" ")
+    return rest if rest and ("/" in first or "." in first) else text
 
 
 def _entries(r, ext: str, report: PreflightReport, skip, cache_dir: Path) -> list[tuple[Path, Any, int, str]]:

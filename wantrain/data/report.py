@@ -61,6 +61,9 @@ class PreflightReport:
     epochs: dict[str, Any] = attrs.field(factory=dict)
     # what the run loads from where, one line per part (filled by `wantrain check`; a problem is its one line)
     model_files: list[str] = attrs.field(factory=list)
+    # one line each, about the config against this plan (an expert that gets no step: wantrain.app.epochs); `run`
+    # logs them as `config_warning`, `check` prints them last
+    warnings: list[str] = attrs.field(factory=list)
 
     def set_captions(self, clips: list[Any]) -> None:
         """Fill :attr:`captions` from the clips (``Clip.texts``, ``caption_dropout``, ``repeats``)."""
@@ -172,4 +175,7 @@ class PreflightReport:
             lines.append("")
             lines.append("host memory (RAM), part by part (docs/models.md, Host memory):")
             lines.extend(self.host_memory["lines"])
+        if self.warnings:
+            lines.append("")
+            lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)

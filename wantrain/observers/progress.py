@@ -1,4 +1,4 @@
-"""A one-line progress display: step/total, it/s, ETA, loss (EMA), LR, active expert, alpha phase.
+"""A one-line progress display: step/total, it/s, ETA, loss (EMA), LR, active expert, alpha phase (index and name).
 
 It keeps every ``OptimizerStepped`` and reads host-side values only (the step number, a monotonic clock and the
 LRs the event carries); it never touches a tensor. On a stream that is not a terminal a step costs nothing beyond
@@ -53,8 +53,10 @@ class ProgressLine(Observer):
         window: int = 50,
         beta: float = 0.9,
         clock: Callable[[], float] = time.monotonic,
+        alpha_phases: tuple[str, ...] = (),
     ) -> None:
         self.enabled = enabled
+        self.alpha_phases = tuple(alpha_phases)  # the alpha schedule's phase names, by index (the line names them)
         self._stream = stream
         self.refresh_s = refresh_s
         self.beta = beta
@@ -177,7 +179,9 @@ class ProgressLine(Observer):
             parts.append(f"expert {self.expert}")
         if self.alpha_phase is not None and math.isfinite(self.alpha_phase):
             phase = self.alpha_phase
-            parts.append(f"alpha phase {int(phase) if phase == int(phase) else phase}")
+            index = int(phase) if phase == int(phase) else None
+            name = self.alpha_phases[index] if index is not None and 0 <= index < len(self.alpha_phases) else None
+            parts.append(f"alpha phase {index if index is not None else phase}" + (f" ({name})" if name else ""))
         if self.skipped_steps:
             parts.append(f"skipped {self.skipped_steps}")
         return " | ".join(parts)

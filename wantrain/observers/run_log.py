@@ -1,4 +1,5 @@
 """Logs the run's milestones (start, expert switches, saves, out-of-memory, observer failures, end) with structlog.
+Under ``wantrain replay`` a save is logged as ``recorded_lora_saved``: the paths are the recorded run's files.
 
 Per-step numbers go to the metrics writers, not to the log.
 """
@@ -26,8 +27,10 @@ class RunLog(Observer):
 
     @on(RunStarted)
     def started(self, event: RunStarted, ctx) -> None:
+        # one transformer (TI2V-5B) has no experts to name
+        experts = {"experts": list(event.experts)} if any(event.experts) else {}
         log.info("run_started", run_dir=event.run_dir, total_steps=event.total_steps, start_step=event.step,
-                 grad_accum=event.grad_accum, experts=[e or "single" for e in event.experts])
+                 grad_accum=event.grad_accum, **experts)
 
     @on(ExpertSwitched)
     def switched(self, event: ExpertSwitched, ctx) -> None:
@@ -35,7 +38,9 @@ class RunLog(Observer):
 
     @on(CheckpointSaved)
     def saved(self, event: CheckpointSaved, ctx) -> None:
-        log.info("lora_saved", step=event.step, final=event.final, reason=event.reason, paths=list(event.paths))
+        # replayed (no live model in the context): the files are the recorded run's, and the replay writes none
+        name = "lora_saved" if ctx.adapter is not None else "recorded_lora_saved"
+        log.info(name, step=event.step, final=event.final, reason=event.reason, paths=list(event.paths))
 
     @on(OutOfMemory)
     def out_of_memory(self, event: OutOfMemory, ctx) -> None:

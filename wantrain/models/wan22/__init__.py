@@ -38,6 +38,7 @@ def check_model_files(model: ModelConfig, *, sampling: bool = False) -> None:
     source when only one is trained, as ``Wan22Adapter.add_sampling_expert`` checks it. ``wantrain check`` runs
     them, so it refuses what ``run`` would."""
     source = WeightSource(model, seed=0)
+    source.check_expert_files()  # tensor names only: a VAE given as an expert file is refused here, as run does
     for expert in model.untrained_experts if sampling else ():
         source.check_expert(expert, "needed to sample with one trained expert")
 

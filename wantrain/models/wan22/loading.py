@@ -176,6 +176,23 @@ class WeightSource:
         folder = self.path / EXPERT_FOLDER[expert]
         return self._stream(folder, "path", dtype, key_map=lambda keys: {k: k for k in keys})
 
+    def check_expert_files(self) -> None:
+        """The trained experts' ``model.*_file`` against the variant's transformer by tensor names (headers only):
+        what loading them refuses first (a VAE given as an expert file), for ``wantrain check``."""
+        from diffusers import WanTransformer3DModel
+
+        from wantrain.models.wan22.single_file import check_transformer_keys
+
+        kwargs = architecture.transformer_kwargs(self.spec)
+        for expert in () if self.random else self.experts:
+            file = self._expert_file(expert)
+            if file is None:
+                continue
+            key = _EXPERT_FILE_KEY[expert]
+            _refuse_wan21_image_branch(file, key, self.spec.name)
+            reader = sharded.ShardReader(file, key) if file.is_dir() else None
+            check_transformer_keys(file, key, self.spec.name, lambda: WanTransformer3DModel(**kwargs), reader=reader)
+
     def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
         """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
         only knows Wan 2.1 and would build I2V/5B files with the wrong config), streamed tensor by tensor into the

@@ -145,11 +145,7 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
     try:
         with reader if reader is not None else _Reader(file) as reader:
             keys = reader.keys()
-            scales = {k[: -len(SCALE_SUFFIX)] + ".weight": k for k in keys if k.endswith(SCALE_SUFFIX)}
-            ignored = {k for k in keys if k.endswith(_UNUSED_SUFFIXES) or k.rsplit(".", 1)[-1] in _MARKERS}
-            orphans = sorted(s for w, s in scales.items() if w not in keys)  # a scale without its weight
-            weights = [k for k in keys if k not in ignored and k not in scales.values()]
-            mapping = (key_map or wan_key_map)(weights + orphans)
+            scales, mapping = _file_mapping(keys, key_map)
             _check_keys(model, mapping, where, variant)
             scale_of = {mapping_name: scales[key] for mapping_name, key in mapping.items() if key in scales}
             for name, scale_key in scale_of.items():
@@ -184,6 +180,35 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
     if fp8_scaled:
         fp8.to_scaled_fp8(model, fp8_scales, compute_dtype=dtype)
     return model.eval()
+
+
+def check_transformer_keys(file: Path, setting: str, variant: str, build: Callable[[], nn.Module], *,
+                           reader: Any = None,
+                           key_map: Callable[[Iterable[str]], dict[str, str]] | None = None) -> None:
+    """What :func:`load_transformer` refuses first -- a file whose tensor names are not the transformer's (a VAE or
+    a text encoder given as an expert file, a partial file) -- from the header alone, with the same one line;
+    ``build`` runs on ``meta``, so nothing is loaded (``wantrain check``)."""
+    from safetensors import SafetensorError
+
+    where = f"model.{setting} '{file}'"
+    with torch.device("meta"):
+        model = build()
+    try:
+        with reader if reader is not None else _Reader(file) as opened:
+            _, mapping = _file_mapping(opened.keys(), key_map)
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"{where} is not a readable safetensors file ({exc})") from None
+    _check_keys(model, mapping, where, variant)
+
+
+def _file_mapping(keys: list[str], key_map: Callable[[Iterable[str]], dict[str, str]] | None,
+                  ) -> tuple[dict[str, str], dict[str, str]]:
+    """({weight key: its scale key}, {model tensor name: file key}) of a file's tensor names."""
+    scales = {k[: -len(SCALE_SUFFIX)] + ".weight": k for k in keys if k.endswith(SCALE_SUFFIX)}
+    ignored = {k for k in keys if k.endswith(_UNUSED_SUFFIXES) or k.rsplit(".", 1)[-1] in _MARKERS}
+    orphans = sorted(s for w, s in scales.items() if w not in keys)  # a scale without its weight
+    weights = [k for k in keys if k not in ignored and k not in scales.values()]
+    return scales, (key_map or wan_key_map)(weights + orphans)
 
 
 def _is_param(model: nn.Module, name: str) -> bool:

@@ -57,13 +57,27 @@ def read_state(path: Path, key: str) -> dict[str, torch.Tensor]:
         state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except (SafetensorError, pickle.UnpicklingError, OSError, RuntimeError, ValueError, EOFError) as exc:
         # safetensors, unpickling (weights_only refuses code) and zip errors: not a weights file wantrain reads
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise UserError(f"model.{key} '{path}' is not a readable weights file ({first})") from None
+        raise UserError(f"model.{key} '{path}' is not a readable weights file ({_why(exc)})") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"model.{key} '{path}' holds no plain dict of tensors")
     return state
+
+
+def _why(exc: Exception) -> str:
+    """What went wrong reading a torch file, in a few words. A weights-only refusal is named by the object the
+    file would have run (torch's own advice, to load it with weights_only=False, runs a stranger's code: never)."""
+    import pickle
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in text:
+        found = re.search(r"Unsupported (?:global|operand)[^\n.]*", text)
+        what = f"; {found.group(0).strip()}" if found else ""
+        return (f"it holds Python objects besides tensors{what}; wantrain reads weights only and never runs code "
+                "from a model file: use a .safetensors file")
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def read_shapes(path: Path, key: str) -> dict[str, tuple[int, ...]]:

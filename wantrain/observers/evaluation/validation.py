@@ -111,9 +111,12 @@ class Validation(Observer):
     needs = (ValidationCapable,)
 
     def __init__(self, batches: Sequence[Mapping[str, Any]], *, timesteps: Sequence[float], seed: int,
-                 every: int, sync: Any = None, clip_indices: Sequence[int] | None = None) -> None:
+                 every: int, sync: Any = None, clip_indices: Sequence[int] | None = None,
+                 clips_total: int | None = None) -> None:
         self.batches = list(batches)
         self.clip_indices = list(range(len(self.batches))) if clip_indices is None else list(clip_indices)
+        # the validation set's size (torchrun: over every rank; this rank holds `batches`, its share)
+        self.clips_total = len(self.batches) if clips_total is None else clips_total
         self.sync = sync  # torchrun: this rank's share of the clips, the sums added up over the ranks
         self.timesteps = list(timesteps)
         self.seed = seed
@@ -157,7 +160,8 @@ class Validation(Observer):
         seconds = time.perf_counter() - started
         self.seconds += seconds
         log.info("validation", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),
-                 clips=len(self.batches), loss=values.get("val/loss"))
+                 clips=self.clips_total, loss=values.get("val/loss"),
+                 **({"clips_this_rank": len(self.batches)} if len(self.batches) != self.clips_total else {}))
         return values
 
     def _emit(self, step: int, values: dict[str, float], ctx, total: int) -> None:

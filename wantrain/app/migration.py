@@ -1,0 +1,183 @@
+"""Coming from musubi-tuner or ai-toolkit: the peers' key names with the wantrain key that does the same, and the
+recognition of a peer's config file given where a wantrain config belongs.
+
+* :data:`PEER_KEYS` -- the table (``docs/config.md`` renders it; a test checks that every wantrain key in it
+  exists). :func:`peer_hint` turns an unknown key into "that is musubi-tuner's name; wantrain's is ``lora.rank``"
+  (``wantrain.core.config`` asks it before its own did-you-mean, so ``data.shuffle_tokens`` is never sent to
+  ``data.shuffle``, another thing).
+* :func:`peer_file_problem` -- one line for a musubi-tuner dataset config (``[general]``, ``[[datasets]]``), a file of
+  musubi-tuner training arguments (``network_dim = 32`` at the top level) or an ai-toolkit YAML config
+  (``job``/``config``/``process``), saying where its keys go and, for a dataset wantrain can read, how to point
+  ``[data]`` at it.
+
+Key names are the peers' documented ones (musubi-tuner's ``dataset_config.md`` and its training arguments,
+ai-toolkit's ``config/examples/train_lora_wan22_14b_24gb.yaml``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+MUSUBI, AI_TOOLKIT, KOHYA = "musubi-tuner", "ai-toolkit", "sd-scripts"
+
+
+@attrs.frozen
+class PeerKey:
+    peer: str  # whose name it is
+    wantrain: str  # the wantrain key that does the same (section.key)
+    note: str = ""  # how the value changes, when it does
+
+
+PEER_KEYS: dict[str, PeerKey] = {
+    # musubi-tuner training arguments (wan_train_network.py; a --config_file TOML holds the same names)
+    "network_dim": PeerKey(MUSUBI, "lora.rank"),
+    "network_alpha": PeerKey(MUSUBI, "lora.alpha"),
+    "network_weights": PeerKey(MUSUBI, "lora.init_from", "or lora.init_from_high_noise / _low_noise per expert"),
+    "learning_rate": PeerKey(MUSUBI, "optimizer.lr"),
+    "optimizer_type": PeerKey(MUSUBI, "optimizer.type"),
+    "optimizer_args": PeerKey(MUSUBI, "optimizer.weight_decay", "and the other [optimizer] keys, one key each"),
+    "lr_warmup_steps": PeerKey(MUSUBI, "lr_scheduler.warmup_steps"),
+    "max_train_steps": PeerKey(MUSUBI, "train.max_steps"),
+    "max_train_epochs": PeerKey(MUSUBI, "train.max_epochs"),
+    "gradient_accumulation_steps": PeerKey(MUSUBI, "train.grad_accum"),
+    "max_grad_norm": PeerKey(MUSUBI, "train.clip_grad_norm"),
+    "save_every_n_steps": PeerKey(MUSUBI, "train.save_every"),
+    "save_every_n_epochs": PeerKey(MUSUBI, "train.save_every_epochs"),
+    "output_name": PeerKey(MUSUBI, "run.name"),
+    "dit": PeerKey(MUSUBI, "model.low_noise_file", "Wan 2.2 A14B; TI2V-5B: model.transformer_file"),
+    "dit_high_noise": PeerKey(MUSUBI, "model.high_noise_file"),
+    "vae": PeerKey(MUSUBI, "model.vae_file"),
+    "t5": PeerKey(MUSUBI, "model.text_encoder_file"),
+    "fp8_base": PeerKey(MUSUBI, "model.base_dtype", 'base_dtype = "fp8"'),
+    "fp8_scaled": PeerKey(MUSUBI, "model.base_dtype", 'base_dtype = "fp8_scaled"'),
+    "discrete_flow_shift": PeerKey(MUSUBI, "model.shift"),
+    "min_timestep": PeerKey(MUSUBI, "model.min_t", "0-1 units: 900 is 0.9"),
+    "max_timestep": PeerKey(MUSUBI, "model.max_t", "0-1 units: 900 is 0.9"),
+    "sample_prompts": PeerKey(MUSUBI, "sample.prompts", "the prompts themselves, not a file"),
+    "sample_every_n_steps": PeerKey(MUSUBI, "sample.every"),
+    "sample_every_n_epochs": PeerKey(MUSUBI, "sample.every_epochs"),
+    "log_with": PeerKey(MUSUBI, "observers.wandb", "TensorBoard is on by default (observers.tensorboard)"),
+    "dataset_config": PeerKey(MUSUBI, "data.datasets", "the [[datasets]] tables become [[data.datasets]]"),
+    # musubi-tuner dataset config ([general] and [[datasets]])
+    "video_directory": PeerKey(MUSUBI, "data.path", "or data.datasets[].path"),
+    "image_directory": PeerKey(MUSUBI, "data.path", "or data.datasets[].path"),
+    "video_jsonl_file": PeerKey(MUSUBI, "data.metadata", "read as it is"),
+    "image_jsonl_file": PeerKey(MUSUBI, "data.metadata", "read as it is"),
+    "cache_directory": PeerKey(MUSUBI, "data.cache_dir"),
+    "target_frames": PeerKey(MUSUBI, "data.frames"),
+    "resolution": PeerKey(MUSUBI, "data.resolutions", "one side per bucket size; aspect ratios: data.aspect_ratios"),
+    "num_repeats": PeerKey(MUSUBI, "data.repeats"),
+    "frame_extraction": PeerKey(MUSUBI, "data.clip_mode"),
+    "frame_stride": PeerKey(MUSUBI, "data.clip_stride"),
+    "frame_sample": PeerKey(MUSUBI, "data.clips_per_video"),
+    # sd-scripts' caption keys (musubi-tuner's users bring them too)
+    "shuffle_caption": PeerKey(KOHYA, "data.tag_shuffles", "the number of shuffled orders per caption"),
+    "keep_tokens": PeerKey(KOHYA, "data.keep_tags"),
+    # ai-toolkit (YAML: config.process[0].<table>.<key>)
+    "trigger_word": PeerKey(AI_TOOLKIT, "data.caption_prefix", 'the text put in front of every caption: "ohwx, "'),
+    "linear": PeerKey(AI_TOOLKIT, "lora.rank"),
+    "linear_alpha": PeerKey(AI_TOOLKIT, "lora.alpha"),
+    "folder_path": PeerKey(AI_TOOLKIT, "data.path"),
+    "caption_ext": PeerKey(AI_TOOLKIT, "data.caption_extension", 'with the dot: ".txt"'),
+    "caption_dropout_rate": PeerKey(AI_TOOLKIT, "data.caption_dropout"),
+    "shuffle_tokens": PeerKey(AI_TOOLKIT, "data.tag_shuffles", "the number of shuffled orders per caption"),
+    "num_frames": PeerKey(AI_TOOLKIT, "data.frames", "or sample.frames in [sample]"),
+    "steps": PeerKey(AI_TOOLKIT, "train.max_steps", "or sample.steps in [sample]"),
+    "gradient_accumulation": PeerKey(AI_TOOLKIT, "train.grad_accum"),
+    "switch_boundary_every": PeerKey(AI_TOOLKIT, "model.switch_every"),
+    "train_high_noise": PeerKey(AI_TOOLKIT, "model.experts", '"both", "high_noise" or "low_noise"'),
+    "train_low_noise": PeerKey(AI_TOOLKIT, "model.experts", '"both", "high_noise" or "low_noise"'),
+    "name_or_path": PeerKey(AI_TOOLKIT, "model.path", "a local diffusers folder"),
+    "quantize": PeerKey(AI_TOOLKIT, "model.base_dtype", '"fp8" or "fp8_scaled"'),
+    "timestep_type": PeerKey(AI_TOOLKIT, "model.timestep_sampling"),
+    "sample_every": PeerKey(AI_TOOLKIT, "sample.every"),
+    "sample_steps": PeerKey(AI_TOOLKIT, "sample.steps"),
+    "neg": PeerKey(AI_TOOLKIT, "sample.negative_prompt"),
+    "training_folder": PeerKey(AI_TOOLKIT, "run.output_dir"),
+}
+"""Peer key name -> the wantrain key that does the same. Only names that are not wantrain keys anywhere: a name
+wantrain has (``seed``, ``lr``, ``batch_size``, ``blocks_to_swap``) gets the config machinery's own "belongs at"
+hint."""
+
+DOCS = "docs/config.md, Coming from musubi-tuner or ai-toolkit"
+
+
+def peer_hint(key: str) -> str | None:
+    """The hint for an unknown config key that is a peer's name, else ``None``."""
+    entry = PEER_KEYS.get(key)
+    if entry is None:
+        return None
+    note = f" ({entry.note})" if entry.note else ""
+    return f"'{key}' is {entry.peer}'s name; wantrain's key for it is '{entry.wantrain}'{note}"
+
+
+def _where(keys: list[str]) -> str:
+    known = [k for k in keys if k in PEER_KEYS]
+    shown = ", ".join(f"{k} -> {PEER_KEYS[k].wantrain}" for k in known[:6])
+    more = f", and {len(known) - 6} more" if len(known) > 6 else ""
+    return f"{shown}{more}" if known else ""
+
+
+def _musubi_dataset_line(path: Path, data: dict[str, Any]) -> str:
+    tables = [t for t in data.get("datasets") or [] if isinstance(t, dict)]
+    points = []
+    for t in tables:
+        for key, wkey in (("video_directory", "path"), ("image_directory", "path"), ("video_jsonl_file", "metadata"),
+                          ("image_jsonl_file", "metadata")):
+            if isinstance(t.get(key), str):
+                points.append(f'{wkey} = "{t[key]}"')
+    if len(points) == 1:
+        point = f"[data] {points[0]}"
+    elif points:
+        point = " and ".join(f"[[data.datasets]] {p}" for p in points)
+    else:
+        point = '[data] path = "<your clips folder>"'
+    keys = _where(sorted({k for t in [data.get("general") or {}, *tables] if isinstance(t, dict) for k in t}))
+    return (f"config file '{path}' is a musubi-tuner dataset config ([general], [[datasets]]), not a wantrain run "
+            f"config; wantrain reads the clips and captions themselves: in a run config (start from "
+            f"examples/quickstart.toml) put {point}{'; its keys go to: ' + keys if keys else ''} ({DOCS})")
+
+
+def peer_file_problem(path: Path, data: dict[str, Any] | None = None, text: str | None = None) -> str | None:
+    """One line when ``path`` is a peer's config rather than a wantrain run config; ``data`` is the parsed TOML
+    (``None`` when it is not TOML), ``text`` the file's text (for YAML, read without a YAML parser). ``None`` when
+    it is neither."""
+    if data is not None:
+        if "datasets" in data and set(data) <= {"general", "datasets", "validation_datasets"}:
+            return _musubi_dataset_line(path, data)
+        if "general" in data and "run" not in data:
+            return _musubi_dataset_line(path, data)
+        peer = [k for k in data if k in PEER_KEYS and not isinstance(data[k], dict)]
+        if peer and not any(isinstance(v, dict) for v in data.values()):
+            return (f"config file '{path}' holds musubi-tuner training arguments ({', '.join(peer[:3])}, ...), not a "
+                    f"wantrain run config (TOML tables [model], [lora], [data], [train], ...; start from "
+                    f"examples/quickstart.toml); its keys go to: {_where(list(data))} ({DOCS})")
+        return None
+    if text is not None and re.search(r"^job\s*:", text, re.M) and re.search(r"^config\s*:", text, re.M):
+        keys = re.findall(r"^\s*-?\s*([A-Za-z_]+)\s*:", text, re.M)
+        return (f"config file '{path}' is an ai-toolkit config (job/config/process, YAML), not a wantrain run config "
+                f"(TOML; start from examples/quickstart.toml); its keys go to: {_where(list(dict.fromkeys(keys)))} "
+                f"({DOCS})")
+    return None
+
+
+def table_markdown() -> str:
+    """The migration table of ``docs/config.md``."""
+    lines = [
+        "## Coming from musubi-tuner or ai-toolkit",
+        "",
+        "A peer's key in a wantrain config is refused with the wantrain key that does the same; a musubi-tuner",
+        "dataset TOML or an ai-toolkit YAML given as the config is named as such, with where its keys go. A",
+        "musubi-tuner dataset needs no conversion: point `data.path` at its `video_directory` (or `data.metadata` at",
+        "its `video_jsonl_file`, read as it is).",
+        "",
+        "| their key | from | wantrain key | note |",
+        "|---|---|---|---|",
+    ]
+    for key, e in PEER_KEYS.items():
+        lines.append(f"| `{key}` | {e.peer} | `{e.wantrain}` | {e.note} |")
+    return "\n".join(lines) + "\n"
