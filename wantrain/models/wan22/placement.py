@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from wantrain.core.devices import resolve_device, same_device
+
 _PIN_SHARE = 0.5  # pin the waiting copies only if they fill at most this share of the host's memory
 
 
@@ -92,19 +94,31 @@ class ExpertPlacement:
     :meth:`resident` lists those on the training device."""
 
     def __init__(self, device: torch.device, offload_device: torch.device) -> None:
-        self.device = torch.device(device)
-        self.offload_device = torch.device(offload_device)
+        self.device = resolve_device(device)  # cuda -> cuda:N: the device its tensors report
+        self._offload_device = resolve_device(offload_device)
         self.where: dict[str | None, torch.device] = {}
         self._transformers: dict[str | None, nn.Module] = {}
         # expert -> [(owner, attribute, waiting copy, is_parameter)] of its base tensors
         self._waiting: dict[str | None, list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
         self.pinned = False
 
+    @property
+    def offload_device(self) -> torch.device:
+        return self._offload_device
+
+    @offload_device.setter
+    def offload_device(self, device: torch.device | str) -> None:
+        self._offload_device = resolve_device(device)
+
+    def _moves(self) -> bool:
+        """Whether the training and offload devices differ (``cuda`` and ``cuda:0`` are one device)."""
+        return not same_device(self.device, self.offload_device)
+
     def add(self, experts: dict[str | None, nn.Module], first: str | None) -> None:
         """Take the freshly built ``experts`` (base weights on the host) and put ``first`` on the training device.
         With more than one expert and distinct devices, the loaded tensors become the waiting copies."""
         self._transformers = dict(experts)
-        moves = len(experts) > 1 and self.device != self.offload_device
+        moves = len(experts) > 1 and self._moves()
         if moves:
             self.pinned = self._may_pin()
             for expert in experts:
@@ -130,7 +144,7 @@ class ExpertPlacement:
         if any(t.requires_grad for t in transformer.parameters()):
             raise ValueError(f"add_frozen: the {expert} expert has trainable parameters")
         self._transformers[expert] = transformer
-        if self.device == self.offload_device:  # nothing ever moves
+        if not self._moves():  # nothing ever moves
             self._move_base(expert, self.device)
             self.where[expert] = self.device
             return
@@ -167,7 +181,7 @@ class ExpertPlacement:
 
     def resident(self) -> list[str | None]:
         """The experts whose base weights are on the training device (at most one)."""
-        return [e for e, d in self.where.items() if d == self.device]
+        return [e for e, d in self.where.items() if same_device(d, self.device)]
 
     def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
         """Put ``expert`` (base weights, LoRA, gradients, optimizer state) on the training device, after moving
@@ -176,7 +190,8 @@ class ExpertPlacement:
         for other in self.resident():
             if other != expert:
                 self._move_out(other, optimizer)
-        if self.where.get(expert) != self.device:
+        where = self.where.get(expert)
+        if where is None or not same_device(where, self.device):
             self._move_in(expert, optimizer)
 
     # -- moves -------------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from wantrain.core.devices import resolve_device
+
 
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (checkpoint recompute runs inside it)."""
@@ -44,7 +46,7 @@ class BlockSwap:
                  ring: int = 2, on_copy: Callable[[int], None] | None = None) -> None:
         if ring < 1:
             raise ValueError(f"the swap ring needs at least one slot, got {ring}")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.blocks = blocks
         self.swapped: tuple[int, ...] = tuple(sorted(set(swapped)))
         self.ring = ring
