@@ -23,7 +23,6 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:
-    """Whether ``a`` and ``b`` are one device: the same type and the same resolved index (no index = index 0 for
-    every type but CUDA, whose no-index device is the current one)."""
-    a, b = resolve_device(a), resolve_device(b)
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
+    """Whether ``a`` and ``b`` are one device: CUDA devices by their resolved index (``cuda`` is the current one),
+    other types as torch compares them (``cpu`` and ``cpu:0`` stay distinct: tests use the pair as two devices)."""
+    return resolve_device(a) == resolve_device(b)

@@ -57,19 +57,20 @@ class ActivationOffload:
     """Saved-tensor hooks moving large device tensors to ``host`` (pinned on CUDA) and prefetching them back.
     ``on_pack(nbytes)`` is called for every device->host copy, ``on_copy_back(index, nbytes)`` for every
     host->device copy with the tensor's place in the save order (tests, benchmarks). ``prefetch=False``: each
-    tensor is copied back only when the backward pass unpacks it."""
+    tensor is copied back only when the backward pass unpacks it. ``pin`` false: pageable host buffers."""
 
     def __init__(self, device: torch.device, host: torch.device | str = "cpu", *, min_bytes: int = 1 << 20,
                  on_pack: Callable[[int], None] | None = None, on_copy_back: Callable[[int, int], None] | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, pin: bool = True) -> None:
         self.device = resolve_device(device)
         self.host = torch.device(host)
         self.min_bytes = min_bytes
         self.on_pack = on_pack
         self.on_copy_back = on_copy_back
         self.prefetch = prefetch
-        self._pin = self.device.type == "cuda" and self.host.type == "cpu"
-        self._stream = torch.cuda.Stream(self.device) if self._pin and torch.cuda.is_available() else None
+        self._pin = pin and self.device.type == "cuda" and self.host.type == "cpu"
+        self._async = self.device.type == "cuda" and self.host.type == "cpu"
+        self._stream = torch.cuda.Stream(self.device) if self._async and torch.cuda.is_available() else None
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         # every _Packed of the last forward, in save order; weak: autograd's graph owns them, and they go with it
         self._order: list[weakref.ref] = []

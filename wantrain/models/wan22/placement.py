@@ -42,9 +42,12 @@ from wantrain.core.devices import resolve_device, same_device
 _PIN_SHARE = 0.5  # pin the waiting copies only if they fill at most this share of the host's memory
 
 
-def pin_budget() -> int:
-    """Bytes of waiting copies that may be pinned: half of the host's physical memory (pinned pages cannot be
-    swapped out; pinning both A14B experts on a 128 GB host would leave it nothing)."""
+def pin_budget(host_ram_gb: float | None = None) -> int:
+    """Bytes of waiting copies that may be pinned: half of the host's memory, ``host_ram_gb`` GiB
+    (``model.host_ram_budget_gb``) or the physical memory (pinned pages cannot be swapped out; pinning both A14B
+    experts on a 128 GB host would leave it nothing)."""
+    if host_ram_gb is not None:
+        return int(host_ram_gb * 2**30 * _PIN_SHARE)
     import psutil
 
     return int(psutil.virtual_memory().total * _PIN_SHARE)
@@ -93,7 +96,8 @@ class ExpertPlacement:
     (:meth:`add_frozen`; see the module docstring). ``where[e]`` is the device of expert ``e``'s base weights;
     :meth:`resident` lists those on the training device."""
 
-    def __init__(self, device: torch.device, offload_device: torch.device) -> None:
+    def __init__(self, device: torch.device, offload_device: torch.device, *, pin_limit: int | None = None) -> None:
+        """``pin_limit``: bytes of waiting copies that may be pinned (0: none; default :func:`pin_budget`)."""
         self.device = resolve_device(device)  # cuda -> cuda:N: the device its tensors report
         self._offload_device = resolve_device(offload_device)
         self.where: dict[str | None, torch.device] = {}
@@ -101,6 +105,7 @@ class ExpertPlacement:
         # expert -> [(owner, attribute, waiting copy, is_parameter)] of its base tensors
         self._waiting: dict[str | None, list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
         self.pinned = False
+        self.pin_limit = pin_limit
 
     @property
     def offload_device(self) -> torch.device:
@@ -159,7 +164,8 @@ class ExpertPlacement:
         """Whether the waiting copies of every expert may be pinned (:func:`pin_budget`)."""
         total = sum(t.numel() * t.element_size() for m in self._transformers.values()
                     for _, _, t, _ in _tensors(m, trainable=False))
-        return self.device.type == "cuda" and torch.cuda.is_available() and total <= pin_budget()
+        limit = pin_budget() if self.pin_limit is None else self.pin_limit
+        return self.device.type == "cuda" and torch.cuda.is_available() and 0 < total <= limit
 
     def _keep_waiting_copy(self, expert: str | None) -> None:
         """Make ``expert``'s waiting copy on the offload device (pinned if :attr:`pinned`). Its tensors already
