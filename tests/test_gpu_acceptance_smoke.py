@@ -76,3 +76,18 @@ def test_the_gpu_acceptance_run_exits_non_zero_naming_each_missed_threshold(monk
     figures.update(planner_error_pct=-4.0, s_per_step_vs_bf16=1.1)
     monkeypatch.setitem(acceptance.SECTIONS, "a", ("tiny_t2v_resume", lambda device, smoke: {"state_off_device": []}))
     assert acceptance.main(["--device", "cpu", "--only", "a,f"]) == 0
+
+
+def test_the_wheel_script_names_a_pinned_cpython_312_manylinux_download_of_exactly_the_missing_packages():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "fetch_wheels.py"), "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cmd = done.stdout.split()
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and "manylinux2014_x86_64" in cmd
+    assert cmd[cmd.index("--dest") + 1].endswith(".whl")
+    pinned = sorted(c.split("==")[0] for c in cmd if "==" in c)
+    assert pinned == sorted(["diffusers", "structlog", "tensorboardX", "av", "ftfy", "wcwidth", "orjson", "cattrs",
+                             "tomli-w", "crc32c"])
+    assert not (ROOT / ".whl").exists() or subprocess.run(["git", "check-ignore", "-q", ".whl/x.whl"],
+                                                          cwd=ROOT).returncode == 0

@@ -80,3 +80,17 @@ def test_the_host_estimate_counts_the_offload_buffers_and_their_pinning():
     assert "pinned-memory rounding of the offload buffers" not in pageable.phases["while training"]
     assert not any("rounding" in k for k in pageable.parts)
     assert pageable.peak < pinned.peak
+
+
+def test_the_docs_host_plan_example_is_what_check_prints(tmp_path, capsys, no_model_files):
+    from pathlib import Path
+
+    from wantrain.cli.main import main
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text(encoding="utf-8")
+    section = docs.split("#### The host plan: fitting the machine's RAM")[1]
+    assert "vram_budget_gb = 24" in section and "host_ram_budget_gb = 64" in section
+    printed = section.split("(check's lines):\n\n```\n")[1].split("```")[0]
+    assert main(["check", str(_config(tmp_path, "host_ram_budget_gb = 64"))]) == 0
+    out = capsys.readouterr().out
+    assert out.split("host memory (RAM), part by part (docs/models.md, Host memory):\n")[1].startswith(printed)
