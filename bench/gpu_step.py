@@ -64,9 +64,11 @@ def latent_shape(height: int, width: int, frames: int) -> tuple[int, int, int, i
     return (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
 
 
-def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: bool, rank: int):
-    """One expert with random weights, built on ``meta`` in its storage dtypes and only then materialised on
-    ``device``: the device never holds the model in another dtype (an fp32 A14B expert would be 57 GB)."""
+def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: bool, rank: int, swap: int = 0):
+    """One expert with random weights, built on ``meta`` in its storage dtypes and only then materialised: the
+    frozen tensors of the last ``swap`` blocks straight on the host (where ``BlockSwap`` keeps them), everything
+    else on ``device``. The device never holds the model in another dtype, nor a swapped block outside the ring (a
+    24 GiB card could not hold the 28.6 GB bf16 expert even for a moment)."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
@@ -77,12 +79,15 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
         model = cast_keeping_fp32_modules(WanTransformer3DModel(**kwargs), dtype)
         if fp8:  # the Linears' storage becomes float8 while still on meta
             model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    model = model.to_empty(device=device)
+    host_blocks = {id(m) for block in list(model.blocks)[len(model.blocks) - swap:] for m in block.modules()} \
+        if swap else set()
+    for module in model.modules():
+        module.to_empty(device="cpu" if id(module) in host_blocks else device, recurse=False)
     with torch.no_grad():  # random weights: small normal for matrices, ones/zeros for norms and biases
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # normal_ has no float8 kernel
-                    p.copy_(torch.empty(p.shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02))
+                    p.copy_(torch.empty(p.shape, dtype=torch.bfloat16, device=p.device).normal_(0.0, 0.02))
                 else:
                     p.normal_(0.0, 0.02)
             elif "norm" in name or name.endswith("scale_shift_table"):
@@ -98,8 +103,8 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
     model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGET_REGEX, init_lora_weights=True),
                       adapter_name=ADAPTER_NAME)
     for name, p in model.named_parameters():
-        if f".{ADAPTER_NAME}." in name:
-            p.data = p.data.float()
+        if f".{ADAPTER_NAME}." in name:  # LoRA follows its base layer's device: all of it goes to the device
+            p.data = p.data.float().to(device)
             p.requires_grad_(True)
     return model.train(), spec, dtype
 
@@ -132,20 +137,10 @@ def swap_blocks(model, swap: int, device: torch.device, on_copy) -> BlockSwap | 
     """Put the frozen tensors of the last ``swap`` blocks on the host and hand them to wantrain's BlockSwap."""
     if not swap:
         return None
-    from torch import nn
-
     blocks = model.blocks
     swapped = range(len(blocks) - swap, len(blocks))
-    for k in swapped:
-        for module in blocks[k].modules():
-            for key, param in list(module._parameters.items()):
-                if param is not None and not param.requires_grad:
-                    module._parameters[key] = nn.Parameter(param.detach().to("cpu"), requires_grad=False)
-            for key, buffer in list(module._buffers.items()):
-                if buffer is not None:
-                    module._buffers[key] = buffer.to("cpu")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    on_device = [k for k in swapped for t in blocks[k].parameters() if not t.requires_grad and t.device.type != "cpu"]
+    assert not on_device, f"blocks {sorted(set(on_device))} were built on the device (build_expert(swap=...))"
     return BlockSwap(model, blocks, swapped, device, ring=2, on_copy=on_copy)
 
 
@@ -186,10 +181,13 @@ def model_flops(counts: dict) -> tuple[float, float]:
 
 def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape: tuple[int, int, int],
                steps: int, warmup: int, rank: int, peak_tflops: float | None, swap: int = 0,
-               offload: bool = False, bandwidth: float | None = None) -> dict:
+               offload: bool = False, bandwidth: float | None = None, cap_gib: float | None = None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank)
+        # a smaller card on a larger one: allocations past the cap raise out-of-memory (1.0: no cap)
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total) if cap_gib else 1.0, device)
+    model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank, swap=swap)
     traffic = {"bytes": 0}
     block_bytes: dict[int, int] = {}
 
@@ -269,6 +267,7 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     if bandwidth:
         copy_s = out["link_bytes_per_step"] / bandwidth
         out.update(copy_s_per_step=round(copy_s, 4), copy_fraction_of_step=round(copy_s / s_per_step, 4))
+    out["memory_cap_gib"] = cap_gib
     out["planned_allocated_gib"] = round(planned_gib({"fp8": fp8, "swap": swap, "offload": offload}, shape, rank,
                                                      tiny), 2)
     if device.type == "cuda":
@@ -288,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 TFLOP/s (default: from a table)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny-t2v twin, tiny shapes, on the CPU (checks that the script runs)")
+    parser.add_argument("--cap-gib", type=float, help="emulate a card of this many GiB for every setting but plain "
+                        "bf16 (torch.cuda.set_per_process_memory_fraction), e.g. 24 for a 4090")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else args.device)
     peak = args.peak_tflops
@@ -312,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         results.append(run_config(name, device, tiny=args.smoke, shape=shape, rank=args.rank if not args.smoke else 4,
                                   steps=args.steps if not args.smoke else 2, warmup=args.warmup if not args.smoke
-                                  else 1, peak_tflops=peak, bandwidth=bandwidth, **table[name]))
+                                  else 1, peak_tflops=peak, bandwidth=bandwidth,
+                                  cap_gib=None if name == "bf16" else args.cap_gib, **table[name]))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # progress, in case the run is cut short
         gc.collect()  # the swap's hooks hold the model in reference cycles: free it before the next setting
         if device.type == "cuda":

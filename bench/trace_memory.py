@@ -193,7 +193,8 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
             for tensor in state.values():
                 counter.track(tensor)
         at_rest = counter.live
-        offloader = ActivationOffload(DEVICE, HOST) if offload else None
+        offloaded: list[int] = []  # bytes of every tensor the offload sends to the host
+        offloader = ActivationOffload(DEVICE, HOST, on_pack=offloaded.append) if offload else None
         frames_latent = (frames - 1) // spec.frame_multiple + 1
         stride = spec.spatial_multiple // 2  # the VAE's (the patch is 2x2)
         shape = (batch, spec.transformer_in_channels, frames_latent, height // stride, width // stride)
@@ -215,7 +216,8 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
     return {"variant": variant, "dtype": dtype, "swap": swap, "offload": offload,
             "size": f"{width}x{height}x{frames}", "rank": rank, "batch": batch, "layers": len(blocks), "tokens": tokens,
             "at_rest_gib": at_rest / 2**30, "peak_gib": counter.peak / 2**30,
-            "seconds": round(time.perf_counter() - start, 1), "block_copies": len(copies)}
+            "seconds": round(time.perf_counter() - start, 1), "block_copies": len(copies),
+            "offloaded_bytes": offloaded}
 
 
 def build_fake_vae(variant: str, fake: FakeTensorMode):

@@ -33,6 +33,10 @@ def test_the_gpu_acceptance_script_runs_every_section_on_the_cpu():
     assert plan["plan"].startswith(("bf16-swap", "fp8-swap")) and plan["planned_card_gib"] <= 24.0
     assert plan["ran"] == "bf16-swap1-offload" and plan["link_bytes_per_step"] > 0
     assert "peak_allocated_gib" not in plan  # only CUDA measures it
+    resume, judged = report["tiny_t2v_resume"], report["thresholds"]
+    assert resume["state_checked"] > 0 and resume["state_off_device"] == []
+    assert judged["optimizer_state_on_device"]["holds"] is True
+    assert judged["planner_within_10_percent"]["holds"] is None  # a CPU measures no VRAM: not judged
 
 
 def test_gpu_step_runs_every_memory_setting_it_names_on_the_cpu():
@@ -53,3 +57,37 @@ def test_gpu_step_runs_every_memory_setting_it_names_on_the_cpu():
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_step.py"), "--smoke", "--settings", "bf16-swap9"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown setting 'bf16-swap9'" in bad.stderr
+
+
+def test_the_gpu_acceptance_run_exits_non_zero_naming_each_missed_threshold(monkeypatch, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_acceptance", ROOT / "bench" / "gpu_acceptance.py")
+    acceptance = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acceptance)
+    figures = {"planner_error_pct": 12.5, "peak_reserved_gib": 23.1, "s_per_step_vs_bf16": 1.31}
+    monkeypatch.setitem(acceptance.SECTIONS, "f", ("vram_plan", lambda device, smoke: dict(figures)))
+    monkeypatch.setitem(acceptance.SECTIONS, "a", ("tiny_t2v_resume", lambda device, smoke: {
+        "state_off_device": ["step 5: exp_avg on cpu, parameter on cuda:0"]}))
+    assert acceptance.main(["--device", "cpu", "--only", "a,f"]) == 1
+    err = capsys.readouterr().err
+    missed = [line.split(" ")[1] for line in err.splitlines() if line.startswith("missed: ")]
+    assert missed == ["planner_within_10_percent", "swap_plan_speed", "optimizer_state_on_device"]
+    figures.update(planner_error_pct=-4.0, s_per_step_vs_bf16=1.1)
+    monkeypatch.setitem(acceptance.SECTIONS, "a", ("tiny_t2v_resume", lambda device, smoke: {"state_off_device": []}))
+    assert acceptance.main(["--device", "cpu", "--only", "a,f"]) == 0
+
+
+def test_the_wheel_script_names_a_pinned_cpython_312_manylinux_download_of_exactly_the_missing_packages():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "fetch_wheels.py"), "--dry-run"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cmd = done.stdout.split()
+    assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and "manylinux2014_x86_64" in cmd
+    assert cmd[cmd.index("--dest") + 1].endswith(".whl")
+    pinned = sorted(c.split("==")[0] for c in cmd if "==" in c)
+    assert pinned == sorted(["diffusers", "structlog", "tensorboardX", "av", "ftfy", "wcwidth", "orjson", "cattrs",
+                             "tomli-w", "crc32c"])
+    assert not (ROOT / ".whl").exists() or subprocess.run(["git", "check-ignore", "-q", ".whl/x.whl"],
+                                                          cwd=ROOT).returncode == 0

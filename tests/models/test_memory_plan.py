@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from wantrain.models.wan22.memory import GIB, MemorySettings, SampleSize, estimate, plan, weight_bytes
+from wantrain.models.wan22.memory import (
+    GIB,
+    MemorySettings,
+    SampleSize,
+    estimate,
+    offload_host_tensors,
+    plan,
+    weight_bytes,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +37,9 @@ def test_the_estimate_is_within_ten_percent_of_a_traced_step_at_real_width(setti
     est = estimate("t2v-a14b", settings, width=480, height=272, frames=33, rank=32, layers=2)
     assert traced["tokens"] == 4590
     assert abs(est.allocated / GIB / traced["peak_gib"] - 1) < 0.10, (est.parts, traced)
+    # the host side of the offload, tensor by tensor, is what the host estimate counts
+    offloaded = offload_host_tensors("t2v-a14b", width=480, height=272, frames=33, layers=2)
+    assert sorted(traced["offloaded_bytes"]) == (sorted(offloaded) if settings.offload_activations else [])
 
 
 def test_weights_are_counted_per_tensor_in_the_dtypes_a_run_gives_them():

@@ -92,7 +92,9 @@ def test_a_bf16_single_file_is_never_held_in_float32_outside_the_float32_modules
     assert created.elements <= 2 * sum(t.numel() for t in kept)
 
 
-def test_an_fp8_scaled_file_loads_each_weight_times_its_scale(tiny_dir, tmp_path):
+def _fp8_scaled_file(tiny_dir, tmp_path):
+    """(the tiny pipeline folder, a ComfyUI fp8_scaled file of its low-noise expert, the real weights by file key,
+    the original state)."""
     path, state = _low_noise_state(tiny_dir)
     scaled, expected = {}, {}
     for key, value in to_comfyui_keys(state).items():
@@ -109,12 +111,25 @@ def test_an_fp8_scaled_file_loads_each_weight_times_its_scale(tiny_dir, tmp_path
     scaled["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
     file = tmp_path / "low_fp8_scaled.safetensors"
     save_file(scaled, str(file))
+    return path, file, expected, state
+
+
+def test_an_fp8_scaled_file_loads_each_weight_times_its_scale(tiny_dir, tmp_path):
+    path, file, expected, state = _fp8_scaled_file(tiny_dir, tmp_path)
     loaded = _source(path, file).transformer("low_noise", torch.float32).state_dict()
     q = loaded["blocks.0.attn1.to_q.weight"]
     assert torch.equal(q, expected["model.diffusion_model.blocks.0.self_attn.q.weight"])
     assert torch.equal(loaded["blocks.1.ffn.net.0.proj.weight"],
                        expected["model.diffusion_model.blocks.1.ffn.0.weight"])
     assert torch.allclose(q, state["blocks.0.attn1.to_q.weight"], rtol=0.07, atol=1e-6)  # the real weights
+
+
+def test_an_fp8_scaled_file_with_plain_fp8_storage_is_refused_not_quantised_twice(tiny_dir, tmp_path):
+    path, file, _, _ = _fp8_scaled_file(tiny_dir, tmp_path)
+    with pytest.raises(UserError, match=r"is a ComfyUI fp8_scaled file: model\.base_dtype = 'fp8' .*quantised twice"
+                       ) as err:
+        _source(path, file, "fp8").transformer("low_noise", torch.bfloat16)
+    assert "\n" not in str(err.value) and "base_dtype = 'fp8_scaled'" in str(err.value)
 
 
 def test_fp8_scales_of_another_shape_are_refused_in_one_line(tiny_dir, tmp_path):

@@ -161,25 +161,91 @@ def plan_memory(cfg: Any, data: Any) -> Any:
         model = attrs.evolve(model, vram_budget_gb=None, blocks_to_swap=chosen.settings.blocks_to_swap,
                              offload_activations=chosen.settings.offload_activations,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
+    model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto")
     data.report.memory_plan = {"budget_gib": cfg.model.vram_budget_gb, "bucket": f"{b.width}x{b.height}x{b.frames}",
                                "lines": chosen.lines(), **chosen.to_json()}
-    data.report.host_memory = host_memory(cfg, model, chosen.settings, size)
+    data.report.host_memory = host
     return model
 
 
-def host_memory(cfg: Any, model: Any, settings: Any, size: dict) -> dict:
-    """The run's host memory, part by part (``memory.host_estimate``), for ``wantrain check``. A real model is
-    taken to train on CUDA unless ``train.device`` says otherwise (pinned copies); the encoders are counted as
-    loaded (they are not when every clip and caption is cached already)."""
-    from wantrain.models.wan22.memory import host_estimate
+def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool) -> tuple[Any, Any, dict]:
+    """Fit the host plan to the host RAM budget (``model.host_ram_budget_gb``, else this machine's available RAM):
+    the VRAM plan ``chosen`` as it is, then (``base_dtype = "auto"``) its fp8 counterpart, each pinned and then
+    pageable. Returns (the model section to run with, the device estimate, the host lines for ``check``); nothing
+    that fits is a one-line ``UserError`` naming the smallest plan and what would fit."""
+    from wantrain.models.wan22.memory import GIB, available_host_bytes, estimate, plan
 
+    stated = model.host_ram_budget_gb
+    budget = stated * GIB if stated is not None else available_host_bytes()
+    where = (f"model.host_ram_budget_gb = {stated:g}" if stated is not None
+             else f"this machine's available RAM ({budget / GIB:.1f} GiB)")
+
+    def options():
+        yield model, chosen
+        # fp8 halves the host copies of the blocks' Linears (it needs gradient checkpointing: ModelConfig)
+        if auto_dtype and chosen.settings.base_dtype == "bf16" and model.gradient_checkpointing:
+            if cfg.model.vram_budget_gb is not None:
+                fp8_est, _ = plan(model.variant, cfg.model.vram_budget_gb, base_dtype="fp8", **size)
+            else:
+                fp8_est = estimate(model.variant, attrs.evolve(chosen.settings, base_dtype="fp8"), **size)
+            if fp8_est is not None:
+                yield attrs.evolve(model, base_dtype="fp8", blocks_to_swap=fp8_est.settings.blocks_to_swap,
+                                   offload_activations=fp8_est.settings.offload_activations), fp8_est
+
+    tried = []
+    for option, device_est in options():
+        for pin in (True, False) if model.pin_host_copies else (False,):
+            candidate = attrs.evolve(option, pin_host_copies=pin)
+            est = host_estimate_of(cfg, candidate, device_est.settings, size)
+            tried.append((candidate, est))
+            if est.peak <= budget:
+                changes = _host_changes(model, candidate)
+                head = [f"  budget {budget / GIB:.2f} GiB ({where}): fits"
+                        + (f" with {changes} (the plan as configured needs {tried[0][1].peak / GIB:.1f} GiB)"
+                           if changes else "")]
+                return candidate, device_est, {"budget_gib": budget / GIB, "lines": head + est.lines(),
+                                               "cuda": _trains_on_cuda(cfg, model), **est.to_json()}
+    first, smallest = tried[0], min(tried, key=lambda t: t[1].peak)
+    best = _host_changes(model, smallest[0])
+    raise UserError(
+        f"host memory: the run needs {first[1].peak / GIB:.1f} GiB of RAM at its peak ({first[1].peak_phase}; "
+        f"largest part: {first[1].dominant}) but {where} is {budget / GIB:.1f} GiB; "
+        + (f"the smallest plan ({best}) needs {smallest[1].peak / GIB:.1f} GiB; " if best else "")
+        + "free RAM, train one expert (model.experts), use fewer frames, or set model.host_ram_budget_gb for the "
+        f"machine that will run it (at least {smallest[1].peak / GIB:.1f})"
+    )
+
+
+def _host_changes(configured: Any, chosen: Any) -> str:
+    """What the host plan changed in the (VRAM-planned) model section ``configured``, in config keys (empty:
+    nothing)."""
+    out = []
+    if chosen.base_dtype != configured.base_dtype:
+        out.append(f'base_dtype = "{chosen.base_dtype}"')
+    if chosen.pin_host_copies != configured.pin_host_copies:
+        out.append("pin_host_copies = false")
+    return " and ".join(out)
+
+
+def _trains_on_cuda(cfg: Any, model: Any) -> bool:
+    """A real model is taken to train on CUDA unless ``train.device`` says otherwise (pinned copies)."""
     device = str(cfg.train.device)
-    cuda = device.startswith("cuda") or (device == "auto" and not variant_spec(model.variant).tiny)
+    return device.startswith("cuda") or (device == "auto" and not variant_spec(model.variant).tiny)
+
+
+def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict) -> Any:
+    """The run's host memory, part by part (``memory.host_estimate``): the encoders are counted as loaded (they
+    are not when every clip and caption is cached already); the pin budget is half of ``model.host_ram_budget_gb``
+    (else of the machine's memory), as the placement takes it."""
+    from wantrain.models.wan22.memory import host_estimate
+    from wantrain.models.wan22.placement import pin_budget
+
     # sampling with one trained A14B expert loads the other one frozen (adapter.add_sampling_expert)
     other = model.untrained_experts if cfg.sample.enabled else ()
-    est = host_estimate(model.variant, settings, experts=model.trained_experts, cuda=cuda, sampling_only=other,
-                        **{k: v for k, v in size.items() if k != "sample"})
-    return {"cuda": cuda, "lines": est.lines(), **est.to_json()}
+    return host_estimate(model.variant, settings, experts=model.trained_experts, cuda=_trains_on_cuda(cfg, model),
+                         sampling_only=other, pin=model.pin_host_copies,
+                         pin_budget=pin_budget(model.host_ram_budget_gb),
+                         **{k: v for k, v in size.items() if k != "sample"})
 
 
 def _what_fits(variant: str, budget: float, dtype: str, size: dict) -> str:

@@ -38,7 +38,7 @@ from wantrain.models.wan22.export import (
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.lora_files import LoraFile, check_fits, resolve_init
 from wantrain.models.wan22.offload import ActivationOffload
-from wantrain.models.wan22.placement import ExpertPlacement
+from wantrain.models.wan22.placement import ExpertPlacement, pin_budget
 from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
@@ -138,7 +138,8 @@ class Wan22Adapter:
         self.bands = {e: expert_band(self.spec.boundary_ratio, e, model.min_t, model.max_t) for e in self.experts}
         self._transformers: dict[str | None, nn.Module] = {}
         self._swaps: dict[str | None, BlockSwap] = {}  # model.blocks_to_swap > 0: per expert
-        self._offload = ActivationOffload(self.device) if model.offload_activations else None
+        self._offload = (ActivationOffload(self.device, pin=model.pin_host_copies) if model.offload_activations
+                         else None)
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
             transformer = self.source.transformer(expert, load_dtype)
             self._transformers[expert] = self._prepare(transformer, storage=model.base_dtype,
@@ -148,10 +149,12 @@ class Wan22Adapter:
             if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
                 blocks = self._transformers[expert].blocks
                 self._swaps[expert] = BlockSwap(self._transformers[expert], blocks,
-                                                range(len(blocks) - model.blocks_to_swap, len(blocks)), self.device)
+                                                range(len(blocks) - model.blocks_to_swap, len(blocks)), self.device,
+                                                pin=model.pin_host_copies)
         # The first expert starts on the training device; the others wait off it (activate() swaps them). The
         # swapped blocks' frozen tensors are no part of the placement: their host copies are the BlockSwap's.
-        self.placement = ExpertPlacement(self.device, torch.device(model.offload_device))
+        self.placement = ExpertPlacement(self.device, torch.device(model.offload_device),
+                                         pin_limit=pin_budget(model.host_ram_budget_gb) if model.pin_host_copies else 0)
         if transformers:
             with self._swapped_blocks_excluded():
                 self.placement.add(self._transformers, first=self.experts[0])
@@ -409,7 +412,8 @@ class Wan22Adapter:
         if self.model_config.blocks_to_swap:  # as for a trained expert: the host copies are the loaded tensors
             blocks = transformer.blocks
             self._swaps[expert] = BlockSwap(transformer, blocks, range(len(blocks) - self.model_config.blocks_to_swap,
-                                                                       len(blocks)), self.device)
+                                                                       len(blocks)), self.device,
+                                            pin=self.model_config.pin_host_copies)
         self._transformers[expert] = transformer
         with self._swapped_blocks_excluded():
             self.placement.add_frozen(expert, transformer)

@@ -116,6 +116,19 @@ class ModelConfig:
         "before the run starts. Leave `blocks_to_swap` and `offload_activations` unset with it.", range=above(0.0),
     )
 
+    host_ram_budget_gb: float | None = setting(
+        None, doc="Host memory (RAM) to plan for, in GiB: `wantrain check` and the run compare the host plan (every "
+        "host copy, pinned buffer and phase: docs/models.md, Host memory) with it, choose fp8 storage (with "
+        "`base_dtype = \"auto\"`) and pageable copies when RAM is short, and refuse a plan that does not fit in "
+        "one line before the run starts. Unset: this machine's available RAM. Set it to plan for another "
+        "machine.", range=above(0.0),
+    )
+    pin_host_copies: bool = setting(
+        True, doc="Pin the host copies that travel to CUDA (swapped blocks, the waiting expert, offloaded "
+        "activations) so that their copies run asynchronously; the host plan turns it off when pinned memory "
+        "would not fit `host_ram_budget_gb`. Pinning the driver refuses falls back to pageable memory.",
+    )
+
     def __attrs_post_init__(self) -> None:
         spec = VARIANTS[self.variant]
         try:

@@ -364,6 +364,32 @@ _UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layer
 _EXPERT_NAME = {"high_noise": "high-noise expert", "low_noise": "low-noise expert", None: "transformer"}
 
 
+# Activation offload sends to the host each block's bf16 input, the projected text embeddings (bf16) and the
+# float32 hidden states entering the output norm: 42 tensors for A14B's 40 blocks, as bench/trace_memory.py traces.
+
+
+def available_host_bytes() -> float:
+    """RAM a run started now may use: what psutil calls available plus what this process holds already (its
+    resident set: Python, torch and the imports, which the runtime allowance counts)."""
+    import psutil
+
+    return float(psutil.virtual_memory().available + psutil.Process().memory_info().rss)
+
+
+def offload_host_tensors(variant: str, *, width: int, height: int, frames: int, batch: int = 1,
+                         layers: int | None = None) -> list[int]:
+    """Byte sizes of the host buffers activation offload fills in one step (see the comment above)."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    kwargs = transformer_kwargs(spec)
+    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
+    hidden = tokens_of(spec, width, height, frames, batch) * d * 2
+    n = layers if layers is not None else kwargs["num_layers"]
+    return [hidden] * n + [batch * spec.text_len * d * 2, 2 * hidden]
+
+
 def _pinned_bytes(n: int) -> int:
     """What pinning an ``n``-byte tensor takes: torch's pinned-memory allocator (``CachingHostAllocator``) rounds
     every allocation up to a power of two (``pinned_max_round_threshold`` is unbounded by default)."""
@@ -464,7 +490,7 @@ class HostEstimate:
 
 def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str | None, ...], rank: int,
                   width: int, height: int, frames: int, batch: int = 1, cuda: bool = True,
-                  pin_budget: float | None = None, encoders: bool = True,
+                  pin_budget: float | None = None, encoders: bool = True, pin: bool = True,
                   sampling_only: tuple[str, ...] = ()) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
@@ -477,6 +503,9 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
     * ``sampling_only``: the other A14B expert loaded frozen to sample with one trained expert (a host copy like a
       trained one's, no LoRA state);
+    * ``pin`` false (``model.pin_host_copies = false``): nothing is pinned, no rounding;
+    * with ``settings.offload_activations``, while training: the host buffers of the offloaded activations
+      (:func:`offload_host_tensors`), pinned on CUDA (rounded like the others);
     * one batch read from the cache (latents and text embeddings; the cache is read per step, not held);
     * while loading: one file window and one tensor in flight; while the cache fills (``encoders``): UMT5 in the
       compute dtype and the VAE in float32, loaded on the host before they move to the device (a
@@ -495,7 +524,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         from wantrain.models.wan22.placement import pin_budget as host_pin_budget
 
         pin_budget = host_pin_budget()
-    pin_placed = cuda and bool(placed) and len(held_experts) * sum(placed) <= pin_budget
+    pin_placed = cuda and pin and bool(placed) and len(held_experts) * sum(placed) <= pin_budget
+    pin_swap = cuda and pin
     parts: dict[str, float] = {}
     rounding = 0.0
     for expert in held_experts:
@@ -503,9 +533,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         if held:
             kind = ", sampling only" if expert in sampling_only else ""
             parts[f"{_EXPERT_NAME[expert]} host copy ({settings.base_dtype}{kind})"] = held
-        if cuda:
+        if pin_swap:
             rounding += sum(_pinned_bytes(s) - s for s in swapped)
-            rounding += sum(_pinned_bytes(s) - s for s in placed) if pin_placed else 0
+        if pin_placed:
+            rounding += sum(_pinned_bytes(s) - s for s in placed)
     if rounding:
         parts["pinned-memory rounding (powers of two)"] = rounding
     if len(experts) > 1:
@@ -518,9 +549,18 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if encoders:
         text, vae = encoder_bytes(variant, "fp32" if settings.base_dtype == "fp32" else "bf16")
         phases["while the cache fills"] = {"text encoder (UMT5)": text, "VAE (float32)": vae}
-    phases["while training"] = {}
+    training: dict[str, float] = {}
+    if settings.offload_activations:
+        offloaded = offload_host_tensors(variant, width=width, height=height, frames=frames, batch=batch)
+        training["activation offload buffers"] = float(sum(offloaded))
+        if pin_swap:
+            training["pinned-memory rounding of the offload buffers"] = float(
+                sum(_pinned_bytes(s) - s for s in offloaded))
+    phases["while training"] = training
     if not cuda:
         pinned = "nothing pinned (not training on CUDA)"
+    elif not pin:
+        pinned = "nothing pinned (model.pin_host_copies = false)"
     elif pin_placed:
         pinned = "swap and waiting copies pinned"
     elif swap:

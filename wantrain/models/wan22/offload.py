@@ -8,6 +8,17 @@ pass, under the checkpoint's own hooks, and is not offloaded. A tensor saved sev
 RoPE tables every block receives) is copied to the host once. Small tensors (under ``min_bytes``) stay where they
 are.
 
+Streams (CUDA): both directions run on one side stream, so they overlap compute. The device->host copy of a saved
+tensor starts once the compute stream has written it (the side stream waits on the compute stream) and the tensor is
+marked as used by the side stream (``record_stream``): the caching allocator does not hand its memory out again
+until the copy has read it, even when autograd drops the tensor at once. A buffer a prefetch writes is allocated on
+the side stream, so an exception in the backward pass (an out-of-memory error) that frees the graph returns it to
+that stream's pool, where only work queued after its copy can reuse it: no buffer is freed under a copy in flight.
+Once unpacked it is marked as used by the compute stream. The pinned host buffers are the caching host allocator's,
+which records an event on every non-blocking copy it serves for the same reason. The adapter's device and a
+tensor's are compared with ``wantrain.core.devices.same_device`` (``cuda`` and ``cuda:0`` are one device). Pinning
+that fails falls back to pageable host memory with one warning.
+
 Prefetch: every tensor sent to the host gets a place in the order it was saved. The backward pass unpacks them in
 about the reverse order (block ``i``'s recompute starts by unpacking block ``i``'s inputs), so each unpack issues
 the host->device copy of the nearest earlier saved tensor not yet copied back: while block ``i`` recomputes, block
@@ -19,10 +30,15 @@ observe). At most one block's inputs are on the device ahead of their use.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+
+from wantrain.core.devices import resolve_device, same_device
+
+log = logging.getLogger("wantrain.memory")
 
 
 class _Packed:
@@ -41,19 +57,20 @@ class ActivationOffload:
     """Saved-tensor hooks moving large device tensors to ``host`` (pinned on CUDA) and prefetching them back.
     ``on_pack(nbytes)`` is called for every device->host copy, ``on_copy_back(index, nbytes)`` for every
     host->device copy with the tensor's place in the save order (tests, benchmarks). ``prefetch=False``: each
-    tensor is copied back only when the backward pass unpacks it."""
+    tensor is copied back only when the backward pass unpacks it. ``pin`` false: pageable host buffers."""
 
     def __init__(self, device: torch.device, host: torch.device | str = "cpu", *, min_bytes: int = 1 << 20,
                  on_pack: Callable[[int], None] | None = None, on_copy_back: Callable[[int, int], None] | None = None,
-                 prefetch: bool = True) -> None:
-        self.device = torch.device(device)
+                 prefetch: bool = True, pin: bool = True) -> None:
+        self.device = resolve_device(device)
         self.host = torch.device(host)
         self.min_bytes = min_bytes
         self.on_pack = on_pack
         self.on_copy_back = on_copy_back
         self.prefetch = prefetch
-        self._pin = self.device.type == "cuda" and self.host.type == "cpu"
-        self._stream = torch.cuda.Stream(self.device) if self._pin and torch.cuda.is_available() else None
+        self._pin = pin and self.device.type == "cuda" and self.host.type == "cpu"
+        self._async = self.device.type == "cuda" and self.host.type == "cpu"
+        self._stream = torch.cuda.Stream(self.device) if self._async and torch.cuda.is_available() else None
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         # every _Packed of the last forward, in save order; weak: autograd's graph owns them, and they go with it
         self._order: list[weakref.ref] = []
@@ -65,15 +82,21 @@ class ActivationOffload:
         return len(self._order)
 
     def _pack(self, tensor: torch.Tensor):
-        if tensor.device != self.device or tensor.numel() * tensor.element_size() < self.min_bytes:
+        if not same_device(tensor.device, self.device) or tensor.numel() * tensor.element_size() < self.min_bytes:
             return tensor
         key = id(tensor)
         seen = self._copies.get(key)
         if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
             host = seen[2]
         else:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host, pin_memory=self._pin)
-            host.copy_(tensor, non_blocking=self._pin)
+            host = self._host_buffer(tensor)
+            if self._stream is None:
+                host.copy_(tensor, non_blocking=self._pin)
+            else:  # off the compute stream: it waits for nothing; the side stream waits for the tensor's writer
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    host.copy_(tensor, non_blocking=True)
+                tensor.record_stream(self._stream)  # its memory is not reused before the copy has read it
             self._copies[key] = (weakref.ref(tensor, lambda _r, key=key: self._copies.pop(key, None)),
                                  tensor._version, host)
             if self.on_pack is not None:
@@ -83,6 +106,18 @@ class ActivationOffload:
         self._next = packed.index
         return packed
 
+    def _host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An empty host tensor for ``tensor``: pinned on CUDA; pageable from here on (with one warning) once the
+        driver refuses more pinned memory."""
+        if self._pin:
+            try:
+                return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host, pin_memory=True)
+            except RuntimeError as exc:
+                self._pin = False
+                log.warning("activation offload: pinning host memory failed (%s); the offloaded activations use "
+                            "pageable memory from here on (slower copies)", str(exc).splitlines()[0])
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host)
+
     def _unpack(self, packed):
         if not isinstance(packed, _Packed):
             return packed
@@ -90,7 +125,9 @@ class ActivationOffload:
             self._copy_back(packed)
         out = packed.ready
         if packed.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(packed.event)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(packed.event)
+            out.record_stream(compute)  # the side stream's pool must not reuse it while compute still reads it
             packed.event = None
         packed.ready = None  # the caller owns it now; a second unpack copies again
         if self.prefetch:
@@ -113,12 +150,12 @@ class ActivationOffload:
         if self._stream is None:
             packed.ready = packed.host.to(packed.device, non_blocking=self._pin)
             return
-        # Allocated on the compute stream (which frees it), written on the side stream once the compute stream's
-        # earlier work is done; the compute stream waits on the event before its first use.
-        buffer = torch.empty(packed.host.shape, dtype=packed.host.dtype, device=packed.device)
+        # Allocated on the side stream, so its memory belongs to that stream's pool: freed early (an exception in the
+        # backward pass drops the graph), it is reused only by later work on the side stream, queued behind this
+        # copy. The side stream first waits for the compute stream's earlier work.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            buffer.copy_(packed.host, non_blocking=True)
+            buffer = packed.host.to(packed.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         packed.ready, packed.event = buffer, event
@@ -127,9 +164,7 @@ class ActivationOffload:
         """Drop the previous forward's prefetched copies (a backward that never ran, or stopped part way)."""
         for ref in self._order:
             packed = ref()
-            if packed is not None:
-                if packed.event is not None:
-                    packed.event.synchronize()  # no copy may land in memory handed out again
+            if packed is not None:  # a buffer still being written is the side stream's: no copy lands in reuse
                 packed.ready = packed.event = None
         self._order.clear()
         self._next = -1

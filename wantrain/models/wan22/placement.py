@@ -37,12 +37,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from wantrain.core.devices import resolve_device, same_device
+
 _PIN_SHARE = 0.5  # pin the waiting copies only if they fill at most this share of the host's memory
 
 
-def pin_budget() -> int:
-    """Bytes of waiting copies that may be pinned: half of the host's physical memory (pinned pages cannot be
-    swapped out; pinning both A14B experts on a 128 GB host would leave it nothing)."""
+def pin_budget(host_ram_gb: float | None = None) -> int:
+    """Bytes of waiting copies that may be pinned: half of the host's memory, ``host_ram_gb`` GiB
+    (``model.host_ram_budget_gb``) or the physical memory (pinned pages cannot be swapped out; pinning both A14B
+    experts on a 128 GB host would leave it nothing)."""
+    if host_ram_gb is not None:
+        return int(host_ram_gb * 2**30 * _PIN_SHARE)
     import psutil
 
     return int(psutil.virtual_memory().total * _PIN_SHARE)
@@ -91,20 +96,34 @@ class ExpertPlacement:
     (:meth:`add_frozen`; see the module docstring). ``where[e]`` is the device of expert ``e``'s base weights;
     :meth:`resident` lists those on the training device."""
 
-    def __init__(self, device: torch.device, offload_device: torch.device) -> None:
-        self.device = torch.device(device)
-        self.offload_device = torch.device(offload_device)
+    def __init__(self, device: torch.device, offload_device: torch.device, *, pin_limit: int | None = None) -> None:
+        """``pin_limit``: bytes of waiting copies that may be pinned (0: none; default :func:`pin_budget`)."""
+        self.device = resolve_device(device)  # cuda -> cuda:N: the device its tensors report
+        self._offload_device = resolve_device(offload_device)
         self.where: dict[str | None, torch.device] = {}
         self._transformers: dict[str | None, nn.Module] = {}
         # expert -> [(owner, attribute, waiting copy, is_parameter)] of its base tensors
         self._waiting: dict[str | None, list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
         self.pinned = False
+        self.pin_limit = pin_limit
+
+    @property
+    def offload_device(self) -> torch.device:
+        return self._offload_device
+
+    @offload_device.setter
+    def offload_device(self, device: torch.device | str) -> None:
+        self._offload_device = resolve_device(device)
+
+    def _moves(self) -> bool:
+        """Whether the training and offload devices differ (``cuda`` and ``cuda:0`` are one device)."""
+        return not same_device(self.device, self.offload_device)
 
     def add(self, experts: dict[str | None, nn.Module], first: str | None) -> None:
         """Take the freshly built ``experts`` (base weights on the host) and put ``first`` on the training device.
         With more than one expert and distinct devices, the loaded tensors become the waiting copies."""
         self._transformers = dict(experts)
-        moves = len(experts) > 1 and self.device != self.offload_device
+        moves = len(experts) > 1 and self._moves()
         if moves:
             self.pinned = self._may_pin()
             for expert in experts:
@@ -130,7 +149,7 @@ class ExpertPlacement:
         if any(t.requires_grad for t in transformer.parameters()):
             raise ValueError(f"add_frozen: the {expert} expert has trainable parameters")
         self._transformers[expert] = transformer
-        if self.device == self.offload_device:  # nothing ever moves
+        if not self._moves():  # nothing ever moves
             self._move_base(expert, self.device)
             self.where[expert] = self.device
             return
@@ -145,7 +164,8 @@ class ExpertPlacement:
         """Whether the waiting copies of every expert may be pinned (:func:`pin_budget`)."""
         total = sum(t.numel() * t.element_size() for m in self._transformers.values()
                     for _, _, t, _ in _tensors(m, trainable=False))
-        return self.device.type == "cuda" and torch.cuda.is_available() and total <= pin_budget()
+        limit = pin_budget() if self.pin_limit is None else self.pin_limit
+        return self.device.type == "cuda" and torch.cuda.is_available() and 0 < total <= limit
 
     def _keep_waiting_copy(self, expert: str | None) -> None:
         """Make ``expert``'s waiting copy on the offload device (pinned if :attr:`pinned`). Its tensors already
@@ -167,7 +187,7 @@ class ExpertPlacement:
 
     def resident(self) -> list[str | None]:
         """The experts whose base weights are on the training device (at most one)."""
-        return [e for e, d in self.where.items() if d == self.device]
+        return [e for e, d in self.where.items() if same_device(d, self.device)]
 
     def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
         """Put ``expert`` (base weights, LoRA, gradients, optimizer state) on the training device, after moving
@@ -176,7 +196,8 @@ class ExpertPlacement:
         for other in self.resident():
             if other != expert:
                 self._move_out(other, optimizer)
-        if self.where.get(expert) != self.device:
+        where = self.where.get(expert)
+        if where is None or not same_device(where, self.device):
             self._move_in(expert, optimizer)
 
     # -- moves -------------------------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ Checks, each one line naming the file (:class:`~wantrain.core.errors.UserError`)
   weight is ``weight.float() * scale_weight``; the scale is applied exactly (in float32, one rounding to the
   training dtype) when it is one number or one per output row, else the file is refused. Their ``scaled_fp8``
   marker and ``scale_input`` tensors (activation scales for fp8 matmuls) carry no weight and are not used.
-  With ``fp8_scaled=True`` (``model.base_dtype = "fp8_scaled"``) the blocks' Linear weights are not multiplied out:
-  a float8 weight stays float8 with its own scale (1 without one), any other is quantised as it is read
-  (``fp8.quantise_rows``), and the model comes back with those Linears as ``fp8.ScaledFp8Linear``.
+  Such a file with ``model.base_dtype = "fp8"`` (plain float8 storage, no scale) is refused: its weights would be
+  quantised twice. With ``fp8_scaled=True`` (``model.base_dtype = "fp8_scaled"``) the blocks' Linear weights are
+  not multiplied out: a float8 weight stays float8 with its own scale (1 without one), any other is quantised as it
+  is read (``fp8.quantise_rows``), and the model comes back with those Linears as ``fp8.ScaledFp8Linear``.
 
 Other sources stream through the same loop: ``reader`` (an object with this module's ``_Reader`` methods, e.g.
 ``sharded.ShardReader`` over a folder of shards), ``key_map`` (the file's names to diffusers', e.g. the identity for
@@ -39,6 +40,7 @@ from wantrain.core.errors import UserError
 from wantrain.models.wan22 import fp8
 
 SCALE_SUFFIX = ".scale_weight"
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _UNUSED_SUFFIXES = (".scale_input",)
 _MARKERS = ("scaled_fp8",)
 _REOPEN_BYTES = 256 << 20  # reopen the file after reading this much, so the mapping's pages leave the process (a
@@ -150,6 +152,12 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
             scale_of = {mapping_name: scales[key] for mapping_name, key in mapping.items() if key in scales}
             for name, scale_key in scale_of.items():
                 _check_scale(reader, mapping[name], scale_key, where)
+            if store and any(store.get(name) in _FLOAT8 for name in scale_of):
+                raise UserError(
+                    f"{where} is a ComfyUI fp8_scaled file: model.base_dtype = 'fp8' would cast its dequantised "
+                    "weights to float8 again without a scale (quantised twice); use base_dtype = 'fp8_scaled' (keeps "
+                    "the file's float8 weights and their scales) or 'bf16'"
+                )
 
             def read(name: str, target: torch.dtype) -> torch.Tensor:
                 key = mapping[name]

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from wantrain.core.devices import resolve_device
+
 
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (checkpoint recompute runs inside it)."""
@@ -37,18 +39,20 @@ class BlockSwap:
     """Swap the frozen tensors of ``blocks[i]`` for ``i`` in ``swapped`` through a ring of ``ring`` device slots.
 
     The frozen tensors the blocks hold when this is built are taken as the host copies (they must not be on the
-    device). ``on_copy(block_index)`` is called for every host->device block copy (tests, benchmarks).
+    device). ``on_copy(block_index)`` is called for every host->device block copy (tests, benchmarks). ``pin``
+    false (``model.pin_host_copies = false``): the host copies stay pageable.
     """
 
     def __init__(self, root: nn.Module, blocks: nn.ModuleList, swapped: Sequence[int], device: torch.device, *,
-                 ring: int = 2, on_copy: Callable[[int], None] | None = None) -> None:
+                 ring: int = 2, on_copy: Callable[[int], None] | None = None, pin: bool = True) -> None:
         if ring < 1:
             raise ValueError(f"the swap ring needs at least one slot, got {ring}")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.blocks = blocks
         self.swapped: tuple[int, ...] = tuple(sorted(set(swapped)))
         self.ring = ring
         self.on_copy = on_copy
+        self.pin = pin
         self._host: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {}
         for i in self.swapped:
             entries = []
@@ -72,7 +76,7 @@ class BlockSwap:
     def _pinned(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` in pinned memory when copying to CUDA (asynchronous copies need it); as it is when the driver
         refuses more pinned memory."""
-        if self.device.type != "cuda" or host.device.type != "cpu" or not torch.cuda.is_available():
+        if not self.pin or self.device.type != "cuda" or host.device.type != "cpu" or not torch.cuda.is_available():
             return host
         try:
             return host.pin_memory()
