@@ -161,8 +161,10 @@ function showSummary(s) {
     b.disabled = !running || READ_ONLY;
     b.title = READ_ONLY ? "the server is read-only" : (running ? "" : "the run is not running");
   }
-  if (!s) { $("#run-status").replaceWith(Object.assign(badge("gone"), {id: "run-status"})); return; }
-  $("#run-status").replaceWith(Object.assign(badge(s.status), {id: "run-status"}));
+  const status = s ? s.status : "gone";
+  $("#run-status").className = "badge " + status;
+  $("#run-status").textContent = status;
+  if (!s) return;
   $("#run-step").textContent = `step ${s.step} / ${s.total_steps ?? "?"}`;
   $("#run-eta").textContent = s.eta_s != null ? `ETA ${duration(s.eta_s)}` : "";
   $("#run-loss").textContent = s.last_loss != null ? `loss ${fmt(s.last_loss)}` : "";
@@ -307,8 +309,11 @@ function drawCharts(rebuild) {
     chart.plot.setData([data.x, ...data.columns], !state.zoom);
     if (state.zoom) chart.plot.setScale("x", {min: state.zoom[0], max: state.zoom[1]});
   }
-  // keep the groups in their order
-  for (const group of GROUPS) { const c = state.charts[group.id]; if (c) $("#charts").append(c.box); }
+  // keep the groups in their order; each box says how many steps it shows (data-points)
+  for (const group of GROUPS) {
+    const c = state.charts[group.id];
+    if (c) { c.box.dataset.points = String(c.plot.data[0].length); $("#charts").append(c.box); }
+  }
 }
 
 // ---- the LR finder ------------------------------------------------------------------------------------------------
