@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import subprocess
 import sys
 
 from wantrain.cli.common import add_config_arguments
@@ -20,6 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", metavar="auto|PATH",
         help="continue from a checkpoint: 'auto' (the latest complete checkpoint of the latest run with the same "
              "run.name under run.output_dir), a run directory or a checkpoint directory",
+    )
+    parser.add_argument(
+        "--serve", nargs="?", const=8765, type=int, metavar="PORT",
+        help="also show the run's live page (wantrain serve on run.output_dir, 127.0.0.1:PORT, default 8765) while "
+             "it trains: a separate process that only reads the run's files, ended with the run (docs/serve.md)",
     )
     add_lr_finder_arguments(parser)
 
@@ -80,13 +87,31 @@ def run(args: argparse.Namespace) -> int:
     if args.run_id is not None:
         overrides.append(f"run.run_id={json.dumps(args.run_id)}")
     overrides += lr_finder_overrides(args)
-    outcome = train(args.config, overrides=overrides, resume=args.resume, allow_code=args.allow_code)
+    page = start_page(args, overrides) if getattr(args, "serve", None) is not None else None
+    try:
+        outcome = train(args.config, overrides=overrides, resume=args.resume, allow_code=args.allow_code)
+    finally:
+        if page is not None:
+            page.terminate()
+            page.wait(timeout=10)
     out, err = summary(outcome, args)
     for line in out:
         print(line)
     for line in err:
         print(line, file=sys.stderr)
     return outcome.exit_code
+
+
+def start_page(args: argparse.Namespace, overrides: list[str]) -> subprocess.Popen | None:
+    """``wantrain serve`` on the config's ``run.output_dir`` in a child process (rank 0 of a torchrun only): it
+    reads the run's files and shares nothing with the training process but them."""
+    from wantrain.app.config import load_config
+
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    output_dir = load_config(args.config, overrides).run.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "wantrain", "serve", str(output_dir), "--port", str(args.serve)])
 
 
 def summary(outcome, args: argparse.Namespace) -> tuple[list[str], list[str]]:

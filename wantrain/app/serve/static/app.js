@@ -103,6 +103,7 @@ async function showRun(id) {
   $("#run-title").textContent = id;
   $("#charts").replaceChildren(); $("#events tbody").replaceChildren(); $("#samples").replaceChildren();
   $("#lr-finder").hidden = true; $("#control-msg").textContent = "";
+  tab("charts");
   try {
     const info = await api(`/api/runs/${encodeURIComponent(id)}`);
     showDetails(info);
@@ -286,12 +287,12 @@ function makeChart(group, data) {
   const width = Math.max(400, box.clientWidth - 16);
   const series = [{label: "step"}, ...data.labels.map((label, i) => ({
     label, stroke: COLORS[Math.floor(group.smooth ? i / 2 : i) % COLORS.length], width: group.smooth && i % 2 === 1 ? 2 : 1,
-    alpha: group.smooth && i % 2 === 0 ? 0.35 : 1, spanGaps: true, points: {show: false},
+    alpha: group.smooth && i % 2 === 0 ? 0.35 : 1, spanGaps: true,
   }))];
   const opts = {
     width, height: 260, series, cursor: {drag: {x: true, y: false}},
     scales: {x: {time: false}, y: {distr: logBox.checked ? 3 : 1}},
-    axes: [{label: "step"}, {size: 70, values: (u, vals) => vals.map(v => fmt(v, 3))}], hooks: overlays(group),
+    axes: [{label: "step"}, {size: 70, values: (u, vals) => vals.map(v => v == null ? "" : fmt(v, 3))}], hooks: overlays(group),
   };
   const plot = new uPlot(opts, [data.x, ...data.columns], target);
   target.addEventListener("dblclick", () => { state.zoom = null; loadSeries(); });
@@ -337,7 +338,7 @@ function showLrFinder(lr) {
   list.replaceChildren();
   for (const [expert, s] of Object.entries((lr.summary || {}).experts || {})) {
     for (const [name, value] of Object.entries(s.suggestions || {})) {
-      if (value) suggestions.push([value, name, expert]);
+      if (value) suggestions.push([value, experts.length > 1 ? `${name} (${expert})` : name, expert]);
     }
     list.append(el("li", {}, `${expert}: suggested LR ${fmt(s.suggested_lr, 3)} (${s.default})`,
       ...Object.entries(s.suggestions || {}).map(([n, v]) => ` · ${n} ${fmt(v, 3)}`),
@@ -345,15 +346,15 @@ function showLrFinder(lr) {
   }
   const draw = u => {
     const ctx = u.ctx; ctx.save(); ctx.font = "11px sans-serif"; ctx.setLineDash([3, 3]);
-    for (const [value, name] of suggestions) {
+    suggestions.forEach(([value, name], i) => {
       const px = u.valToPos(value, "x", true);
       ctx.strokeStyle = "rgba(200,40,40,0.6)"; ctx.beginPath(); ctx.moveTo(px, u.bbox.top); ctx.lineTo(px, u.bbox.top + u.bbox.height); ctx.stroke();
-      ctx.fillStyle = "#a11"; ctx.fillText(name, px + 3, u.bbox.top + 12);
-    }
+      ctx.fillStyle = "#a11"; ctx.fillText(name, px + 3, u.bbox.top + 12 + 13 * (i % 6));
+    });
     ctx.restore();
   };
   new uPlot({width: Math.max(400, $("#tab-charts").clientWidth - 20), height: 300, series,
-    scales: {x: {time: false, distr: 3}}, axes: [{label: "learning rate", values: (u, vals) => vals.map(v => fmt(v, 2))}, {size: 70, values: (u, vals) => vals.map(v => fmt(v, 3))}], hooks: {draw: [draw]}},
+    scales: {x: {time: false, distr: 3}}, axes: [{label: "learning rate", values: (u, vals) => vals.map(v => v == null ? "" : fmt(v, 2))}, {size: 70, values: (u, vals) => vals.map(v => v == null ? "" : fmt(v, 3))}], hooks: {draw: [draw]}},
     [lrs, ...columns], $("#lr-finder-chart"));
 }
 
@@ -406,8 +407,15 @@ function renderEvents() {
 }
 
 function describe(detail) {
+  // a value that is an object (MetricsLogged's values) shows its first six entries
+  const short = v => {
+    if (v === null || typeof v !== "object" || Array.isArray(v)) return typeof v === "number" ? fmt(v) : JSON.stringify(v);
+    const entries = Object.entries(v);
+    const shown = entries.slice(0, 6).map(([k, x]) => `${k}: ${typeof x === "number" ? fmt(x) : JSON.stringify(x)}`);
+    return "{" + shown.join(", ") + (entries.length > 6 ? `, … +${entries.length - 6}` : "") + "}";
+  };
   return Object.entries(detail || {}).filter(([, v]) => v !== null && !(Array.isArray(v) && !v.length))
-    .map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join("  ").slice(0, 600);
+    .map(([k, v]) => `${k}=${typeof v === "string" ? v : short(v)}`).join("  ").slice(0, 600);
 }
 
 function showDetails(info) {
