@@ -76,7 +76,8 @@ def test_the_run_page_gets_series_timeline_and_samples(client):
     series = client.get("/api/runs/20260101_000000/series").json()["series"]
     assert series["train/loss/high_noise"] == {"x": [5.0, 10.0], "y": [0.2, 0.1]}
     poll = client.get("/api/runs/20260101_000000/poll?m=0&e=0").json()
-    assert [e["type"] for e in poll["events"]] == ["RunStarted", "ExpertSwitched", "MetricsLogged", "MetricsLogged"]
+    assert [e["type"] for e in poll["events"]] == ["RunStarted", "ExpertSwitched"]  # metrics are the charts'
+    assert client.get("/api/runs/20260101_000000/series").json()["switches"] == [10]
     assert client.get("/files/20260101_000000/samples/step_000010_00.mp4").content.startswith(b"\x00\x00\x00\x18")
 
 
@@ -174,11 +175,11 @@ def test_a_torn_last_line_in_the_event_log_is_left_out_and_said_plainly(client, 
     for name in ("events.jsonl", "metrics.jsonl"):
         os.utime(run / name, (old, old))
     poll = client.get("/api/runs/20260101_000000/poll?m=0&e=0").json()
-    assert len(poll["events"]) == 4 and poll["summary"]["status"] == "interrupted"
+    assert len(poll["events"]) == 2 and poll["summary"]["status"] == "interrupted"
     assert any("events.jsonl: the last line is incomplete" in p for p in poll["summary"]["problems"])
     with (run / "events.jsonl").open("a") as fh:
-        fh.write('pe":"RunEnded","reason":"x","seq":9,"wall_time":1.0,"schema":1}\nnot json\n')
-    poll = client.get("/api/runs/20260101_000000/poll?m=0&e=4").json()
+        fh.write('pe":"RunEnded","reason":"x","seq":9,"wall_time":1.0,"schema":1}\n{"_type":"ObserverFailed",garbled\n')
+    poll = client.get("/api/runs/20260101_000000/poll?m=0&e=2").json()
     assert [e["type"] for e in poll["events"]] == ["RunEnded"] and poll["summary"]["status"] == "failed"
     assert "events.jsonl: 1 line(s) are not JSON and were skipped" in poll["summary"]["problems"]
 
@@ -197,10 +198,10 @@ def test_downsampling_keeps_the_spikes_and_the_order():
     y[54_321] = 50.0
     y[7] = None
     out = downsample(x, y, 2000)
-    assert len(out["x"]) <= 2000 and out["x"] == sorted(out["x"])
-    assert 54_321 in out["x"] and max(out["y"]) == 50.0
+    assert len(out["x"]) <= 2000 and out["x"].tolist() == sorted(out["x"])
+    assert 54_321 in out["x"] and max(out["y"]) == 50.0 and 7 not in out["x"]
     zoomed = downsample(x, y, 2000, lo=1000, hi=1999)
-    assert zoomed["x"] == [float(v) for v in range(1000, 2000)]
+    assert zoomed["x"].tolist() == [float(v) for v in range(1000, 2000)]
 
 
 def test_wantrain_ctl_asks_a_running_run_and_refuses_an_ended_one(site, capsys):

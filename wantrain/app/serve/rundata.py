@@ -3,7 +3,8 @@
 Files read (each is what the run itself writes; none is required):
 
 * ``events.jsonl`` -- the event log: the run's start (total steps), its end (status), and the timeline (every event
-  except the per-step ones: ``StepStarted``, ``LossComputed``, ``GradsReady``, ``OptimizerStepped`` unless skipped);
+  except the per-step ones: ``StepStarted``, ``LossComputed``, ``GradsReady``, ``OptimizerStepped`` unless skipped,
+  and ``MetricsLogged``, whose values are the charts');
 * ``metrics.jsonl`` -- one line per log step: the series of every metric (``train/loss/<expert>``, ``train/lr/*``,
   ``alpha/*``, norms, ``memory/*``, ``val/*``);
 * ``log.jsonl`` -- warnings and errors of the run log join the timeline;
@@ -16,7 +17,6 @@ unread and reported; a line that is not JSON is counted and skipped.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import csv
 import io
@@ -37,9 +37,11 @@ from wantrain.core.rundir import is_safe_name
 
 STALE_S = 900.0
 """A run without ``RunEnded`` whose files have not changed for this long is shown ``interrupted``, not running."""
-_PER_STEP = re.compile(rb'"_type":"(StepStarted|LossComputed|GradsReady|OptimizerStepped)"')
+_TIMELINE_TYPE = re.compile(rb'"_type": ?"(?!(?:StepStarted|LossComputed|GradsReady|OptimizerStepped|MetricsLogged)")')
+_SKIPPED = re.compile(rb'"skipped": ?true')
 _SAMPLE = re.compile(r"step_(\d+)_(\d+)(_latents)?\.(mp4|png)$")
-_WARN_LEVELS = {"warning", "error", "critical"}
+_WARNING = re.compile(rb'"level": ?"(?:warning|error|critical)"')
+_NOT_METRICS = {"step", "time", "elapsed_s", "expert"}
 _MAX_READ = 256 << 20  # bytes parsed per refresh (a first read of a huge run comes in a few polls)
 
 
@@ -83,10 +85,11 @@ def is_run_dir(path: Path) -> bool:
 
 class JsonlTail:
     """The whole lines appended to a JSONL file since the last :meth:`read` (a file replaced by a shorter one is
-    read again from its start)."""
+    read again from its start). ``select(buffer)``, when given, picks the lines worth parsing out of a buffer of
+    whole lines in C-speed scans (a regex over the buffer), so a 500k-line event log is not split line by line."""
 
-    def __init__(self, path: Path, keep: Any = None) -> None:
-        self.path, self.keep = path, keep  # keep(line_bytes) -> bool: a cheap filter before parsing
+    def __init__(self, path: Path, select: Any = None) -> None:
+        self.path, self.select = path, select
         self.offset = 0
         self.bad_lines = 0
         self.torn_tail = 0  # bytes after the last newline
@@ -108,41 +111,40 @@ class JsonlTail:
         if end < 0:
             return []
         self.offset += end + 1
-        out = []
-        for line in data[:end].split(b"\n"):
-            if not line.strip() or (self.keep is not None and not self.keep(line)):
-                continue
-            try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                self.bad_lines += 1
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-            else:
-                self.bad_lines += 1
+        whole = data[:end + 1]
+        lines = self.select(whole) if self.select is not None else whole.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()  # after the last newline
+        try:  # one parse of all lines as a JSON array: no per-line call
+            records = orjson.loads(b"[" + b",".join(lines) + b"]") if lines else []
+        except orjson.JSONDecodeError:
+            records = []
+            for line in filter(bytes.strip, lines):  # a bad line among them: one by one, count what fails
+                try:
+                    records.append(orjson.loads(line))
+                except orjson.JSONDecodeError:
+                    self.bad_lines += 1
+        out = [r for r in records if isinstance(r, dict)]
+        self.bad_lines += len(records) - len(out)
         return out
 
 
-def _timeline_line(line: bytes) -> bool:
-    match = _PER_STEP.search(line)
-    return match is None or (match.group(1) == b"OptimizerStepped" and b'"skipped":true' in line)
+def _lines_at(data: bytes, positions: Any) -> list[bytes]:
+    """The lines of ``data`` (whole lines) holding the byte ``positions``, in file order, each once."""
+    starts = sorted({data.rfind(b"\n", 0, pos) + 1 for pos in positions})
+    return [data[start:data.find(b"\n", start)] for start in starts]
 
 
-def _warning_line(line: bytes) -> bool:
-    return b'"level":"warning"' in line or b'"level":"error"' in line or b'"level":"critical"' in line \
-        or b'"level": "warning"' in line or b'"level": "error"' in line or b'"level": "critical"' in line
+def _timeline_lines(data: bytes) -> list[bytes]:
+    """Event-log lines for the timeline: the ``_type`` of any event but the per-step ones and ``MetricsLogged``,
+    and the skipped optimizer steps."""
+    found = [m.start() for m in _TIMELINE_TYPE.finditer(data)]
+    found += [m.start() for m in _SKIPPED.finditer(data)]
+    return _lines_at(data, found)
 
 
-class Series:
-    """One metric: steps, values and the metrics row each point came from (for live polls)."""
-
-    __slots__ = ("rows", "x", "y")
-
-    def __init__(self) -> None:
-        self.x: list[float] = []
-        self.y: list[float | None] = []
-        self.rows: list[int] = []
+def _warning_lines(data: bytes) -> list[bytes]:
+    return _lines_at(data, [m.start() for m in _WARNING.finditer(data)])
 
 
 class RunData:
@@ -152,11 +154,13 @@ class RunData:
         self.run_dir = run_dir
         self.name = run_dir.name
         self._metrics = JsonlTail(run_dir / "metrics.jsonl")
-        self._events = JsonlTail(run_dir / "events.jsonl", keep=_timeline_line)
-        self._log = JsonlTail(run_dir / "log.jsonl", keep=_warning_line)
-        self.series: dict[str, Series] = {}
-        self.rows = 0
+        self._events = JsonlTail(run_dir / "events.jsonl", select=_timeline_lines)
+        self._log = JsonlTail(run_dir / "log.jsonl", select=_warning_lines)
+        # metrics as columns: the step of each row, one float array per metric (NaN where a row lacks it)
+        self.steps = np.zeros(0)
+        self.columns: dict[str, np.ndarray] = {}
         self.timeline: list[dict[str, Any]] = []
+        self.switches: list[int] = []  # steps of ExpertSwitched
         self.started: dict[str, Any] | None = None
         self.ended: dict[str, Any] | None = None
         self.last_row: dict[str, Any] = {}
@@ -166,8 +170,7 @@ class RunData:
     def refresh(self) -> None:
         if not self.run_dir.is_dir():
             raise RunGone(f"the run directory {self.run_dir} no longer exists")
-        for row in self._metrics.read():
-            self._add_row(row)
+        self._add_rows(self._metrics.read())
         for record in self._events.read():
             kind = record.get("_type")
             if kind == "RunStarted":
@@ -175,6 +178,8 @@ class RunData:
                 self.ended = None  # a resumed run in the same directory
             elif kind == "RunEnded":
                 self.ended = record
+            elif kind == "ExpertSwitched" and isinstance(record.get("step"), int):
+                self.switches.append(record["step"])
             self.timeline.append(_timeline_item(record))
         for record in self._log.read():
             self.timeline.append({"type": f"log: {record.get('event', '?')}", "step": record.get("step"),
@@ -182,27 +187,48 @@ class RunData:
                                   "detail": {k: v for k, v in record.items()
                                              if k not in ("event", "level", "timestamp", "logger")}})
 
-    def _add_row(self, row: dict[str, Any]) -> None:
-        step = row.get("step")
-        if not isinstance(step, int | float):
-            self._metrics.bad_lines += 1
+    @property
+    def rows(self) -> int:
+        return len(self.steps)
+
+    def _add_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Append metrics rows to the columns. Rows with the same keys (most of them) become one 2-D array in one
+        numpy call, so a 100k-row file costs a few Python operations per row, not one per value."""
+        good = [r for r in rows if type(r.get("step")) in (int, float)]
+        self._metrics.bad_lines += len(rows) - len(good)
+        if not good:
             return
-        index = self.rows
-        self.rows += 1
-        for key, value in row.items():
-            if key in ("step", "time", "elapsed_s", "expert") or not isinstance(value, int | float | None):
-                continue
-            series = self.series.get(key)
-            if series is None:
-                series = self.series[key] = Series()
-            series.x.append(float(step))
-            series.y.append(None if value is None or not math.isfinite(value) else float(value))
-            series.rows.append(index)
-        if "train/loss" in row:
-            self.last_loss = row["train/loss"]
-            self.last_row = row
-            if self.first_elapsed is None:
-                self.first_elapsed = (int(step), float(row.get("elapsed_s", 0.0)))
+        count = len(good)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for index, keys in enumerate(map(tuple, good)):
+            groups.setdefault(keys, []).append(index)
+        batch: dict[str, np.ndarray] = {}
+        for keys, indices in groups.items():
+            table = np.array([tuple(good[i].values()) for i in indices], dtype=object).reshape(len(indices), -1)
+            for j, key in enumerate(keys):
+                if key in _NOT_METRICS:
+                    continue
+                try:
+                    values = table[:, j].astype(np.float64)
+                except (TypeError, ValueError):  # not a number (a string): not a metric
+                    continue
+                column = batch.get(key)
+                if column is None:
+                    column = batch[key] = np.full(count, np.nan)
+                column[indices] = values
+        before = self.rows
+        for key in batch.keys() | self.columns.keys():
+            old = self.columns.get(key, np.full(before, np.nan))
+            self.columns[key] = np.concatenate([old, batch.get(key, np.full(count, np.nan))])
+        self.steps = np.concatenate([self.steps, np.array([float(r["step"]) for r in good])])
+        for row in reversed(good):
+            if "train/loss" in row:
+                self.last_loss, self.last_row = row["train/loss"], row
+                break
+        if self.first_elapsed is None:
+            first = next((r for r in good if "train/loss" in r), None)
+            if first is not None:
+                self.first_elapsed = (int(first["step"]), float(first.get("elapsed_s", 0.0)))
 
     # -- what the page asks for -----------------------------------------------------------------------------------
     def status(self) -> str:
@@ -259,19 +285,21 @@ class RunData:
                            "cut off while writing it) and is not shown")
         return out
 
-    def points_since(self, row: int) -> dict[str, dict[str, list]]:
-        """Every metric's points from metrics rows ``row`` on (a live poll)."""
+    def points_since(self, row: int) -> dict[str, dict[str, Any]]:
+        """Every metric's points from metrics row ``row`` on (a live poll)."""
         out = {}
-        for key, series in self.series.items():
-            start = bisect.bisect_left(series.rows, row)
-            if start < len(series.rows):
-                out[key] = {"x": series.x[start:], "y": series.y[start:]}
+        steps = self.steps[row:]
+        for key, column in self.columns.items():
+            values = column[row:]
+            finite = np.isfinite(values)
+            if finite.any():
+                out[key] = {"x": steps[finite], "y": values[finite]}
         return out
 
     def downsampled(self, max_points: int, lo: float | None = None, hi: float | None = None
-                    ) -> dict[str, dict[str, list]]:
+                    ) -> dict[str, dict[str, Any]]:
         """Every metric, at most ``max_points`` points each between steps ``lo`` and ``hi`` (:func:`downsample`)."""
-        return {key: downsample(series.x, series.y, max_points, lo, hi) for key, series in self.series.items()}
+        return {key: downsample(self.steps, column, max_points, lo, hi) for key, column in self.columns.items()}
 
     def samples(self) -> list[dict[str, Any]]:
         out = []
@@ -319,13 +347,13 @@ class RunData:
         return {"summary": summary, "curves": curves}
 
 
-def downsample(x: list[float], y: list[float | None], max_points: int, lo: float | None = None,
-               hi: float | None = None) -> dict[str, list]:
+def downsample(x: Any, y: Any, max_points: int, lo: float | None = None,
+               hi: float | None = None) -> dict[str, Any]:
     """At most about ``max_points`` points of ``(x, y)`` between ``lo`` and ``hi``: each of ``max_points / 2``
     equal buckets keeps its lowest and its highest value, in step order, so spikes survive. Missing values are
     skipped."""
     xs = np.asarray(x, dtype=np.float64)
-    ys = np.asarray([np.nan if v is None else v for v in y], dtype=np.float64)
+    ys = np.asarray(y, dtype=np.float64)  # None -> NaN
     if lo is not None or hi is not None:
         keep = (xs >= (-np.inf if lo is None else lo)) & (xs <= (np.inf if hi is None else hi))
         xs, ys = xs[keep], ys[keep]
@@ -343,7 +371,7 @@ def downsample(x: list[float], y: list[float | None], max_points: int, lo: float
         first_high = _first_index(ys == high[bucket_of], bucket_of, buckets)
         picks = np.unique(np.concatenate([first_low, first_high]))
         xs, ys = xs[picks], ys[picks]
-    return {"x": xs.tolist(), "y": ys.tolist()}
+    return {"x": xs, "y": ys}
 
 
 def _first_index(hit: np.ndarray, bucket_of: np.ndarray, buckets: int) -> np.ndarray:

@@ -38,6 +38,8 @@ TOKEN_HEADER = "x-wantrain-token"
 COOKIE = "wantrain_token"
 MAX_POINTS = 2000
 """Points per metric on a page load (the downsampling of :func:`rundata.downsample`)."""
+MAX_EVENTS = 5000
+"""Timeline items per poll: the latest ones (the page shows the latest 2000 that pass its filter)."""
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -118,11 +120,13 @@ def build_app(site: Site) -> Starlette:
             hi = float(q["hi"]) if "hi" in q else None
         except ValueError:
             return error("max, lo and hi must be numbers", 400)
-        return json_response({"rows": data.rows, "series": data.downsampled(max_points, lo, hi)})
+        switches = data.switches[::max(1, len(data.switches) // max_points)]  # denser than pixels: thinned
+        return json_response({"rows": data.rows, "series": data.downsampled(max_points, lo, hi),
+                              "switches": switches})
 
     async def poll(request: Request) -> Response:
         """What was written since the page's last look: metric points from row ``m`` on, timeline items from
-        ``e`` on, and the small lists (samples, checkpoints) whole."""
+        ``e`` on (at most the latest :data:`MAX_EVENTS`), and the small lists (samples, checkpoints) whole."""
         data = site.run(request.path_params["run"])
         try:
             rows, events = int(request.query_params.get("m", 0)), int(request.query_params.get("e", 0))
@@ -130,7 +134,8 @@ def build_app(site: Site) -> Starlette:
             return error("m and e must be integers", 400)
         return json_response({
             "summary": data.summary(), "rows": data.rows, "points": data.points_since(rows),
-            "events": data.timeline[events:], "event_count": len(data.timeline),
+            "events": data.timeline[max(events, len(data.timeline) - MAX_EVENTS):],
+            "event_count": len(data.timeline),
             "samples": data.samples(), "checkpoints": data.checkpoints(),
         })
 

@@ -120,6 +120,7 @@ async function loadSeries() {
   state.series = {};
   for (const [k, s] of Object.entries(data.series)) state.series[k] = {x: s.x, y: s.y};
   state.rows = data.rows;
+  state.switches = data.switches;
   drawCharts(true);
 }
 
@@ -386,7 +387,7 @@ function showSamples(samples) {
 function addEvents(items) {
   for (const item of items) {
     state.timeline.push(item);
-    if (item.type === "ExpertSwitched") state.switches.push(item.step);
+    if (item.type === "ExpertSwitched" && !state.switches.includes(item.step)) state.switches.push(item.step);
   }
   const select = $("#event-type");
   const known = new Set([...select.options].map(o => o.value));
