@@ -121,3 +121,17 @@ def test_a_trainer_without_a_run_dir_reads_no_inbox(tmp_path, monkeypatch):
                       optimizer=torch.optim.SGD(adapter.param_groups(), lr=0.05),
                       settings=LoopSettings(max_steps=2, grad_accum=1, log_every=1))
     assert trainer.run().status == "completed"
+
+
+def test_the_run_log_says_each_request_and_warns_of_a_refused_one():
+    from structlog.testing import capture_logs
+
+    from wantrain.observers.run_log import RunLog
+
+    with capture_logs() as logs:
+        RunLog().requested(ControlRequested(step=4, action="save", source="web", request_id="a"), None)
+        RunLog().requested(ControlRequested(step=5, action="sample", source="ctl", request_id="b",
+                                            refused="not under torchrun"), None)
+    assert [(e["event"], e["log_level"], e["action"]) for e in logs] == [
+        ("request", "info", "save"), ("request_refused", "warning", "sample")]
+    assert logs[1]["reason"] == "not under torchrun"

@@ -65,6 +65,7 @@ class PageServer:
         return f"{self.url}?token={self.site.token}"
 
     def serve_forever(self) -> None:
+        threading.Thread(target=self.site.prefetch, name="wantrain-serve-prefetch", daemon=True).start()
         self.server.run(sockets=[self.sock])
 
     def start(self) -> PageServer:

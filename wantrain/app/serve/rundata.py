@@ -21,6 +21,7 @@ import contextlib
 import csv
 import io
 import math
+import operator
 import os
 import re
 import time
@@ -204,18 +205,21 @@ class RunData:
             groups.setdefault(keys, []).append(index)
         batch: dict[str, np.ndarray] = {}
         for keys, indices in groups.items():
-            table = np.array([tuple(good[i].values()) for i in indices], dtype=object).reshape(len(indices), -1)
-            for j, key in enumerate(keys):
-                if key in _NOT_METRICS:
-                    continue
-                try:
-                    values = table[:, j].astype(np.float64)
-                except (TypeError, ValueError):  # not a number (a string): not a metric
-                    continue
+            names = [k for k in keys if k not in _NOT_METRICS]
+            if not names:
+                continue
+            pick = operator.itemgetter(*names) if len(names) > 1 else (lambda r, k=names[0]: (r[k],))
+            members = [good[i] for i in indices] if len(indices) < count else good
+            try:  # the fast path: every value a number or null (null -> NaN)
+                table = np.array(list(map(pick, members)), dtype=np.float64).reshape(len(indices), -1)
+            except (TypeError, ValueError):  # a value that is not a number: that metric's points are NaN
+                table = np.array([[v if type(v) in (int, float) else None for v in pick(r)] for r in members],
+                                 dtype=np.float64).reshape(len(indices), -1)
+            for j, key in enumerate(names):
                 column = batch.get(key)
                 if column is None:
                     column = batch[key] = np.full(count, np.nan)
-                column[indices] = values
+                column[indices] = table[:, j]
         before = self.rows
         for key in batch.keys() | self.columns.keys():
             old = self.columns.get(key, np.full(before, np.nan))

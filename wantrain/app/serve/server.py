@@ -85,6 +85,15 @@ class Site:
                 continue  # deleted between the listing and the read
         return out
 
+    def prefetch(self) -> None:
+        """Read every run once, newest first (a background thread of the server): the first read of a large run
+        parses all its JSONL (seconds for 100k steps), every later one only what was appended."""
+        for fresh in list_runs(self.root):
+            try:
+                self.run(fresh.name)
+            except RunGone:
+                continue
+
     def has_token(self, request: Request, *, header_only: bool = False) -> bool:
         given = request.headers.get(TOKEN_HEADER)
         if given is None and not header_only:
