@@ -191,6 +191,24 @@ def test_a_torn_last_line_in_the_event_log_is_left_out_and_said_plainly(client, 
     assert "events.jsonl: 1 line(s) are not JSON and were skipped" in poll["summary"]["problems"]
 
 
+def test_a_gzip_event_log_is_read_too_and_a_torn_member_is_left_out(client, site):
+    import gzip
+
+    run = site.root / "20260101_000000"
+    events = (run / "events.jsonl").read_bytes()
+    (run / "events.jsonl").unlink()
+    (run / "events.jsonl.gz").write_bytes(gzip.compress(events))
+    fresh = TestClient(build_app(Site(site.root, token="t")), base_url=LOCAL)
+    poll = fresh.get("/api/runs/20260101_000000/poll?m=0&e=0").json()
+    assert [e["type"] for e in poll["events"]] == ["RunStarted", "ExpertSwitched"]
+    ended = line(RunEnded(step=10, status="stopped", reason="requested (web)"), 9).encode()
+    with (run / "events.jsonl.gz").open("ab") as fh:
+        fh.write(gzip.compress(ended))
+        fh.write(gzip.compress(b'{"_type":"RunStarted"')[:20])  # a member cut off by a kill
+    poll = fresh.get("/api/runs/20260101_000000/poll?m=0&e=2").json()
+    assert [e["type"] for e in poll["events"]] == ["RunEnded"] and poll["summary"]["status"] == "stopped"
+
+
 def test_a_run_directory_deleted_while_open_is_said_plainly(client, site):
     assert client.get("/api/runs/20260101_000000/poll").status_code == 200
     shutil.rmtree(site.root / "20260101_000000")

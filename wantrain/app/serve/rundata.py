@@ -24,6 +24,7 @@ import math
 import operator
 import os
 import re
+import stat
 import time
 import tomllib
 from pathlib import Path
@@ -33,6 +34,7 @@ import numpy as np
 import orjson
 
 from wantrain.core.events import ControlRequested
+from wantrain.core.events.log import iter_log_lines
 from wantrain.core.inbox import post_request
 from wantrain.core.rundir import is_safe_name
 
@@ -81,7 +83,7 @@ def resolve_file(run_dir: Path, relative: str) -> Path:
 
 
 def is_run_dir(path: Path) -> bool:
-    return path.is_dir() and any((path / name).exists() for name in ("events.jsonl", "config.toml"))
+    return path.is_dir() and any((path / name).exists() for name in ("events.jsonl", "events.jsonl.gz", "config.toml"))
 
 
 class JsonlTail:
@@ -112,7 +114,10 @@ class JsonlTail:
         if end < 0:
             return []
         self.offset += end + 1
-        whole = data[:end + 1]
+        return self._parse(data[:end + 1])
+
+    def _parse(self, whole: bytes) -> list[dict[str, Any]]:
+        """The records of ``whole`` (whole lines) that ``select`` picks."""
         lines = self.select(whole) if self.select is not None else whole.split(b"\n")
         if lines and not lines[-1]:
             lines.pop()  # after the last newline
@@ -128,6 +133,36 @@ class JsonlTail:
         out = [r for r in records if isinstance(r, dict)]
         self.bad_lines += len(records) - len(out)
         return out
+
+
+class GzipJsonlTail(JsonlTail):
+    """The same for a gzip-compressed log (``events.jsonl.gz``, ``observers.record_compression = "gzip"``): a
+    compressed stream cannot be read from a byte offset, so each time the file grew it is decompressed again
+    (``core.events.log.iter_log_lines``, which stops at a torn member) and the lines after those already read
+    are parsed."""
+
+    def __init__(self, path: Path, select: Any = None) -> None:
+        super().__init__(path, select)
+        self._lines = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            info = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return []
+        if not stat.S_ISREG(info.st_mode) or info.st_size == self.offset:
+            return []
+        self.offset = info.st_size
+        lines, self.torn_tail = [], 0
+        for _, text, complete in iter_log_lines(self.path):
+            if complete:
+                lines.append(text.encode())
+            else:
+                self.torn_tail = len(text.encode())
+        if len(lines) < self._lines:  # rewritten shorter (a resume cut it back): read it again
+            self._lines = 0
+        new, self._lines = lines[self._lines:], len(lines)
+        return self._parse(b"\n".join(new) + b"\n") if new else []
 
 
 def _lines_at(data: bytes, positions: Any) -> list[bytes]:
@@ -155,7 +190,9 @@ class RunData:
         self.run_dir = run_dir
         self.name = run_dir.name
         self._metrics = JsonlTail(run_dir / "metrics.jsonl")
-        self._events = JsonlTail(run_dir / "events.jsonl", select=_timeline_lines)
+        gzip_log = not (run_dir / "events.jsonl").exists() and (run_dir / "events.jsonl.gz").exists()
+        self._events = (GzipJsonlTail(run_dir / "events.jsonl.gz", select=_timeline_lines) if gzip_log
+                        else JsonlTail(run_dir / "events.jsonl", select=_timeline_lines))
         self._log = JsonlTail(run_dir / "log.jsonl", select=_warning_lines)
         # metrics as columns: the step of each row, one float array per metric (NaN where a row lacks it)
         self.steps = np.zeros(0)
@@ -238,14 +275,14 @@ class RunData:
     def status(self) -> str:
         if self.ended is not None:
             return str(self.ended.get("status", "ended"))
-        if self.started is None and not (self.run_dir / "events.jsonl").exists():
+        if self.started is None and not self._events.path.exists():
             return "preparing" if self.age() < STALE_S else "interrupted"
         return "running" if self.age() < STALE_S else "interrupted"
 
     def age(self) -> float:
         """Seconds since the run last wrote one of its logs."""
         times = []
-        for name in ("events.jsonl", "metrics.jsonl", "log.jsonl"):
+        for name in ("events.jsonl", "events.jsonl.gz", "metrics.jsonl", "log.jsonl"):
             with contextlib.suppress(OSError):
                 times.append(os.stat(self.run_dir / name).st_mtime)
         return time.time() - max(times) if times else math.inf
