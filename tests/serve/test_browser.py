@@ -60,11 +60,15 @@ def page_is_up(port: int) -> bool:
         return False
 
 
-def wait_for(condition, timeout=90.0, what="the page"):
+def wait_for(condition, timeout=120.0, what="the page", process=None):
+    """``condition()`` once it is true; an AssertionError after ``timeout`` seconds, or at once when ``process``
+    (the training run) has ended without it."""
     from selenium.common.exceptions import StaleElementReferenceException
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the run ended ({process.returncode}) before {what}")
         try:
             value = condition()
         except StaleElementReferenceException:  # the page redrew what was found: look again
@@ -87,10 +91,11 @@ def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path
         [sys.executable, "-m", "wantrain", "run", str(ROOT / "examples" / "quickstart.toml"), "--serve", str(port),
          "--set", f'run.output_dir="{output}"', "--set", "train.max_steps=100000", "--set", "train.log_every=2",
          "--set", "train.save_every=100000", "--set", "validation.every=100000", "--set", "sample.every=100000"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=env, stdout=(tmp_path / "out.txt").open("w"), stderr=(tmp_path / "err.txt").open("w"))  # never full
     try:
-        run_dir = wait_for(lambda: next(iter(output.iterdir()), None), what="the run directory")
-        wait_for(lambda: page_is_up(port), what="the page of --serve")
+        # generous: on a busy shared machine the quickstart takes minutes to start
+        run_dir = wait_for(lambda: next(iter(output.iterdir()), None), 600, "the run directory", trainer)
+        wait_for(lambda: page_is_up(port), what="the page of --serve", process=trainer)
         browser.get(f"http://127.0.0.1:{port}/")
         def open_run():
             rows = browser.find_elements(By.CSS_SELECTOR, f'tr[data-run="{run_dir.name}"] a')
@@ -104,13 +109,13 @@ def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path
             boxes = browser.find_elements(By.CSS_SELECTOR, "#chart-loss[data-points]")
             return int(boxes[0].get_attribute("data-points")) if boxes else 0
 
-        first = wait_for(lambda: points() >= 2 and points(), timeout=180, what="the loss chart")
-        wait_for(lambda: points() > first + 2, what="the loss chart to grow while the run trains")
+        first = wait_for(lambda: points() >= 2 and points(), 600, "the loss chart", trainer)
+        wait_for(lambda: points() > first + 2, what="the loss chart to grow while the run trains", process=trainer)
         assert browser.find_element(By.ID, "run-status").text == "running"
 
         browser.find_element(By.CSS_SELECTOR, 'button[data-action="save"]').click()
         saved = wait_for(lambda: [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#checkpoints .file")
-                                  if e.text.startswith("step_")], what="the checkpoint of 'save now'")
+                                  if e.text.startswith("step_")], what="the checkpoint of 'save now'", process=trainer)
         checkpoint = run_dir / "checkpoints" / saved[0]
         assert (checkpoint / "complete.json").exists()
         screenshots = os.environ.get("WANTRAIN_SCREENSHOTS")
@@ -122,7 +127,7 @@ def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path
         browser.switch_to.alert.accept()  # "Stop the run? It saves ... (resumable)"
         wait_for(lambda: browser.find_element(By.ID, "run-status").text == "stopped", what="the run to stop")
         assert trainer.wait(timeout=120) == 3  # stopped, resumable
-        err = trainer.stderr.read()
+        err = (tmp_path / "err.txt").read_text()
         assert "continue with: " in err and "--resume auto" in err
         events = (run_dir / "events.jsonl").read_text()
         assert '"action":"save","source":"web"' in events and '"action":"stop","source":"web"' in events
