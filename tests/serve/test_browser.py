@@ -1,5 +1,5 @@
 """wantrain serve in a real browser (Debian's headless Chromium driven by selenium): a person starts the quickstart
-with its page (``wantrain run --serve``), watches it train, presses "save now" and sees the checkpoint appear,
+and the page of its output folder, watches it train, presses "save now" and sees the checkpoint appear,
 presses "stop" and sees the run end resumable.
 
 Set ``WANTRAIN_SCREENSHOTS=docs/img`` to keep the run page's screenshot there (docs/serve.md, the README)."""
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from wantrain.app.serve import PageServer
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
@@ -45,21 +46,6 @@ def browser():
         driver.quit()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def page_is_up(port: int) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def wait_for(condition, timeout=120.0, what="the page", process=None):
     """``condition()`` once it is true; an AssertionError after ``timeout`` seconds, or at once when ``process``
     (the training run) has ended without it."""
@@ -85,18 +71,18 @@ def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path
     output = tmp_path / "runs"
     output.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    port = free_port()
-    # the quickstart with its page (--serve), long enough to be watched: it ends only when the page stops it
+    # the quickstart, long enough to be watched: it ends only when the page stops it; the page is `wantrain serve`
+    # of its output folder (--serve starts the same server in a child process that ends with the run)
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "wantrain", "run", str(ROOT / "examples" / "quickstart.toml"), "--serve", str(port),
+        [sys.executable, "-m", "wantrain", "run", str(ROOT / "examples" / "quickstart.toml"),
          "--set", f'run.output_dir="{output}"', "--set", "train.max_steps=100000", "--set", "train.log_every=2",
          "--set", "train.save_every=100000", "--set", "validation.every=100000", "--set", "sample.every=100000"],
         env=env, stdout=(tmp_path / "out.txt").open("w"), stderr=(tmp_path / "err.txt").open("w"))  # never full
+    server = PageServer(output, port=0).start()
     try:
         # generous: on a busy shared machine the quickstart takes minutes to start
         run_dir = wait_for(lambda: next(iter(output.iterdir()), None), 600, "the run directory", trainer)
-        wait_for(lambda: page_is_up(port), what="the page of --serve", process=trainer)
-        browser.get(f"http://127.0.0.1:{port}/")
+        browser.get(server.url)
         def open_run():
             rows = browser.find_elements(By.CSS_SELECTOR, f'tr[data-run="{run_dir.name}"] a')
             if rows:
@@ -134,9 +120,9 @@ def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path
         final = sorted((run_dir / "checkpoints").iterdir())[-1]
         assert (final / "complete.json").exists() and final.name != saved[0]
         assert all(b.get_attribute("disabled") for b in browser.find_elements(By.CSS_SELECTOR, ".controls button"))
-        assert not page_is_up(port)  # the page ended with the run
     finally:
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
+        server.stop()
         shutil.rmtree(output, ignore_errors=True)

@@ -10,8 +10,12 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 
 from wantrain.cli.common import add_config_arguments
+
+SERVE_LINGER_S = 3.0
+"""Seconds the page of ``--serve`` stays up after the run ended, so an open page shows the end."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--serve", nargs="?", const=8765, type=int, metavar="PORT",
         help="also show the run's live page (wantrain serve on run.output_dir, 127.0.0.1:PORT, default 8765) while "
-             "it trains: a separate process that only reads the run's files, ended with the run (docs/serve.md)",
+             "it trains: a separate process that only reads the run's files, ended a few seconds after the run "
+             "(docs/serve.md)",
     )
     add_lr_finder_arguments(parser)
 
@@ -92,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         outcome = train(args.config, overrides=overrides, resume=args.resume, allow_code=args.allow_code)
     finally:
         if page is not None:
+            time.sleep(SERVE_LINGER_S)  # the open page's next polls see how the run ended
             page.terminate()
             page.wait(timeout=10)
     out, err = summary(outcome, args)
