@@ -8,10 +8,11 @@ import argparse
 from pathlib import Path
 
 from wantrain.core.errors import UserError
-from wantrain.core.inbox import ACTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from wantrain.app.serve.rundata import ACTIONS
+
     parser.add_argument("run_dir", type=Path, help="the run directory (runs/<timestamp>)")
     parser.add_argument("action", choices=ACTIONS, help="save: LoRA + checkpoint now; sample / validate: a round now; "
                                                          "stop: save and end (resumable)")

@@ -35,8 +35,10 @@ import orjson
 
 from wantrain.core.events import ControlRequested
 from wantrain.core.events.log import iter_log_lines
-from wantrain.core.inbox import post_request
+from wantrain.core.inbox import ACTIONS, post_request
 from wantrain.core.rundir import is_safe_name
+
+__all__ = ["ACTIONS", "RunData", "RunGone", "ask", "downsample", "list_runs", "resolve_file", "resolve_run"]
 
 STALE_S = 900.0
 """A run without ``RunEnded`` whose files have not changed for this long is shown ``interrupted``, not running."""
