@@ -81,9 +81,9 @@ def test_the_run_page_gets_series_timeline_and_samples(client):
     assert client.get("/files/20260101_000000/samples/step_000010_00.mp4").content.startswith(b"\x00\x00\x00\x18")
 
 
-def test_a_value_that_is_not_a_number_is_left_out_of_its_series(client, site):
+def test_a_value_that_is_not_a_number_is_left_out_and_a_blank_line_skipped(client, site):
     with (site.root / "20260101_000000" / "metrics.jsonl").open("a") as fh:
-        fh.write(json.dumps({"step": 15, "train/loss": "oops", "train/lr": 2e-4}) + "\n")
+        fh.write("\n" + json.dumps({"step": 15, "train/loss": "oops", "train/lr": 2e-4}) + "\n")  # and a blank line
     series = client.get("/api/runs/20260101_000000/series").json()["series"]
     assert series["train/loss"]["x"] == [5.0, 10.0] and series["train/lr"]["x"] == [5.0, 10.0, 15.0]
 

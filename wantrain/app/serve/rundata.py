@@ -120,13 +120,18 @@ class JsonlTail:
 
     def _parse(self, whole: bytes) -> list[dict[str, Any]]:
         """The records of ``whole`` (whole lines) that ``select`` picks."""
-        lines = self.select(whole) if self.select is not None else whole.split(b"\n")
-        if lines and not lines[-1]:
-            lines.pop()  # after the last newline
+        if self.select is not None:
+            lines = self.select(whole)
+            array = b"[" + b",".join(lines) + b"]"
+        else:  # every line: the buffer itself becomes one JSON array (one C pass, no line objects)
+            lines = None
+            array = b"[" + whole[:-1].replace(b"\n", b",") + b"]"
         try:  # one parse of all lines as a JSON array: no per-line call
-            records = orjson.loads(b"[" + b",".join(lines) + b"]") if lines else []
+            records = orjson.loads(array) if array != b"[]" else []
         except orjson.JSONDecodeError:
             records = []
+            if lines is None:
+                lines = whole.split(b"\n")
             for line in filter(bytes.strip, lines):  # a bad line among them: one by one, count what fails
                 try:
                     records.append(orjson.loads(line))
