@@ -110,14 +110,16 @@ def run(args: argparse.Namespace) -> int:
 
 def start_page(args: argparse.Namespace, overrides: list[str]) -> subprocess.Popen | None:
     """``wantrain serve`` on the config's ``run.output_dir`` in a child process (rank 0 of a torchrun only): it
-    reads the run's files and shares nothing with the training process but them."""
+    reads the run's files and shares nothing with the training process but them. It also ends by itself when this
+    process is gone (killed before it could end the child)."""
     from wantrain.app.config import load_config
 
     if os.environ.get("RANK", "0") != "0":
         return None
     output_dir = load_config(args.config, overrides).run.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "wantrain", "serve", str(output_dir), "--port", str(args.serve)])
+    return subprocess.Popen([sys.executable, "-m", "wantrain", "serve", str(output_dir), "--port", str(args.serve),
+                             "--exit-with-parent"])
 
 
 def summary(outcome, args: argparse.Namespace) -> tuple[list[str], list[str]]:

@@ -5,6 +5,9 @@ the token it prints."""
 from __future__ import annotations
 
 import argparse
+import os
+import threading
+import time
 from pathlib import Path
 
 from wantrain.core.errors import UserError
@@ -18,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "every request need the printed token")
     parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free port)")
     parser.add_argument("--read-only", action="store_true", help="show runs only: the save/sample/stop buttons are off")
+    # `wantrain run --serve`'s child: end when the run's process is gone, even if it was killed (no orphan server)
+    parser.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,5 +44,13 @@ def run(args: argparse.Namespace) -> int:
     if args.read_only:
         print("  read-only: the controls are off")
     print("  Ctrl-C to stop", flush=True)
+    if args.exit_with_parent:
+        threading.Thread(target=_end_with_parent, args=(server, os.getppid()), daemon=True).start()
     server.serve_forever()
     return 0
+
+
+def _end_with_parent(server, parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    server.server.should_exit = True
