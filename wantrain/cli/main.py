@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("wantrain.cli.report", "draw a PNG dashboard and a summary of a run directory"),
     "inspect-lora": ("wantrain.cli.inspect_lora", "show and validate a LoRA .safetensors file"),
     "replay": ("wantrain.cli.replay", "replay a run's event log into observers (regenerate outputs, alpha what-if)"),
+    "serve": ("wantrain.cli.serve", "a live page of the runs under an output folder, with save/sample/stop buttons"),
+    "ctl": ("wantrain.cli.ctl", "ask a running run to save, sample, validate or stop now"),
 }
 
 

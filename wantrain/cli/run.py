@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import subprocess
 import sys
+import time
 
 from wantrain.cli.common import add_config_arguments
+
+SERVE_LINGER_S = 3.0
+"""Seconds the page of ``--serve`` stays up after the run ended, so an open page shows the end."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-data-changes", dest="allow_data_changes", action="store_true",
         help="with --resume: train on media whose content or caption changed since the checkpoint (named, and "
              "recorded in the event log) instead of refusing; files added or removed are still refused",
+    )
+    parser.add_argument(
+        "--serve", nargs="?", const=8765, type=int, metavar="PORT",
+        help="also show the run's live page (wantrain serve on run.output_dir, 127.0.0.1:PORT, default 8765) while "
+             "it trains: a separate process that only reads the run's files, ended a few seconds after the run "
+             "(docs/serve.md)",
     )
     add_lr_finder_arguments(parser)
 
@@ -87,14 +99,35 @@ def run(args: argparse.Namespace) -> int:
     if args.run_id is not None:
         overrides.append(f"run.run_id={json.dumps(args.run_id)}")
     overrides += lr_finder_overrides(args)
-    outcome = train(args.config, overrides=overrides, resume=args.resume, allow_code=args.allow_code,
-                    allow_data_changes=args.allow_data_changes)
+    page = start_page(args, overrides) if getattr(args, "serve", None) is not None else None
+    try:
+        outcome = train(args.config, overrides=overrides, resume=args.resume, allow_code=args.allow_code,
+                        allow_data_changes=args.allow_data_changes)
+    finally:
+        if page is not None:
+            time.sleep(SERVE_LINGER_S)  # the open page's next polls see how the run ended
+            page.terminate()
+            page.wait(timeout=10)
     out, err = summary(outcome, args)
     for line in out:
         print(line)
     for line in err:
         print(line, file=sys.stderr)
     return outcome.exit_code
+
+
+def start_page(args: argparse.Namespace, overrides: list[str]) -> subprocess.Popen | None:
+    """``wantrain serve`` on the config's ``run.output_dir`` in a child process (rank 0 of a torchrun only): it
+    reads the run's files and shares nothing with the training process but them. It also ends by itself when this
+    process is gone (killed before it could end the child)."""
+    from wantrain.app.config import load_config
+
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    output_dir = load_config(args.config, overrides).run.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "wantrain", "serve", str(output_dir), "--port", str(args.serve),
+                             "--exit-with-parent"])
 
 
 def summary(outcome, args: argparse.Namespace) -> tuple[list[str], list[str]]:

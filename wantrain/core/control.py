@@ -6,6 +6,9 @@ them at fixed points (see the pseudocode in ``wantrain.core.events``):
 * ``request_stop`` -- read after every micro-step and after every optimizer step. Sticky: once raised it stays
   raised for the rest of the run, whoever asks next (Lightning's ``should_stop`` lesson).
 * ``request_save`` -- read after each optimizer step; cleared when the core has saved.
+  A person's requests (``wantrain ctl``, ``wantrain serve``'s buttons) come through the run's inbox
+  (``core.inbox``): the core records each one as ``ControlRequested`` and turns ``save`` and ``stop`` into
+  ``request_save`` and ``request_stop``.
 * ``skip_optimizer_step`` -- read right before the optimizer step (after ``GradsReady``); cleared after that
   step. The gradients are dropped and the scheduler still advances, so the schedule stays a function of the step.
 * ``set_lr`` -- per parameter group (by name); a group that follows another (``follows``/``lr_ratio`` in its
@@ -27,12 +30,12 @@ them at fixed points (see the pseudocode in ``wantrain.core.events``):
   optimizer, whose moments follow a ``preserve_output`` rescale. Refused at the call (``ValueError``): an alpha
   that is not a finite number > 0.
 * ``evaluation()`` -- a context for evaluating the model between optimizer steps (validation, samples), from
-  handlers of ``RunStarted``, ``OptimizerStepped``, ``MetricsLogged``, ``CheckpointSaved``: inside it the model is
-  in eval mode under ``torch.no_grad`` and ``bring_in(expert)`` (what the context yields) has the core move that
-  expert with its optimizer state onto the training device and the others off it; on exit, also after an error,
-  the expert that was training is back and train mode is restored. Unlike the other requests it acts at once: the
-  handler's evaluation runs inside it. Needs ``core.adapter.Evaluating``; outside a run (no trainer bound),
-  ``core.adapter.evaluation_session(adapter)`` does the same without an optimizer.
+  handlers of ``RunStarted``, ``OptimizerStepped``, ``MetricsLogged``, ``CheckpointSaved``, ``ControlRequested``:
+  inside it the model is in eval mode under ``torch.no_grad`` and ``bring_in(expert)`` (what the context yields)
+  has the core move that expert with its optimizer state onto the training device and the others off it; on exit,
+  also after an error, the expert that was training is back and train mode is restored. Unlike the other requests
+  it acts at once: the handler's evaluation runs inside it. Needs ``core.adapter.Evaluating``; outside a run (no
+  trainer bound), ``core.adapter.evaluation_session(adapter)`` does the same without an optimizer.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from wantrain.core.distributed import SingleProcess
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import (
     CheckpointSaved,
+    ControlRequested,
     ExpertSwitched,
     GradsReady,
     LossComputed,
@@ -44,6 +45,7 @@ from wantrain.core.events import (
     RunStarted,
     StepStarted,
 )
+from wantrain.core.inbox import Inbox
 from wantrain.core.interval import LORA_NORM, LORA_NORM_START, LogInterval
 from wantrain.core.state import RunParts, TrainState, capture, restore
 
@@ -175,6 +177,8 @@ class Trainer:
         self._step_losses: list[torch.Tensor] = []  # the current optimizer step's micro-step losses
         self._agreed_flag: torch.Tensor | None = None  # torchrun: the ranks' verdict on their losses
         self._expert_params: dict[str | None, list[torch.Tensor]] = {}  # torchrun: what average_gradients takes
+        # a person's requests (core.inbox), read by rank 0: a clock read per step, a stat every 0.2 s
+        self._inbox = Inbox(run_dir) if run_dir is not None and self.sync.is_main else None
         # Fused optimizers skip a step on the device when handed ``found_inf`` (the GradScaler protocol): no sync. On
         # the CPU reading the flag costs nothing (no queue to wait for), and found_inf would cost more than it saves
         # (the fused kernel then corrects every parameter's step count with one CPU op per tensor): read it there.
@@ -229,6 +233,8 @@ class Trainer:
                     self._apply_model_requests()
                 if self._failure is not None:
                     break  # the non-finite guard tripped: keep the last good checkpoint, save nothing
+                if self._inbox is not None:
+                    self._read_inbox(step)
                 self.sync.agree_requests(control)  # a stop or save request on any rank reaches every rank
                 self._save_if_due(step)
             status, reason = self._finish()
@@ -301,6 +307,21 @@ class Trainer:
         before its saves."""
         for expert, alpha, preserve_output in self.ctx.control.take_alpha_requests():
             self.adapter.change_lora_alpha(alpha, expert, self.optimizer, preserve_output=preserve_output)
+
+    def _read_inbox(self, step: int) -> None:
+        """A person's requests (``core.inbox``): each one is recorded as ``ControlRequested``; save and stop go to
+        the control object, sample and validate are the observers' (they act on the event)."""
+        control = self.ctx.control
+        for request in self._inbox.poll():  # type: ignore[union-attr]
+            refused = request.error
+            if refused is None and request.action in ("sample", "validate") and self.sync.topology.distributed:
+                refused = "not under torchrun: every rank would have to agree on the step"
+            self.bus.emit(ControlRequested(step=step, action=request.action, source=request.source,
+                                           request_id=request.request_id, refused=refused))
+            if refused is None and request.action == "save":
+                control.request_save(f"requested ({request.source})")
+            elif refused is None and request.action == "stop":
+                control.request_stop(f"requested ({request.source})")
 
     def _finish(self) -> tuple[str, str | None]:
         """After the last step: log a stop's partial interval, apply what it requested, save unless failed."""

@@ -1,4 +1,5 @@
-"""Logs the run's milestones (start, expert switches, saves, out-of-memory, observer failures, end) with structlog.
+"""Logs the run's milestones (start, expert switches, saves, requests from ``wantrain ctl`` or the page,
+out-of-memory, observer failures, end) with structlog.
 Under ``wantrain replay`` a save is logged as ``recorded_lora_saved``: the paths are the recorded run's files.
 
 Per-step numbers go to the metrics writers, not to the log.
@@ -11,6 +12,7 @@ import structlog
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import (
     CheckpointSaved,
+    ControlRequested,
     ExpertSwitched,
     ObserverFailed,
     OutOfMemory,
@@ -41,6 +43,14 @@ class RunLog(Observer):
         # replayed (no live model in the context): the files are the recorded run's, and the replay writes none
         name = "lora_saved" if ctx.adapter is not None else "recorded_lora_saved"
         log.info(name, step=event.step, final=event.final, reason=event.reason, paths=list(event.paths))
+
+    @on(ControlRequested)
+    def requested(self, event: ControlRequested, ctx) -> None:
+        if event.refused is None:
+            log.info("request", step=event.step, action=event.action, source=event.source)
+        else:
+            log.warning("request_refused", step=event.step, action=event.action, source=event.source,
+                        reason=event.refused)
 
     @on(OutOfMemory)
     def out_of_memory(self, event: OutOfMemory, ctx) -> None:

@@ -47,6 +47,12 @@ Python)::
         apply model requests                   # control.set_lora_alpha: adapter.change_lora_alpha(..., optimizer)
                                                #   in the order asked, before any save of this step
         non-finite guard (log steps): stop `failed` after train.max_consecutive_nan non-finite steps in a row
+        every 0.2 s, the requests of <run_dir>/inbox.jsonl (core.inbox: `wantrain ctl`, the page's buttons):
+            emit ControlRequested                # one per request, recorded, so replay shows it; then the core
+                                               #   acts: save -> control.request_save, stop -> request_stop;
+                                               # sample / validate: the sample and validation observers run a
+                                               #   round at this step (control.evaluation(), as at
+                                               #   OptimizerStepped); others may only read it
         if step % save_every == 0 or control.save_now:
             saver.save(...); write checkpoint; emit CheckpointSaved   # in optimizer.eval() mode, then train()
         elif step % checkpoint.every == 0: write checkpoint; emit CheckpointSaved
@@ -212,6 +218,19 @@ class ObserverFailed(Event):
 
 
 @attrs.frozen(slots=True, kw_only=True)
+class ControlRequested(Event):
+    """A person asked the running run for ``action`` (``save``, ``sample``, ``validate`` or ``stop``) through its
+    inbox (``core.inbox``): ``source`` says from where (``ctl``, ``web``), ``request_id`` is the request's id.
+    ``refused`` is None when the core acts on it, else why not (for example ``sample`` under torchrun, where every
+    rank would have to agree on the step)."""
+
+    action: str
+    source: str
+    request_id: str
+    refused: str | None = None
+
+
+@attrs.frozen(slots=True, kw_only=True)
 class RunEnded(Event):
     """The run is over: ``status`` is ``completed`` (all steps), ``stopped`` (an observer or a signal asked),
     ``aborted`` (a second Ctrl-C: ``KeyboardInterrupt``, nothing saved) or ``failed`` (an exception; ``reason``
@@ -233,6 +252,7 @@ CATALOGUE: tuple[type[Event], ...] = (
     SamplesWritten,
     OutOfMemory,
     ObserverFailed,
+    ControlRequested,
     RunEnded,
 )
 
@@ -296,6 +316,7 @@ __all__ = [
     "CATALOGUE",
     "SCHEMA_VERSION",
     "CheckpointSaved",
+    "ControlRequested",
     "Event",
     "ExpertSwitched",
     "GradsReady",

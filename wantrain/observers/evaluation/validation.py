@@ -13,7 +13,8 @@ Metrics (host floats, docs/metrics.md):
 * ``val/loss/t_<t>`` -- the mean over the clips at one timestep (``val/loss/t_0.5``).
 
 When: at step 0 (the baseline, at ``RunStarted`` of a fresh run), every ``validation.every`` optimizer steps and
-at the last step. A stop (Ctrl-C, SIGTERM, an observer's request) skips the validation of its step, so the LoRA and
+at the last step, and at the step a person asks for it (``ControlRequested``: ``wantrain ctl RUN validate``, the
+page's button). A stop (Ctrl-C, SIGTERM, an observer's request) skips the validation of its step, so the LoRA and
 the checkpoint are saved at once (a preemption's grace period is short); the run log says so. On a log step the
 values join the step's ``MetricsLogged`` through ``ctx.metrics`` (one line, one event); at step 0 and at other
 steps the observer emits a ``MetricsLogged`` of its own holding only ``val/*``. Each validation syncs the device
@@ -34,7 +35,7 @@ import torch
 
 from wantrain.core.adapter import ValidationCapable, evaluation_session
 from wantrain.core.bus import Observer, Priority, on
-from wantrain.core.events import MetricsLogged, OptimizerStepped, RunStarted
+from wantrain.core.events import ControlRequested, MetricsLogged, OptimizerStepped, RunStarted
 
 log = structlog.get_logger("wantrain.validation")
 
@@ -152,6 +153,12 @@ class Validation(Observer):
                 ctx.metrics.put(name, value)
         else:
             self._emit(event.step, values, ctx, total)
+
+    @on(ControlRequested)
+    def on_control_requested(self, event: ControlRequested, ctx) -> None:
+        """A person asked for a validation now (``wantrain ctl RUN validate``, the page's button)."""
+        if event.action == "validate" and event.refused is None:
+            self._emit(event.step, self._run(event.step, ctx), ctx, ctx.state.total_steps)
 
     def _run(self, step: int, ctx) -> dict[str, float]:
         started = time.perf_counter()

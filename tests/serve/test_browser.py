@@ -1,0 +1,128 @@
+"""wantrain serve in a real browser (Debian's headless Chromium driven by selenium): a person starts the quickstart
+and the page of its output folder, watches it train, presses "save now" and sees the checkpoint appear,
+presses "stop" and sees the run end resumable.
+
+Set ``WANTRAIN_SCREENSHOTS=docs/img`` to keep the run page's screenshot there (docs/serve.md, the README)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from wantrain.app.serve import PageServer
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)),
+                       reason="Debian's chromium and chromium-driver are not installed (.ci/run installs them: "
+                              "apt-get install chromium chromium-driver)"),
+]
+
+
+@pytest.fixture
+def browser():
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the test extra has it)")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1700",
+                "--autoplay-policy=no-user-gesture-required"):
+        options.add_argument(arg)
+    options.binary_location = CHROMIUM
+    # the system driver: selenium-manager never downloads anything
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for(condition, timeout=120.0, what="the page", process=None):
+    """``condition()`` once it is true; an AssertionError after ``timeout`` seconds, or at once when ``process``
+    (the training run) has ended without it."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the run ended ({process.returncode}) before {what}")
+        try:
+            value = condition()
+        except StaleElementReferenceException:  # the page redrew what was found: look again
+            value = None
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    output = tmp_path / "runs"
+    output.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # the quickstart, long enough to be watched: it ends only when the page stops it; the page is `wantrain serve`
+    # of its output folder (--serve starts the same server in a child process that ends with the run)
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "wantrain", "run", str(ROOT / "examples" / "quickstart.toml"),
+         "--set", f'run.output_dir="{output}"', "--set", "train.max_steps=100000", "--set", "train.log_every=2",
+         "--set", "train.save_every=100000", "--set", "validation.every=100000", "--set", "sample.every=100000"],
+        env=env, stdout=(tmp_path / "out.txt").open("w"), stderr=(tmp_path / "err.txt").open("w"))  # never full
+    server = PageServer(output, port=0).start()
+    try:
+        # generous: on a busy shared machine the quickstart takes minutes to start
+        run_dir = wait_for(lambda: next(iter(output.iterdir()), None), 600, "the run directory", trainer)
+        browser.get(server.url)
+        def open_run():
+            rows = browser.find_elements(By.CSS_SELECTOR, f'tr[data-run="{run_dir.name}"] a')
+            if rows:
+                rows[0].click()
+            return bool(rows)
+
+        wait_for(open_run, what="the run in the list")
+
+        def points():
+            boxes = browser.find_elements(By.CSS_SELECTOR, "#chart-loss[data-points]")
+            return int(boxes[0].get_attribute("data-points")) if boxes else 0
+
+        first = wait_for(lambda: points() >= 2 and points(), 600, "the loss chart", trainer)
+        wait_for(lambda: points() > first + 2, what="the loss chart to grow while the run trains", process=trainer)
+        assert browser.find_element(By.ID, "run-status").text == "running"
+
+        browser.find_element(By.CSS_SELECTOR, 'button[data-action="save"]').click()
+        saved = wait_for(lambda: [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#checkpoints .file")
+                                  if e.text.startswith("step_")], what="the checkpoint of 'save now'", process=trainer)
+        checkpoint = run_dir / "checkpoints" / saved[0]
+        assert (checkpoint / "complete.json").exists()
+        screenshots = os.environ.get("WANTRAIN_SCREENSHOTS")
+        if screenshots:
+            wait_for(lambda: points() > 60, what="a longer chart for the screenshot")
+            browser.save_screenshot(str(Path(screenshots) / "serve_run.png"))
+
+        browser.find_element(By.CSS_SELECTOR, 'button[data-action="stop"]').click()
+        browser.switch_to.alert.accept()  # "Stop the run? It saves ... (resumable)"
+        wait_for(lambda: browser.find_element(By.ID, "run-status").text == "stopped", what="the run to stop")
+        assert trainer.wait(timeout=120) == 3  # stopped, resumable
+        err = (tmp_path / "err.txt").read_text()
+        assert "continue with: " in err and "--resume auto" in err
+        events = (run_dir / "events.jsonl").read_text()
+        assert '"action":"save","source":"web"' in events and '"action":"stop","source":"web"' in events
+        final = sorted((run_dir / "checkpoints").iterdir())[-1]
+        assert (final / "complete.json").exists() and final.name != saved[0]
+        assert all(b.get_attribute("disabled") for b in browser.find_elements(By.CSS_SELECTOR, ".controls button"))
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        server.stop()
+        shutil.rmtree(output, ignore_errors=True)

@@ -1,0 +1,56 @@
+"""``wantrain serve [OUTPUT_DIR] [--host H] [--port P] [--read-only]``: the live page of the runs under an output
+directory (docs/serve.md). Binds to 127.0.0.1 unless ``--host`` names another address; then every request needs
+the token it prints."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from pathlib import Path
+
+from wantrain.core.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("output_dir", nargs="?", default="runs", type=Path,
+                        help="the folder holding the run directories (run.output_dir; default: ./runs)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1, this machine only); any other address makes "
+                             "every request need the printed token")
+    parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free port)")
+    parser.add_argument("--read-only", action="store_true", help="show runs only: the save/sample/stop buttons are off")
+    # `wantrain run --serve`'s child: end when the run's process is gone, even if it was killed (no orphan server)
+    parser.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wantrain.app.serve import PageServer, is_loopback
+
+    if not args.output_dir.is_dir():
+        raise UserError(f"output folder '{args.output_dir}' does not exist: give the folder that holds the run "
+                        "directories (the config's run.output_dir)")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} is not valid: use 0-65535")
+    try:
+        server = PageServer(args.output_dir, host=args.host, port=args.port, read_only=args.read_only)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    remote = not is_loopback(args.host)
+    print(f"wantrain serve: {args.output_dir.resolve()}")
+    print(f"  open {server.token_url if remote else server.url}")
+    print(f"  token (controls{', every request' if remote else ''}): {server.site.token}")
+    if args.read_only:
+        print("  read-only: the controls are off")
+    print("  Ctrl-C to stop", flush=True)
+    if args.exit_with_parent:
+        threading.Thread(target=_end_with_parent, args=(server, os.getppid()), daemon=True).start()
+    server.serve_forever()
+    return 0
+
+
+def _end_with_parent(server, parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    server.server.should_exit = True
