@@ -90,8 +90,9 @@ def forward(transformer) -> torch.Tensor:
 
 
 def trained(case: str, tmp_path, **model):
+    model.setdefault("gradient_checkpointing", False)
     adapter = make_adapter("tiny-t2v", rank=RANKS.get(case, 4), alpha=7.0, switch_every=1,
-                           lora={**CASES[case], "save_dtype": "fp32"}, gradient_checkpointing=False, **model)
+                           lora={**CASES[case], "save_dtype": "fp32"}, **model)
     train_steps(adapter, adapter.encode_batch(raw_batch()), steps=4, lr=2e-2)
     files = adapter.saver(tmp_path, "demo").save(step=4, final=True)
     return adapter, dict(zip(adapter.experts, files, strict=True))
@@ -219,3 +220,28 @@ def test_inspect_lora_names_the_type_and_checks_every_module(case, title, tmp_pa
     block, group, leaf = dropped.split(".")[2:5]
     with pytest.raises(UserError, match=rf"module {block}\.{group}\.{leaf} lacks .*; the file is incomplete"):
         inspect(broken)
+
+
+def test_a_checkpoint_refuses_to_resume_under_another_adapter_layout():
+    from wantrain.app.resume import resume_rule
+
+    for key in ("lora.type", "lora.lokr_factor", "lora.lokr_decompose_both", "lora.include", "lora.exclude"):
+        assert resume_rule(key) == "refuse", key
+
+
+@pytest.mark.parametrize("case, base_dtype", [("dora", "fp32"), ("loha", "fp8_scaled"), ("lokr", "fp8")])
+def test_block_swap_exports_the_same_file_as_a_run_without_it(case, base_dtype, tmp_path, monkeypatch):
+    """DoRA's export reads the base weights, which block swap keeps off the modules; LoKr and LoHa train on fp8
+    bases (allowed on the CPU here, as the fp8 tests do)."""
+    from wantrain.models.wan22 import adapter as adapter_module
+
+    monkeypatch.setattr(adapter_module, "FP8_DEVICE_TYPES", ("cuda", "cpu"))
+    saved = {}
+    for swap in (0, 1):
+        _, files = trained(case, tmp_path / f"swap{swap}", base_dtype=base_dtype, blocks_to_swap=swap,
+                           gradient_checkpointing=True)
+        saved[swap] = {e: load_file(f) for e, f in files.items()}
+    for expert, tensors in saved[0].items():
+        assert tensors.keys() == saved[1][expert].keys()
+        for key, value in tensors.items():
+            assert torch.equal(value, saved[1][expert][key]), (expert, key)
