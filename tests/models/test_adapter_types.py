@@ -180,8 +180,9 @@ def test_module_patterns_are_checked_against_the_variant_when_the_config_loads(t
 
     config = tmp_path / "run.toml"
     config.write_text('[model]\nvariant = "tiny-t2v"\n[lora]\ntype = "lokr"\nexclude = ["blocks\\\\.7\\\\."]\n')
-    with pytest.raises(ConfigError, match=r"lora.exclude pattern 'blocks\\\\.7\\\\.' matches no module"):
+    with pytest.raises(ConfigError, match=r"lora.exclude pattern 'blocks\\\\.7\\\\.' matches no module") as err:
         load_config(config)
+    assert "nearest names: blocks.1." in str(err.value)  # tiny-t2v has blocks 0 and 1
 
 
 @pytest.mark.parametrize("keys, message", [

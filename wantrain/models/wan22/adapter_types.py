@@ -307,9 +307,10 @@ def select_modules(names: Iterable[str], include: Iterable[str], exclude: Iterab
 
 
 def _nearest(pattern: str, modules: list[tuple[str, str]]) -> list[str]:
-    short = sorted({n.split(".", 2)[2] for n, _ in modules} | {w.split(".", 2)[2] for _, w in modules})
-    bare = re.sub(r"^.*?\\?\.(?=[a-z])", "", pattern) if pattern.startswith("blocks") else pattern
-    return difflib.get_close_matches(bare.replace("\\", ""), short, n=3, cutoff=0.3)
+    """Module names like ``pattern`` (its regex escapes dropped): short ones (``attn1.to_q``) and whole ones."""
+    short = {n.split(".", 2)[2] for n, _ in modules} | {w.split(".", 2)[2] for _, w in modules}
+    whole = {n for n, _ in modules} | {w for _, w in modules}
+    return difflib.get_close_matches(pattern.replace("\\", ""), sorted(short | whole), n=3, cutoff=0.3)
 
 
 def check_pattern(key: str, pattern: str) -> str | None:
