@@ -13,6 +13,7 @@ from typing import Any
 
 from wantrain.app.migration import peer_file_problem, peer_hint, table_markdown
 from wantrain.core.config import ConfigError, config_reference, name_sections, section, setting, structure, unstructure
+from wantrain.core.errors import UserError
 from wantrain.core.settings import (
     CheckpointConfig,
     FaultsConfig,
@@ -21,7 +22,9 @@ from wantrain.core.settings import (
     TrainConfig,
 )
 from wantrain.data.config import DataConfig
-from wantrain.models.wan22.config import LoraConfig, ModelConfig, check_rank
+from wantrain.models.wan22.adapter_types import candidate_modules, select_modules
+from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig, check_rank
+from wantrain.models.wan22.variants import VARIANTS
 from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
 from wantrain.observers.lr_finder.config import LrFinderConfig, check_run_id
@@ -32,7 +35,8 @@ from wantrain.schedulers.config import SchedulerConfig
 
 @section
 class LoraSection(LoraConfig):
-    """The LoRA adapters: one per trained expert on the 10 Linears of every block (see docs/models.md)."""
+    """The adapters (`type`: LoRA, LoKr, LoHa or DoRA): one per trained expert on the 10 Linears of every block,
+    or those `include` / `exclude` select (see docs/models.md)."""
 
     # the model plug-in's keys (LoraConfig) plus the alpha controller's table, which only that observer reads
     alpha_schedule: AlphaScheduleConfig | None = setting(
@@ -88,6 +92,19 @@ class RunConfig:
                 raise ConfigError(str(exc)) from None
         _check_alpha_schedule(self)
         check_rank(self.model.variant, self.lora.rank)
+        if self.lora.type == "dora" and (self.model.base_dtype in FP8_DTYPES or (
+                self.model.vram_budget_gb is not None and self.model.base_dtype == "auto")):
+            raise ConfigError(
+                f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 storage does not "
+                f"dequantize (model.base_dtype = '{self.model.base_dtype}'"
+                + (", which a VRAM budget may turn into fp8" if self.model.base_dtype == "auto" else "")
+                + "); set model.base_dtype = 'bf16' or use another lora.type")
+        if self.lora.include or self.lora.exclude:  # against the variant's module names, before anything is written
+            try:
+                select_modules(candidate_modules(VARIANTS[self.model.variant].num_layers), self.lora.include,
+                               self.lora.exclude)
+            except UserError as exc:
+                raise ConfigError(str(exc)) from None
         if self.lr_finder.active:
             check_run_id(self.run.run_id)  # the sweep's run directory adds __lr_finder to the id
 

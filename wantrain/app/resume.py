@@ -42,6 +42,8 @@ RESUME_RULES: dict[str, str] = {
     "lora.rank": "refuse", "lora.alpha": "refuse", "data.": "refuse", "train.batch_size": "refuse",
     "train.grad_accum": "refuse", "run.seed": "refuse", "optimizer.type": "refuse",
     "lora.plus_lr_ratio": "refuse",  # LoRA+ on or off changes the optimizer's parameter groups
+    "lora.type": "refuse", "lora.lokr_factor": "refuse", "lora.lokr_decompose_both": "refuse",  # the adapter's
+    "lora.include": "refuse", "lora.exclude": "refuse",  # layout: the checkpoint's tensors would not fit
     # free: how the run is written, watched or placed in memory, not what it computes
     "run.output_dir": "free", "run.run_id": "free", "train.log_every": "free", "train.save_every": "free",
     "train.device": "free", "train.max_consecutive_oom": "free", "train.max_consecutive_nan": "free",

@@ -1,10 +1,12 @@
-"""``wantrain inspect-lora FILE``: what a LoRA file holds, and whether every key is a Wan 2.2 module name.
+"""``wantrain inspect-lora FILE``: what an adapter file holds, and whether every key is a Wan 2.2 module name.
 
-Prints the variant, expert, step and wantrain version from the metadata, then rank and alpha per module group
-(self_attn, cross_attn, ffn). Every key must be ``diffusion_model.blocks.N.<module>.<part>`` with module one of
-``self_attn.{q,k,v,o}``, ``cross_attn.{q,k,v,o}``, ``ffn.{0,2}`` and part ``lora_A.weight``, ``lora_B.weight``
-(or ``lora_down``/``lora_up``) or ``alpha``; N must be below the variant's block count when the metadata names
-the variant. The first bad key stops the check with a ``UserError`` (exit code 2).
+Prints the adapter type (LoRA, LoKr, LoHa or DoRA, from the keys), the variant, expert, step and wantrain version
+from the metadata, then rank and alpha per module group (self_attn, cross_attn, ffn). Every key must be
+``diffusion_model.blocks.N.<module>.<part>`` with module one of ``self_attn.{q,k,v,o}``, ``cross_attn.{q,k,v,o}``,
+``ffn.{0,2}`` and part ``lora_A.weight``, ``lora_B.weight`` (or ``lora_down``/``lora_up``), ``alpha``,
+``dora_scale``, ``hada_w{1,2}_{a,b}``, ``lokr_w{1,2}`` or ``lokr_w{1,2}_{a,b}``; N must be below the variant's block
+count when the metadata names the variant; every module must hold the whole set of its type's factors, and all
+modules one type. The first problem stops the check with a ``UserError`` (exit code 2).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def inspect(path: Path) -> list[str]:
     """The report lines for ``path``; raises ``UserError`` for a missing/unreadable file or a bad key."""
     from safetensors import SafetensorError, safe_open
 
+    from wantrain.models.wan22.adapter_types import TYPE_TITLES, file_type
     from wantrain.models.wan22.export import WAN_KEY
     from wantrain.models.wan22.variants import VARIANTS
 
@@ -50,12 +53,14 @@ def inspect(path: Path) -> list[str]:
     ranks: dict[str, set[int]] = defaultdict(set)
     group_alphas: dict[str, set[float]] = defaultdict(set)
     modules: set[str] = set()
+    parts: dict[str, set[str]] = defaultdict(set)
     for key in sorted(keys):
         match = WAN_KEY.match(key)
         if match is None:
             raise UserError(
-                f"'{path}': key '{key}' is not a Wan 2.2 LoRA key (expected diffusion_model.blocks.N."
-                "{self_attn,cross_attn}.{q,k,v,o} or ffn.{0,2} with .lora_A.weight/.lora_B.weight/.alpha)"
+                f"'{path}': key '{key}' is not a Wan 2.2 adapter key (expected diffusion_model.blocks.N."
+                "{self_attn,cross_attn}.{q,k,v,o} or ffn.{0,2} with .lora_A.weight/.lora_B.weight/.alpha, "
+                ".dora_scale, .hada_w1_a ... or .lokr_w1 ...)"
             )
         block = int(match.group("block"))
         if num_layers is not None and block >= num_layers:
@@ -63,12 +68,25 @@ def inspect(path: Path) -> list[str]:
         module = f"{match.group('module')}"
         modules.add(f"{block}.{module}")
         part = match.group("part")
-        if part in ("lora_A.weight", "lora_down.weight"):
+        parts[f"{block}.{module}"].add(part)
+        if part in ("lora_A.weight", "lora_down.weight", "hada_w1_b", "lokr_w2_b"):
             ranks[_group(module)].add(shapes[key][0])
         elif part == "alpha":
             group_alphas[_group(module)].add(alphas[key])
+    kinds = {m: file_type(p) for m, p in parts.items()}
+    if len(set(kinds.values())) > 1:
+        raise UserError(f"'{path}' mixes adapter types ({', '.join(sorted(map(str, set(kinds.values()))))}); "
+                        "a file holds one")
+    kind = next(iter(kinds.values()))
+    for module, have in sorted(parts.items()):
+        missing = _missing_parts(kind, have)
+        if missing:
+            raise UserError(f"'{path}': module {module} lacks {', '.join(missing)} of its "
+                            f"{TYPE_TITLES.get(kind, 'adapter')} factors; the file is incomplete")
     lines = [
         f"file: {path}",
+        f"type: {TYPE_TITLES.get(kind, 'none (alpha only)')}" + (
+            " (factors full: alpha does not apply, the scale is in lokr_w1)" if kind == "lokr" and not ranks else ""),
         f"variant: {metadata.get('variant', 'unknown')}",
         f"expert: {metadata.get('expert', 'unknown')}",
         f"step: {metadata.get('step', 'unknown')}",
@@ -100,6 +118,17 @@ def _refuse_checkpoint(path: Path) -> None:
              if loras else f"the run's LoRA files (<name>_high_noise.safetensors, ...) go into '{run_dir}'")
     raise UserError(f"'{path}' is a resumable checkpoint (state.json and tensors.safetensors, for --resume), not a "
                     f"LoRA file; {where}")
+
+
+def _missing_parts(kind: str | None, have: set[str]) -> list[str]:
+    """The factors a module of type ``kind`` needs that ``have`` lacks (ComfyUI's loader needs them all)."""
+    if kind == "lokr":
+        return [f"lokr_{w} or lokr_{w}_a/_b" for w in ("w1", "w2")
+                if f"lokr_{w}" not in have and not {f"lokr_{w}_a", f"lokr_{w}_b"} <= have]
+    need = {"loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"),
+            "dora": ("lora_A.weight|lora_down.weight", "lora_B.weight|lora_up.weight", "dora_scale"),
+            "lora": ("lora_A.weight|lora_down.weight", "lora_B.weight|lora_up.weight")}.get(kind, ())
+    return [n.split("|")[0] for n in need if not set(n.split("|")) & have]
 
 
 def run(args: argparse.Namespace) -> int:

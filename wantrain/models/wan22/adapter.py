@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,9 @@ from torch import nn
 from wantrain.core.errors import UserError
 from wantrain.core.optim_state import check_rescalable, rescale_state, state_kind
 from wantrain.models.wan22 import architecture, fp8
+from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
-from wantrain.models.wan22.export import (
-    ADAPTER_NAME,
-    LORA_TARGET_REGEX,
-    Wan22Saver,
-    live_alpha,
-    lora_layers,
-    set_live_alpha,
-)
+from wantrain.models.wan22.export import ADAPTER_NAME, Wan22Saver, lora_layers
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.lora_files import LoraFile, check_fits, resolve_init
 from wantrain.models.wan22.offload import ActivationOffload
@@ -73,19 +66,15 @@ def lora_init_seed(seed: int, expert: str | None) -> int:
 
 
 @torch.no_grad()
-def init_lora_in_fp32(transformer: nn.Module, seed: int) -> None:
-    """peft's default LoRA start (``A`` Kaiming-uniform with ``a = sqrt(5)``, ``B`` zero), drawn in float32 from a
-    generator seeded by ``seed``, layer by layer in module order. peft casts a new LoRA to its base layer's dtype
-    before wantrain's ``.float()``: through bf16, or through float8 (which would leave ``A`` 9-19 distinct
-    values, so that an fp8 run started from another LoRA than a bf16 one). Drawn here, the start depends on the
-    seed alone, whatever the base dtype."""
+def init_adapter_in_fp32(transformer: nn.Module, seed: int, kind: AdapterType) -> None:
+    """peft's default start of the adapter type (LoRA: ``A`` Kaiming-uniform with ``a = sqrt(5)``, ``B`` zero;
+    the others: ``adapter_types.py``), drawn in float32 from a generator seeded by ``seed``, layer by layer in
+    module order. peft casts a new adapter to its base layer's dtype before wantrain's ``.float()``: through bf16,
+    or through float8 (which would leave ``A`` 9-19 distinct values, so that an fp8 run started from another LoRA
+    than a bf16 one). Drawn here, the start depends on the seed alone, whatever the base dtype."""
     generator = torch.Generator().manual_seed(seed)
     for _, layer in lora_layers(transformer):
-        a, b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
-        fresh = torch.empty(a.shape, dtype=torch.float32)
-        nn.init.kaiming_uniform_(fresh, a=math.sqrt(5), generator=generator)
-        a.copy_(fresh)
-        b.zero_()
+        kind.init_fp32(layer, generator)
 
 
 def _store_base(transformer: nn.Module, storage: str) -> None:
@@ -121,6 +110,7 @@ class Wan22Adapter:
         self.model_config = model
         # lora.init_from*: rank and alpha come from the files (read and checked before any weight loads)
         self.lora_config, init_files = resolve_init(lora, model)
+        self.kind: AdapterType = adapter_type(self.lora_config.type)  # the one object that knows the adapter type
         self.device = torch.device(device)
         self.experts: tuple[str | None, ...] = model.trained_experts
         self.base_lr = base_lr
@@ -166,29 +156,36 @@ class Wan22Adapter:
         self._next_quantile: float | None = None  # set_timestep_quantile(): for the next loss() only
 
     def _prepare(self, transformer: nn.Module, storage: str, init_seed: int) -> nn.Module:
-        from peft import LoraConfig as PeftLoraConfig
-
+        if self.kind.reads_base and storage in FP8_DTYPES:  # the config refuses it first; a planner's choice lands here
+            raise UserError(f"lora.type = 'dora' cannot train on model.base_dtype = '{storage}' (peft's DoRA reads the "
+                            "base weights undequantized); set model.base_dtype = 'bf16'")
         transformer.requires_grad_(False)
         _store_base(transformer, storage)  # before the LoRA is added, so that only base Linears are stored in fp8
         if self.model_config.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         lora = self.lora_config
-        transformer.add_adapter(
-            PeftLoraConfig(r=lora.rank, lora_alpha=lora.effective_alpha, lora_dropout=lora.dropout,
-                           target_modules=LORA_TARGET_REGEX, init_lora_weights=True),
-            adapter_name=ADAPTER_NAME,
-        )
+        # lora.include / lora.exclude, checked against the modules this transformer has
+        targets = select_modules([n for n, _ in transformer.named_modules()], lora.include, lora.exclude)
+        transformer.add_adapter(self.kind.peft_config(lora, targets), adapter_name=ADAPTER_NAME)
         for name, param in transformer.named_parameters():
-            if f".{ADAPTER_NAME}." in name:
-                param.data = param.data.float()  # LoRA weights train in fp32 whatever the base dtype
+            if f".{ADAPTER_NAME}." in name or name.endswith(f".{ADAPTER_NAME}"):
+                param.data = param.data.float()  # adapter weights train in fp32 whatever the base dtype
                 param.requires_grad_(True)
-        init_lora_in_fp32(transformer, init_seed)
+        init_adapter_in_fp32(transformer, init_seed, self.kind)
         return transformer.train()
 
     def _start_from(self, expert: str | None, lora: LoraFile) -> None:
-        """Copy the LoRA of a file into ``expert``'s LoRA layers (fp32) with each module's alpha; modules the file
-        does not hold keep their fresh start (B = 0)."""
+        """Copy the adapter of a file into ``expert``'s adapter layers (fp32) with each module's alpha; modules the
+        file does not hold keep their fresh start (an update of zero)."""
         layers = dict(lora_layers(self._transformers[expert]))
+        unadapted = sorted(set(lora.modules) - set(layers))
+        if unadapted:
+            raise UserError(f"{lora.key} '{lora.path}' holds module {unadapted[0]}, which this run does not adapt "
+                            "(lora.include / lora.exclude); widen the selection or drop those keys")
+        if lora.adapter_type != "lora":
+            for module, parts in lora.parts.items():
+                self.kind.load(layers[module], parts, f"{lora.key} '{lora.path}' module {module}")
+            return
         check_fits(lora, {n: (layer.base_layer.out_features, layer.base_layer.in_features)
                           for n, layer in layers.items()})
         with torch.no_grad():
@@ -196,7 +193,7 @@ class Wan22Adapter:
                 layer = layers[module]
                 layer.lora_A[ADAPTER_NAME].weight.copy_(down.to(torch.float32))
                 layer.lora_B[ADAPTER_NAME].weight.copy_(lora.up[module].to(torch.float32))
-                set_live_alpha(layer, lora.alpha[module])
+                self.kind.set_alpha(layer, lora.alpha[module])
 
     # -- the ModelAdapter contract -------------------------------------------------------------------------
     def transformer_for(self, expert: str | None) -> nn.Module:
@@ -220,7 +217,7 @@ class Wan22Adapter:
             if ratio is None:
                 groups.append({"params": params, "lr": lr, "name": name})
                 continue
-            b = {id(layer.lora_B[ADAPTER_NAME].weight) for _, layer in lora_layers(self._transformers[e])}
+            b = {id(self.kind.output_factor(layer)) for _, layer in lora_layers(self._transformers[e])}
             groups.append({"params": [p for p in params if id(p) not in b], "lr": lr, "name": name})
             groups.append({"params": [p for p in params if id(p) in b], "lr": lr * ratio, "name": f"{name}_B",
                            "follows": name, "lr_ratio": ratio})
@@ -501,21 +498,22 @@ class Wan22Adapter:
 
     # -- LoRA alpha (for the alpha controller) and saving --------------------------------------------------
     def lora_alpha(self, expert: str | None) -> float:
-        """The alpha in force on ``expert``'s LoRA (the first layer's; all layers share it unless set apart)."""
-        return live_alpha(next(layer for _, layer in lora_layers(self._transformers[expert])))
+        """The alpha in force on ``expert``'s adapter (the first layer's; all layers share it unless set apart)."""
+        return self.kind.alpha(next(layer for _, layer in lora_layers(self._transformers[expert])))
 
     def set_lora_alpha(self, alpha: float, expert: str | None = None) -> None:
         """Set alpha on every LoRA layer of ``expert`` (all trained experts when ``None``); the export follows."""
         for e in self.experts if expert is None else (expert,):
             for _, layer in lora_layers(self._transformers[e]):
-                set_live_alpha(layer, float(alpha))
+                self.kind.set_alpha(layer, float(alpha))
 
     def change_lora_alpha(self, alpha: float, expert: str | None, optimizer: torch.optim.Optimizer | None = None,
                           *, preserve_output: bool = True) -> None:
         """Set alpha on ``expert``'s LoRA between optimizer steps (the alpha controller calls this at a log step).
 
         ``preserve_output``: keep the model's function: each layer's ``B`` becomes ``B * old/new`` so that
-        ``(new/r) * B' A = (old/r) * B A``, and its optimizer state follows the gradients of the new
+        ``(new/r) * B' A = (old/r) * B A`` (the other types: the factor ``AdapterType.output_factor`` names, which
+        the update is linear in), and its optimizer state follows the gradients of the new
         parametrisation (dL/dB' = new/old * dL/dB), by the optimizer's map in :mod:`wantrain.core.optim_state`
         (Adam/AdamW, SGD, 8-bit AdamW, Adafactor, schedule-free AdamW). A's weights, gradients and state do not
         change. Every layer's state is checked first: state no map knows raises ``TypeError`` before anything
@@ -528,17 +526,32 @@ class Wan22Adapter:
         kind = state_kind(optimizer)
         if preserve_output and optimizer is not None:
             for layer in layers:  # the check pass: nothing is changed unless every layer's state can follow
-                if live_alpha(layer) != alpha:
-                    check_rescalable(kind, optimizer.state.get(layer.lora_B[ADAPTER_NAME].weight, {}))
+                if self.kind.alpha(layer) != alpha:
+                    check_rescalable(kind, optimizer.state.get(self.kind.output_factor(layer), {}))
         with torch.no_grad():
             for layer in layers:
-                old = live_alpha(layer)
+                old = self.kind.alpha(layer)
                 if preserve_output and old != alpha:
-                    weight = layer.lora_B[ADAPTER_NAME].weight
+                    weight = self.kind.output_factor(layer)
                     weight.mul_(old / alpha)
                     if optimizer is not None and optimizer.state.get(weight):
                         rescale_state(kind, optimizer.state[weight], alpha / old)
-                set_live_alpha(layer, alpha)
+                self.kind.set_alpha(layer, alpha)
+
+    def adapter_tensors(self, expert: str | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """``expert``'s adapter in the file layout of its type (``export.adapter_state_dict``). DoRA's export reads
+        the base weights; with block swap each swapped block is loaded through the swap while it is read and the
+        ring is emptied after (the next forward pass loads what it needs)."""
+        from wantrain.models.wan22.export import adapter_state_dict
+
+        transformer, swap = self._transformers[expert], self._swaps.get(expert)
+        if swap is None or not self.kind.reads_base:
+            return adapter_state_dict(transformer, self.kind, dtype)
+        try:
+            return adapter_state_dict(transformer, self.kind, dtype,
+                                      before_block=lambda k: swap.load(k) if k in swap.swapped else None)
+        finally:
+            swap.release()
 
     def saver(self, run_dir: Path, name: str) -> Wan22Saver:
         return Wan22Saver(self, run_dir, name)

@@ -14,6 +14,7 @@ import torch
 
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.models.wan22.adapter_types import check_pattern
 from wantrain.models.wan22.variants import VARIANTS
 
 FP8_DTYPES = ("fp8", "fp8_scaled")  # base dtypes that store the blocks' Linears in float8_e4m3fn
@@ -222,8 +223,24 @@ def _trained_range(boundary: float | None, experts: str) -> tuple[float, float]:
 
 @section
 class LoraConfig:
-    """The LoRA adapters: one per trained expert on the 10 Linears of every block (see docs/models.md)."""
+    """The adapters: one per trained expert on the 10 Linears of every block, or those `include` / `exclude`
+    select (see docs/models.md). `type` picks LoRA, LoKr, LoHa or DoRA (``adapter_types.py``)."""
 
+    type: Literal["lora", "lokr", "loha", "dora"] = setting(
+        "lora", doc="Adapter type: `lora`, `lokr` (Kronecker product), `loha` (Hadamard product) or `dora` (LoRA "
+        "with a trained magnitude per output row); exported in the LyCORIS keys ComfyUI loads (docs/models.md).")
+    lokr_factor: int = setting(
+        -1, doc="LoKr only: the size of the first Kronecker factor (`lokr_w1` is factor x factor); -1 picks the "
+        "divisors nearest the square root of each layer's sizes.", range=at_least(-1))
+    lokr_decompose_both: bool = setting(
+        False, doc="LoKr only: also decompose the first factor into two rank-`rank` matrices when it is large "
+        "enough (`lokr_w1_a`, `lokr_w1_b`).")
+    include: list[str] = setting(
+        factory=list, doc="Regular expressions selecting the adapted modules among the 10 Linears of every block, "
+        "searched in diffusers names (`blocks.3.attn1.to_q`) and original Wan names (`blocks.3.self_attn.q`); "
+        "empty: all of them. Each must match some module.")
+    exclude: list[str] = setting(
+        factory=list, doc="Regular expressions (as `include`) of modules left without an adapter.")
     rank: int | None = setting(
         None, doc="LoRA rank; unset: 16, or the rank of the `init_from` file(s).", range=at_least(1))
     alpha: float | None = setting(
@@ -246,6 +263,25 @@ class LoraConfig:
     def __attrs_post_init__(self) -> None:
         if self.rank is None and not self.starts_from_files:
             object.__setattr__(self, "rank", 16)  # unset and no file to read it from: the default
+        if self.lokr_factor == 0:
+            raise ConfigError("config key 'lora.lokr_factor' = 0 is not a factor; use -1 (near the square root) or "
+                              "a size >= 1")
+        if self.type != "lokr":
+            for key, default in (("lokr_factor", -1), ("lokr_decompose_both", False)):
+                if getattr(self, key) != default:
+                    raise ConfigError(f"config key 'lora.{key}' applies to lora.type = 'lokr', not to "
+                                      f"'{self.type}'; remove it or set lora.type = 'lokr'")
+        if self.type in ("lokr", "loha") and self.dropout:
+            raise ConfigError(f"config key 'lora.dropout' is LoRA's input dropout; lora.type = '{self.type}' has "
+                              "none (peft's module dropout draws from the global RNG); set lora.dropout = 0")
+        if self.type in ("lokr", "loha") and self.plus_lr_ratio is not None:
+            raise ConfigError(f"config key 'lora.plus_lr_ratio' (LoRA+) sets the LR of LoRA's B matrices; "
+                              f"lora.type = '{self.type}' has none; remove it or use lora.type 'lora' or 'dora'")
+        for key in ("include", "exclude"):
+            for pattern in getattr(self, key):
+                problem = check_pattern(f"lora.{key}", pattern)
+                if problem:
+                    raise ConfigError(problem)
 
     @property
     def starts_from_files(self) -> bool:

@@ -1,23 +1,28 @@
-"""LoRA files in the original Wan naming that ComfyUI and diffusers both read.
+"""Adapter files in the original Wan naming that ComfyUI reads (and diffusers, for LoRA).
 
 One file per trained expert (``<name>_high_noise.safetensors`` / ``<name>_low_noise.safetensors``, or
-``<name>.safetensors`` for the 5B). For every adapted Linear of block N the file holds::
+``<name>.safetensors`` for the 5B). For every adapted Linear of block N the file holds, for ``lora.type = "lora"``::
 
     diffusion_model.blocks.N.self_attn.q.lora_A.weight   [rank, in]     (also k, v, o; cross_attn q, k, v, o;
     diffusion_model.blocks.N.self_attn.q.lora_B.weight   [out, rank]     ffn.0 and ffn.2)
     diffusion_model.blocks.N.self_attn.q.alpha           scalar float32
 
+and for LoKr, LoHa and DoRA the LyCORIS keys under the same module names (``lokr_w1`` / ``lokr_w2`` or their
+``_a`` / ``_b`` factors, ``hada_w1_a`` ... ``hada_w2_b``, DoRA's ``dora_scale``; ``adapter_types.py`` has the
+formulas ComfyUI applies and how the file is made to match them).
+
 ``alpha`` is the alpha in force when the file is written, read from the live peft layer (``scaling * r``), so a
-controller that changes alpha during training is exported as it stands; both ComfyUI and diffusers scale by
-alpha/rank. Metadata (ignored by the loaders, shown by ``wantrain inspect-lora``) records variant, expert, rank,
-alpha, step and the wantrain version. No Wan 2.1-only keys (``k_img``/``v_img``) exist in Wan 2.2.
+controller that changes alpha during training is exported as it stands; ComfyUI and diffusers scale by
+alpha/rank. Metadata (ignored by the loaders, shown by ``wantrain inspect-lora``) records the adapter type,
+variant, expert, rank, alpha, step and the wantrain version. No Wan 2.1-only keys (``k_img``/``v_img``) exist in
+Wan 2.2.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,24 +30,28 @@ from torch import nn
 
 from wantrain.core.checkpoint import canonicalize_safetensors
 from wantrain.core.version import __version__
+from wantrain.models.wan22.adapter_types import (
+    ADAPTER_NAME,
+    DIFFUSERS_TO_WAN,
+    AdapterType,
+    adapted_layers,
+    adapter_type,
+)
 
-# diffusers module path inside a block -> original Wan name
-DIFFUSERS_TO_WAN = {
-    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
-    "attn1.to_out.0": "self_attn.o",
-    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
-    "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
-}
+__all__ = ["ADAPTER_NAME", "DIFFUSERS_TO_WAN", "LORA_TARGET_REGEX", "WAN_KEY", "Wan22Saver", "adapter_state_dict",
+           "atomic_save", "live_alpha", "lora_layers", "set_live_alpha", "wan_module_name", "wan_state_dict"]
 # peft target regex (full match against module names): the 10 Linears of every block, nothing else.
 LORA_TARGET_REGEX = (
     r"blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))"
 )
 _BLOCK_MODULE = re.compile(r"^blocks\.(\d+)\.(.+)$")
+# the tensor names of one module in a file, every type: LoRA (both namings), DoRA's scale, LoHa's and LoKr's factors
+FILE_PARTS = (r"lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha|dora_scale|"
+              r"hada_w[12]_[ab]|lokr_w[12]|lokr_w[12]_[ab]")
 WAN_KEY = re.compile(
     r"^diffusion_model\.blocks\.(?P<block>\d+)\.(?P<module>(self_attn|cross_attn)\.[qkvo]|ffn\.[02])"
-    r"\.(?P<part>lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha)$"
+    r"\.(?P<part>" + FILE_PARTS + ")$"
 )
-ADAPTER_NAME = "wantrain"
 
 
 def wan_module_name(diffusers_name: str) -> str:
@@ -54,10 +63,8 @@ def wan_module_name(diffusers_name: str) -> str:
 
 
 def lora_layers(transformer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(diffusers module name, peft LoRA layer) of every adapted module, in module order."""
-    for name, module in transformer.named_modules():
-        if hasattr(module, "lora_A") and ADAPTER_NAME in getattr(module, "lora_A", {}):
-            yield name, module
+    """(diffusers module name, peft layer) of every adapted module, in module order, of any adapter type."""
+    yield from adapted_layers(transformer)
 
 
 def live_alpha(layer: nn.Module) -> float:
@@ -66,18 +73,29 @@ def live_alpha(layer: nn.Module) -> float:
 
 
 def set_live_alpha(layer: nn.Module, alpha: float) -> None:
-    layer.lora_alpha[ADAPTER_NAME] = alpha
-    layer.scaling[ADAPTER_NAME] = alpha / layer.r[ADAPTER_NAME]
+    adapter_type("lora").set_alpha(layer, alpha)
 
 
 def wan_state_dict(transformer: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The LoRA of ``transformer`` in original Wan naming, on the CPU, with per-module ``.alpha`` scalars."""
+    return adapter_state_dict(transformer, adapter_type("lora"), dtype)
+
+
+def adapter_state_dict(transformer: nn.Module, kind: AdapterType, dtype: torch.dtype,
+                       before_block: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter of ``transformer`` (of type ``kind``) in original Wan naming, on the CPU: its factors in
+    ``dtype`` (computed in float32 first), ``alpha`` and ``dora_scale`` in float32 (``AdapterType.export``).
+    ``before_block(N)`` is called before the first layer of block N is read (block swap: DoRA reads base weights)."""
     out: dict[str, torch.Tensor] = {}
+    block = None
     for name, layer in lora_layers(transformer):
         key = wan_module_name(name)
-        out[f"{key}.lora_A.weight"] = layer.lora_A[ADAPTER_NAME].weight.detach().to("cpu", dtype).contiguous()
-        out[f"{key}.lora_B.weight"] = layer.lora_B[ADAPTER_NAME].weight.detach().to("cpu", dtype).contiguous()
-        out[f"{key}.alpha"] = torch.tensor(live_alpha(layer), dtype=torch.float32)
+        if before_block is not None and int(name.split(".")[1]) != block:
+            block = int(name.split(".")[1])
+            before_block(block)
+        for part, tensor in kind.export(layer).items():
+            keep = torch.float32 if part in ("alpha", "dora_scale") else dtype
+            out[f"{key}.{part}"] = tensor.to(keep).contiguous()
     return out
 
 
@@ -118,11 +136,13 @@ class Wan22Saver:
         dtype = torch.float32 if self.adapter.lora_config.save_dtype == "fp32" else torch.bfloat16
         written = []
         for expert in self.adapter.experts:
-            tensors = wan_state_dict(self.adapter.transformer_for(expert), dtype)
-            alphas = sorted({float(v) for k, v in tensors.items() if k.endswith(".alpha")})
+            tensors = self.adapter.adapter_tensors(expert, dtype)
+            alphas = sorted({self.adapter.kind.alpha(layer) for _, layer in lora_layers(self.adapter.transformer_for(
+                expert))})
             metadata = {
                 "format": "pt",
                 "wantrain_version": __version__,
+                "adapter_type": self.adapter.kind.name,
                 "variant": self.adapter.spec.name,
                 "expert": expert or "single",
                 "rank": str(self.adapter.lora_config.rank),

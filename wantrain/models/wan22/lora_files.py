@@ -26,6 +26,7 @@ import attrs
 import torch
 
 from wantrain.core.errors import UserError
+from wantrain.models.wan22.adapter_types import TYPE_TITLES, adapter_type, file_type
 
 # original Wan module name inside a block -> diffusers name (the inverse of export.DIFFUSERS_TO_WAN)
 WAN_TO_DIFFUSERS = {
@@ -36,7 +37,9 @@ WAN_TO_DIFFUSERS = {
 }
 _MUSUBI_TO_WAN = {m.replace(".", "_"): m for m in WAN_TO_DIFFUSERS}
 _DOWN = {"lora_A.weight": "A", "lora_down.weight": "A", "lora_B.weight": "B", "lora_up.weight": "B", "alpha": "alpha"}
-_PART = r"(?P<part>lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha)"
+# LoRA's parts in every naming, and the LyCORIS parts of the other types (DoRA's scale, LoHa's and LoKr's factors)
+_PART = (r"(?P<part>lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha|dora_scale|"
+         r"hada_w[12]_[ab]|lokr_w[12]|lokr_w[12]_[ab])")
 _WAN = re.compile(r"^diffusion_model\.blocks\.(?P<block>\d+)\.(?P<module>(self_attn|cross_attn)\.[qkvo]|ffn\.[02])\."
                   + _PART + "$")
 _DIFFUSERS = re.compile(r"^(transformer\.)?blocks\.(?P<block>\d+)\.(?P<module>attn[12]\.(to_q|to_k|to_v|to_out\.0)|"
@@ -49,16 +52,24 @@ _EXPERT_IN_NAME = re.compile(r"(high|low)[_\- ]?noise", re.IGNORECASE)
 
 @attrs.frozen
 class LoraFile:
-    """A LoRA read from a file, by diffusers module name (``blocks.3.attn1.to_q``)."""
+    """An adapter read from a file, by diffusers module name (``blocks.3.attn1.to_q``). A LoRA's matrices are in
+    ``down`` / ``up``; every other type (``adapter_type``) keeps each module's tensors by their LyCORIS names in
+    ``parts`` (DoRA: also ``down`` / ``up``). ``rank`` is None for a LoKr file whose factors are all full."""
 
     path: Path
     key_format: str  # "wan", "diffusers", "musubi"
-    rank: int
+    rank: int | None
     down: dict[str, torch.Tensor]  # A [rank, in]
     up: dict[str, torch.Tensor]  # B [out, rank]
     alpha: dict[str, float]  # per module
     key: str = ""  # the config key that named the file
     variant: str = ""
+    adapter_type: str = "lora"
+    parts: dict[str, dict[str, torch.Tensor]] = attrs.field(factory=dict)  # module -> LyCORIS part -> tensor
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted(set(self.down) | set(self.parts))
 
     @property
     def alphas(self) -> list[float]:
@@ -76,7 +87,7 @@ def _module_of(key: str) -> tuple[str, str, str] | None:
             module = WAN_TO_DIFFUSERS[module]
         elif name == "musubi":
             module = WAN_TO_DIFFUSERS[_MUSUBI_TO_WAN[module]]
-        return name, f"blocks.{match.group('block')}.{module}", _DOWN[match.group("part")]
+        return name, f"blocks.{match.group('block')}.{module}", match.group("part")
     return None
 
 
@@ -120,6 +131,7 @@ def read_lora_file(path: Path, *, key: str, spec: Any, expert: str | None) -> Lo
     down: dict[str, torch.Tensor] = {}
     up: dict[str, torch.Tensor] = {}
     alpha: dict[str, float] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
     for name in sorted(tensors):
         found = _module_of(name)
         if found is None:
@@ -133,12 +145,22 @@ def read_lora_file(path: Path, *, key: str, spec: Any, expert: str | None) -> Lo
             raise UserError(f"{key} '{path}': key '{name}' names block {block}, but {spec.name} has blocks "
                             f"0..{spec.num_layers - 1}; is this a LoRA for another model?")
         value = tensors[name]
+        parts.setdefault(module, {})[part] = value
         if part == "alpha":
             alpha[module] = float(value.float().reshape(-1)[0])
-        else:
-            (down if part == "A" else up)[module] = value
+        elif part in _DOWN:
+            (down if _DOWN[part] == "A" else up)[module] = value
     if len(formats) > 1:
         raise UserError(f"{key} '{path}' mixes key formats ({', '.join(sorted(formats))}); give a file of one format")
+    kinds = {m: file_type(p) for m, p in parts.items()}
+    if len(set(kinds.values())) > 1:
+        raise UserError(f"{key} '{path}' mixes adapter types ({', '.join(sorted(map(str, set(kinds.values()))))}); "
+                        "give a file of one type")
+    kind = next(iter(kinds.values()))
+    if kind is None:
+        raise UserError(f"{key} '{path}' holds alpha values but no adapter weights")
+    if kind != "lora":
+        return _lycoris_file(path, key, spec, kind, formats.pop(), parts, down, up, alpha)
     lone = sorted(set(down) ^ set(up))
     if lone:
         raise UserError(f"{key} '{path}': module {lone[0]} has only one of its two LoRA matrices")
@@ -157,6 +179,29 @@ def read_lora_file(path: Path, *, key: str, spec: Any, expert: str | None) -> Lo
     alpha = {m: alpha.get(m, default if default is not None else float(rank)) for m in down}
     return LoraFile(path=path, key_format=formats.pop(), rank=rank, down=down, up=up, alpha=alpha, key=key,
                     variant=spec.name)
+
+
+def _lycoris_file(path: Path, key: str, spec: Any, kind: str, key_format: str, parts: dict, down: dict, up: dict,
+                  alpha: dict) -> LoraFile:
+    """A LoKr, LoHa or DoRA file: one rank for every module that tells it (full LoKr factors do not)."""
+    handler = adapter_type(kind)
+    ranks = {r for p in parts.values() if (r := handler.rank_of(p)) is not None}
+    if len(ranks) > 1:
+        raise UserError(f"{key} '{path}' has {TYPE_TITLES[kind]} ranks {sorted(ranks)} on different modules; "
+                        "wantrain starts only from an adapter of one rank")
+    rank = ranks.pop() if ranks else None
+    alpha = {m: alpha.get(m, float(rank) if rank is not None else 1.0) for m in parts}
+    return LoraFile(path=path, key_format=key_format, rank=rank, down=down, up=up, alpha=alpha, key=key,
+                    variant=spec.name, adapter_type=kind, parts=parts)
+
+
+def _full_lokr_rank(lora: LoraFile, rank: int | None) -> LoraFile:
+    """A LoKr file with full factors only has no rank: peft keeps a factor full when the rank is at least half its
+    larger side, so the run takes ``lora.rank`` if given, else the largest side of any ``lokr_w2``; its scale is
+    folded into the weights (alpha = rank, scale 1)."""
+    if rank is None:
+        rank = max(max(p["lokr_w2"].shape) for p in lora.parts.values() if "lokr_w2" in p)
+    return attrs.evolve(lora, rank=rank, alpha=dict.fromkeys(lora.alpha, float(rank)))
 
 
 def check_fits(lora: LoraFile, shapes: dict[str, tuple[int, int]]) -> None:
@@ -245,6 +290,12 @@ def resolve_init(lora: Any, model: Any) -> tuple[Any, dict[str | None, LoraFile]
         return lora, {}
     spec = VARIANTS[model.variant]
     files = {e: read_lora_file(path, key=key, spec=spec, expert=e) for e, (key, path) in sources.items()}
+    for f in files.values():
+        if f.adapter_type != lora.type:
+            raise UserError(f"{f.key} '{f.path}' is a {TYPE_TITLES[f.adapter_type]} file, but lora.type = "
+                            f"'{lora.type}'; set lora.type = '{f.adapter_type}' or give a {TYPE_TITLES[lora.type]} "
+                            "file")
+    files = {e: _full_lokr_rank(f, lora.rank) if f.rank is None else f for e, f in files.items()}
     named = [(f"{f.key} '{f.path}'", f) for f in files.values()]
     ranks = sorted({f.rank for f in files.values()})
     if len(ranks) > 1:
