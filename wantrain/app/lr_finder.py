@@ -158,13 +158,20 @@ def training_lrs(cfg: Any, experts: tuple[str | None, ...], results: dict[str | 
     """The LR each expert trains with after the sweep: its suggestion when ``trusted``; else the config's, with one
     line saying so (the first invalidating warning as the reason). Returns (trusted LRs, the fallback lines)."""
     lrs, fallbacks = {}, []
+    kind = getattr(cfg.optimizer, "type", None)
+    spec = TYPES.get(kind) if kind is not None else None
+    lr_max = spec.lr_max if spec is not None else None  # the config refuses more (optimizers.registry)
     for expert in experts:
         result = results.get(expert)
-        if result is not None and result.trusted:
+        too_large = (result is not None and result.trusted and lr_max is not None and result.suggested_lr > lr_max)
+        if result is not None and result.trusted and not too_large:
             lrs[expert] = result.suggested_lr
             continue
         configured = configured_lr(cfg, expert)
         why = result.invalid[0] if result is not None and result.invalid else "the sweep gave no suggestion"
+        if too_large:
+            why = (f"the suggestion {result.suggested_lr:.3g} is above {lr_max:g}, more than "
+                   f"optimizer.type = {kind!r} accepts")
         fallbacks.append(f"lr_finder [{expert or 'lora'}]: not training with the suggestion ({why}); training "
                          f"with the config's LR {configured:.3g}")
         log.warning("lr_finder_fallback", expert=expert or "lora", lr=configured, reason=why)
