@@ -212,7 +212,8 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
     sweep = RunOptions(
         run_id_suffix=RUN_ID_SUFFIX, observers=[finder], saves=False, evaluation=False, before_run=before_sweep,
         without=("alpha",),  # the sweep's LRs are no training: no alpha phases (then-train's run has them)
-        loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None),
+        loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None,
+                         divergence_factor=None),  # the sweep diverges on purpose: its own stop rule ends it
         model_view=lambda model: SweepOrder(model, finder.steps_per_expert),
     )
     outcome = prepared.execute(sweep)
