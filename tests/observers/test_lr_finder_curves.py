@@ -169,3 +169,19 @@ def test_then_train_falls_back_to_the_configs_lr_for_an_untrusted_suggestion_and
     assert training_lrs(cfg, ("high_noise",), {})[1][0].endswith("the sweep gave no suggestion); training with "
                                                                   "the config's LR 0.0002")
     assert callable(suggested_config)
+
+
+def test_then_train_falls_back_for_a_suggestion_above_what_the_optimizer_type_accepts():
+    import attrs
+
+    from wantrain.app.config import RunConfig
+    from wantrain.app.lr_finder import training_lrs
+
+    cfg = RunConfig.__new__(RunConfig)  # only the tables training_lrs reads
+    object.__setattr__(cfg, "model", type("M", (), {"lr_high_noise": None, "lr_low_noise": None})())
+    object.__setattr__(cfg, "optimizer", type("O", (), {"lr": 2e-4, "type": "adamw"})())
+    good = [1.0 - 0.5 * math.tanh((k - 50) / 10) for k in range(N)]
+    result = attrs.evolve(_result(None, good), suggested_lr=5.0)  # a sweep to end_lr = 10 may suggest that
+    assert result.trusted
+    lrs, lines = training_lrs(cfg, (None,), {None: result})
+    assert lrs == {} and "the suggestion 5 is above 1, more than optimizer.type = 'adamw' accepts" in lines[0]

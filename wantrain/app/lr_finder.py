@@ -158,13 +158,20 @@ def training_lrs(cfg: Any, experts: tuple[str | None, ...], results: dict[str | 
     """The LR each expert trains with after the sweep: its suggestion when ``trusted``; else the config's, with one
     line saying so (the first invalidating warning as the reason). Returns (trusted LRs, the fallback lines)."""
     lrs, fallbacks = {}, []
+    kind = getattr(cfg.optimizer, "type", None)
+    spec = TYPES.get(kind) if kind is not None else None
+    lr_max = spec.lr_max if spec is not None else None  # the config refuses more (optimizers.registry)
     for expert in experts:
         result = results.get(expert)
-        if result is not None and result.trusted:
+        too_large = (result is not None and result.trusted and lr_max is not None and result.suggested_lr > lr_max)
+        if result is not None and result.trusted and not too_large:
             lrs[expert] = result.suggested_lr
             continue
         configured = configured_lr(cfg, expert)
         why = result.invalid[0] if result is not None and result.invalid else "the sweep gave no suggestion"
+        if too_large:
+            why = (f"the suggestion {result.suggested_lr:.3g} is above {lr_max:g}, more than "
+                   f"optimizer.type = {kind!r} accepts")
         fallbacks.append(f"lr_finder [{expert or 'lora'}]: not training with the suggestion ({why}); training "
                          f"with the config's LR {configured:.3g}")
         log.warning("lr_finder_fallback", expert=expert or "lora", lr=configured, reason=why)
@@ -205,7 +212,8 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
     sweep = RunOptions(
         run_id_suffix=RUN_ID_SUFFIX, observers=[finder], saves=False, evaluation=False, before_run=before_sweep,
         without=("alpha",),  # the sweep's LRs are no training: no alpha phases (then-train's run has them)
-        loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None),
+        loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None,
+                         divergence_factor=None),  # the sweep diverges on purpose: its own stop rule ends it
         model_view=lambda model: SweepOrder(model, finder.steps_per_expert),
     )
     outcome = prepared.execute(sweep)
