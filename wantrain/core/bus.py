@@ -24,6 +24,13 @@ Guarantees (each one has a test named after it in ``tests/core/test_bus.py``):
   (it receives nothing more) while training goes on. When a critical observer or an exception that is not an
   ``Exception`` (``KeyboardInterrupt``) aborts a dispatch, the ``ObserverFailed`` events it left pending are
   delivered before the next event.
+* **Storage errors end the run, once, in one line.** An observer or journal that cannot write because the disk is
+  full or the run directory read-only or not writable (``core.atomic.is_storage_error``: ``ENOSPC``, ``EDQUOT``,
+  ``EROFS``, ``EACCES``, ...) is no bug of the observer's: the first such error, critical observer or passive,
+  reaches the trainer as a ``core.atomic.StorageError`` naming the file and the free space (one line, exit code 2),
+  and the run ends as a failed checkpoint write does, keeping its last checkpoint. Later storage errors (the same
+  full disk while ``RunEnded`` is delivered) are one warning line each, without traceback, and disable their
+  observer.
 * **Re-entrancy.** An event emitted from inside a handler is queued and dispatched after the current event has
   reached every handler, so each handler sees events in the order they were emitted.
 * **Nothing after RunEnded.** ``RunEnded`` is the last event the bus dispatches. A passive failure while
@@ -47,6 +54,7 @@ import attrs
 import structlog
 
 from wantrain.core.adapter import check_needs
+from wantrain.core.atomic import is_storage_error, storage_error
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import Event, ObserverFailed, RunEnded, known_event_types, to_record
 
@@ -165,6 +173,7 @@ class Bus:
         self._pending_failures: list[ObserverFailed] = []
         self._ended = False  # RunEnded has been dispatched
         self._closed = False
+        self._storage_failed = False  # a storage error has ended the run (later ones are warnings)
         self.emitted = 0
 
     # -- subscription ------------------------------------------------------------------------------------------
@@ -224,9 +233,23 @@ class Bus:
             try:
                 sub.handler(event, ctx)
             except Exception as exc:
+                if is_storage_error(exc):
+                    disabled.add(id(sub.owner))
+                    self._storage_failure(sub.name, sub.owner, exc)
+                    continue
                 if sub.critical:
                     raise CriticalObserverError(sub.name, type(event).__name__, exc) from exc
                 self._passive_failure(sub, id(sub.owner), event, exc)
+
+    def _storage_failure(self, name: str, owner: Any, exc: Exception) -> None:
+        """See "Storage errors" in the module docstring: the first one is raised, later ones are logged."""
+        where = (getattr(exc, "path", None) or getattr(exc, "filename", None) or getattr(owner, "path", None)
+                 or getattr(owner, "log_dir", None) or getattr(self.ctx, "run_dir", None) or ".")
+        error = storage_error(f"the output of {name}", where, exc)
+        if not self._storage_failed:
+            self._storage_failed = True
+            raise error from exc
+        log.warning("observer_cannot_write", observer=name, error=str(error))
 
     def _passive_failure(self, sub: _Subscription, owner_id: int, event: Event, exc: Exception) -> None:
         count = self._failures.get(owner_id, 0) + 1
@@ -301,8 +324,15 @@ class Bus:
         self.emitted += 1
         if self._journals:
             record = to_record(event, next(self._seq), time.time())
-            for journal in self._journals:
-                journal(record)
+            for journal in list(self._journals):
+                try:
+                    journal(record)
+                except Exception as exc:
+                    if not is_storage_error(exc):
+                        raise
+                    owner = getattr(journal, "__self__", None)
+                    self._journals.remove(journal)  # a journal that cannot write records nothing more
+                    self._storage_failure(getattr(owner, "name", repr(journal)), owner, exc)
         subs = self._ordered.get(type(event))
         if subs is not None:
             self._deliver(subs, event)
@@ -324,8 +354,12 @@ class Bus:
             try:
                 close()
             except Exception as exc:
-                log.warning("observer_close_failed", observer=getattr(observer, "name", repr(observer)),
-                            error=repr(exc), exc_info=exc)
+                name = getattr(observer, "name", repr(observer))
+                if is_storage_error(exc):  # the full disk the run already ended on: one line, no traceback
+                    log.warning("observer_close_failed", observer=name, error=str(storage_error(
+                        f"the output of {name}", getattr(observer, "path", None) or ".", exc)))
+                    continue
+                log.warning("observer_close_failed", observer=name, error=repr(exc), exc_info=exc)
         self._subs.clear()
         self._ordered.clear()
         self._journals.clear()
