@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from wantrain.core.errors import UserError
-from wantrain.core.rundir import create_run_dir, sanitize_run_id
+from wantrain.core.rundir import LOCK_FILE, create_run_dir, lock_run_dir, sanitize_run_id
 
 
 def test_run_dir_is_timestamp_plus_run_id(tmp_path):
@@ -47,3 +52,53 @@ def test_appending_through_a_symbolic_link_is_refused_and_the_target_is_untouche
     with pytest.raises(UserError, match=r"holds 1 symbolic link\(s\), e.g. 'metrics.jsonl' -> "):
         refuse_links(run_dir)
     assert target.read_text() == "theirs\n"
+
+
+# -- one writer per run directory ---------------------------------------------------------------------------------
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from wantrain.core.rundir import lock_run_dir
+lock = lock_run_dir(Path(sys.argv[1]))
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def hold_lock(run_dir, seconds: float = 60) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run_dir), str(seconds)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_process_is_refused_in_one_line_naming_the_pid_holding_the_run_directory(tmp_path):
+    run_dir = create_run_dir(tmp_path)
+    holder = hold_lock(run_dir)
+    try:
+        with pytest.raises(UserError, match=f"in use by process {holder.pid}") as caught:
+            lock_run_dir(run_dir)
+        assert "\n" not in str(caught.value) and str(run_dir) in str(caught.value)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_of_a_killed_process_is_no_obstacle(tmp_path):
+    run_dir = create_run_dir(tmp_path)
+    holder = hold_lock(run_dir)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert (run_dir / LOCK_FILE).read_text().strip() == str(holder.pid)  # the dead run's file stays
+    with lock_run_dir(run_dir) as lock:
+        assert lock.held and (run_dir / LOCK_FILE).read_text().strip() == str(os.getpid())
+    assert not lock.held
+
+
+def test_a_released_lock_can_be_taken_again_in_the_same_process(tmp_path):
+    run_dir = create_run_dir(tmp_path)
+    first = lock_run_dir(run_dir)
+    with pytest.raises(UserError, match=f"in use by process {os.getpid()}"):
+        lock_run_dir(run_dir)  # flock is per open file: a second lock in one process conflicts too
+    first.release()
+    lock_run_dir(run_dir).release()

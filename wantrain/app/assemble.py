@@ -41,17 +41,18 @@ from wantrain.app.resume import (
     load_resume_point,
     tidy_for_resume,
 )
-from wantrain.app.signals import RunInterrupted, stop_on_signals
+from wantrain.app.signals import RunAborted, RunInterrupted, describe_abort, stop_on_signals
 from wantrain.core.adapter import NullSaver, check_needs
+from wantrain.core.atomic import atomic_write, critical_section, is_storage_error, storage_error
 from wantrain.core.bus import Bus
-from wantrain.core.checkpoint import latest_complete
+from wantrain.core.checkpoint import latest_complete, step_dir_name
 from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology, rank_seed, rank_view
 from wantrain.core.errors import UserError
 from wantrain.core.events import RunStarted
 from wantrain.core.events.log import event_log_path
 from wantrain.core.faults import inject_faults
 from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
-from wantrain.core.rundir import create_run_dir, refuse_links, sanitize_run_id
+from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
 from wantrain.core.state import TrainState
 from wantrain.core.state_check import check_state_tree
 from wantrain.data import build_dataset, ensure_cache
@@ -136,52 +137,85 @@ class PreparedRun:
     validation_data: Any = None  # the [validation] clips (build_validation_data)
     sync: Any = attrs.field(factory=SingleProcess)  # core.distributed: SingleProcess, or ProcessGroupSync (torchrun)
     data_changes: tuple[str, ...] = ()  # media changed since the resumed checkpoint (--allow-data-changes)
+    lock: RunDirLock | None = None  # the run directory's lock (a resume takes it in prepare(), a fresh run in execute)
 
     def execute(self, options: RunOptions = RunOptions()) -> RunOutcome:
-        """Train (see the module docstring) as ``options`` say."""
-        cfg, data, resume, sync = self.cfg, self.data, self.resume, self.sync
+        """Train (see the module docstring) as ``options`` say. The run directory is locked (``core.rundir``)
+        before anything is written in it, and released when the run ends."""
+        control_ref: list[Any] = []
+        try:
+            with stop_on_signals(control_ref):
+                interrupted = None
+                try:
+                    with critical_section():  # a signal while the run directory is set up lands once it is
+                        run_dir, log_handler = self._set_up_run_dir(options)
+                except RunInterrupted as exc:
+                    interrupted = exc
+                return self._execute_in(run_dir, log_handler, options, control_ref, interrupted)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give up the run directory's lock (the end of :meth:`execute` does; so does the process's end)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _set_up_run_dir(self, options: RunOptions) -> tuple[Path, Any]:
+        """Create (or, on resume, reuse) and lock the run directory, write the config, its source and the
+        preflight report: each file atomically (``core.atomic``), the config kept before it is replaced."""
+        cfg, resume, sync = self.cfg, self.resume, self.sync
         if not sync.is_main:  # rank 0 alone creates the run directory and writes its files; the others learn it
             run_dir = _run_dir_from_rank0(sync.broadcast_text(None))
-            return self._execute_in(run_dir, configure_logging(None, level=logging.WARNING), options)
+            return run_dir, configure_logging(None, level=logging.WARNING)
         try:
             if resume is None:
                 run_id = "__".join(x for x in (cfg.run.run_id, options.run_id_suffix) if x) or None
                 run_dir = create_run_dir(cfg.run.output_dir, run_id)
+                self.lock = lock_run_dir(run_dir)
             else:
                 run_dir = resume.run_dir
+                if self.lock is None or self.lock.run_dir != run_dir:
+                    self.release()
+                    self.lock = lock_run_dir(run_dir)
                 keep_previous_config(run_dir, self.plain, resume.step)
         except UserError as exc:
             sync.broadcast_text("error:" + str(exc))  # the other ranks refuse with the same line
             raise
         sync.broadcast_text("path:" + str(run_dir))
-        (run_dir / "config.toml").write_text(tomli_w.dumps(self.plain), encoding="utf-8")
+        atomic_write(run_dir / "config.toml", tomli_w.dumps(self.plain), what="run file")
         write_config_source(run_dir, self.config_dir)
-        _write_preflight(run_dir, data)
-        return self._execute_in(run_dir, configure_logging(run_dir / "log.jsonl"), options)
+        _write_preflight(run_dir, self.data)
+        return run_dir, configure_logging(run_dir / "log.jsonl")
 
-    def _execute_in(self, run_dir: Path, log_handler: Any, options: RunOptions) -> RunOutcome:
+    def _execute_in(self, run_dir: Path, log_handler: Any, options: RunOptions, control_ref: list[Any],
+                    interrupted: RunInterrupted | None) -> RunOutcome:
         data, resume, sync = self.data, self.resume, self.sync
         for note in resume.warnings if resume is not None else ():
             log.warning("resume_note", note=note)
         for note in data.report.warnings if sync.is_main else ():
             log.warning("config_warning", note=note)
-        control_ref: list[Any] = []
+        trainer = None
         try:
-            with stop_on_signals(control_ref):
-                try:
-                    trainer = self._assemble(run_dir, control_ref, options)
-                except RunInterrupted as exc:
-                    log.warning("run_ended", step=resume.step if resume else 0, status="stopped",
-                                reason=f"{exc} before the first step (while preparing the cache)")
-                    return RunOutcome("stopped", f"{exc} before the first step", resume.step if resume else 0,
-                                      run_dir, ())
-                if options.before_run is not None:
-                    options.before_run(trainer)
+            try:
+                if interrupted is not None:
+                    raise interrupted
+                trainer = self._assemble(run_dir, control_ref, options)
+            except RunInterrupted as exc:
+                log.warning("run_ended", step=resume.step if resume else 0, status="stopped",
+                            reason=f"{exc} before the first step (while preparing the cache)")
+                return RunOutcome("stopped", f"{exc} before the first step", resume.step if resume else 0,
+                                  run_dir, ())
+            if options.before_run is not None:
+                options.before_run(trainer)
+            try:
                 result = trainer.run()
+            except KeyboardInterrupt:
+                raise RunAborted(describe_abort(trainer, run_dir)) from None
         finally:
-            if sync.is_main:
-                _write_preflight(run_dir, data)  # again: decoding may have verified (re-bucketed, skipped) clips
-            close_log_file(log_handler)
+            if sync.is_main:  # again: decoding may have verified (re-bucketed, skipped) clips
+                _cleanup(lambda: _write_preflight(run_dir, data), "preflight_not_rewritten")
+            _cleanup(lambda: close_log_file(log_handler), "log_not_closed")
         checkpoint = None
         if trainer.checkpoints is not None:
             best, _ = latest_complete(trainer.checkpoints.directory)
@@ -243,9 +277,12 @@ class PreparedRun:
             seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,
         )
         if resume is not None:
+            source = resume.checkpoint
             if main:
                 tidy_for_resume(run_dir, resume.step)
-            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(resume.checkpoint),
+                if not source.exists():  # read under its rotation name (a kill mid-save), now back under step_*
+                    source = source.parent / step_dir_name(resume.step)
+            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(source),
                                                 meta=resume.meta if main else None):
                 log.warning("resume_note", note=note)
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
@@ -284,9 +321,18 @@ def _without_faults(plain: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_preflight(run_dir: Path, data: Any) -> None:
-    tmp = run_dir / "preflight.json.tmp"
-    tmp.write_text(json.dumps(data.report.to_json(), indent=2), encoding="utf-8")
-    tmp.replace(run_dir / "preflight.json")
+    atomic_write(run_dir / "preflight.json", json.dumps(data.report.to_json(), indent=2), what="run file")
+
+
+def _cleanup(step: Callable[[], None], event: str) -> None:
+    """A step of a run's ending that must not raise again while the run's own error (a full disk) propagates: a
+    storage error there is one warning line; anything else is a bug and keeps its traceback."""
+    try:
+        step()
+    except Exception as exc:
+        if not is_storage_error(exc):
+            raise
+        log.warning(event, error=str(storage_error("run file", getattr(exc, "path", None) or "", exc)))
 
 
 def _schema_check(rank: int) -> Callable[[Any], str | None]:
@@ -345,11 +391,24 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if cfg.observers.wandb:
         require_wandb()
     topology = detect_topology()
-    point = None
+    point, held = None, []
     if resume is not None:
         point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank))
         refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
         check_resume_world_size(point, topology.world_size)
+        if topology.is_main:  # refused here, before the model loads, when another process writes the run
+            held.append(lock_run_dir(point.run_dir))
+    try:
+        return _prepare_rest(cfg, plain, config_dir, topology, extra_observers, point, held, allow_data_changes)
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+
+
+def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topology: Any,
+                  extra_observers: list[type], point: ResumePoint | None, held: list[RunDirLock],
+                  allow_data_changes: bool) -> PreparedRun:
     device = resolve_device(cfg.train.device)
     if topology.distributed and device.type == "cuda":
         device = torch.device("cuda", topology.local_rank)  # one GPU per rank
@@ -385,6 +444,9 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
         if confirmed is not point:
             point = confirmed
             refuse_links(point.run_dir)
+            if held and held[-1].run_dir != point.run_dir:  # an older run's checkpoint: lock that run instead
+                held[-1].release()
+                held.append(lock_run_dir(point.run_dir))
             check_resume_world_size(point, topology.world_size)
             data_changes = _check_data(point, data, allow_data_changes)
     if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
@@ -394,7 +456,8 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
         adapter.add_sampling_expert(cfg.sample.other_expert_lora)
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
-                       validation_data=validation_data, sync=sync, data_changes=data_changes)
+                       validation_data=validation_data, sync=sync, data_changes=data_changes,
+                       lock=held[-1] if held else None)
 
 
 def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:

@@ -6,12 +6,14 @@ wantrain logs a handful of lines per run, so the cost of the stdlib route does n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
 
 import structlog
 
+from wantrain.core.atomic import is_storage_error, storage_error
 from wantrain.core.rundir import open_append
 
 _SHARED = [
@@ -78,13 +80,38 @@ def configure_logging(log_file: Path | None = None, *, level: int = logging.INFO
 
 
 class _NoFollowFileHandler(logging.FileHandler):
-    """A ``FileHandler`` that never appends through a symbolic link (``core.rundir.open_append``)."""
+    """A ``FileHandler`` that never appends through a symbolic link (``core.rundir.open_append``).
+
+    A full disk or a run directory gone read-only (``core.atomic.is_storage_error``) stops the file's log: one line
+    on stderr naming the file and the free space, once, instead of logging's "--- Logging error ---" and a
+    traceback for every later record. The console log goes on; the run itself ends at its next write (one line,
+    exit code 2).
+    """
 
     def _open(self):  # type: ignore[override]
         return open_append(Path(self.baseFilename), text=True, encoding=self.encoding or "utf-8")
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if exc is None or not is_storage_error(exc):
+            super().handleError(record)
+            return
+        print(f"wantrain: {storage_error('the run log', self.baseFilename, exc, hint='the run log stops here')}",
+              file=sys.stderr)
+        logging.getLogger("wantrain").removeHandler(self)
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()  # its buffer cannot be written either: dropped
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError:
+            self.handleError(logging.makeLogRecord({}))  # close() flushes: the same one line, not a traceback
 
 
 def close_log_file(handler: logging.Handler | None) -> None:
     if handler is not None:
         logging.getLogger("wantrain").removeHandler(handler)
-        handler.close()
+        handler.close()  # a full disk: one line (_NoFollowFileHandler.handleError), never raised

@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from wantrain.core.atomic import atomic_write
 from wantrain.core.errors import UserError
 from wantrain.core.trust import code_allowed, refusal
 from wantrain.observers.alpha.config import stability_applicable
@@ -181,7 +182,7 @@ def write_config_source(run_dir: Path, config_dir: Path | None) -> None:
     if config_dir is None:
         path.unlink(missing_ok=True)  # a resume from Python: the folder recorded before no longer applies
         return
-    path.write_text(json.dumps({"config_dir": str(Path(config_dir).resolve())}) + "\n", encoding="utf-8")
+    atomic_write(path, json.dumps({"config_dir": str(Path(config_dir).resolve())}) + "\n", what="run file")
 
 
 def read_config_source(run_dir: Path) -> Path | None:

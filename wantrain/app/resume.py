@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import structlog
 
+from wantrain.core.atomic import atomic_write, remove_temporaries
 from wantrain.core.checkpoint import (
     CheckpointDamaged,
     inspect_checkpoint,
@@ -272,17 +273,19 @@ def check_resume_world_size(point: ResumePoint, world_size: int) -> None:
 
 # -- the run directory on resume -----------------------------------------------------------------------------------
 def keep_previous_config(run_dir: Path, plain: dict[str, Any], step: int) -> None:
-    """On resume with a changed config, keep the one the run had as ``config.until_step_NNNNNN.toml``."""
+    """On resume with a changed config, keep the one the run had as ``config.until_step_NNNNNN.toml``: a copy
+    (``core.atomic``), so ``config.toml`` is never missing or partial, whatever fails next; the caller then replaces
+    it atomically. ``--resume auto`` finds a run by its ``config.toml``."""
     path = run_dir / "config.toml"
     try:
-        with path.open("rb") as fh:
-            old = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError):
+        content = path.read_bytes()
+        old = tomllib.loads(content.decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return
     if old != json.loads(json.dumps(plain, default=str)):
         target = run_dir / f"config.until_step_{step:06d}.toml"
         if not target.exists():
-            path.replace(target)
+            atomic_write(target, content, what="run file")
 
 
 def set_aside_later_checkpoints(directory: Path, step: int) -> None:
@@ -296,9 +299,9 @@ def set_aside_later_checkpoints(directory: Path, step: int) -> None:
 
 
 def tidy_for_resume(run_dir: Path, step: int) -> None:
-    """Before a run continues in ``run_dir`` from ``step`` (rank 0): remove what an interrupted save left (half-written
-    checkpoints, an unnamed LoRA file) and set aside the checkpoints of the abandoned continuation."""
+    """Before a run continues in ``run_dir`` from ``step`` (rank 0, holding the run directory's lock): remove what an
+    interrupted save left (half-written checkpoints, unnamed LoRA or run files), put back a complete checkpoint a
+    kill left under its rotation name, and set aside the checkpoints of the abandoned continuation."""
     remove_stale_temporaries(run_dir / "checkpoints")
-    for leftover in run_dir.glob(".*.safetensors.tmp-*"):  # a LoRA file an interrupted save left unnamed
-        leftover.unlink(missing_ok=True)
+    remove_temporaries(run_dir)  # a LoRA file, config.toml, preflight.json an interrupted write left unnamed
     set_aside_later_checkpoints(run_dir / "checkpoints", step)

@@ -50,4 +50,5 @@ def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | No
         try:
             return run_lr_finder(prepared) if cfg.lr_finder.active else prepared.execute()
         finally:
+            prepared.release()  # the run directory's lock, should execute not have run
             prepared.sync.close()  # torchrun: leave the process group (one process: nothing to do)

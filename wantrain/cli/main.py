@@ -62,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"wantrain {args.command}: error: {exc}", file=sys.stderr)
         return UserError.exit_code
-    except KeyboardInterrupt:
-        print(f"wantrain {args.command}: aborted (Ctrl-C); nothing was saved after the last checkpoint",
-              file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a run's abort says what it saved (wantrain.app.signals.describe_abort)
+        print(f"wantrain {args.command}: {exc or 'aborted (Ctrl-C)'}", file=sys.stderr)
         return 130
 
 

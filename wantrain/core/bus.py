@@ -38,6 +38,13 @@ Guarantees (each one has a test named after it in ``tests/core/test_bus.py``):
   function) is disconnected from every signal (it receives nothing more) while training goes on. When a critical
   receiver or an exception that is not an ``Exception`` (``KeyboardInterrupt``) aborts a dispatch, the
   ``ObserverFailed`` events it left pending are delivered before the next event.
+* **Storage errors end the run, once, in one line.** An observer or journal that cannot write because the disk is
+  full or the run directory read-only or not writable (``core.atomic.is_storage_error``: ``ENOSPC``, ``EDQUOT``,
+  ``EROFS``, ``EACCES``, ...) is no bug of the observer's: the first such error, critical observer or passive,
+  reaches the trainer as a ``core.atomic.StorageError`` naming the file and the free space (one line, exit code 2),
+  and the run ends as a failed checkpoint write does, keeping its last checkpoint. Later storage errors (the same
+  full disk while ``RunEnded`` is delivered) are one warning line each, without traceback, and disable their
+  observer.
 * **Re-entrancy.** An event emitted from inside a handler is queued and dispatched after the current event has
   reached every receiver, so each receiver sees events in the order they were emitted.
 * **Nothing after RunEnded.** ``RunEnded`` is the last event the bus dispatches. A passive failure while
@@ -66,6 +73,7 @@ import blinker
 import structlog
 
 from wantrain.core.adapter import check_needs
+from wantrain.core.atomic import is_storage_error, storage_error
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import Event, ObserverFailed, RunEnded, known_event_types, to_record
 
@@ -197,6 +205,7 @@ class _Policy:
     def __init__(self, max_failures: int) -> None:
         self.max_failures = max_failures
         self.pending: list[ObserverFailed] = []
+        self.storage_failed = False  # a storage error has ended the run (later ones are warnings)
         self._owners: dict[Any, _Owner] = {}  # by _receiver_key of the observer or function
 
     def owner(self, obj: Any, name: str) -> _Owner:
@@ -206,13 +215,26 @@ class _Policy:
             owner = self._owners[key] = _Owner(obj, name)
         return owner
 
+    def disconnect(self, owner: _Owner) -> None:
+        for signal, receiver_id in owner.connections:
+            signal._disconnect_id(receiver_id)
+        owner.connections.clear()
+
+    def storage_failure(self, name: str, obj: Any, exc: Exception, ctx: Any) -> None:
+        """See "Storage errors" in the module docstring: the first one is raised, later ones are logged."""
+        where = (getattr(exc, "path", None) or getattr(exc, "filename", None) or getattr(obj, "path", None)
+                 or getattr(obj, "log_dir", None) or getattr(ctx, "run_dir", None) or ".")
+        error = storage_error(f"the output of {name}", where, exc)
+        if not self.storage_failed:
+            self.storage_failed = True
+            raise error from exc
+        log.warning("observer_cannot_write", observer=name, error=str(error))
+
     def passive_failure(self, owner: _Owner, event: Event, exc: Exception) -> None:
         owner.failures += 1
         disabled = owner.failures >= self.max_failures
         if disabled:
-            for signal, receiver_id in owner.connections:
-                signal._disconnect_id(receiver_id)
-            owner.connections.clear()
+            self.disconnect(owner)
         log.warning(
             "observer_failed", observer=owner.name, event_type=type(event).__name__, error=repr(exc),
             failures=owner.failures, disabled=disabled, exc_info=exc,
@@ -233,6 +255,10 @@ def _policy_receiver(handler: Handler, owner: _Owner, critical: bool, policy: _P
         try:
             handler(event, ctx)
         except Exception as exc:
+            if is_storage_error(exc):  # a full or read-only disk is no bug of the observer's
+                policy.disconnect(owner)
+                policy.storage_failure(owner.name, owner.obj, exc, ctx)
+                return
             if critical:
                 raise CriticalObserverError(owner.name, type(event).__name__, exc) from exc
             policy.passive_failure(owner, event, exc)
@@ -488,8 +514,15 @@ class Bus:
         self.emitted += 1
         if self._journals:
             record = to_record(event, next(self._seq), time.time())
-            for journal in self._journals:
-                journal(record)
+            for journal in list(self._journals):
+                try:
+                    journal(record)
+                except Exception as exc:
+                    if not is_storage_error(exc):
+                        raise
+                    owner = getattr(journal, "__self__", None)
+                    self._journals.remove(journal)  # a journal that cannot write records nothing more
+                    self._policy.storage_failure(getattr(owner, "name", repr(journal)), owner, exc, self.ctx)
         signal = self._signals.get(type(event))
         if signal is not None and signal.receivers:
             signal.send(event, ctx=self.ctx)
@@ -511,8 +544,12 @@ class Bus:
             try:
                 close()
             except Exception as exc:
-                log.warning("observer_close_failed", observer=getattr(observer, "name", repr(observer)),
-                            error=repr(exc), exc_info=exc)
+                name = getattr(observer, "name", repr(observer))
+                if is_storage_error(exc):  # the full disk the run already ended on: one line, no traceback
+                    log.warning("observer_close_failed", observer=name, error=str(storage_error(
+                        f"the output of {name}", getattr(observer, "path", None) or ".", exc)))
+                    continue
+                log.warning("observer_close_failed", observer=name, error=repr(exc), exc_info=exc)
         for signal in self._signals.values():
             signal._disconnect_all()
         self._journals.clear()

@@ -51,6 +51,14 @@ from typing import Any
 import attrs
 import torch
 
+from wantrain.core.atomic import (
+    StorageError,
+    critical_section,
+    fsync_dir,
+    fsync_file,
+    is_storage_error,
+    storage_error,
+)
 from wantrain.core.errors import UserError
 from wantrain.core.version import __version__
 
@@ -60,10 +68,11 @@ STATE_FILE = "state.json"
 ANNOUNCED = "announced"  # an empty file the core adds once the checkpoint's CheckpointSaved event was delivered
 TENSOR_FILE = "tensors.safetensors"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_ROTATED = re.compile(r"^\.(step_\d{6,})\.old-\d+$")  # a checkpoint being replaced by one of the same step
 CHECKSUM = "sha256"  # the marker's key and the hashlib algorithm (see the module docstring for the cost)
 
 
-class CheckpointWriteError(UserError):
+class CheckpointWriteError(StorageError):
     """A checkpoint (or LoRA file) could not be written: disk full, no permission, read-only file system."""
 
 
@@ -190,35 +199,19 @@ def canonicalize_safetensors(path: Path) -> None:
         fh.truncate()
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # some file systems cannot open directories; the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def disk_error_line(what: str, path: Path, exc: OSError) -> str:
-    reason = exc.strerror or str(exc)
-    return (f"cannot write {what} '{path}': {reason}; free space or fix permissions there "
-            "(earlier checkpoints and LoRA files are intact; resume with --resume auto)")
+SAVE_HINT = ("free space or fix permissions there (earlier checkpoints and LoRA files are intact; resume with "
+             "--resume auto)")
+
+
+def save_error(what: str, path: Path, exc: BaseException) -> CheckpointWriteError:
+    """The one line for a failed save of ``what`` (a checkpoint, a LoRA file) at ``path``: the reason, the free
+    space there, and that what was saved before is intact (``core.atomic.storage_error``)."""
+    found = storage_error(what, path, exc, hint=SAVE_HINT)
+    return CheckpointWriteError(str(found), path=found.path, errno_value=found.errno)
 
 
 def write_checkpoint(
@@ -255,24 +248,27 @@ def write_checkpoint(
             write(tmp, name)
         sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         for f in sizes:
-            _fsync_file(tmp / f)
+            fsync_file(tmp / f)
         sums = {f: file_checksum(tmp / f) for f in sizes}  # read back from the page cache
         marker = {"step": step, "files": sizes, CHECKSUM: sums, "wantrain_version": __version__,
                   "time": time.time(), "format": FORMAT_VERSION}
         (tmp / MARKER).write_text(json.dumps(marker, indent=1), encoding="utf-8")
-        _fsync_file(tmp / MARKER)
-        _fsync_dir(tmp)
-        if final.exists():  # the same step again (a resumed run passing a save point): swap, never tear
+        fsync_file(tmp / MARKER)
+        fsync_dir(tmp)
+        if final.exists():  # the same step again (a completed run resumed at its last step): swap, never tear
             old = directory / f".{name}.old-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
+            with critical_section():  # a second Ctrl-C lands after both renames, never between them
+                os.replace(final, old)
+                os.replace(tmp, final)
             _remove_tree(old)
         else:
             os.replace(tmp, final)
-        _fsync_dir(directory)
-    except OSError as exc:
+        fsync_dir(directory)
+    except Exception as exc:  # OSError; SafetensorError carries the OS error in its text
         _remove_tree(tmp)
-        raise CheckpointWriteError(disk_error_line("checkpoint", final, exc)) from exc
+        if isinstance(exc, OSError) or is_storage_error(exc):
+            raise save_error("checkpoint", final, exc) from exc
+        raise
     finally:
         if tmp.exists():
             _remove_tree(tmp)
@@ -339,7 +335,10 @@ def verify_checkpoint(path: Path) -> None:
 
 def list_checkpoints(directory: Path) -> list[CheckpointInfo]:
     """Every ``step_*`` directory under ``directory`` (complete or torn), oldest step first. Temporary
-    directories of interrupted saves (``.step_*.tmp-*``) are reported as torn too."""
+    directories of interrupted saves (``.step_*.tmp-*``) are reported as torn too. A complete checkpoint that a
+    kill left under its rotation name (``.step_N.old-PID``, between the two renames of a save that replaced step N)
+    is reported as complete when no ``step_N`` exists: it is the only copy (:func:`remove_stale_temporaries`
+    puts it back)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -352,7 +351,15 @@ def list_checkpoints(directory: Path) -> list[CheckpointInfo]:
         elif p.name.startswith(".step_") and ".tmp-" in p.name:
             m = re.match(r"^\.step_(\d+)\.tmp-", p.name)
             found.append(CheckpointInfo(p, int(m.group(1)) if m else -1, "temporary directory of an interrupted save"))
+        elif _rotated_only_copy(p):
+            found.append(inspect_checkpoint(p))
     return sorted(found, key=lambda c: (c.step, c.path.name))
+
+
+def _rotated_only_copy(path: Path) -> bool:
+    """Whether ``path`` is ``.step_N.old-PID``, complete, with no ``step_N`` beside it."""
+    m = _ROTATED.match(path.name)
+    return bool(m) and not (path.parent / m.group(1)).exists() and inspect_checkpoint(path).complete
 
 
 def latest_complete(directory: Path) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
@@ -464,16 +471,21 @@ def prune(directory: Path, *, keep_last: int | None, keep_every: int | None, pro
         _remove_tree(doomed)
         removed.append(c.path)
     for p in directory.iterdir() if directory.is_dir() else ():
-        if p.name.startswith(".step_") and (".deleting-" in p.name or ".old-" in p.name):
+        if p.name.startswith(".step_") and (".deleting-" in p.name or ".old-" in p.name) and not _rotated_only_copy(p):
             _remove_tree(p)
     return removed
 
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove temporary directories left by interrupted saves (call once a run owns the directory)."""
+    """Remove temporary directories left by interrupted saves (call once a run owns the directory); a complete
+    checkpoint left only under its rotation name goes back to its ``step_*`` name instead. Returns what was
+    removed."""
     removed = []
     if Path(directory).is_dir():
-        for p in Path(directory).iterdir():
+        for p in sorted(Path(directory).iterdir()):
+            if _rotated_only_copy(p):
+                os.replace(p, p.parent / _ROTATED.match(p.name).group(1))  # type: ignore[union-attr]
+                continue
             if p.name.startswith(".step_") and any(s in p.name for s in (".tmp-", ".deleting-", ".old-")):
                 _remove_tree(p)
                 removed.append(p)

@@ -19,12 +19,12 @@ import attrs
 import torch
 
 from wantrain.core.adapter import ModelAdapter, NullSaver, Saver, check_needs, evaluation_session
+from wantrain.core.atomic import is_storage_error
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import (
-    CheckpointWriteError,
-    disk_error_line,
     mark_announced,
     prune,
+    save_error,
     was_announced,
     write_checkpoint,
 )
@@ -169,6 +169,7 @@ class Trainer:
             lambda: evaluation_session(adapter, optimizer, moved=self._expert_params.clear))  # type: ignore[arg-type]
         self._active: object = _NO_EXPERT  # the expert on the training device, as the loop activated it
         self._saved: list[str] = []
+        self._saved_at: dict[int, set[str]] = {}  # what was saved at a step ("lora", "checkpoint"): a stop saves once
         self._resumed_from: str | None = None
         self._undelivered: CheckpointSaved | None = None  # see load_state_dict
         self._norm_at_start: torch.Tensor | None = None  # the divergence guard's norm baseline, until logged
@@ -242,7 +243,7 @@ class Trainer:
             status, reason = "failed", str(exc)
             raise
         except KeyboardInterrupt:
-            status, reason = "aborted", "interrupted (a second Ctrl-C): nothing saved since the last checkpoint"
+            status, reason = "aborted", "interrupted by a second Ctrl-C"
             raise
         except BaseException as exc:
             status, reason = "failed", f"{type(exc).__name__}: {exc}"
@@ -333,7 +334,11 @@ class Trainer:
         if self._failure is not None:
             return "failed", self._failure
         status, reason = ("stopped", control.stop_reason) if control.stop_requested else ("completed", None)
-        self._save(state.step, final=True, reason=status)
+        step, done = state.step, self._saved_at.get(state.step, set())
+        wanted = {"lora", "checkpoint"} if self.checkpoints is not None else {"lora"}
+        if status == "stopped" and done >= wanted:
+            return status, reason  # the stop came during this step's save: it is on disk once, not twice
+        self._save(step, final=True, reason=status, checkpoint="checkpoint" not in done or status != "stopped")
         return status, reason
 
     def _fail(self, reason: str) -> None:
@@ -542,38 +547,49 @@ class Trainer:
         if callable(switch):
             switch()
 
-    def _save(self, step: int, *, final: bool, reason: str, lora: bool = True) -> None:
+    @property
+    def saved(self) -> tuple[str, ...]:
+        """The LoRA files this trainer wrote so far (paths, in order)."""
+        return tuple(self._saved)
+
+    def _save(self, step: int, *, final: bool, reason: str, lora: bool = True, checkpoint: bool = True) -> None:
         # Eval mode while saving; after the final save it stays (the in-memory weights are the saved ones). Every
         # save switches the same way, so a run resumed from a checkpoint repeats the uninterrupted run's arithmetic.
         self._optimizer_mode("eval")
         try:
-            self._write(step, final=final, reason=reason, lora=lora)
+            self._write(step, final=final, reason=reason, lora=lora, checkpoint=checkpoint)
         finally:
             if not final:
                 self._optimizer_mode("train")
 
-    def _write(self, step: int, *, final: bool, reason: str, lora: bool) -> None:
+    def _write(self, step: int, *, final: bool, reason: str, lora: bool, checkpoint: bool) -> None:
         paths: tuple[str, ...] = ()
         if lora:
             try:
                 paths = tuple(str(p) for p in self.saver.save(step, final))
-            except OSError as exc:
-                where = Path(exc.filename) if getattr(exc, "filename", None) else Path(self.ctx.run_dir or ".")
-                raise CheckpointWriteError(disk_error_line("LoRA file", where, exc)) from exc
+            except Exception as exc:  # a full disk, no permission (OSError, SafetensorError, StorageError)
+                if not is_storage_error(exc) and not isinstance(exc, OSError):
+                    raise
+                where = getattr(exc, "path", None) or getattr(exc, "filename", None) or self.ctx.run_dir or "."
+                raise save_error("LoRA file", Path(where), exc) from exc
             self._saved.extend(paths)
-        checkpoint = None
-        tree = self.sync.gather_state(self.state_dict()) if self.checkpoints is not None else None
+            self._saved_at.setdefault(step, set()).add("lora")
+        written = None
+        wants_tree = checkpoint and self.checkpoints is not None
+        tree = self.sync.gather_state(self.state_dict()) if wants_tree else None
         if tree is not None:  # None on ranks other than 0: rank 0 writes every rank's state
             c = self.checkpoints
             sidecars = [o.write_sidecars for o in self.bus.observers if callable(getattr(o, "write_sidecars", None))]
             meta = {**c.meta, "reason": reason, "lora_paths": list(paths), "final": final}
-            checkpoint = c.write(c.directory, step, tree, meta=meta, sidecars=sidecars)
+            written = c.write(c.directory, step, tree, meta=meta, sidecars=sidecars)
             prune(c.directory, keep_last=c.keep_last, keep_every=c.keep_every, protect=(step,))
-        if paths or checkpoint is not None:
+        if wants_tree:
+            self._saved_at.setdefault(step, set()).add("checkpoint")
+        if paths or written is not None:
             self.bus.emit(CheckpointSaved(step=step, paths=paths, final=final, reason=reason,
-                                          checkpoint=str(checkpoint) if checkpoint is not None else None))
-            if checkpoint is not None:
-                mark_announced(checkpoint)  # delivered: a resume from it does not deliver it again
+                                          checkpoint=str(written) if written is not None else None))
+            if written is not None:
+                mark_announced(written)  # delivered: a resume from it does not deliver it again
 
     # -- state: everything needed to continue bitwise (core.state) ---------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -3,11 +3,18 @@
 Nothing wantrain writes leaves its run directory: a resume refuses a run directory that holds a symbolic link
 (:func:`refuse_links`, before anything is written), and the files a run appends to are opened without following
 links (:func:`open_append`), so a link put there later is refused too instead of being written through.
+
+**One writer per run directory.** A run (fresh or resumed) takes an OS lock on ``<run_dir>/.lock``
+(:func:`lock_run_dir`, ``flock``) before it writes anything there, and holds it until it ends. A second process
+(``--resume auto`` on a run that is still training, two resumes at once) is refused in one line naming the pid
+that holds it. The kernel releases the lock when its process ends, however it ends (``kill -9`` included), so the
+lock file a dead run left is never an obstacle; the file stays, holding the last holder's pid.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import time
@@ -92,3 +99,72 @@ def open_append(path: Path, *, text: bool = False, encoding: str = "utf-8") -> I
                             "directory: replace the link with a copy of its target, or remove it") from None
         raise
     return os.fdopen(fd, "a", encoding=encoding) if text else os.fdopen(fd, "ab")
+
+
+LOCK_FILE = ".lock"
+
+
+class RunDirLock:
+    """The OS lock a run holds on its run directory (:func:`lock_run_dir`). :meth:`release` (or the process's end)
+    gives it up; releasing twice does nothing."""
+
+    def __init__(self, run_dir: Path, fd: int) -> None:
+        self.run_dir = run_dir
+        self._fd: int | None = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the descriptor releases the flock
+
+    def __enter__(self) -> RunDirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def lock_run_dir(run_dir: Path) -> RunDirLock:
+    """Take the run directory's lock (see the module docstring) or raise a one-line ``UserError`` naming the pid of
+    the process that holds it. A file system without locks (some network mounts) is not refused: the lock is then
+    only as good as the user's care, and the returned lock holds nothing."""
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK_FILE
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(f"'{path}' is a symbolic link; remove it (wantrain keeps its lock there)") from None
+        raise UserError(f"cannot lock run directory '{run_dir}': {exc.strerror} ('{path}'); free space or fix "
+                        "permissions there") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return RunDirLock(run_dir, fd)  # ENOLCK, EOPNOTSUPP: no locks on this file system
+        holder = _read_pid(fd)
+        os.close(fd)
+        who = f"process {holder}" if holder else "another process"
+        raise UserError(f"run directory '{run_dir}' is in use by {who} (a run or resume still writing there); wait "
+                        "for it to end or stop it, then run again; one process writes a run directory at a time"
+                        ) from None
+    if _read_pid(fd) != os.getpid():  # unchanged when it is ours already: a refused resume touches nothing
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            pass  # a full disk: the lock holds all the same, only the pid in messages is missing
+    return RunDirLock(run_dir, fd)
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

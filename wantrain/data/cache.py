@@ -9,8 +9,10 @@ Layout, per cache folder (``[data] cache_dir``, else ``<dataset>/.wantrain_cache
 A latent key hashes the file's content fingerprint (size, mtime, sampled blocks), everything that shapes the
 clip's pixels (start, frames, source and target fps, bucket size, resize version) and ``encoder_identity``. A text
 key hashes the caption and :func:`text_identity` (which adds the text encoder's dtype, text length and prompt
-cleaning). Changing one processing parameter therefore misses exactly the entries it affects. Writes go to a
-temporary file in the same folder and are renamed into place, so a killed run never leaves a half-written entry.
+cleaning). Changing one processing parameter therefore misses exactly the entries it affects. Every write goes
+through ``core.atomic.atomic_write`` (a temporary file in the same folder, fsync'ed, renamed into place), so a killed
+run never leaves a half-written entry and two processes filling one cache never see one; ``verified.json`` is
+updated under an OS lock. A folder that cannot be written is one line naming it (``StorageError``).
 :func:`find_orphans` lists entries no current clip or caption uses (they may be another config's: every config
 on one data folder shares its cache); :func:`remove_orphans` deletes them (``wantrain cache --prune``).
 
@@ -21,6 +23,7 @@ This module owns the storage (keys, files, orphans) and knows nothing of dataset
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -34,12 +37,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from wantrain.core.atomic import atomic_write, storage_error
 from wantrain.core.errors import UserError
 
 FORMAT_VERSION = 1
 CACHE_DIRNAME = ".wantrain_cache"
 # A temporary file untouched this long is a killed writer's; younger ones may be another process's write in flight.
 STALE_TMP_SECONDS = 24 * 3600
+CACHE_HINT = "free space there, or set data.cache_dir to a writable folder with room"
 
 
 def _digest(obj: dict[str, Any]) -> str:
@@ -65,16 +70,16 @@ def entry_path(cache_dir: Path, kind: str, key: str) -> Path:
 
 
 def save_entry(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write atomically: a temporary file in the same folder, then ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    """Write one entry whole or not at all (``core.atomic.atomic_write``). Two processes filling the same cache
+    write the same entry through two temporary files; the second rename replaces an identical file. A folder that
+    cannot be written is one line (``StorageError``) naming it and the ``data.cache_dir`` way out."""
     try:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise storage_error("the cache folder", path.parent, exc, hint=CACHE_HINT) from exc
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), what="cache entry",
+                 hint=CACHE_HINT)
 
 
 def load_entry(path: Path) -> dict[str, torch.Tensor] | None:
@@ -126,13 +131,21 @@ def read_verified(cache_dir: Path) -> dict[str, int]:
 
 
 def write_verified(cache_dir: Path, fingerprint: str, frames: int) -> None:
-    data = read_verified(cache_dir)
-    data[fingerprint] = frames
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="verified.", suffix=".tmp", dir=cache_dir)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, sort_keys=True)
-    os.replace(tmp, cache_dir / "verified.json")
+    """Add one clip's real frame count to ``verified.json``. The read, update and write happen under an OS lock on
+    ``cache_dir/.lock``, so two processes verifying clips into one cache do not drop each other's counts."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        lock = os.open(cache_dir / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        raise storage_error("the cache folder", cache_dir, exc, hint=CACHE_HINT) from exc
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = read_verified(cache_dir)
+        data[fingerprint] = frames
+        atomic_write(cache_dir / "verified.json", json.dumps(data, sort_keys=True), what="cache file",
+                     hint=CACHE_HINT)
+    finally:
+        os.close(lock)  # releases the lock
 
 
 @attrs.frozen
@@ -178,7 +191,7 @@ def find_orphans(expected: dict[Path, set[Path]], *, now: float | None = None) -
                     continue
                 try:
                     orphan = f.suffix == ".safetensors" or (
-                        f.suffix == ".tmp" and now - f.stat().st_mtime > STALE_TMP_SECONDS)
+                        (f.suffix == ".tmp" or ".tmp-" in f.name) and now - f.stat().st_mtime > STALE_TMP_SECONDS)
                 except FileNotFoundError:  # renamed into place by its writer meanwhile
                     continue
                 if orphan:

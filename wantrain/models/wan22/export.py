@@ -20,7 +20,6 @@ Wan 2.2.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from wantrain.core.checkpoint import canonicalize_safetensors
+from wantrain.core.atomic import atomic_write
+from wantrain.core.checkpoint import SAVE_HINT, canonicalize_safetensors
 from wantrain.core.version import __version__
 from wantrain.models.wan22.adapter_types import (
     ADAPTER_NAME,
@@ -100,23 +100,16 @@ def adapter_state_dict(transformer: nn.Module, kind: AdapterType, dtype: torch.d
 
 
 def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """Write a safetensors file through a temp file in the same folder and ``os.replace`` (never half-written)."""
+    """Write a safetensors file whole or not at all (``core.atomic.atomic_write``: a temporary file in the same
+    folder, fsync'ed, renamed into place, the folder fsync'ed); a full disk or no permission raises a one-line
+    ``StorageError`` naming ``path``."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    def write(tmp: Path) -> None:
         save_file(tensors, str(tmp), metadata=metadata)
         canonicalize_safetensors(tmp)  # same training, same bytes
-        # safetensors creates the file owner-only (0600); give it the permissions any other file would get
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except OSError as exc:  # a full disk, no permission: name the file the user knows, not the temporary one
-        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    atomic_write(path, write, what="LoRA file", hint=SAVE_HINT)
 
 
 class Wan22Saver:

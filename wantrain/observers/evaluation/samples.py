@@ -47,6 +47,7 @@ import structlog
 import torch
 
 from wantrain.core.adapter import SamplingCapable, TextEncoding, check_needs, evaluation_session
+from wantrain.core.atomic import atomic_write
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import ControlRequested, OptimizerStepped, RunStarted, SamplesWritten
 
@@ -92,18 +93,20 @@ def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.mp4")
-    with av.open(str(tmp), mode="w") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
-        stream.width, stream.height = frames.shape[2], frames.shape[1]
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": "18"}
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+
+    def encode(tmp: Path) -> None:
+        with av.open(str(tmp), mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+            stream.width, stream.height = frames.shape[2], frames.shape[1]
+            stream.pix_fmt = "yuv420p"
+            stream.options = {"crf": "18"}
+            for frame in frames:
+                for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
                 container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    tmp.replace(path)
+
+    atomic_write(path, encode, what="sample video")  # a full disk: one line (core.atomic.StorageError)
 
 
 def frame_strip(frames: np.ndarray, count: int = STRIP_FRAMES) -> np.ndarray:
@@ -298,9 +301,7 @@ def _write_png(path: Path, picture: np.ndarray) -> None:
     from PIL import Image
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    Image.fromarray(picture).save(tmp, format="PNG")
-    tmp.replace(path)
+    atomic_write(path, lambda tmp: Image.fromarray(picture).save(tmp, format="PNG"), what="sample image")
 
 
 def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, sync: Any = None,

@@ -44,6 +44,7 @@ chart in the Images tab (``lr_finder/chart``, or ``lr_finder/chart/<expert>`` wi
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import time
@@ -55,6 +56,7 @@ import attrs
 import structlog
 
 from wantrain.core.adapter import TimestepPinning
+from wantrain.core.atomic import atomic_write
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import (
     Event,
@@ -345,18 +347,20 @@ class LrFinder(Observer):
             curve += [None] * (len(sweep.rows) - len(curve))
             for r, c in zip(sweep.rows, curve, strict=True):  # the curve the suggestions read; empty: left out
                 rows.append({**r, "expert": r["expert"] or "", "centred_loss": math.nan if c is None else c})
-        with (run_dir / "lr_finder.csv").open("w", newline="", encoding="utf-8") as fh:
-            writer = csv.DictWriter(fh, fieldnames=["expert", "rung", "step", "lr", "raw_loss", "smoothed_loss",
-                                                    "centred_loss", "train_loss"])
-            writer.writeheader()
-            writer.writerows(rows)
+        table = io.StringIO(newline="")
+        writer = csv.DictWriter(table, fieldnames=["expert", "rung", "step", "lr", "raw_loss", "smoothed_loss",
+                                                   "centred_loss", "train_loss"])
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write(run_dir / "lr_finder.csv", table.getvalue(), what="LR finder table")  # core.atomic
         summary = {
             "settings": attrs.asdict(self.cfg),
             "experts": {(e or "lora"): attrs.asdict(r) for e, r in self.results.items()},
         }
-        (run_dir / "lr_finder.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
+        atomic_write(run_dir / "lr_finder.json", json.dumps(summary, indent=2, default=str), what="LR finder summary")
         figure = chart_figure([s for s in self.sweeps if s.rows], self.cfg)
-        figure.savefig(run_dir / "lr_finder.png", dpi=110)
+        atomic_write(run_dir / "lr_finder.png", lambda tmp: figure.savefig(tmp, dpi=110, format="png"),
+                     what="LR finder chart")
 
 
 def summary_lines(results: dict[str | None, LrFinderResult]) -> list[str]:
