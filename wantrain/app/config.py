@@ -23,7 +23,7 @@ from wantrain.core.settings import (
 )
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.adapter_types import candidate_modules, select_modules
-from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig, check_rank
+from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
@@ -91,7 +91,6 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         _check_alpha_schedule(self)
-        check_rank(self.model.variant, self.lora.rank)
         if self.lora.type == "dora" and (self.model.base_dtype in FP8_DTYPES or (
                 self.model.vram_budget_gb is not None and self.model.base_dtype == "auto")):
             raise ConfigError(

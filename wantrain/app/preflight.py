@@ -43,7 +43,7 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     run`` makes before it loads anything (the schedule, users' observers, the model files, [validation]/[sample]):
     the same one-line refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys
     go."""
-    from wantrain.app.epochs import check_every_expert_trains, uses_epochs
+    from wantrain.app.epochs import uses_epochs
 
     given = cfg
     if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
@@ -59,15 +59,25 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     if uses_epochs(cfg):
         cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
-    idle = check_every_expert_trains(cfg, user_cfg=given)  # an epoch-length run refuses here
-    if idle:
-        data.report.warnings.append(idle)
+    data.report.warnings.extend(config_warnings(cfg, given))  # an epoch-length run with an idle expert refuses here
     if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
     data.report.model_files = model_plan(cfg)
     plan_memory(cfg, data)
     return data.report
+
+
+def config_warnings(cfg: Any, given: Any) -> list[str]:
+    """One line each for what a user could mean but probably does not (``check`` prints them after its report, a
+    run logs them as ``config_warning``): an expert without an optimizer step when the length comes from
+    ``train.max_steps`` (with epochs that is refused here), a LoRA rank wider than the layers it adapts.
+    ``cfg``: with epochs resolved into steps; ``given``: as the user wrote it."""
+    from wantrain.app.epochs import check_every_expert_trains
+    from wantrain.models.wan22.config import check_rank
+
+    found = [check_every_expert_trains(cfg, user_cfg=given), check_rank(cfg.model.variant, cfg.lora.rank)]
+    return [line for line in found if line]
 
 
 def resolve_device(name: str) -> torch.device:

@@ -295,20 +295,21 @@ class LoraConfig:
         return float(self.rank) if self.alpha is None else float(self.alpha)
 
 
-def check_rank(variant: str, rank: int | None) -> None:
-    """Refuse a LoRA rank wider than the layers it adapts: on a Linear of ``in`` by ``out`` features a rank above
-    ``min(in, out)`` adds parameters (and memory: ``lora.rank = 1000000000`` plans terabytes) but no capacity. The
-    narrowest Linear a Wan LoRA targets is the attention's, ``heads x head_dim`` wide (its feed-forward is wider).
-    ``rank`` None: read from an ``init_from`` file later (checked there by the file's own shapes)."""
+def check_rank(variant: str, rank: int | None) -> str | None:
+    """A warning line for a LoRA rank wider than the layers it adapts, else None: on a Linear of ``in`` by ``out``
+    features a rank above ``min(in, out)`` adds parameters (and memory) but no capacity. The narrowest Linear a Wan
+    LoRA targets is the attention's, ``heads x head_dim`` wide (its feed-forward is wider). A warning, not a
+    refusal: a config written for one variant and tried on a smaller one (the examples on their tiny twins) still
+    trains; a rank so wide that no device holds its plan (``lora.rank = 1000000000``) is refused by the memory plan
+    (``app.preflight.plan_memory``). ``rank`` None: read from an ``init_from`` file later."""
     if rank is None:
-        return
+        return None
     from wantrain.models.wan22.architecture import transformer_kwargs
 
     kwargs = transformer_kwargs(VARIANTS[variant])
     width = min(kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"])
-    if rank > width:
-        raise ConfigError(
-            f"config key 'lora.rank' = {rank} is wider than the layers it adapts: the narrowest Linear a LoRA of "
+    if rank <= width:
+        return None
+    return (f"config key 'lora.rank' = {rank} is wider than the layers it adapts: the narrowest Linear a LoRA of "
             f"model.variant = {variant!r} targets has {width} features, and a rank above min(in, out) adds "
-            f"parameters but no capacity; expected 1 to {width}"
-        )
+            f"parameters but no capacity; ranks 1 to {width} use them all")
