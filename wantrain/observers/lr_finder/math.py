@@ -20,13 +20,13 @@ so everything here can be tested on synthetic curves and replayed from an event 
   non-finite loss; after a divergence stop the last :data:`TRIM_END` rungs dropped (fewer when that would leave under
   :data:`MIN_POINTS`); the raw losses clipped at :data:`CLIP_FACTOR` x the running best level; then
   :func:`running_median`.
-* :func:`suggest` -- the three suggestions on that curve after its first 10 %: ``valley`` (half-way down the
-  descent by level: the first rung below the midpoint between the curve's highest point and its minimum, after
-  the last one above it), ``steepest`` (most negative slope against log10(LR)), ``minimum`` (LR of the lowest point / 10); a
-  90 % band for the default suggestion (:func:`bootstrap_band`: the curve's multiplicative residuals resampled
-  :data:`BOOTSTRAP` times, a fixed seed so replay reproduces it); warnings, every one of which questions the
-  suggestion (so ``trusted`` needs none): too few points, the minimum at the start, the minimum at the end of a
-  sweep that never diverged, a descent no larger than the noise or 2 % of the loss, and a band wider than
+* :func:`suggest` -- the three suggestions on that curve after its first 10 %: ``valley`` (half-way down the descent
+  by level: the first rung below the midpoint between the curve's highest point and its minimum, after the last one
+  above it, read on :func:`causal_median`), ``steepest`` (most negative slope against log10(LR)), ``minimum`` (LR of
+  the lowest point / 10); a 90 % band for the default suggestion (:func:`bootstrap_band`: the curve's multiplicative
+  residuals resampled :data:`BOOTSTRAP` times, a fixed seed so replay reproduces it); warnings, every one of which
+  questions the suggestion (so ``trusted`` needs none): too few points, the minimum at the start, the minimum at the
+  end of a sweep that never diverged, a descent no larger than the noise or 2 % of the loss, and a band wider than
   :data:`BAND_FACTOR`.
 """
 
