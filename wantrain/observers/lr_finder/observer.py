@@ -383,5 +383,5 @@ def summary_lines(results: dict[str | None, LrFinderResult]) -> list[str]:
             lines.append(f"  {r.stop_reason}")
         lines.extend(f"  warning: {w}" for w in r.warnings)
         if r.suggested_lr and r.invalid:
-            lines.append("  not trusted (a warning questions it): --lr-finder-then-train trains with the config's LR")
+            lines.append("  not trusted (questioned above): --lr-finder-then-train trains with the config's LR")
     return lines
