@@ -27,7 +27,7 @@ def test_the_docs_toml_example_is_a_valid_schedule(tmp_path):
     schedule = cfg.lora.alpha_schedule
     assert schedule.enabled and [p.name for p in schedule.phases] == ["foundation", "balance", "emphasis"]
     assert cfg.lora.effective_alpha == 8.0
-    assert schedule.phases[1].criterion("loss_improvement_rate_below", schedule.preset) == 0.05  # the preset's
+    assert schedule.phases[1].criterion("loss_improvement_rate_below", schedule.preset) == 0.005  # the preset's
     assert schedule.phases[1].criterion("max_loss_cv", schedule.preset) is None  # advisory unless a phase sets it
 
 

@@ -141,27 +141,31 @@ def single(loss, grad=steady_grads, steps=40, **criteria):
     return changes(records), adapter, records
 
 
-def test_flat_loss_and_steady_gradients_leave_the_phase_once_two_disjoint_windows_confirm_the_plateau():
+def test_flat_loss_and_steady_gradients_leave_the_phase_at_the_first_look_on_a_full_window_of_the_phase():
     changed, adapter, _ = single(plateau, steps=80)
-    # window 20: the plateau test passes at step 20 (at 10 the ten losses are too few to be confident) and again
-    # at 40, one window later; the next phase starts over: min_steps at 55, tests passing at 45 and 65
+    # window 20, min_steps 15: the first look is at the expert's 20th step in the phase (a full window of the
+    # phase's own losses); the next phase starts over, so its first look is 20 steps later
     assert [(c.step, c.from_phase, c.to_phase, c.from_alpha, c.to_alpha, c.steps_in_phase) for c in changed] == [
-        (40, "foundation", "balance", 4.0, 8.0, 40), (65, "balance", "emphasis", 8.0, 12.0, 25)]
+        (20, "foundation", "balance", 4.0, 8.0, 20), (40, "balance", "emphasis", 8.0, 12.0, 20)]
     assert adapter.changes == [(8.0, "high_noise", True), (12.0, "high_noise", True)]
     assert changed[0].statistics["gradient_stability"] == 1.0
     assert changed[0].statistics["loss_samples"] == 20
-    assert changed[0].checks["earlier_window"]["value"] == 20.0 and changed[1].checks["earlier_window"]["value"] == 45.0
+    assert changed[0].checks["not_rising"]["threshold"] == 0.0
+    assert changed[0].checks["loss_improvement_rate_below"]["value"] < 0.2  # the rate's upper bound
 
 
-def test_min_samples_holds_a_phase_until_the_window_has_enough_losses():
+def test_min_samples_holds_a_phase_until_the_window_has_enough_losses_and_spends_no_look():
     policy = AlphaPolicy(schedule(min_steps=0), ("high_noise",))  # min_samples = 10 in schedule()
-    values = {"alpha/steps/high_noise": 9.0, "alpha/loss_samples/high_noise": 9.0,
-              "alpha/loss_improvement_rate/high_noise": 0.0, "alpha/loss_improvement_rate_se/high_noise": 0.0}
+    values = {"alpha/steps/high_noise": 20.0, "alpha/loss_samples/high_noise": 9.0,
+              "alpha/loss_improvement_rate/high_noise": 0.0, "alpha/loss_improvement_rate_se/high_noise": 0.0,
+              "alpha/loss_improvement_rate_dof/high_noise": 18.0, "alpha/gradient_stability/high_noise": 1.0,
+              "alpha/loss_cv/high_noise": 0.0}
     assert {c.criterion: c.ok for c in policy.checks("high_noise", values)}["min_samples"] is False
+    assert not policy.look_due("high_noise", values)
+    assert policy.observe(20, values) == [] and policy.state["high_noise"].looks == 0  # no look on too few losses
     values["alpha/loss_samples/high_noise"] = 10.0
-    assert {c.criterion: c.ok for c in policy.checks("high_noise", values)}["min_samples"] is True
-    policy.observe(5, {**values, "alpha/loss_samples/high_noise": 9.0})  # a test on too few losses ...
-    assert policy.state["high_noise"].tests == [[9.0, 0.0]]  # ... does not count as a passed window
+    assert policy.look_due("high_noise", values)
+    assert [t["to_phase"] for t in policy.observe(20, values)] == ["balance"]
 
 
 @pytest.mark.parametrize("loss", [falling, rising], ids=["falling", "rising"])
@@ -176,7 +180,7 @@ def test_a_noisy_loss_blocks_the_plateau_test_and_a_set_max_cv_is_checked():
     assert single(noisy, steps=80)[0] == []  # CV 0.5 over 20 steps: the rate's interval is far wider than 0.2
     # with a plateau band wide enough for that noise, max_loss_cv (set by the phase) decides
     assert single(noisy, steps=80, loss_improvement_rate_below=10.0)[0] == []  # CV 0.5 > 0.3
-    assert [c.step for c in single(noisy, steps=80, max_loss_cv=0.6, loss_improvement_rate_below=10.0)[0]][:1] == [35]
+    assert [c.step for c in single(noisy, steps=80, max_loss_cv=0.6, loss_improvement_rate_below=10.0)[0]][:1] == [20]
 
 
 def test_flipping_gradient_signs_block_the_transition_by_stability():
@@ -187,7 +191,7 @@ def test_flipping_gradient_signs_block_the_transition_by_stability():
 
 
 def test_min_loss_r2_passes_a_clean_trend_and_blocks_noise():
-    assert [c.step for c in single(slow_trend, steps=80, min_loss_r2=0.9)[0]][:1] == [30]
+    assert [c.step for c in single(slow_trend, steps=80, min_loss_r2=0.9)[0]][:1] == [20]
     assert single(plateau, steps=80, min_loss_r2=0.9)[0] == []
 
 
@@ -254,3 +258,17 @@ def test_controller_adds_no_host_conversion_outside_the_log_step_gather(tmp_path
     assert not loop.failures
     allowed = dict.fromkeys(loop.log_steps(), 1)
     assert {s: n for s, n in counter.counts.items() if n != allowed.get(s, 0)} == {}
+
+
+def test_a_rising_loss_holds_the_phase_at_every_look_however_small_delta_is_relative_to_the_rise():
+    """Issue 34: the two-sided rule |I| < δ (δ = 0.05) ended phases of a loss rising 2 % per 100 steps."""
+    from wantrain.observers.alpha.config import AlphaPhase
+
+    policy = AlphaPolicy(AlphaScheduleConfig(enabled=True, preset="video", phases=[
+        AlphaPhase(name="a", alpha=4.0, loss_improvement_rate_below=0.05), AlphaPhase(name="b", alpha=8.0)]), (None,))
+    for steps in range(3000, 30001, 3000):  # ten looks on full windows, each clearly rising 2 % per 100 steps
+        values = {"alpha/steps/lora": float(steps), "alpha/loss_samples/lora": 3000.0,
+                  "alpha/loss_improvement_rate/lora": -0.02, "alpha/loss_improvement_rate_se/lora": 0.002,
+                  "alpha/loss_improvement_rate_dof/lora": 18.0, "alpha/gradient_stability/lora": 0.75}
+        assert policy.observe(steps, values) == [], steps
+        assert [x["trend"] for x in policy.looks] == ["rising"]

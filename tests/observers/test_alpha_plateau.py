@@ -1,11 +1,16 @@
-"""Property tests of the alpha schedule's exit rule on synthetic loss streams (no model): the real window
-statistics (``observers.alpha.stats``, batched over seeds on the CPU) feed the real :class:`AlphaPolicy` with the
-``video`` preset.
+"""Property tests of the alpha schedule's plateau rule on synthetic loss streams (no model, numpy + the real
+statistics): 200 seeds per case, the ``video`` preset (window 2000, δ = 0.75 % per 100 steps, min_steps 2000).
 
-A stream: ``L(t) = 1 + A·exp(-t/tau)`` per optimizer step, times log-normal noise of per-step CV 0.05, 0.3 or
-0.5 (flow-matching video losses: 0.3-0.5); gradient stability per step ~ N(0.75, 0.05), what the tiny I2V twin's
-converging run shows (examples/i2v_a14b_alpha_schedule.toml, 600 steps: 0.72-0.81). The plateau begins where the
-true relative decrease falls below the preset's 5 % per 100 steps.
+The decision math is the real one: :func:`~wantrain.observers.alpha.stats.series_statistics` on every look's
+window (all seeds and looks at once) and :func:`~wantrain.observers.alpha.controller.plateau_look` on the result;
+:func:`test_the_vectorised_looks_decide_as_the_policy_does` checks that the real :class:`AlphaPolicy`, fed the same
+logged values, ends the same phases at the same looks.
+
+A stream is ``mean(t) × noise`` per expert step, the noise multiplicative with mean 1 and per-step CV 0.05, 0.3 or
+0.5 (flow-matching video losses: 0.3-0.5), of four kinds: ``iid`` log-normal; ``ar1`` -- log-normal with AR(1)
+correlation ρ = 0.5 between consecutive steps (shared data order, momentum); ``mixture`` -- the step's timestep
+decides its loss level (30 % of steps at a level ~3x the others', a little log-normal noise on top), scaled to
+the CV; ``spikes`` -- iid plus 1 % of steps x5. The rates in docs/alpha_schedule.md ("Measured") are these tests'.
 """
 
 from __future__ import annotations
@@ -16,76 +21,149 @@ import numpy as np
 import pytest
 import torch
 
-from wantrain.observers.alpha.config import AlphaPhase, AlphaScheduleConfig
-from wantrain.observers.alpha.controller import AlphaPolicy
-from wantrain.observers.alpha.stats import DeviceWindow, loss_statistics, window_mean
+from wantrain.observers.alpha.config import ALPHA_PRESETS, AlphaPhase, AlphaScheduleConfig
+from wantrain.observers.alpha.controller import AlphaPolicy, plateau_look
+from wantrain.observers.alpha.stats import series_statistics
 
 SEEDS = 200
-LOG_EVERY = 10
-DELAY = {0.05: 800, 0.3: 1200, 0.5: 1600}  # steps after the plateau's start within which >= 95 % of seeds end
+PRESET = ALPHA_PRESETS["video"]
+WINDOW, DELTA, MIN_STEPS = int(PRESET["window"]), float(PRESET["loss_improvement_rate_below"]), int(
+    PRESET["min_steps"])
+FIRST = max(MIN_STEPS, WINDOW)  # the first look: a full window of the phase's own losses
 
 
-def _schedule(**phase):
-    return AlphaScheduleConfig(enabled=True, preset="video",
-                               phases=[AlphaPhase(name="a", alpha=4.0, **phase), AlphaPhase(name="b", alpha=8.0)])
+def noise(kind: str, cv: float, seeds: int, steps: int, rng: np.random.Generator) -> np.ndarray:
+    """Multiplicative noise of mean 1 and per-step CV ``cv`` (see the module docstring)."""
+    if kind == "mixture":  # timestep draw: 30 % of steps at level high, 70 % at low, mean 1, plus CV 0.05
+        p, within = 0.3, 0.05
+        spread = math.sqrt(max(((1 + cv * cv) / (1 + within * within) - 1) / (p * (1 - p)), 0.0))
+        low = 1 - p * spread
+        level = np.where(rng.random((seeds, steps)) < p, low + spread, low)
+        s = math.sqrt(math.log(1 + within * within))
+        return level * np.exp(rng.normal(-s * s / 2, s, (seeds, steps)))
+    s = math.sqrt(math.log(1 + cv * cv))
+    if kind == "ar1":  # e_t = Σ_k ρ^k·sqrt(1-ρ²)·ε_{t-k}, truncated at ρ^32 ~ 2e-10, as one FFT convolution
+        rho, lags = 0.5, 32
+        white = rng.normal(0.0, s, (seeds, steps + lags))
+        kernel = math.sqrt(1 - rho * rho) * rho ** np.arange(lags)
+        size = 1 << (steps + 2 * lags - 1).bit_length()  # a power of two: a fast FFT
+        e = np.fft.irfft(np.fft.rfft(white, size) * np.fft.rfft(kernel, size), size)[:, lags: lags + steps]
+    else:
+        e = rng.normal(0.0, s, (seeds, steps))
+    out = np.exp(e - s * s / 2)
+    if kind == "spikes":
+        out = np.where(rng.random((seeds, steps)) < 0.01, 5.0 * out, out)
+    return out
 
 
-def _run(schedule, losses, stability):
-    """The step (1-based) at which each seed's first phase ends (-1: never)."""
+def ends(losses: np.ndarray, delta: float = DELTA, window: int = WINDOW, first: int = FIRST) -> np.ndarray:
+    """The look (1-based) at which each stream's phase ends, 0: never. ``losses[:, t]`` is the loss of the phase's
+    expert step t + 1; look j reads the window of steps ``first + (j-1)·window - window + 1 .. first + (j-1)·window``
+    (the policy's looks: disjoint windows, all in the phase)."""
     seeds, steps = losses.shape
-    window = schedule.resolved("window")
-    loss_window = DeviceWindow(window, "cpu", batch=(seeds,))
-    stability_window = DeviceWindow(window, "cpu", batch=(seeds,))
-    policies = [AlphaPolicy(schedule, (None,)) for _ in range(seeds)]
-    ended = np.full(seeds, -1)
-    for t in range(steps):
-        loss_window.push(torch.from_numpy(losses[:, t]))
-        stability_window.push(torch.from_numpy(stability[:, t]))
-        step = t + 1
-        if step % LOG_EVERY:
-            continue
-        stats = {name: value.numpy() for name, value in loss_statistics(loss_window).items()}
-        stats["gradient_stability"] = window_mean(stability_window).numpy()
-        for s in np.flatnonzero(ended < 0):
-            values = {f"alpha/{name}/lora": float(v[s]) for name, v in stats.items()}
-            values["alpha/steps/lora"] = float(step)
-            if policies[s].observe(step, values):
-                ended[s] = step
-    return ended
+    looks = (steps - first) // window + 1
+    start = first - window
+    windows = losses[:, start: start + looks * window].reshape(seeds, looks, window)
+    stats = series_statistics(torch.from_numpy(windows))
+    rate, se, dof = (stats[f"loss_improvement_rate{s}"].numpy() for s in ("", "_se", "_dof"))
+    stopped, rising, _ = plateau_look(rate, se, dof, np.arange(1, looks + 1), delta)
+    ended = stopped & ~rising
+    return np.where(ended.any(1), ended.argmax(1) + 1, 0)
 
 
-def _streams(cv, amplitude, tau, steps, seed):
-    rng = np.random.default_rng(seed)
+def look_step(look: np.ndarray) -> np.ndarray:
+    """The expert step (in the phase) of look ``look``."""
+    return FIRST + (look - 1) * WINDOW
+
+
+def stream(mean: np.ndarray, kind: str, cv: float, seed: int) -> np.ndarray:
+    return mean * noise(kind, cv, SEEDS, len(mean), np.random.default_rng(seed))
+
+
+def constant_rate(rate: float, steps: int) -> np.ndarray:
+    """A loss changing by ``rate`` of itself per 100 steps (positive: falling)."""
+    return np.exp(-rate / 100 * np.arange(steps))
+
+
+KINDS = ["iid", "ar1", "mixture", "spikes"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cv", [0.05, 0.3, 0.5])
+def test_a_rising_loss_never_ends_a_phase(cv, kind):
+    """Issue 34: a loss rising 2 % per 100 steps ended the foundation phase in 200 of 200 seeds. Here 1 % (faster
+    rises are held with more margin)."""
+    losses = stream(constant_rate(-0.01, FIRST + 4 * WINDOW), kind, cv, seed=int(10 * cv))
+    assert (ends(losses) == 0).all()  # five looks, 200 seeds: not one transition
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cv", [0.05, 0.3, 0.5])
+def test_a_loss_still_falling_at_delta_ends_at_most_5_percent_of_phases_over_all_looks(cv, kind):
+    """Issue 34: re-testing at every log step ended 32 % of such phases."""
+    losses = stream(constant_rate(DELTA, FIRST + 5 * WINDOW), kind, cv, seed=int(100 * cv) + len(kind))
+    assert (ends(losses) > 0).mean() <= 0.05  # six looks (the levels of all later looks add < 0.2 %)
+
+
+@pytest.mark.parametrize("kind", ["iid", "mixture", "spikes"])
+@pytest.mark.parametrize("cv", [0.05, 0.3, 0.5])
+def test_a_flat_loss_ends_within_min_steps_and_two_windows(cv, kind):
+    losses = stream(np.ones(FIRST + WINDOW), kind, cv, seed=int(100 * cv) + 7)
+    ended = ends(losses)
+    assert ((ended >= 1) & (ended <= 2)).mean() >= 0.95, np.bincount(ended)
+
+
+@pytest.mark.parametrize(("cv", "within_two", "within_eight"), [(0.3, 0.95, 0.99), (0.5, 0.5, 0.85)])
+def test_a_flat_loss_with_autocorrelated_noise_ends_later(cv, within_two, within_eight):
+    # AR(1) rho 0.5 triples the slope's variance: the batch-means standard error sees it, so the phase is held
+    # longer rather than ended on a too-small error (at CV 0.5: 57 % within two looks, 88 % within eight)
+    ended = ends(stream(np.ones(FIRST + 7 * WINDOW), "ar1", cv, seed=3))  # eight looks
+    assert ((ended >= 1) & (ended <= 2)).mean() >= within_two, np.bincount(ended)
+    assert (ended > 0).mean() >= within_eight, np.bincount(ended)
+
+
+@pytest.mark.parametrize(("kind", "cv"), [("iid", 0.05), ("iid", 0.3), ("iid", 0.5), ("mixture", 0.3),
+                                          ("mixture", 0.5), ("ar1", 0.05), ("ar1", 0.3)])
+def test_a_falling_then_flat_loss_ends_after_its_decrease_falls_below_delta(cv, kind):
+    amplitude, tau, steps = 1.0, 3000.0, FIRST + 7 * WINDOW
     t = np.arange(steps)
     mean = 1 + amplitude * np.exp(-t / tau)
-    sigma = math.sqrt(math.log(1 + cv * cv))
-    losses = mean * np.exp(rng.normal(-sigma * sigma / 2, sigma, (SEEDS, steps)))
-    stability = rng.normal(0.75, 0.05, (SEEDS, steps))
-    rate = 100 * (amplitude / tau) * np.exp(-t / tau) / mean  # the true relative decrease per 100 steps
-    return losses, stability, rate
+    rate = 100 * (amplitude / tau) * np.exp(-t / tau) / mean  # the true decrease per 100 steps
+    ended = ends(stream(mean, kind, cv, seed=int(tau + 100 * cv)))
+    at = look_step(np.maximum(ended, 1)) - 1
+    assert ((ended > 0) & (rate[np.minimum(at, steps - 1)] >= DELTA)).mean() <= 0.05
+    assert (ended > 0).mean() >= 0.95, np.bincount(ended)
 
 
-@pytest.mark.parametrize("cv", [0.05, 0.3, 0.5])
-@pytest.mark.parametrize(("amplitude", "tau"), [(1.0, 300.0), (3.0, 600.0)])
-def test_a_phase_ends_after_the_plateau_begins_and_not_while_the_loss_still_falls(cv, amplitude, tau):
-    steps = 4000
-    losses, stability, rate = _streams(cv, amplitude, tau, steps, seed=int(cv * 100 + tau))
-    ended = _run(_schedule(), losses, stability)
-    plateau = int(np.argmax(rate < 0.05))  # first step whose true decrease is below 5 % per 100 steps
-    assert plateau > 0
-    early = np.mean((ended >= 0) & (ended - 1 < plateau))
-    falling = np.mean((ended >= 0) & (rate[np.clip(ended - 1, 0, steps - 1)] >= 0.05))
-    in_time = np.mean((ended >= plateau) & (ended <= plateau + DELAY[cv]))
-    assert early <= 0.05 and falling <= 0.05, (early, falling)
-    assert in_time >= 0.95, (in_time, np.percentile(ended - plateau, [5, 50, 95]))
+def test_the_presets_see_the_slope_of_a_slow_lora_curve():
+    """Issue 34: 1 + 0.15·e^(−t/2000) ended the phase at step ~680 (δ 0.05) while it still fell 0.5 %/100 steps;
+    with the preset no phase ends before that curve's decrease is under 0.3 % per 100 steps."""
+    t = np.arange(FIRST + 4 * WINDOW)
+    mean = 1 + 0.15 * np.exp(-t / 2000)
+    rate = 100 * (0.15 / 2000) * np.exp(-t / 2000) / mean
+    for cv in (0.3, 0.5):
+        ended = ends(stream(mean, "iid", cv, seed=int(100 * cv)))
+        assert (ended > 0).all() and (rate[look_step(ended) - 1] < 0.003).all()
 
 
-@pytest.mark.parametrize("cv", [0.3, 0.5])
-def test_a_rising_loss_never_ends_a_phase(cv):
-    steps = 3000
-    rng = np.random.default_rng(7)
+def test_the_vectorised_looks_decide_as_the_policy_does():
+    schedule = AlphaScheduleConfig(enabled=True, preset="video", phases=[
+        AlphaPhase(name="a", alpha=4.0, min_gradient_stability=0.0), AlphaPhase(name="b", alpha=8.0)])
+    seeds, steps = 12, FIRST + 5 * WINDOW
     t = np.arange(steps)
-    sigma = math.sqrt(math.log(1 + cv * cv))
-    losses = np.exp(0.001 * t) * np.exp(rng.normal(-sigma * sigma / 2, sigma, (SEEDS, steps)))  # +10 % / 100 steps
-    stability = rng.normal(0.75, 0.05, (SEEDS, steps))
-    assert (_run(_schedule(), losses, stability) < 0).all()
+    losses = (1 + 0.5 * np.exp(-t / 1500)) * noise("iid", 0.5, seeds, steps, np.random.default_rng(5))
+    expected = ends(losses)
+    assert len(set(expected.tolist())) > 1  # the seeds differ, so the comparison means something
+    log_every = 250
+    for s in range(seeds):
+        policy, ended = AlphaPolicy(schedule, (None,)), 0
+        for step in range(log_every, steps + 1, log_every):
+            window = torch.from_numpy(losses[s, max(0, step - WINDOW): step].copy())
+            if len(window) < WINDOW:
+                window = torch.cat([torch.full((WINDOW - len(window),), math.nan, dtype=window.dtype), window])
+            values = {f"alpha/{k}/lora": float(v) for k, v in series_statistics(window).items()}
+            values.update({"alpha/steps/lora": float(step), "alpha/gradient_stability/lora": 0.75})
+            if policy.observe(step, values):
+                ended = policy.history[0]["steps_in_phase"]
+                break
+        assert ended == (look_step(expected[s]) if expected[s] else 0), s

@@ -55,7 +55,6 @@ SCHEDULE = """
 enabled = {enabled}
 window = 10
 min_samples = 5
-plateau_windows = 1
 [[lora.alpha_schedule.phases]]
 name = "foundation"
 alpha = 4

@@ -78,6 +78,25 @@ def test_the_validation_rate_is_the_relative_change_per_100_steps():
     assert validation_rates([[0, 2.0], [50, 1.9], [100, 1.9]]) == pytest.approx([100 * 0.1 / (2.0 * 50), 0.0])
 
 
+def test_validation_rates_are_per_100_expert_steps_as_the_training_signal_is():
+    """Issue 34: the validation signal measured per 100 *run* steps, so with two experts its δ was twice as loose.
+    Each expert's validation loss falls 3 % per 100 of its own steps (1.5 % per 100 run steps): δ = 2 % holds it."""
+    experts = ("high_noise", "low_noise")
+    phases = [AlphaPhase(name="a", alpha=4.0, min_steps=0, loss_improvement_rate_below=0.02),
+              AlphaPhase(name="b", alpha=8.0)]
+    policy = AlphaPolicy(AlphaScheduleConfig(enabled=True, signal="validation", validation_patience=PATIENCE,
+                                             phases=phases), experts)
+    for step in range(0, 2001, LOG_EVERY):  # experts alternate every 5 steps: each trains 5 of every 10
+        values = {}
+        for e in experts:
+            values.update({f"alpha/steps/{e}": step / 2, f"alpha/gradient_stability/{e}": 0.75})
+            if step % EVERY == 0:
+                values[f"val/loss/{e}"] = math.exp(-0.03 / 100 * step / 2)
+        assert policy.observe(step, values) == [], step
+    rates = validation_rates(policy.state["high_noise"].validations)
+    assert rates == pytest.approx([3.0 * (1 - math.exp(-0.03 / 100 * 25)) / 0.75] * PATIENCE, rel=1e-9)
+
+
 def test_validations_before_a_transition_do_not_count_in_the_next_phase():
     schedule = AlphaScheduleConfig(enabled=True, preset="video", signal="validation", validation_patience=1,
                                    phases=[AlphaPhase(name=n, alpha=a, min_steps=0, loss_improvement_rate_below=1.0)

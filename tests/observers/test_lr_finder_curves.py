@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pytest
 
-from wantrain.observers.lr_finder.math import Smoother, diverged, suggest, sweep_lrs
+from wantrain.observers.lr_finder.math import Smoother, diverged, level, suggest, sweep_lrs
 
 N, START, END, BETA = 100, 1e-7, 10.0, 0.9
 CURVES = 120
@@ -47,12 +47,12 @@ def _curve(rng, kind):
 def _record(rng, clean, cv):
     """The rungs the finder records before its stop rule ends the sweep (as the observer does)."""
     noisy = clean * np.exp(rng.normal(-cv * cv / 2, cv, len(clean))) if cv else clean
-    smoother, best, out = Smoother(BETA), math.inf, []
+    best, out = math.inf, []
     for k, loss in enumerate(noisy):
-        smoothed = smoother.add(float(loss))
-        best = min(best, smoothed)
         out.append(float(loss))
-        if diverged(float(loss), smoothed, best, k, factor=4.0, burn_in=10):
+        current = level(out) if math.isfinite(loss) else math.nan
+        best = min(best, current)
+        if diverged(float(loss), current, best, k, factor=4.0, burn_in=10):
             return out, True
     return out, False
 
@@ -133,13 +133,70 @@ def test_one_rung_jumping_31x_does_not_collapse_the_suggestions_to_the_start():
 
 
 @pytest.mark.parametrize("cv", [0.05, 0.3, 0.5])
-def test_a_curve_with_no_lr_dependence_is_flagged_as_meaningless_in_95_percent_of_seeds(cv):
+def test_a_curve_with_no_lr_dependence_gets_no_trusted_suggestion_in_99_percent_of_seeds(cv):
     lrs = sweep_lrs(START, END, N)
     trusted = 0
     for seed in range(200):
         recorded, stopped = _record(np.random.default_rng(seed), np.ones(N), cv)
         trusted += suggest(lrs[: len(recorded)], recorded, beta=BETA, stopped_early=stopped).trusted
-    assert trusted <= 10, f"{trusted} of 200 flat curves got a trusted suggestion"
+    # measured: 0, 0 and 3 of 200 (the three at CV 0.5: noise the stop rule read as a rise, trimmed to a "descent")
+    assert trusted <= (3 if cv == 0.5 else 2), f"{trusted} of 200 flat curves got a trusted suggestion"
+
+
+def _cliff(rng, depth=None):
+    """Flat, then a descent within less than 0.7 decade (a sigmoid in log10 LR, 10-90 % over 4.4 x its width),
+    a floor, then an abrupt divergence; the right answers: from 10 % of the descent done to the clean minimum."""
+    lrs = np.array(sweep_lrs(START, END, N))
+    x = np.log10(lrs)
+    base = rng.uniform(0.05, 1.0)
+    drop = (rng.uniform(0.2, 0.6) if depth is None else depth) * base
+    middle, width = rng.uniform(-5, -2.5), rng.uniform(0.02, 0.15)
+    clean = base - drop / (1 + np.exp(-(x - middle) / width))
+    onset = middle + rng.uniform(1.0, 2.0)
+    clean = np.where(x > onset, base * 31.0 * np.exp(np.clip(3 * (x - onset), 0, 50)), clean)
+    i_min = int(np.argmin(clean))
+    i_lo = int(np.argmax(clean <= base - 0.1 * drop))
+    return lrs, clean, (lrs[i_lo], lrs[i_min])
+
+
+@pytest.mark.parametrize("cv", [0.0, 0.05, 0.3])
+def test_the_valley_of_a_sharp_cliff_is_on_its_descent(cv):
+    """Issue 34: the forward-backward EMA spread a cliff over +-10 rungs and the valley landed on the flat part
+    before it in 77-79 % of seeds."""
+    rng = np.random.default_rng(int(100 * cv) + 11)
+    hits = 0
+    for _ in range(200):
+        lrs, clean, (lo, hi) = _cliff(rng)
+        losses, stopped = _record(rng, clean, cv)
+        s = suggest(list(lrs[: len(losses)]), losses, beta=BETA, stopped_early=stopped)
+        hits += s.lrs["valley"] is not None and lo * (1 - 1e-9) <= s.lrs["valley"] <= hi * (1 + 1e-9)
+    assert hits >= 180, f"valley on the descent in {hits} of 200"
+
+
+def test_a_real_20_percent_descent_at_cv_03_trusted_only_with_a_band_on_the_descent():
+    """Issue 34: 157 of 200 such sweeps were refused as "too flat"; the rest were trusted without a band. Now a
+    suggestion is trusted only when its bootstrap band is narrow, and then the band lies on the descent."""
+    rng = np.random.default_rng(3)
+    trusted = covered = 0
+    for _ in range(200):
+        lrs, clean, (lo, hi) = _cliff(rng, depth=0.2)
+        losses, stopped = _record(rng, clean, 0.3)
+        s = suggest(list(lrs[: len(losses)]), losses, beta=BETA, stopped_early=stopped)
+        trusted += s.trusted
+        covered += s.trusted and s.band[0] <= hi and s.band[1] >= lo
+    # measured: 7 trusted (before: 43 of 200 passed the flat check, with no band) -- a 20 % descent at CV 0.3
+    # measured once per LR is at the noise floor; every trusted band covers the descent
+    assert trusted >= 5 and covered == trusted, (trusted, covered)
+
+
+def test_a_minimum_at_the_end_of_a_sweep_that_never_diverged_is_not_trusted():
+    """Issue 34: with suggestion = "minimum" on a sweep that never diverged, then-train trained the quickstart at
+    LR 0.75 (config 2e-3): the warning was not one that invalidated."""
+    lrs = sweep_lrs(START, END, N)
+    falling = [1.0 - 0.5 * math.tanh((k - 60) / 10) for k in range(N)]  # still falling at the last LR
+    s = suggest(lrs, falling, beta=BETA, default="minimum")
+    assert s.lr is not None and not s.trusted
+    assert any("never diverged" in w for w in s.invalid)
 
 
 def _result(expert, losses, stopped=False):
@@ -159,13 +216,13 @@ def test_then_train_falls_back_to_the_configs_lr_for_an_untrusted_suggestion_and
     object.__setattr__(cfg, "model", type("M", (), {"lr_high_noise": None, "lr_low_noise": 3e-4})())
     object.__setattr__(cfg, "optimizer", type("O", (), {"lr": 2e-4})())
     flat = list(np.random.default_rng(0).lognormal(0, 0.3, N))  # no LR dependence: the warning invalidates
-    good = [1.0 - 0.5 * math.tanh((k - 50) / 10) for k in range(N)]
+    good = [1.0 - 0.5 * math.tanh((k - 50) / 10) + (0.002 * (k - 80) ** 2 if k > 80 else 0) for k in range(N)]
     results = {"high_noise": _result("high_noise", good), "low_noise": _result("low_noise", flat)}
     assert results["high_noise"].trusted and not results["low_noise"].trusted
     lrs, lines = training_lrs(cfg, ("high_noise", "low_noise"), results)
     assert lrs == {"high_noise": results["high_noise"].suggested_lr}  # the low-noise expert keeps its 3e-4
     assert len(lines) == 1 and lines[0].startswith("lr_finder [low_noise]: not training with the suggestion (")
-    assert "too flat" in lines[0] and lines[0].endswith("training with the config's LR 0.0003")
+    assert lines[0].endswith("training with the config's LR 0.0003")
     assert training_lrs(cfg, ("high_noise",), {})[1][0].endswith("the sweep gave no suggestion); training with "
                                                                   "the config's LR 0.0002")
     assert callable(suggested_config)

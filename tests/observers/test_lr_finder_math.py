@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from wantrain.observers.lr_finder.math import centred, diverged, ema, suggest, sweep_lrs, valley_index
+from wantrain.observers.lr_finder.math import (
+    centred,
+    diverged,
+    ema,
+    level,
+    running_median,
+    suggest,
+    sweep_lrs,
+    valley_index,
+)
 
 
 def test_exp_and_linear_sweeps_hit_both_end_points_exactly():
@@ -42,24 +51,27 @@ def test_steepest_descent_in_log_lr_is_the_inflection_of_a_tanh_curve():
 
 
 def test_valley_is_half_way_down_the_descent():
-    assert valley_index([5, 4, 3, 2, 1]) == 2  # 10 % of the drop done at 1, within 10 % of the minimum at 4
-    assert valley_index([1, 9, 8, 7, 6, 5, 4, 3]) == 4  # from the highest point (1) to the end (7)
-    assert valley_index([9, 9, 9, 9, 8, 5, 2, 1, 1]) == 5  # a plateau before the descent does not count
+    assert valley_index([5, 4, 3, 2, 1]) == 3  # the first value below the midpoint 3
+    assert valley_index([1, 9, 8, 7, 6, 5, 4, 3]) == 5  # midpoint of the highest point (9) and the end (3): 6
+    assert valley_index([9, 9, 9, 9, 8, 5, 2, 1, 1]) == 6  # a plateau before the descent does not count
+    assert valley_index([9, 9, 9, 9, 9, 1, 1, 1, 1]) == 5  # a cliff: its first rung down
     lrs = _grid()
     losses = [100.0 - k if k <= 70 else 30.0 + (k - 70) ** 2 for k in range(101)]  # V, bottom at rung 70
     s = suggest(lrs, losses, beta=0.0)
-    # the first 10 % are skipped: the decreasing stretch is rungs 10..70, its middle is rung 40
-    assert s.indices["valley"] == 40 and s.lrs["valley"] == lrs[40]
-    assert s.default == "valley" and s.lr == lrs[40]
+    # the first 10 % are skipped: the decreasing stretch is rungs 10..70, half-way down by level at rung 40; the
+    # valley reads the causal median, which lags a steady descent by up to MEDIAN_WIDTH // 2 = 4 rungs
+    assert 40 <= s.indices["valley"] <= 45 and s.lrs["valley"] == lrs[s.indices["valley"]]
+    assert s.default == "valley" and s.lr == s.lrs["valley"]
 
 
 def test_minimum_suggestion_is_a_tenth_of_the_lr_at_the_lowest_loss():
     lrs = _grid()
     losses = [(k - 55) ** 2 + 1.0 for k in range(101)]
     s = suggest(lrs, losses, beta=0.0, default="minimum")
-    assert s.indices["minimum"] == 55
-    assert s.lrs["minimum"] == pytest.approx(lrs[55] / 10)
-    assert s.lr == s.lrs["minimum"] and s.warnings == ()
+    # the running median (9 rungs) turns the parabola's tip into a short flat bottom; its first rung is taken
+    assert 51 <= s.indices["minimum"] <= 55
+    assert s.lrs["minimum"] == pytest.approx(lrs[s.indices["minimum"]] / 10)
+    assert s.lr == s.lrs["minimum"] and s.warnings == () and s.trusted
 
 
 def test_warns_when_the_minimum_sits_at_the_end_of_a_sweep_that_never_diverged():
@@ -96,3 +108,23 @@ def test_divergence_rule_fires_on_nan_at_once_and_on_an_explosion_only_after_bur
     assert diverged(5.0, 5.0, 1.0, 9, factor=4, burn_in=10) is None  # in the burn-in
     assert "exceeds 4 x" in diverged(5.0, 5.0, 1.0, 10, factor=4, burn_in=10)
     assert diverged(3.9, 3.9, 1.0, 50, factor=4, burn_in=10) is None
+
+
+def test_the_running_median_keeps_a_cliff_sharp_and_drops_a_single_outlier():
+    cliff = [1.0] * 30 + [0.5] * 30
+    assert list(running_median(cliff)) == cliff  # a monotone stretch is left exactly as it is
+    spiked = list(cliff)
+    spiked[40] = 40.0
+    assert list(running_median(spiked)) == cliff
+    assert centred(cliff, 0.9)[25] < 0.95  # the forward-backward EMA starts the descent 5 rungs early
+
+
+def test_one_or_two_outlier_rungs_do_not_stop_the_sweep_but_a_sustained_rise_does():
+    """Issue 34: a single x40 rung mid-descent ended the sweep (the EMA jumped past 4 x its best)."""
+    raws, best, stops = [], float("inf"), []
+    for rung, raw in enumerate([1.0] * 20 + [40.0] + [0.9] * 5 + [40.0, 40.0] + [0.9] * 4 + [40.0] * 3):
+        raws.append(raw)
+        current = level(raws)
+        best = min(best, current)
+        stops.append(diverged(raw, current, best, rung, factor=4, burn_in=10) is not None)
+    assert stops.index(True) == 34  # the third high rung of five, not the single one at 20 nor the pair at 26-27

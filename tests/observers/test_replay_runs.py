@@ -75,8 +75,9 @@ def _trained_steps(expert: str, step: int) -> int:
     return sum(1 for s in range(1, step + 1) if ((s - 1) // SWITCH_EVERY) % 2 == first)
 
 
-def _predicted(min_steps: tuple[int, int]) -> list[tuple[int, str, str]]:
-    """Transitions from the schedule's arithmetic alone (the other criteria are set wide open in CONFIG)."""
+def _predicted(min_steps: tuple[int, int], window: int = WINDOW) -> list[tuple[int, str, str]]:
+    """Transitions from the schedule's arithmetic alone (the other criteria are set wide open in CONFIG): the
+    first look of a phase at max(min_steps, window) expert steps in it, with enough samples (observers.alpha)."""
     names = ("foundation", "balance", "emphasis")
     out = []
     phase = {"high_noise": 0, "low_noise": 0}
@@ -86,7 +87,8 @@ def _predicted(min_steps: tuple[int, int]) -> list[tuple[int, str, str]]:
             steps = _trained_steps(expert, step)
             if steps == _trained_steps(expert, step - LOG_EVERY) or phase[expert] == 2:
                 continue  # did not train in this interval, or in the last phase
-            if steps - start[expert] >= min_steps[phase[expert]] and min(steps, WINDOW) >= MIN_SAMPLES:
+            first = max(min_steps[phase[expert]], window)
+            if steps - start[expert] >= first and min(steps, window) >= MIN_SAMPLES:
                 phase[expert] += 1
                 start[expert] = steps
                 out.append((step, expert, names[phase[expert]]))
@@ -117,11 +119,12 @@ def test_what_if_with_a_lower_min_steps_moves_the_transitions_where_predicted(re
                                                                               in_config_dir, capsys):
     before = _tree_hash(recorded_run)
     args = ["replay", str(recorded_run), "--observers", "alpha", "--out", str(tmp_path / "whatif"),
-            "--set", "lora.alpha_schedule.phases.0.min_steps=5", "--set", "lora.alpha_schedule.phases.1.min_steps=5"]
+            "--set", "lora.alpha_schedule.phases.0.min_steps=5", "--set", "lora.alpha_schedule.phases.1.min_steps=5",
+            "--set", "lora.alpha_schedule.window=5"]  # the first look is at max(min_steps, window)
     assert main(args) == 0
     assert _tree_hash(recorded_run) == before
     printed = capsys.readouterr().out
-    expected = _predicted((5, 5))
+    expected = _predicted((5, 5), window=5)
     assert expected != _predicted((10, 10))  # the what-if does move them
     # the table: per expert, each recorded transition beside the replayed one
     for step, expert, phase in expected:

@@ -80,6 +80,17 @@ def config_warnings(cfg: Any, given: Any) -> list[str]:
     return [line for line in found if line]
 
 
+def alpha_schedule_lines(cfg: Any) -> list[str]:
+    """``wantrain check``'s lines on an enabled ``[lora.alpha_schedule]``: per phase the smallest slope its window
+    resolves, and whether every phase is reachable within ``train.max_steps`` (docs/alpha_schedule.md)."""
+    from wantrain.observers.alpha.report import resolution_lines
+
+    if not cfg.lora.schedule_enabled:
+        return []
+    experts = len(cfg.model.trained_experts)
+    return resolution_lines(cfg.lora.alpha_schedule, experts, cfg.train.max_steps)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -22,15 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wantrain.app.preflight import NoUsableSample, preflight_report
+    from wantrain.app.preflight import NoUsableSample, alpha_schedule_lines, preflight_report
     from wantrain.core.errors import UserError
 
+    cfg = load_run_config(args)
     try:
-        report = preflight_report(load_run_config(args), verify=args.verify, config_dir=Path(args.config).parent)
+        report = preflight_report(cfg, verify=args.verify, config_dir=Path(args.config).parent)
     except NoUsableSample as exc:  # the report is what the user needs: every skipped and ignored file
         _print(exc.report, args.json)
         raise UserError(exc.summary + " (every file is listed above)") from None
     _print(report, args.json)
+    for line in alpha_schedule_lines(cfg):
+        print(line)
     return 0
 
 

@@ -36,9 +36,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import attrs
+import numpy as np
 import structlog
 import torch
 
@@ -62,8 +64,8 @@ from wantrain.observers.alpha.stats import DeviceWindow, SignAgreement, loss_sta
 
 log = structlog.get_logger("wantrain.alpha")
 
-STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss_improvement_rate_se", "loss_samples",
-              "gradient_stability")
+STATISTICS = ("loss_slope", "loss_r2", "loss_cv", "loss_improvement_rate", "loss_improvement_rate_se",
+              "loss_improvement_rate_dof", "loss_samples", "gradient_stability")
 
 
 @register_event_type
@@ -88,26 +90,86 @@ class AlphaChanged(Event):
     checks: dict[str, dict[str, float]] = attrs.field(factory=dict)
 
 
+@register_event_type
+@attrs.frozen(slots=True, kw_only=True)
+class AlphaHeld(Event):
+    """At a look (``look``, 1-based in the phase) the alpha controller found ``expert``'s loss *rising* and held it
+    in its phase (``phase``, ``phase_index``): ``rate`` is the window's improvement rate per 100 expert steps
+    (negative: rising), ``se`` its standard error (NaN with ``signal = "validation"``). Emitted from the
+    ``MetricsLogged`` handler, so it is in the event log and replays like ``AlphaChanged``; nobody acts on it."""
+
+    expert: str | None
+    phase: str
+    phase_index: int
+    steps_in_phase: int
+    look: int
+    rate: float
+    se: float
+
+
 def expert_key(expert: str | None) -> str:
     return expert or "lora"
 
 
-PLATEAU_Z = 1.645
-"""The plateau test's one-sided normal quantile (95 % per bound): the 90 % interval I ± 1.645·se(I) of the loss's
-improvement rate must lie inside (-δ, δ)."""
+SPENDING_ALPHA = 0.025
+"""The plateau rule's error budget: over all the looks of one phase, a loss still falling at exactly δ per 100
+steps ends it with probability at most this (alpha spending, :func:`look_level`)."""
+
+RISE_LEVEL = 0.05
+"""One-sided level of the rising test: a window whose rate lies below 0 with this confidence (I + t·se < 0) holds
+the phase (a held phase is the safe error, so no spending here)."""
+
+
+def look_level(look: int | np.ndarray) -> np.ndarray:
+    """The level spent at look ``look`` (1, 2, ...; array-valued) of a phase: ``SPENDING_ALPHA·6/(π²·look²)``; over
+    any number of looks the levels sum to at most ``SPENDING_ALPHA`` (Σ 1/j² = π²/6), so a phase that never ends
+    has spent no more than its budget."""
+    look = np.asarray(look, dtype=float)
+    return SPENDING_ALPHA * 6.0 / (math.pi ** 2 * look * look)
+
+
+_NORMAL = NormalDist()
+
+
+def t_quantile(level: float | np.ndarray, dof: float | np.ndarray) -> np.ndarray:
+    """The upper ``level`` quantile of Student's t with ``dof`` degrees of freedom (array-valued), by the
+    Cornish-Fisher expansion to 1/dof³ (within 0.2 % of the exact value from 10 degrees of freedom; the windows'
+    batch means give 18); NaN for dof < 1."""
+    z = np.vectorize(lambda p: _NORMAL.inv_cdf(1.0 - p))(np.asarray(level, dtype=float))
+    v = np.asarray(dof, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = (z + (z ** 3 + z) / (4 * v) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * v ** 2)
+             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * v ** 3))
+    return np.where(v >= 1, t, np.nan)
+
+
+def plateau_look(rate, se, dof, look, delta) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The two one-sided tests of look ``look`` on a window (arrays broadcast; the policy and the property tests
+    call this same function): ``(stopped, rising, bound)`` with ``bound = I + t(look_level(look), dof)·se`` the
+    upper confidence bound of the improvement rate, ``stopped = bound < δ`` (the loss no longer falls δ per 100
+    steps, at the look's spent level) and ``rising = I + t(RISE_LEVEL, dof)·se < 0`` (it rises, with 95 %
+    confidence). NaN inputs give ``stopped`` False and ``rising`` False."""
+    rate, se = np.asarray(rate, dtype=float), np.asarray(se, dtype=float)
+    bound = rate + t_quantile(look_level(look), dof) * se
+    with np.errstate(invalid="ignore"):
+        stopped = np.isfinite(bound) & (bound < delta)
+        rising = np.isfinite(se) & (rate + t_quantile(RISE_LEVEL, dof) * se < 0)
+    return stopped, rising, bound
 
 
 @attrs.define
 class ExpertPhase:
-    """Where one expert stands: its phase index, its step count (``alpha/steps/<k>``) when that phase began, and
-    the plateau tests of this phase so far as ``[steps, passed]`` pairs (only the last window's worth is kept);
-    with ``signal = "validation"`` the validations of this phase as ``[run step, validation loss]`` pairs (the last
-    ``validation_patience + 1`` kept)."""
+    """Where one expert stands: its phase index, its step count (``alpha/steps/<k>``) when that phase began, the
+    plateau looks taken in this phase and the expert step of the last one (-1: none); with ``signal =
+    "validation"`` the validations of this phase as ``[expert steps, validation loss]`` pairs (the last
+    ``validation_patience + 1`` kept) and ``anchor``, the last ``[run step, expert steps]`` seen."""
 
     phase: int = 0
     phase_start: int = 0
-    tests: list[list[float]] = attrs.field(factory=list)
+    looks: int = 0
+    last_look: float = -1.0
     validations: list[list[float]] = attrs.field(factory=list)
+    anchor: list[float] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -125,8 +187,8 @@ def validation_key(expert: str | None) -> str:
 
 
 def validation_rates(validations: list[list[float]]) -> list[float]:
-    """The relative decrease per 100 run steps between consecutive validations ``[step, loss]``:
-    ``r_j = 100·(v_{j-1} - v_j) / (|v_{j-1}|·(s_j - s_{j-1}))`` (NaN where undefined)."""
+    """The relative decrease per 100 expert steps between consecutive validations ``[expert steps, loss]``:
+    ``r_j = 100·(v_{j-1} - v_j) / (|v_{j-1}|·(e_j - e_{j-1}))`` (NaN where undefined)."""
     out = []
     for (s0, v0), (s1, v1) in zip(validations, validations[1:]):
         ok = s1 > s0 and v0 != 0 and math.isfinite(v0) and math.isfinite(v1)
@@ -134,25 +196,19 @@ def validation_rates(validations: list[list[float]]) -> list[float]:
     return out
 
 
-def plateau_holds(rate: float, se: float, delta: float) -> bool:
-    """Whether the loss is flat with confidence: ``rate ± PLATEAU_Z·se`` inside ``(-delta, delta)`` (NaN: no)."""
-    return (math.isfinite(rate) and math.isfinite(se)
-            and rate + PLATEAU_Z * se < delta and rate - PLATEAU_Z * se > -delta)
-
-
 class AlphaPolicy:
     """The decisions, on host values only: no tensors, no clock, no randomness.
 
     :meth:`observe` takes a log step's ``MetricsLogged.values`` and returns the transitions it decides (updating
-    the phase state). Per expert, every check must hold (docs/alpha_schedule.md, "Transitions"):
-    ``steps_in_phase >= min_steps``; ``loss_samples >= min_samples``; the plateau test -- the 90 % interval of
-    ``loss_improvement_rate`` (``± PLATEAU_Z · loss_improvement_rate_se``) inside ``(-δ, δ)``, δ =
-    ``loss_improvement_rate_below`` -- on this window and on the ``plateau_windows - 1`` windows before it
-    (``window``, 2x``window``, ... steps earlier; disjoint, all in this phase, each with ``min_samples``);
-    ``gradient_stability >= min_gradient_stability`` unless stability is not
-    applicable (``stability_applicable`` False: every stint of an expert is one step); ``loss_r2 >= min_loss_r2``
-    and ``loss_cv <= max_loss_cv`` only where those are set (the presets leave them advisory). A NaN value fails
-    its check. The last phase never ends.
+    the phase state); :attr:`looks` then lists this call's looks (the tests' outcome, for the metrics file and
+    :class:`AlphaHeld`). With ``signal = "train"`` an expert's phase is judged only at a *look*: a log step at
+    which it has ``max(min_steps, window)`` steps in the phase, ``loss_samples >= min_samples``, and ``window``
+    steps since its last look -- so the looks' windows are disjoint and all in the phase. At look j every check
+    must hold (docs/alpha_schedule.md, "Transitions"): ``loss_improvement_rate_below`` -- the upper bound
+    ``I + t(look_level(j), dof)·se`` below δ (:func:`plateau_look`); ``not_rising`` -- no significant rise;
+    ``gradient_stability >= min_gradient_stability`` unless stability is not applicable (``stability_applicable``
+    False: every stint of an expert is one step); ``loss_r2 >= min_loss_r2`` and ``loss_cv <= max_loss_cv`` only
+    where those are set. A NaN value fails its check. The last phase never ends.
     """
 
     def __init__(self, schedule: AlphaScheduleConfig, experts: tuple[str | None, ...], *,
@@ -163,6 +219,7 @@ class AlphaPolicy:
         self.window = schedule.resolved("window")
         self.state = {expert_key(e): ExpertPhase() for e in self.experts}
         self.history: list[dict[str, Any]] = []
+        self.looks: list[dict[str, Any]] = []
 
     def phase_of(self, expert: str | None) -> int:
         return self.state[expert_key(expert)].phase
@@ -170,12 +227,18 @@ class AlphaPolicy:
     def alpha_of(self, expert: str | None) -> float:
         return float(self.schedule.phases[self.phase_of(expert)].alpha)
 
-    def _earlier_test(self, st: ExpertPhase, steps: float, windows: int = 1) -> list[float] | None:
-        """The newest plateau test of this phase at least ``windows`` windows before ``steps`` (None: none)."""
-        earlier = [t for t in st.tests if t[0] <= steps - windows * self.window]
-        return earlier[-1] if earlier else None
+    def look_due(self, expert: str | None, values: dict[str, float]) -> bool:
+        """Whether this log step is a look for ``expert`` (see the class docstring)."""
+        k, s = expert_key(expert), self.schedule
+        st = self.state[k]
+        steps = values[f"alpha/steps/{k}"]
+        first = max(s.phases[st.phase].criterion("min_steps", s.preset), self.window)
+        samples = values.get(f"alpha/loss_samples/{k}", math.nan)
+        return (steps - st.phase_start >= first and samples >= s.resolved("min_samples")
+                and (st.last_look < 0 or steps - st.last_look >= self.window))
 
-    def checks(self, expert: str | None, values: dict[str, float]) -> list[Check]:
+    def checks(self, expert: str | None, values: dict[str, float], look: int = 1) -> list[Check]:
+        """The checks of ``expert`` at look ``look`` (``signal = "train"``) or at a log step (``"validation"``)."""
         k, s = expert_key(expert), self.schedule
         st = self.state[k]
         phase = s.phases[st.phase]
@@ -185,20 +248,18 @@ class AlphaPolicy:
         out = [Check("min_steps", steps_in_phase, min_steps, steps_in_phase >= min_steps)]
         delta = phase.criterion("loss_improvement_rate_below", s.preset)
         if s.signal == "validation":
-            out.append(self._validation_check(st, delta))
+            out.extend(self._validation_checks(st, delta))
         else:
             samples = values.get(f"alpha/loss_samples/{k}", math.nan)
             out.append(Check("min_samples", samples, s.resolved("min_samples"),
                              samples >= s.resolved("min_samples")))
-        if delta is not None and s.signal == "train":
             rate = values.get(f"alpha/loss_improvement_rate/{k}", math.nan)
             se = values.get(f"alpha/loss_improvement_rate_se/{k}", math.nan)
-            out.append(Check("loss_improvement_rate_below", rate, delta, plateau_holds(rate, se, delta)))
-            for j in range(1, s.plateau_windows):  # the disjoint windows before this one, each must have passed
-                earlier = self._earlier_test(st, steps, j)
-                out.append(Check("earlier_window" if j == 1 else f"earlier_window_{j}",
-                                 math.nan if earlier is None else earlier[0], steps - j * self.window,
-                                 earlier is not None and bool(earlier[1])))
+            dof = values.get(f"alpha/loss_improvement_rate_dof/{k}", math.nan)
+            stopped, rising, bound = plateau_look(rate, se, dof, look, math.inf if delta is None else delta)
+            if delta is not None:
+                out.append(Check("loss_improvement_rate_below", float(bound), delta, bool(stopped)))
+            out.append(Check("not_rising", float(rate), 0.0, not bool(rising)))
         stability = phase.criterion("min_gradient_stability", s.preset)
         if stability is not None and self.stability_applicable:
             value = values.get(f"alpha/gradient_stability/{k}", math.nan)
@@ -213,49 +274,73 @@ class AlphaPolicy:
             out.append(Check("max_loss_cv", value, cv, value <= cv))
         return out
 
-    def _validation_check(self, st: ExpertPhase, delta: float | None) -> Check:
-        """``signal = "validation"``: the last ``validation_patience`` rates between consecutive validations of
-        this phase all inside (-δ, δ); the value is the largest |rate| of them (NaN: too few validations yet)."""
+    def _validation_checks(self, st: ExpertPhase, delta: float | None) -> list[Check]:
+        """``signal = "validation"``: ``validation_plateau`` -- the last ``validation_patience`` rates between
+        consecutive validations of this phase all below δ (value: the largest; NaN: too few validations yet);
+        ``not_rising`` -- over those intervals together the loss did not rise faster than δ (value: that rate)."""
         patience = self.schedule.validation_patience
-        rates = validation_rates(st.validations)[-patience:]
-        value = max((abs(r) for r in rates), default=math.nan) if len(rates) == patience else math.nan
-        if any(math.isnan(r) for r in rates):
-            value = math.nan
+        kept = st.validations[-(patience + 1):]
+        rates = validation_rates(kept)
+        full = len(rates) == patience and not any(math.isnan(r) for r in rates)
+        value = max(rates) if full else math.nan
+        overall = validation_rates([kept[0], kept[-1]])[0] if full else math.nan
         threshold = math.inf if delta is None else delta
-        return Check("validation_plateau", value, threshold, math.isfinite(value) and value < threshold)
+        return [Check("validation_plateau", value, threshold, math.isfinite(value) and value < threshold),
+                Check("not_rising", overall, -threshold, math.isfinite(overall) and overall >= -threshold)]
 
     def _record_validations(self, step: int, values: dict[str, float]) -> None:
         """Keep each expert's validation loss of this phase (any MetricsLogged that carries it: validations on
-        log steps and the validation's own events between them)."""
+        log steps and the validation's own events between them), at the expert's step count: the logged
+        ``alpha/steps/<k>`` when this event carries it, else the last one seen plus the run steps since, shared
+        among the experts (so rates are per 100 *expert* steps, as the training signal's)."""
         keep = self.schedule.validation_patience + 1
         for expert in self.experts:
-            st = self.state[expert_key(expert)]
+            k = expert_key(expert)
+            st = self.state[k]
+            if f"alpha/steps/{k}" in values:
+                st.anchor = [float(step), float(values[f"alpha/steps/{k}"])]
             value = values.get(validation_key(expert))
             if value is None or not math.isfinite(value) or st.phase >= len(self.schedule.phases) - 1:
                 continue
-            if st.validations and st.validations[-1][0] >= step:
+            if st.anchor:
+                at = st.anchor[1] + (step - st.anchor[0]) / len(self.experts)
+            else:
+                at = step / len(self.experts)
+            if st.validations and st.validations[-1][0] >= at:
                 continue  # one validation per step (a replayed or repeated record)
-            st.validations = [*st.validations, [float(step), float(value)]][-keep:]
+            st.validations = [*st.validations, [float(at), float(value)]][-keep:]
 
     def observe(self, step: int, values: dict[str, float]) -> list[dict[str, Any]]:
         """Transitions decided at log step ``step`` from its logged ``values`` (experts in a fixed order)."""
-        decided = []
-        if self.schedule.signal == "validation":
+        decided: list[dict[str, Any]] = []
+        self.looks = []
+        train = self.schedule.signal == "train"
+        if not train:
             self._record_validations(step, values)
         for expert in self.experts:
             k = expert_key(expert)
             st = self.state[k]
             if f"alpha/steps/{k}" not in values or st.phase >= len(self.schedule.phases) - 1:
                 continue  # did not train in this interval, or already in the last phase
-            checks = self.checks(expert, values)
             steps = int(values[f"alpha/steps/{k}"])
+            if train:
+                if not self.look_due(expert, values):
+                    continue
+                st.looks, st.last_look, fresh = st.looks + 1, float(steps), True
+            else:  # judged at every log step; a look (reported) once per new validation
+                fresh = bool(st.validations) and st.validations[-1][0] > st.last_look
+                if fresh:
+                    st.looks, st.last_look = st.looks + 1, st.validations[-1][0]
+            checks = self.checks(expert, values, st.looks)
             ok = {c.criterion: c.ok for c in checks}
-            if "loss_improvement_rate_below" in ok:  # this window's plateau test, for the test one window later
-                passed = ok["loss_improvement_rate_below"] and ok["min_samples"]
-                st.tests.append([float(steps), 1.0 if passed else 0.0])
-                oldest = self._earlier_test(st, steps, max(self.schedule.plateau_windows - 1, 1))
-                st.tests = [t for t in st.tests if oldest is None or t[0] >= oldest[0]]
-            if not all(c.ok for c in checks):
+            passed = all(ok.values())
+            trend = "rising" if not ok["not_rising"] else "flat" if ok.get(
+                "loss_improvement_rate_below", ok.get("validation_plateau", True)) else "falling"
+            if fresh or passed:
+                self.looks.append({"expert": expert, "look": st.looks, "trend": trend, "ended": passed,
+                               "checks": {c.criterion: {"value": c.value, "threshold": c.threshold, "ok": c.ok}
+                                              for c in checks}})
+            if not passed:
                 continue
             old, new = self.schedule.phases[st.phase], self.schedule.phases[st.phase + 1]
             statistics = {name: float(values.get(f"alpha/{name}/{k}", math.nan)) for name in STATISTICS}
@@ -268,7 +353,7 @@ class AlphaPolicy:
                 "statistics": statistics,
                 "checks": {c.criterion: {"value": c.value, "threshold": c.threshold} for c in checks},
             }
-            st.phase, st.phase_start, st.tests, st.validations = st.phase + 1, steps, [], []
+            st.phase, st.phase_start, st.looks, st.last_look, st.validations = st.phase + 1, steps, 0, -1.0, []
             self.history.append(transition)
             decided.append(transition)
         return decided
@@ -291,7 +376,7 @@ class AlphaController(Observer):
     critical = True
     needs = (AlphaChangeable,)
     replayable = True  # the decisions come from MetricsLogged.values; without an adapter no alpha is changed
-    emits = (AlphaChanged,)
+    emits = (AlphaChanged, AlphaHeld)
 
     def __init__(self, schedule: AlphaScheduleConfig, experts: tuple[str | None, ...],
                  metrics_path: Path | None = None, *, stability_applicable: bool = True) -> None:
@@ -383,7 +468,24 @@ class AlphaController(Observer):
     def on_metrics_logged(self, event: MetricsLogged, ctx) -> None:
         before = {k: (st.phase, st.phase_start) for k, st in self.policy.state.items()}
         transitions = self.policy.observe(event.step, event.values)
-        self._write_seed_metrics(event, before)
+        looks = {expert_key(x["expert"]): x for x in self.policy.looks}
+        self._write_seed_metrics(event, before, looks)
+        for k, x in looks.items():
+            if x["trend"] != "rising":
+                continue
+            phase, start = before[k]
+            rate = x["checks"]["not_rising"]["value"]
+            se = float(event.values.get(f"alpha/loss_improvement_rate_se/{k}", math.nan))
+            if self.schedule.signal == "validation":
+                se = math.nan
+            held = AlphaHeld(step=event.step, expert=x["expert"], phase=self.schedule.phases[phase].name,
+                             phase_index=phase, steps_in_phase=int(event.values[f"alpha/steps/{k}"]) - start,
+                             look=x["look"], rate=rate, se=se)
+            if ctx is not None:
+                log.info("alpha_held", step=event.step, expert=k, phase=held.phase, look=held.look,
+                         reason=f"the loss is rising: {rate:.3g} per 100 steps (se {se:.2g})")
+            if self._bus is not None:
+                self._bus.emit(held)
         for t in transitions:
             if ctx is not None:  # replay: nobody applies the request (there is no model)
                 ctx.control.set_lora_alpha(t["expert"], t["to_alpha"],
@@ -393,15 +495,18 @@ class AlphaController(Observer):
                          phase=f"{t['from_phase']} -> {t['to_phase']}",
                          alpha=f"{t['from_alpha']:g} -> {t['to_alpha']:g}",
                          steps_in_phase=t["steps_in_phase"],
-                         improvement_rate=f"{stats['loss_improvement_rate']:.3g} +- "
-                                          f"{PLATEAU_Z * stats['loss_improvement_rate_se']:.2g}",
+                         improvement_rate=f"{stats['loss_improvement_rate']:.3g} (se "
+                                          f"{stats['loss_improvement_rate_se']:.2g})",
                          gradient_stability=round(stats["gradient_stability"], 3),
                          checks={name: c["value"] for name, c in t["checks"].items()})
             if self._bus is not None:
                 self._bus.emit(AlphaChanged(**t))
 
-    def _write_seed_metrics(self, event: MetricsLogged, before: dict[str, tuple[int, int]]) -> None:
-        """The seed's JSONL fields: one line per expert evaluated at this log step (state before the decision)."""
+    def _write_seed_metrics(self, event: MetricsLogged, before: dict[str, tuple[int, int]],
+                            looks: dict[str, dict[str, Any]]) -> None:
+        """The seed's JSONL fields: one line per expert evaluated at this log step (state before the decision),
+        plus the look taken there, if any: ``look`` (its number in the phase), ``trend`` (``rising``: held;
+        ``falling``; ``flat``) and ``plateau_bound`` (the rate's upper bound the plateau test compared with δ)."""
         if self.metrics_path is None:
             return
         lines = []
@@ -412,12 +517,16 @@ class AlphaController(Observer):
             phase, start = before[k]
             stats = {name: _finite(event.values.get(f"alpha/{name}/{k}")) for name in STATISTICS}
             samples = stats.pop("loss_samples")
+            look = looks.get(k)
+            bound = look["checks"].get("loss_improvement_rate_below", {}).get("value") if look else None
             lines.append({
                 "step": event.step, "expert": expert, "phase": self.schedule.phases[phase].name, "phase_idx": phase,
                 "steps_in_phase": int(event.values[f"alpha/steps/{k}"]) - start,
                 "conv_alpha": None,  # Wan 2.2's LoRA has no conv layers
                 "linear_alpha": float(self.schedule.phases[phase].alpha), **stats,
                 "loss_samples": int(samples) if samples is not None else 0,
+                "look": look["look"] if look else None, "trend": look["trend"] if look else None,
+                "plateau_bound": _finite(bound),
             })
         if lines:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)

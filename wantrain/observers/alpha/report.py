@@ -1,12 +1,14 @@
-"""The alpha what-if table of ``wantrain replay --observers alpha --set lora.alpha_schedule...`` (docs/replay.md):
-the recorded transitions beside the replayed ones, per expert."""
+"""What the alpha schedule reports outside a run: the what-if table of ``wantrain replay --observers alpha --set
+lora.alpha_schedule...`` (docs/replay.md: the recorded transitions beside the replayed ones, per expert), and the
+resolution lines of ``wantrain check`` (the smallest slope each phase's window resolves)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from wantrain.observers.alpha.controller import AlphaChanged, expert_key
+from wantrain.observers.alpha.controller import RISE_LEVEL, AlphaChanged, expert_key, look_level, t_quantile
+from wantrain.observers.alpha.stats import BLOCKS
 
 
 def alpha_whatif(result: Any) -> str:
@@ -50,3 +52,59 @@ def _stats(event: Any) -> str:
         value = event.statistics.get(name, math.nan)
         parts.append(f"{short} {value:.3g}")
     return " ".join(parts)
+
+
+def rate_standard_error(window: int, cv: float) -> float:
+    """The standard error of a window's improvement rate (per 100 steps) for independent per-step losses of
+    coefficient of variation ``cv``: 100·cv·sqrt(12/(n³ - n)), the least-squares slope's over its mean."""
+    return 100.0 * cv * math.sqrt(12.0 / (window ** 3 - window))
+
+
+def smallest_resolvable_rate(window: int, cv: float) -> float:
+    """The smallest δ (per 100 steps) at which a flat loss with per-step CV ``cv`` (independent steps) ends a
+    phase within its first two looks in 95 % of phases: the look j passes with probability
+    ≈ Φ(δ/se - t_j) - RISE_LEVEL (t_j: the spent level's quantile, 18 degrees of freedom), and the two looks'
+    windows are disjoint. Found by bisection."""
+    from statistics import NormalDist
+
+    phi = NormalDist().cdf
+    se = rate_standard_error(window, cv)
+    dof = BLOCKS - 2 if window >= BLOCKS else window - 2
+    t1, t2 = (float(t_quantile(look_level(j), dof)) for j in (1, 2))
+    lo, hi = 0.0, 100.0 * se
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        p1, p2 = (max(phi(mid / se - t) - RISE_LEVEL, 0.0) for t in (t1, t2))
+        lo, hi = (mid, hi) if 1 - (1 - p1) * (1 - p2) < 0.95 else (lo, mid)
+    return hi
+
+
+def resolution_lines(schedule: Any, experts: int, max_steps: int) -> list[str]:
+    """What ``wantrain check`` prints for an enabled schedule: per phase δ, the first look (expert steps in the
+    phase) and the smallest slope its window resolves at per-step CV 0.3 and 0.5 (:func:`smallest_resolvable_rate`),
+    and whether a flat loss reaches the last phase within ``max_steps`` (each of ``experts`` experts trains
+    ``max_steps / experts`` of them) -- each phase ending by its second look."""
+    window = schedule.resolved("window")
+    lines = [f"alpha schedule: window {window} expert steps; a flat loss ends a phase within its first two looks "
+             "(95 %) when the phase's delta is at least the smallest resolvable slope"]
+    reach = 0
+    for i, phase in enumerate(schedule.phases):
+        min_steps = int(phase.criterion("min_steps", schedule.preset))
+        if i == len(schedule.phases) - 1:
+            lines.append(f"  {phase.name}: the last phase, entered by expert step {reach} on a flat loss (every "
+                         f"phase before it ending by its second look), then {min_steps} steps in it")
+            reach += min_steps
+            break
+        first = max(min_steps, window)
+        delta = phase.criterion("loss_improvement_rate_below", schedule.preset)
+        smallest = " / ".join(f"{smallest_resolvable_rate(window, cv):.2g}" for cv in (0.3, 0.5))
+        verdict = "" if delta is None or delta >= smallest_resolvable_rate(window, 0.5) else \
+            " -- below the CV 0.5 resolution: on video noise this phase may not end"
+        lines.append(f"  {phase.name}: delta {delta if delta is not None else '-'} per 100 steps, looks at expert "
+                     f"steps {first}, {first + window}, ... in the phase; smallest resolvable slope {smallest} per 100 "
+                     f"steps at per-step CV 0.3 / 0.5{verdict}")
+        reach += first + window
+    per_expert = max_steps // max(experts, 1)
+    ok = "" if reach <= per_expert else " -- raise train.max_steps or lower min_steps/window to reach every phase"
+    lines.append(f"  the run gives each expert {per_expert} steps; the schedule needs {reach}{ok}")
+    return lines

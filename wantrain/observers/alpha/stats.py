@@ -14,9 +14,12 @@ i.e. steps the non-finite guard skipped, are left out), with ``n`` values, means
 * ``loss_cv``     CV = sqrt(Syy / n) / |ȳ|  (population standard deviation over the mean)
 * ``loss_improvement_rate``  I = -100·b / ȳ: the fitted loss's relative decrease per 100 steps (0.05: the loss
   falls by 5 % of its mean every 100 steps; negative: it rises). Unit-free, so one threshold fits any loss scale.
-* ``loss_improvement_rate_se``  the standard error of I from the fit's residuals:
-  se(I) = 100·sqrt(SSE / ((n-2)·Sxx)) / |ȳ|, SSE = Syy - Sxy²/Sxx (NaN for n < 3). The alpha policy's plateau test
-  reads I ± 1.645·se(I) (docs/alpha_schedule.md).
+* ``loss_improvement_rate_se``  the standard error of I by batch means, valid when the per-step losses are
+  autocorrelated: the window's newest ``B·m`` values cut into ``B = min(BLOCKS, size)`` consecutive blocks of
+  ``m = size // B`` steps; the block means ``ȳ_b`` at their mean positions ``x_b`` are fitted by least squares and
+  se(I) = 100·sqrt(SSE_b / ((B'-2)·Sxx_b)) / |ȳ|, SSE_b = Syy_b - Sxy_b²/Sxx_b, ``B'`` the blocks with a finite
+  value (NaN for B' < 3).
+* ``loss_improvement_rate_dof``  B' - 2, the degrees of freedom of that standard error (the policy's t quantiles).
 * ``loss_samples``  n
 
 Gradient stability of one optimizer step of an expert (:class:`SignAgreement`): over every element ``j`` of all its
@@ -33,6 +36,9 @@ from collections.abc import Sequence
 
 import torch
 
+BLOCKS = 20
+"""Blocks of the batch-means standard error: with the presets' windows each block is 100+ steps, far longer than
+the correlation time of per-step losses (a few steps), and 18 degrees of freedom cost little power."""
 
 def _stat_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
@@ -90,10 +96,14 @@ class DeviceWindow:
 
 
 def loss_statistics(window: DeviceWindow) -> dict[str, torch.Tensor]:
-    """``loss_slope``, ``loss_r2``, ``loss_cv``, ``loss_improvement_rate``, ``loss_samples`` of the window's finite
-    values (formulas: module docstring) as 0-dim device tensors. Device ops only; NaN where undefined."""
-    y = window.values
-    x = window.positions()
+    """``loss_slope``, ``loss_r2``, ``loss_cv``, ``loss_improvement_rate``, ``loss_improvement_rate_se``,
+    ``loss_improvement_rate_dof``, ``loss_samples`` of the window's finite values (formulas: module docstring) as
+    0-dim device tensors. Device ops only; NaN where undefined."""
+    return series_statistics(window.values[..., torch.argsort(window.positions())])
+
+
+def _fit(y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Least squares of the finite ``y`` on ``x`` over the last dim: (n, ȳ, Sxx, Sxy, Syy)."""
     ok = torch.isfinite(y)
     w = ok.to(y.dtype)
     y0 = torch.where(ok, y, torch.zeros_like(y))
@@ -102,18 +112,39 @@ def loss_statistics(window: DeviceWindow) -> dict[str, torch.Tensor]:
     y_mean = y0.sum(-1) / n
     dx = w * (x - x_mean.unsqueeze(-1))
     dy = w * (y0 - y_mean.unsqueeze(-1))
-    sxx, sxy, syy = (dx * dx).sum(-1), (dx * dy).sum(-1), (dy * dy).sum(-1)
+    return n, y_mean, (dx * dx).sum(-1), (dx * dy).sum(-1), (dy * dy).sum(-1)
+
+
+def series_statistics(y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The window statistics of ``y`` (``(..., size)``, oldest first, non-finite values left out) over its last
+    dim; any leading dims are independent windows (the property tests score hundreds of windows at once)."""
+    size = y.shape[-1]
+    x = torch.arange(size, device=y.device, dtype=y.dtype)
+    n, y_mean, sxx, sxy, syy = _fit(y, x)
     slope = sxy / sxx
     r2 = torch.where(syy > 0, sxy * sxy / (sxx * syy), torch.zeros_like(syy))
-    sse = torch.clamp(syy - sxy * slope, min=0.0)
-    se_slope = torch.sqrt(sse / ((n - 2) * sxx))
+    # batch means: the slope's standard error from BLOCKS block means, so correlation within a block (shared data
+    # order, momentum, AR(1)-like per-step losses) does not shrink it; the newest BLOCKS x length values
+    blocks = min(BLOCKS, size)
+    length = size // blocks
+    tail = y[..., size - blocks * length:].reshape(*y.shape[:-1], blocks, length)
+    x_tail = x[size - blocks * length:].reshape(blocks, length)
+    ok = torch.isfinite(tail)
+    count = ok.sum(-1)
+    block_mean = torch.where(ok, tail, torch.zeros_like(tail)).sum(-1) / count  # NaN for an empty block
+    block_x = (ok * x_tail).sum(-1) / count
+    block_x = torch.where(torch.isfinite(block_x), block_x, torch.zeros_like(block_x))
+    nb, _, bxx, bxy, byy = _fit(block_mean, block_x)
+    sse = torch.clamp(byy - bxy * bxy / bxx, min=0.0)
+    se_slope = torch.sqrt(sse / ((nb - 2) * bxx))
+    nan = torch.full_like(n, float("nan"))
     return {
         "loss_slope": slope,
         "loss_r2": r2,
         "loss_cv": torch.sqrt(syy / n) / y_mean.abs(),
         "loss_improvement_rate": -100.0 * slope / y_mean,
-        "loss_improvement_rate_se": torch.where(n > 2, 100.0 * se_slope / y_mean.abs(),
-                                                torch.full_like(n, float("nan"))),
+        "loss_improvement_rate_se": torch.where(nb > 2, 100.0 * se_slope / y_mean.abs(), nan),
+        "loss_improvement_rate_dof": torch.where(nb > 2, nb - 2, nan),
         "loss_samples": n,
     }
 

@@ -1,7 +1,8 @@
 """The LR finder's chart: loss against LR on a log axis, one panel per expert.
 
-Drawn: the raw rung losses (dots), the bias-corrected EMA (what the stop rule reads), the centred curve (what the
-suggestions read), one marker per suggestion method with its LR in the legend, the default starred. The y range
+Drawn: the raw rung losses (dots), the bias-corrected EMA, the running median (what the suggestions read), the
+default suggestion's 90 % bootstrap band (shaded), one marker per suggestion method with its LR in the legend, the
+default starred. The y range
 leaves out the diverged tail so that the descent stays readable.
 """
 
@@ -33,7 +34,13 @@ def chart_figure(sweeps: Sequence[Any], cfg: Any) -> Any:
         ax.plot(lrs, raw, ".", color="0.6", markersize=4, label="raw loss")
         ax.plot(lrs, [p[2] for p in points], color="tab:blue", linewidth=1.2, label=f"EMA (beta {cfg.smoothing:g})")
         ax.plot([x for x, _ in shown], curve, "--", color="tab:orange", linewidth=1.2,
-                label="centred (suggestions read this)")
+                label="running median (suggestions read this)")
+        if result is not None and result.band is not None:
+            lo, hi = result.band
+            if result.default == "minimum":  # the band is of the LR / 10; shade it where the suggestion is read
+                lo, hi = lo * 10, hi * 10
+            ax.axvspan(lo, hi, color="tab:green", alpha=0.12, label=f"90 % band {result.band[0]:.3g}-"
+                       f"{result.band[1]:.3g}")
         if result is not None:
             for method, index in result.indices.items():
                 if index is None:

@@ -64,11 +64,13 @@ class LrFinderConfig:
         range=at_least(1),
     )
     smoothing: float = setting(
-        0.9, doc="Beta of the bias-corrected exponential moving average of the rung losses (0 = no smoothing).",
+        0.9, doc="Beta of the bias-corrected exponential moving average of the rung losses drawn on the chart and in "
+        "the CSV (the suggestions read a running median; 0 = no smoothing).",
         range=at_least(0.0),
     )
     diverge_factor: float = setting(
-        4.0, doc="Stop an expert's sweep when its smoothed loss exceeds this multiple of its best smoothed loss.",
+        4.0, doc="Stop an expert's sweep when the median of its last 5 losses exceeds this multiple of the lowest "
+        "such median (a sustained rise: one or two outliers do not stop it).",
         range=above(1.0),
     )
     burn_in: int = setting(

@@ -8,21 +8,26 @@ so everything here can be tested on synthetic curves and replayed from an event 
 * :class:`Smoother` -- the bias-corrected EMA ``a_k = beta*a_{k-1} + (1-beta)*x_k``, ``s_k = a_k / (1-beta**(k+1))``
   (fastai's and Lightning's; the seed's EMA started at the first value with no correction). Causal: it lags the
   sweep by about ``1/(1-beta)`` rungs, so it drives the online stop rule and the chart, not the suggestions.
-* :func:`centred` -- the zero-lag curve the suggestions read: the bias-corrected EMA run forward, then backward
-  over that result (a forward-backward filter, so the lag cancels).
-* :func:`diverged` -- the stop rule: a non-finite raw loss, or (after ``burn_in`` rungs) a smoothed loss above
-  ``factor * best`` smoothed loss.
+* :func:`centred` -- the forward-backward EMA (kept for the bench's residual CV; the suggestions no longer read it:
+  a zero-phase smoother spreads a cliff over both sides, issue 34).
+* :func:`running_median` -- what the suggestions read: a centred running median of :data:`MEDIAN_WIDTH` rungs
+  (edges padded with the end values). A median leaves any monotone stretch exactly as it is, so a cliff stays a
+  cliff however sharp, while noise and single outlier rungs are removed.
+* :func:`diverged` -- the stop rule: a non-finite raw loss, or (after ``burn_in`` rungs) a *sustained* rise: the
+  median of the last :data:`SUSTAIN` raw losses above ``factor`` x the lowest such median so far (one outlier rung
+  cannot stop the sweep, two in a row can).
 * :func:`suggestion_curve` -- what the suggestions read, robust to a diverged tail: the rungs up to the first
-  non-finite loss; after a divergence stop the last :data:`TRIM_END` rungs dropped (the stop rung and the 4
-  before it: fastai and torch-lr-finder drop 5 too; fewer when that would leave under :data:`MIN_POINTS`); the
-  raw losses clipped at :data:`CLIP_FACTOR` x the running best causal smoothed loss (so the backward pass cannot
-  carry a tail that stayed in the window back into the curve); then :func:`centred`.
-* :func:`suggest` -- the three suggestions on that curve after its first 10 %: ``valley`` (half-way down the
-  descent: midway, in rungs, between where the curve has fallen :data:`DESCENT_MARGIN` of its drop and where it
-  is within that share of its minimum), ``steepest`` (most negative slope against log10(LR)), ``minimum`` (LR of
-  the lowest point / 10); warnings, the invalidating ones marked: too few points, the minimum at the start, or a
-  descent no larger than the noise (:data:`FLAT_NOISE_RATIO` x the standard deviation of the raw losses around
-  the curve) or than 2 % of the loss.
+  non-finite loss; after a divergence stop the last :data:`TRIM_END` rungs dropped (fewer when that would leave under
+  :data:`MIN_POINTS`); the raw losses clipped at :data:`CLIP_FACTOR` x the running best level; then
+  :func:`running_median`.
+* :func:`suggest` -- the three suggestions on that curve after its first 10 %: ``valley`` (half-way down the descent
+  by level: the first rung below the midpoint between the curve's highest point and its minimum, after the last one
+  above it, read on :func:`causal_median`), ``steepest`` (most negative slope against log10(LR)), ``minimum`` (LR of
+  the lowest point / 10); a 90 % band for the default suggestion (:func:`bootstrap_band`: the curve's multiplicative
+  residuals resampled :data:`BOOTSTRAP` times, a fixed seed so replay reproduces it); warnings, every one of which
+  questions the suggestion (so ``trusted`` needs none): too few points, the minimum at the start, the minimum at the
+  end of a sweep that never diverged, a descent no larger than the noise or 2 % of the loss, and a band wider than
+  :data:`BAND_FACTOR`.
 """
 
 from __future__ import annotations
@@ -48,9 +53,19 @@ CLIP_FACTOR = 2.0
 # within this share of its minimum.
 DESCENT_MARGIN = 0.1
 # A descent is trusted when it exceeds this multiple of the noise (standard deviation of the raw losses around the
-# centred curve). Curves with no LR dependence stay below 0.95 in 99 % of 400 seeds at any noise level
-# (tests/observers/test_lr_finder_curves.py).
-FLAT_NOISE_RATIO = 1.0
+# curve); the band (below) refuses what this lets through on flat curves.
+FLAT_NOISE_RATIO = 0.5
+# Rungs of the running median the suggestions read (odd): wide enough to average CV 0.3 noise down ~2.5x, and a
+# median keeps monotone stretches exact whatever its width.
+MEDIAN_WIDTH = 9
+# Raw losses whose median must exceed diverge_factor x the best for a divergence stop: three high rungs of five.
+SUSTAIN = 5
+# Bootstrap resamples of the suggestion's band, its seed (fixed: the band is a function of the logged losses), and
+# the widest band (hi / lo) a trusted suggestion may have: a factor of 3 is half a decade.
+BOOTSTRAP = 200
+BOOTSTRAP_SEED = 0
+BAND_FACTOR = 3.0
+BAND_LEVEL = 0.9
 
 
 def sweep_lrs(start: float, end: float, n: int, mode: str = "exp") -> list[float]:
@@ -96,13 +111,41 @@ def centred(values: Sequence[float], beta: float) -> list[float]:
     return ema(ema(values, beta)[::-1], beta)[::-1]
 
 
-def diverged(raw: float, smoothed: float, best: float, rung: int, *, factor: float, burn_in: int) -> str | None:
-    """Why the sweep should stop after rung ``rung`` (0-based), or None. ``best`` is the lowest smoothed loss so far
-    (``smoothed`` included)."""
+def running_median(values: Sequence[float] | np.ndarray, width: int = MEDIAN_WIDTH) -> np.ndarray:
+    """The centred running median of ``values`` over their last axis (rows independent), ``width`` rungs, the ends
+    padded with the first and last values (a monotone stretch stays exactly as it is)."""
+    y = np.asarray(values, dtype=float)
+    half = width // 2
+    if y.shape[-1] == 0 or half == 0:
+        return y.copy()
+    pad = [(0, 0)] * (y.ndim - 1) + [(half, half)]
+    padded = np.pad(y, pad, mode="edge")
+    return np.median(np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1), axis=-1)
+
+
+def causal_median(values: Sequence[float] | np.ndarray, width: int = MEDIAN_WIDTH) -> np.ndarray:
+    """The running median of each rung and the ``width - 1`` before it (the past only; the start padded with the
+    first value), over the last axis. It lags a descent by about ``width // 2`` rungs and never runs ahead of one."""
+    y = np.asarray(values, dtype=float)
+    if y.shape[-1] == 0 or width <= 1:
+        return y.copy()
+    padded = np.pad(y, [(0, 0)] * (y.ndim - 1) + [(width - 1, 0)], mode="edge")
+    return np.median(np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1), axis=-1)
+
+
+def level(raw: Sequence[float]) -> float:
+    """The sweep's current level for the stop rule: the median of the last :data:`SUSTAIN` raw losses."""
+    return float(np.median(np.asarray(raw[-SUSTAIN:], dtype=float)))
+
+
+def diverged(raw: float, current: float, best: float, rung: int, *, factor: float, burn_in: int) -> str | None:
+    """Why the sweep should stop after rung ``rung`` (0-based), or None. ``current`` is :func:`level` after this
+    rung, ``best`` the lowest level so far (``current`` included)."""
     if not math.isfinite(raw):
         return f"the loss is not finite ({raw})"
-    if rung >= burn_in and smoothed > factor * best:
-        return f"the smoothed loss {smoothed:.4g} exceeds {factor:g} x the best {best:.4g}"
+    if rung >= burn_in and current > factor * best:
+        return (f"the loss (median of the last {SUSTAIN} LRs) {current:.4g} exceeds {factor:g} x its lowest "
+                f"{best:.4g}")
     return None
 
 
@@ -122,6 +165,7 @@ class Suggestion:
     curve: tuple[float | None, ...] = ()
     noise: float = math.nan
     descent: float = math.nan
+    band: tuple[float, float] | None = None
 
     @property
     def lr(self) -> float | None:
@@ -129,34 +173,60 @@ class Suggestion:
 
     @property
     def trusted(self) -> bool:
-        """An LR exists and no warning invalidates it."""
+        """An LR exists and no warning questions it."""
         return self.lr is not None and not self.invalid
 
 
-def steepest_index(log_lrs: Sequence[float], losses: Sequence[float]) -> int:
-    """Index of the most negative slope d(loss)/d(log10 LR) (central differences, one-sided at the ends)."""
-    slope = np.gradient(np.asarray(losses, dtype=float), np.asarray(log_lrs, dtype=float))
-    return int(np.argmin(slope))
-
-
 def valley_index(curve: Sequence[float]) -> int:
-    """Half-way down the descent of ``curve`` (which ends at its minimum): from its highest point, the first index
-    where it has fallen :data:`DESCENT_MARGIN` of its drop and the first where it is within that share of its last
-    value; their midpoint, rounded down."""
+    """Half-way down the descent of ``curve`` (which ends at its minimum), by level: the first index below the
+    midpoint between its highest value and its last, after the last one at or above it (the last index when the
+    curve is flat). On a cliff that is the first rung down it, however sharp the cliff; noise on the plateau before
+    it cannot pull it there (it would have to stay below the midpoint until the cliff)."""
     y = np.asarray(curve, dtype=float)
-    i_top = int(np.argmax(y))
-    top, low = y[i_top], y[-1]
-    drop = top - low
-    tail = y[i_top:]
-    begin = i_top + int(np.argmax(tail <= top - DESCENT_MARGIN * drop))
-    end = i_top + int(np.argmax(tail <= low + DESCENT_MARGIN * drop))
-    return (begin + end) // 2
+    mid = (y.max() + y[-1]) / 2
+    return min(int(np.flatnonzero(y >= mid)[-1]) + 1, len(y) - 1)
+
+
+def _indices(curve: np.ndarray, causal: np.ndarray, log_x: np.ndarray, skip: int) -> dict[str, np.ndarray]:
+    """The three methods' indices on each row of ``curve`` (the centred running median; rows: the curve and its
+    bootstrap resamples): ``steepest`` and ``minimum`` on it, ``valley`` -- where ``causal`` (the causal running
+    median of the same rungs) first falls below the midpoint between the highest point before the minimum and the
+    minimum, after the last rung at or above it. The causal curve never crosses before the descent does: with noise
+    the centred one crosses a sharp cliff a rung or two early, on the plateau."""
+    rows, n = curve.shape
+    window = curve[:, skip:]
+    i_min = skip + np.argmin(window, axis=1)
+    slope = np.gradient(window, log_x[skip:], axis=1) if n - skip > 1 else np.zeros_like(window)
+    i_steep = skip + np.argmin(slope, axis=1)
+    idx = np.arange(n)
+    before = (idx >= skip) & (idx <= i_min[:, None])
+    top = np.where(before, curve, -np.inf).max(axis=1)
+    mid = (top + curve[np.arange(rows), i_min]) / 2
+    above = before & (causal >= mid[:, None])
+    i_valley = np.minimum(n - 1 - np.argmax(above[:, ::-1], axis=1) + 1, i_min)
+    return {"valley": i_valley, "steepest": i_steep, "minimum": i_min}
+
+
+def bootstrap_band(clipped: Sequence[float], curve: Sequence[float], log_x: Sequence[float], skip: int,
+                   method: str) -> tuple[int, int]:
+    """The :data:`BAND_LEVEL` band of ``method``'s index: the raw losses' ratios to the curve are resampled with
+    replacement (:data:`BOOTSTRAP` times, seed :data:`BOOTSTRAP_SEED`), put back on the curve, smoothed like the
+    curve, and the method re-run on each; returns the lower and upper percentile indices."""
+    y, c = np.asarray(clipped, dtype=float), np.asarray(curve, dtype=float)
+    ratios = y / np.where(c != 0, c, 1.0)
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    resampled = c * ratios[rng.integers(0, len(y), (BOOTSTRAP, len(y)))]
+    found = _indices(running_median(resampled), causal_median(resampled), np.asarray(log_x, dtype=float),
+                     skip)[method]
+    tail = (1 - BAND_LEVEL) / 2 * 100
+    lo, hi = np.percentile(found, [tail, 100 - tail], method="nearest")
+    return int(lo), int(hi)
 
 
 def suggestion_curve(losses: Sequence[float], *, beta: float, stopped_early: bool) -> tuple[list[int], list[float],
                                                                                             list[float]]:
-    """(indices of the rungs used, their clipped raw losses, the centred curve over them); see the module
-    docstring."""
+    """(indices of the rungs used, their clipped raw losses, the running median over them); see the module
+    docstring. (``beta`` is not used: the curve is a median)."""
     used = []
     for i, x in enumerate(losses):
         if not math.isfinite(x):
@@ -165,11 +235,12 @@ def suggestion_curve(losses: Sequence[float], *, beta: float, stopped_early: boo
     if stopped_early:  # the stop rung and the ones before it, keeping MIN_POINTS of a short sweep
         keep = len(losses) - min(TRIM_END, max(len(losses) - MIN_POINTS, 1))
         used = [i for i in used if i < keep]
-    smoother, best, clipped = Smoother(beta), math.inf, []
+    best, clipped, seen = math.inf, [], []
     for i in used:
-        best = min(best, smoother.add(losses[i]))
+        seen.append(losses[i])
+        best = min(best, level(seen))
         clipped.append(min(losses[i], CLIP_FACTOR * best))
-    return used, clipped, centred(clipped, beta)
+    return used, clipped, [float(v) for v in running_median(clipped)]
 
 
 def suggest(lrs: Sequence[float], losses: Sequence[float], *, beta: float, default: str = "valley",
@@ -189,34 +260,36 @@ def suggest(lrs: Sequence[float], losses: Sequence[float], *, beta: float, defau
     x = [lrs[i] for i in used]
     n = len(curve)
     skip = int(n * SKIP_START_FRACTION)
-    log_x = [math.log10(v) for v in x]
-    window = curve[skip:]
-    i_min = skip + int(np.argmin(window))
-    i_steep = skip + steepest_index(log_x[skip:], window)
-    i_valley = skip + valley_index(curve[skip:i_min + 1])
+    log_x = np.log10(np.asarray(x, dtype=float))
+    rows = _indices(np.asarray(curve)[None, :], causal_median(clipped)[None, :], log_x, skip)
+    found = {k: int(v[0]) for k, v in rows.items()}
+    i_min, i_steep, i_valley = found["minimum"], found["steepest"], found["valley"]
     indices = {"valley": used[i_valley], "steepest": used[i_steep], "minimum": used[i_min]}
     out = {"valley": x[i_valley], "steepest": x[i_steep], "minimum": x[i_min] / 10}
     noise = float(np.std(np.asarray(clipped) - np.asarray(curve)))
     top = max(curve[skip: i_min + 1])
     drop = top - curve[i_min]
-    warnings, invalid = [], []
+    b_lo, b_hi = bootstrap_band(clipped, curve, log_x, skip, default)
+    scale = 0.1 if default == "minimum" else 1.0
+    band = (x[b_lo] * scale, x[b_hi] * scale)
+    warnings = []
     if i_min <= skip:
-        text = (f"the lowest loss is at the start of the sweep (LR {x[i_min]:.3g}): the curve never descends; lower "
-                "lr_finder.start_lr")
-        warnings.append(text)
-        invalid.append(text)
+        warnings.append(f"the lowest loss is at the start of the sweep (LR {x[i_min]:.3g}): the curve never "
+                        "descends; lower lr_finder.start_lr")
     if i_min == n - 1 and not stopped_early:
         warnings.append(f"the lowest loss is at the end of the sweep (LR {x[i_min]:.3g}) and it never diverged: "
                         "raise lr_finder.end_lr")
     if drop <= FLAT_RELATIVE_DROP * abs(top) or drop < FLAT_NOISE_RATIO * noise:
-        text = (f"the curve is too flat to trust: the smoothed loss falls by {drop:.3g} ({100 * drop / abs(top):.2g} "
-                f"%) before its minimum, against a noise of {noise:.3g} per LR; use lr_finder.noise = 'probe', more "
-                "lr_finder.steps_per_lr, or a wider range")
-        if text not in invalid:
-            warnings.append(text)
-            invalid.append(text)
+        warnings.append(f"the curve is too flat to trust: the smoothed loss falls by {drop:.3g} "
+                        f"({100 * drop / abs(top):.2g} %) before its minimum, against a noise of {noise:.3g} per LR; "
+                        "use lr_finder.noise = 'probe', more lr_finder.steps_per_lr, or a wider range")
+    if band[1] > BAND_FACTOR * band[0]:
+        warnings.append(f"the suggestion is uncertain: its {BAND_LEVEL:.0%} band {band[0]:.3g}-{band[1]:.3g} is "
+                        f"{band[1] / band[0]:.3g}x wide (more than {BAND_FACTOR:g}x); use lr_finder.noise = 'probe' "
+                        "or more lr_finder.steps_per_lr")
+    invalid = list(warnings)  # every warning questions the suggestion
     by_rung: list[float | None] = [None] * len(losses)
     for i, value in zip(used, curve, strict=True):
         by_rung[i] = value
     return Suggestion(out, default, tuple(warnings), indices, invalid=tuple(invalid), curve=tuple(by_rung),
-                      noise=noise, descent=drop)
+                      noise=noise, descent=drop, band=band)

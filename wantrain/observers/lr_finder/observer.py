@@ -28,14 +28,16 @@ one bad micro-batch of several under ``grad_accum >= 2``) and ``values["lr_finde
 recorded ``MetricsLogged`` events to a fresh finder therefore reproduces every rung and suggestion (a test does).
 ``log_every = 1`` makes that one device->host transfer per step: the finder's explicit, documented cost (a few
 bytes per step; the test is short). When a rung is complete the observer smooths it (bias-corrected EMA), emits
-:class:`LrFinderRung`, and applies the stop rule (non-finite loss, or smoothed > ``diverge_factor`` x best after
+:class:`LrFinderRung`, and applies the stop rule (non-finite loss, or the median of the last 3 raw losses >
+``diverge_factor`` x its lowest, after
 ``burn_in`` rungs). An expert's sweep ends at its last rung or at the stop: :class:`LrFinderResult` carries its
 suggestions (``math.suggest``). A stopped expert that is not the last one skips its remaining optimizer steps
 (``skip_optimizer_step``; their forward and backward passes still run, the price of a loop without a finder
 branch); the last one asks the run to stop.
 
 Outputs, in the run directory: ``lr_finder.csv`` (every rung), ``lr_finder.json`` (settings, suggestions, warnings),
-``lr_finder.png`` (log-x chart: raw and smoothed loss, the centred curve the suggestions read, one marker per
+``lr_finder.png`` (log-x chart: raw and smoothed loss, the running median the suggestions read, the suggested
+LR's 90 % band, one marker per
 method, the default starred); in ``tensorboard/`` (when ``observers.tensorboard``): scalars
 ``lr_finder/raw_loss``, ``lr_finder/smoothed_loss``, ``lr_finder/learning_rate`` at each rung's last step, and the
 chart in the Images tab (``lr_finder/chart``, or ``lr_finder/chart/<expert>`` with two experts).
@@ -68,7 +70,7 @@ from wantrain.core.events import (
     register_event_type,
 )
 from wantrain.observers.lr_finder.config import LrFinderConfig
-from wantrain.observers.lr_finder.math import Smoother, Suggestion, diverged, suggest, sweep_lrs
+from wantrain.observers.lr_finder.math import Smoother, Suggestion, diverged, level, suggest, sweep_lrs
 
 log = structlog.get_logger("wantrain.lr_finder")
 
@@ -116,8 +118,9 @@ class LrFinderResult(Event):
     """An expert's sweep ended (``stop_reason`` says why when it stopped early). ``suggestions`` maps each method
     (``valley``, ``steepest``, ``minimum``) to its LR (None: too few points); ``default`` names the one used as
     ``suggested_lr`` (what ``--lr-finder-then-train`` trains with unless ``trusted`` is False: then it trains
-    with the config's LR). ``warnings`` are sentences for the user, ``invalid`` those that make the suggestion
-    meaningless; ``noise`` and ``descent`` the curve's noise per LR and its drop (``lr_finder.math``)."""
+    with the config's LR). ``warnings`` are sentences for the user, ``invalid`` those that question the suggestion
+    (all of them); ``noise`` and ``descent`` the curve's noise per LR and its drop, ``band`` the suggested LR's 90 %
+    bootstrap band (``lr_finder.math``)."""
 
     expert: str | None
     suggestions: dict[str, float | None]
@@ -129,6 +132,7 @@ class LrFinderResult(Event):
     invalid: tuple[str, ...] = ()
     noise: float | None = None
     descent: float | None = None
+    band: tuple[float, float] | None = None
 
     @property
     def trusted(self) -> bool:
@@ -153,7 +157,7 @@ class _Sweep:
     smoother: Smoother
     rung_losses: list[float] = attrs.field(factory=list)  # training losses of the current rung's steps
     rows: list[dict[str, Any]] = attrs.field(factory=list)  # one per completed rung
-    best: float = math.inf
+    best: float = math.inf  # the lowest stop-rule level (math.level) so far
     stop_reason: str | None = None
     result: Suggestion | None = None
     done: bool = False
@@ -274,8 +278,9 @@ class LrFinder(Observer):
         else:
             raw = train
         smoothed = sweep.smoother.add(raw) if math.isfinite(raw) else math.nan
-        if math.isfinite(smoothed):
-            sweep.best = min(sweep.best, smoothed)
+        current = level([r["raw_loss"] for r in sweep.rows] + [raw]) if math.isfinite(raw) else math.nan
+        if math.isfinite(current):
+            sweep.best = min(sweep.best, current)
         lr = self.lrs[rung]
         sweep.rows.append({"expert": sweep.expert, "rung": rung, "step": event.step, "lr": lr, "raw_loss": raw,
                            "smoothed_loss": smoothed, "train_loss": train})
@@ -284,7 +289,7 @@ class LrFinder(Observer):
         if self._writer is not None:
             for tag, value in (("raw_loss", raw), ("smoothed_loss", smoothed), ("learning_rate", lr)):
                 self._writer.add_scalar(f"lr_finder/{tag}", value, event.step)
-        reason = diverged(raw, smoothed, sweep.best, rung, factor=self.cfg.diverge_factor, burn_in=self.cfg.burn_in)
+        reason = diverged(raw, current, sweep.best, rung, factor=self.cfg.diverge_factor, burn_in=self.cfg.burn_in)
         if reason is not None or rung == self.cfg.steps - 1:
             sweep.stop_reason = None if reason is None else f"stopped at LR {lr:.3g}: {reason}"
             self._finish(sweep, event.step)
@@ -320,6 +325,7 @@ class LrFinder(Observer):
             rungs=len(sweep.rows), invalid=sweep.result.invalid,
             noise=sweep.result.noise if math.isfinite(sweep.result.noise) else None,
             descent=sweep.result.descent if math.isfinite(sweep.result.descent) else None,
+            band=sweep.result.band,
         )
         self.results[sweep.expert] = result
         log.info("lr_finder_result", expert=sweep.expert, suggested_lr=result.suggested_lr,
@@ -375,9 +381,11 @@ def summary_lines(results: dict[str | None, LrFinderResult]) -> list[str]:
         for method, lr in r.suggestions.items():
             mark = "  <- default" if method == r.default else ""
             lines.append(f"  {method:<9} {'-' if lr is None else format(lr, '.3g')}{mark}")
+        if r.band is not None:
+            lines.append(f"  band      {r.band[0]:.3g}-{r.band[1]:.3g} (90 %, bootstrap over the LRs)")
         if r.stop_reason:
             lines.append(f"  {r.stop_reason}")
         lines.extend(f"  warning: {w}" for w in r.warnings)
         if r.suggested_lr and r.invalid:
-            lines.append("  not trusted: --lr-finder-then-train trains with the config's LR instead")
+            lines.append("  not trusted (questioned above): --lr-finder-then-train trains with the config's LR")
     return lines
