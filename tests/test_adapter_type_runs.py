@@ -96,11 +96,16 @@ SCHEDULE = """
 enabled = true
 window = 10
 min_samples = 5
-plateau_windows = 1
-phases = [
-  {name = "foundation", alpha = 4, min_steps = 10, loss_improvement_rate_below = 1e3, min_gradient_stability = 0.0},
-  {name = "balance", alpha = 7},
-]
+[[lora.alpha_schedule.phases]]
+name = "foundation"
+alpha = 4
+min_steps = 10
+loss_improvement_rate_below = 1e3
+max_loss_cv = 10.0
+min_gradient_stability = 0.0
+[[lora.alpha_schedule.phases]]
+name = "balance"
+alpha = 7
 """
 
 

@@ -237,7 +237,7 @@ def test_then_train_falls_back_for_a_suggestion_above_what_the_optimizer_type_ac
     cfg = RunConfig.__new__(RunConfig)  # only the tables training_lrs reads
     object.__setattr__(cfg, "model", type("M", (), {"lr_high_noise": None, "lr_low_noise": None})())
     object.__setattr__(cfg, "optimizer", type("O", (), {"lr": 2e-4, "type": "adamw"})())
-    good = [1.0 - 0.5 * math.tanh((k - 50) / 10) for k in range(N)]
+    good = [1.0 - 0.5 * math.tanh((k - 50) / 10) + (0.002 * (k - 80) ** 2 if k > 80 else 0) for k in range(N)]
     result = attrs.evolve(_result(None, good), suggested_lr=5.0)  # a sweep to end_lr = 10 may suggest that
     assert result.trusted
     lrs, lines = training_lrs(cfg, (None,), {None: result})
