@@ -16,7 +16,7 @@ from wantrain.cli.main import main
 def fake_train(monkeypatch):
     outcomes = []
 
-    def train(config, *, overrides=(), resume=None, allow_code=False):
+    def train(config, *, overrides=(), resume=None, allow_code=False, allow_data_changes=False):
         return outcomes.pop(0)
 
     monkeypatch.setattr("wantrain.app.train.train", train)
