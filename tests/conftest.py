@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's test command runs a worker per core), each worker and the runs it starts
+    use one thread: two workers with torch's default of one thread per core would oversubscribe the cores, and
+    OpenMP's spinning threads then slow every test down several times over."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[name] = "1"  # subprocesses (wantrain run, torchrun) inherit it
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files marked ``slow`` (whole runs of the tiny model) first, in their order: the parallel workers take one
+    file at a time, and a long file started last would leave the other worker idle at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)
