@@ -77,8 +77,9 @@ def test_the_host_estimate_counts_the_offload_buffers_and_their_pinning():
     buffers = offload_host_tensors("t2v-a14b", width=832, height=480, frames=81)
     assert len(buffers) == 42 and 12.5 < sum(buffers) / GIB < 13.5  # the issue's ~13 GiB a step in 42 tensors
     assert pinned.phases["while training"]["activation offload buffers"] == sum(buffers)
-    assert "pinned-memory rounding of the offload buffers" not in pageable.phases["while training"]
-    assert not any("rounding" in k for k in pageable.parts)
+    assert "offload slabs' unused ends" in pinned.phases["while training"]
+    assert "offload slabs' unused ends" not in pageable.phases["while training"]
+    assert not any("slabs" in k for k in pageable.parts)
     assert pageable.peak < pinned.peak
 
 
