@@ -196,3 +196,25 @@ def test_a_failing_pin_falls_back_to_pageable_memory_with_one_warning(monkeypatc
     assert len(warnings) == 2, warnings  # one for the swap, one for the offload, however many forwards ran
     assert warnings[0].startswith("block swap: pinning host memory failed (CUDA error: out of memory)")
     assert warnings[1].startswith("activation offload: pinning host memory failed") and "pageable" in warnings[1]
+
+
+def test_waiting_copies_whose_pin_fails_stay_pageable_with_one_warning_and_the_experts_still_switch(monkeypatch,
+                                                                                                    caplog):
+    from tests.models.wan22_helpers import make_adapter
+    from tests.simulated_device import DEVICE, MetaAsDevice
+
+    failing = Recorder(fail=True)
+    monkeypatch.setattr(pinned, "allocate_pinned", failing)
+    monkeypatch.setattr(pinned, "pinnable", lambda device: True)
+    with caplog.at_level(logging.WARNING, logger="wantrain.memory"), MetaAsDevice():
+        adapter = make_adapter("tiny-t2v", device=DEVICE, offload_device="cpu", switch_every=1, rank=4,
+                               base_dtype="fp32")
+        adapter.activate("low_noise", None)
+        adapter.activate("high_noise", None)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and warnings[0].startswith("the high-noise expert's waiting copy: pinning host memory "
+                                                         "failed (CUDA error: out of memory)"), warnings
+    assert not adapter.placement.pinned  # the second expert's copy was not tried: pageable from the first failure
+    waiting = [copy for entries in adapter.placement._waiting.values() for _, _, copy, _ in entries]
+    assert waiting and all(c.device.type == "cpu" for c in waiting)
+    assert adapter.placement.resident() == ["high_noise"]
