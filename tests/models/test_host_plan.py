@@ -32,6 +32,8 @@ def test_check_for_a_64_gb_machine_prints_a_both_experts_a14b_plan_that_fits(tmp
     assert "budget 64.00 GiB (model.host_ram_budget_gb = 64): fits" in out
     peak = float(re.search(r"peak ([\d.]+) GiB \(", out).group(1))
     assert peak <= 60.0  # the target for a 24 GB card with 64 GB of RAM
+    # pinned (asynchronous copies): with the slabs, pinning no longer costs the power-of-two rounding
+    assert "swap and waiting copies pinned" in out and "pin_host_copies = false" not in out
     for part in ("high-noise expert host copy", "low-noise expert host copy",
                  "activation offload buffers (while training)", "text encoder (UMT5) (while the cache fills)"):
         assert part in out

@@ -2,7 +2,7 @@
 
 torch's pinned-memory allocator (``CachingHostAllocator``) rounds every allocation up to a power of two, so pinning
 tensor by tensor takes up to twice their bytes: an A14B block's 71 MB fp8 feed-forward Linears take 128 MB each and
-activation offload's 320 MiB buffers 512 MiB (+53 % on the experts, +65 % on the buffers). Block swap
+activation offload's 320 MiB buffers 512 MiB (+53 % on the experts, +60 % on the buffers). Block swap
 (``swap.py``), the expert placement's waiting copies (``placement.py``) and activation offload (``offload.py``)
 instead carve their host tensors from slabs whose sizes are powers of two (which that allocator gives exactly):
 
@@ -10,7 +10,7 @@ instead carve their host tensors from slabs whose sizes are powers of two (which
   starts on a 512-byte boundary, so copies stay fast); slab after slab, a slab's size is the largest power of two
   not above the bytes still to place (at least the largest tensor still to place, at most ``max_slab``), filled
   largest tensor first with whatever still fits, then shrunk to the power of two its content needs. The waste is
-  the slabs' unused ends: 0.5-2.5 % for the A14B experts' tensors, 2-7 % for the offload buffers.
+  the slabs' unused ends: 2-3 % for the A14B experts' tensors, 2-7 % for the offload buffers.
   ``memory.host_estimate`` counts the slabs with this same function (:func:`slab_bytes`), so the estimate and the
   run cannot drift.
 * :class:`PinnedSlabs` (fixed sets: the swapped blocks, the waiting copies) hands out the views slab by slab,
