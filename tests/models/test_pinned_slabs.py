@@ -167,7 +167,9 @@ def test_offload_through_slab_buffers_gives_the_same_gradients_and_reuses_its_sl
     assert offload._pool._live == 0  # every buffer's place is free again once its step is over
 
 
-def test_the_offload_pool_grows_to_the_larger_of_two_sizes_and_keeps_serving_the_smaller(pins):
+def test_the_offload_pool_grows_to_the_larger_of_two_sizes_and_keeps_serving_the_smaller(pins, monkeypatch):
+    released = []  # the pinned allocator is asked to give back the slabs a re-plan dropped (it caches freed blocks)
+    monkeypatch.setattr(pinned, "_release_cached_pinned", lambda: released.append(len(pins.sizes)))
     pool = pinned.SlabPool("test")
     for sizes in ([4096] * 3, [8192] * 3 + [512], [4096] * 3, [8192] * 3 + [512]):
         pool.start()
@@ -176,6 +178,7 @@ def test_the_offload_pool_grows_to_the_larger_of_two_sizes_and_keeps_serving_the
     first = pinned.slab_layout((4096,) * 3, pinned.OFFLOAD_SLAB_MAX).slabs
     second = pinned.slab_layout((8192,) * 3 + (512,), pinned.OFFLOAD_SLAB_MAX).slabs
     assert pins.sizes == [*first, *second]  # planned after the first and the second forward, never again
+    assert released == [len(first)]  # once: when the second plan replaced the first's slabs, before its own
 
 
 def test_a_failing_pin_falls_back_to_pageable_memory_with_one_warning(monkeypatch, caplog):

@@ -26,7 +26,7 @@ Pinning that fails (no CUDA, the driver refuses more page-locked memory) falls b
 warning (logger ``wantrain.memory``) per owner, never an error. All copies in and out of these views are issued by
 their owners on one stream each (the swap's and offload's side streams), so a place reused by its owner is never
 written while an earlier copy from it is in flight; slabs freed at a re-plan go back to torch's pinned allocator,
-which waits on the copies it saw before reusing them.
+which waits on the copies it saw before reusing them (and is asked to give its cached free blocks back).
 """
 
 from __future__ import annotations
@@ -107,6 +107,16 @@ def allocate_pinned(nbytes: int) -> torch.Tensor:
     """``nbytes`` (a power of two: no rounding) of page-locked host memory as a uint8 tensor, from torch's pinned
     allocator; ``RuntimeError`` when it refuses."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _release_cached_pinned() -> None:
+    """Hand the pinned allocator's cached free blocks (slabs a re-plan dropped) back to the system: torch keeps freed
+    pinned blocks for reuse, which a re-plan's slabs of other sizes would not get. Blocks still waiting on a copy
+    stay."""
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -192,7 +202,10 @@ class SlabPool:
         self._missed = False
 
     def _plan(self, sizes: tuple[int, ...]) -> None:
+        replaced = bool(self._slabs)
         self._slabs, self.slabs, self._capacities, self._free = [], [], [], []
+        if replaced:
+            _release_cached_pinned()
         layout = slab_layout(sizes, self.max_slab)
         slabs = []
         for nbytes in layout.slabs:
