@@ -17,9 +17,9 @@ that stream's pool, where only work queued after its copy can reuse it: no buffe
 Once unpacked it is marked as used by the compute stream. The pinned host buffers are carved from a few pinned slabs
 (``pinned.SlabPool``: no power-of-two rounding), planned from the buffers the first forward asked for (that forward
 uses pageable buffers); a buffer's place is reused once its tensor is gone, by a copy queued on the same side
-stream, behind every copy that used it before. The adapter's device and a
-tensor's are compared with ``wantrain.core.devices.same_device`` (``cuda`` and ``cuda:0`` are one device). Pinning
-that fails falls back to pageable host memory with one warning.
+stream, behind every copy that used it before. The adapter's device and a tensor's are compared with
+``wantrain.core.devices.same_device`` (``cuda`` and ``cuda:0`` are one device). Pinning that fails falls back to
+pageable host memory with one warning.
 
 Prefetch: every tensor sent to the host gets a place in the order it was saved. The backward pass unpacks them in
 about the reverse order (block ``i``'s recompute starts by unpacking block ``i``'s inputs), so each unpack issues
