@@ -32,6 +32,8 @@ def test_check_for_a_64_gb_machine_prints_a_both_experts_a14b_plan_that_fits(tmp
     assert "budget 64.00 GiB (model.host_ram_budget_gb = 64): fits" in out
     peak = float(re.search(r"peak ([\d.]+) GiB \(", out).group(1))
     assert peak <= 60.0  # the issue's target for a 24 GB card with 64 GB of RAM
+    # pinned (asynchronous copies): with the slabs, pinning no longer costs the power-of-two rounding
+    assert "swap and waiting copies pinned" in out and "pin_host_copies = false" not in out
     for part in ("high-noise expert host copy", "low-noise expert host copy",
                  "activation offload buffers (while training)", "text encoder (UMT5) (while the cache fills)"):
         assert part in out
@@ -77,8 +79,9 @@ def test_the_host_estimate_counts_the_offload_buffers_and_their_pinning():
     buffers = offload_host_tensors("t2v-a14b", width=832, height=480, frames=81)
     assert len(buffers) == 42 and 12.5 < sum(buffers) / GIB < 13.5  # the issue's ~13 GiB a step in 42 tensors
     assert pinned.phases["while training"]["activation offload buffers"] == sum(buffers)
-    assert "pinned-memory rounding of the offload buffers" not in pageable.phases["while training"]
-    assert not any("rounding" in k for k in pageable.parts)
+    assert "offload slabs' unused ends" in pinned.phases["while training"]
+    assert "offload slabs' unused ends" not in pageable.phases["while training"]
+    assert not any("slabs" in k for k in pageable.parts)
     assert pageable.peak < pinned.peak
 
 

@@ -16,7 +16,8 @@ from wan22_helpers import make_adapter
 
 from tests.models.test_memory_plan import a14b_config
 from tests.simulated_device import DEVICE, MetaAsDevice
-from wantrain.models.wan22.memory import GIB, MemorySettings, _pinned_bytes, host_estimate
+from wantrain.models.wan22 import pinned
+from wantrain.models.wan22.memory import GIB, MemorySettings, host_estimate
 
 
 def _host_bytes(adapter, optimizer) -> int:
@@ -64,15 +65,44 @@ def test_the_host_estimate_covers_every_byte_a_two_expert_run_keeps_on_the_host(
     assert counted == measured, (measured, est.parts)  # every byte, no more
 
 
+@pytest.mark.parametrize("swap", [0, 1])
+def test_the_host_estimate_counts_the_pinned_slabs_a_two_expert_run_carves_byte_for_byte(swap, monkeypatch):
+    """As above, training "on CUDA" (the simulated device, with pinning said to be possible and the pin function
+    handing out ordinary host memory): the swap's copies and the waiting copies are carved from slabs, and the
+    distinct CPU storages are the slabs, their unused ends included, plus what is never pinned."""
+    slabs: list[int] = []
+
+    def allocate(nbytes):
+        slabs.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(pinned, "allocate_pinned", allocate)
+    monkeypatch.setattr(pinned, "pinnable", lambda device: True)
+    with MetaAsDevice():
+        adapter = make_adapter("tiny-t2v", device=DEVICE, offload_device="cpu", switch_every=1, rank=4,
+                               blocks_to_swap=swap, base_dtype="fp32")
+        optimizer = _with_state(adapter)
+        for p in adapter.trainable_parameters():
+            p.grad = torch.zeros_like(p)
+        adapter.activate("low_noise", optimizer)
+        measured = _host_bytes(adapter, optimizer)
+    est = host_estimate("tiny-t2v", MemorySettings("fp32", swap, False), experts=("high_noise", "low_noise"),
+                        rank=4, width=32, height=32, frames=5, cuda=True, pin_budget=GIB)
+    assert est.pinned == "swap and waiting copies pinned" and slabs
+    counted = sum(v for k, v in est.parts.items() if "host copy" in k or "waiting expert" in k or "slabs" in k)
+    assert est.parts["pinned slabs' unused ends"] > 0
+    assert counted == measured, (measured, est.parts)
+
+
 def test_a_both_experts_fp8_a14b_run_with_swap_fits_64_gb_of_host_memory():
     est = host_estimate("t2v-a14b", MemorySettings("fp8", 20, False), experts=("high_noise", "low_noise"),
                         rank=32, width=832, height=480, frames=81, cuda=True, pin_budget=32 * GIB)
     copies = [v for k, v in est.parts.items() if "host copy (fp8)" in k]
     assert len(copies) == 2 and all(13.0 < c / GIB < 14.0 for c in copies)  # 14.3e9 params, block Linears in fp8
     assert est.peak_phase == "while the cache fills" and est.peak <= 64e9
-    # torch's pinned allocator rounds each tensor up to a power of two: +53 % on the A14B Linears
-    assert 0.5 < est.parts["pinned-memory rounding (powers of two)"] / sum(copies) < 0.56
-    assert _pinned_bytes(5120 * 13824) == 128 * 2**20 and _pinned_bytes(2**20) == 2**20
+    # the pinned copies are carved from power-of-two slabs: their unused ends, not +53 % of per-tensor rounding
+    assert 0 < est.parts["pinned slabs' unused ends"] / sum(copies) < 0.03
+    assert pinned.pow2_ceil(5120 * 13824) == 128 * 2**20 and pinned.pow2_ceil(2**20) == 2**20
 
 
 def test_check_prints_the_host_memory_part_by_part(tmp_path, capsys, monkeypatch):
@@ -84,18 +114,20 @@ def test_check_prints_the_host_memory_part_by_part(tmp_path, capsys, monkeypatch
     assert main(["check", str(config)]) == 0
     out = capsys.readouterr().out
     assert "host memory (RAM), part by part" in out
-    for part in ("high-noise expert host copy (fp8)", "low-noise expert host copy (fp8)", "pinned-memory rounding",
+    for part in ("high-noise expert host copy (fp8)", "low-noise expert host copy (fp8)", "pinned slabs' unused ends",
                  "waiting expert's LoRA + grads + AdamW", "text encoder (UMT5) (while the cache fills)",
                  "total while training", "largest part:"):
         assert part in out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned host memory)")
-def test_pinning_a_tensor_takes_the_next_power_of_two():
+def test_pinning_a_tensor_takes_the_next_power_of_two_and_a_slab_of_a_power_of_two_exactly():
     before = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
-    pinned = torch.empty(3 * 2**20 + 1, dtype=torch.uint8).pin_memory()
+    tensor = torch.empty(3 * 2**20 + 1, dtype=torch.uint8).pin_memory()
     after = torch.cuda.memory.host_memory_stats()["allocated_bytes.current"]
-    assert after - before == _pinned_bytes(pinned.numel()) == 4 * 2**20
+    assert after - before == pinned.pow2_ceil(tensor.numel()) == 4 * 2**20
+    slab = pinned.allocate_pinned(2**22)
+    assert torch.cuda.memory.host_memory_stats()["allocated_bytes.current"] - after == 2**22 and slab.is_pinned()
 
 
 def test_sampling_with_one_trained_a14b_expert_counts_the_other_experts_host_copy():

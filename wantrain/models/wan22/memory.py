@@ -390,10 +390,13 @@ def offload_host_tensors(variant: str, *, width: int, height: int, frames: int, 
     return [hidden] * n + [batch * spec.text_len * d * 2, 2 * hidden]
 
 
-def _pinned_bytes(n: int) -> int:
-    """What pinning an ``n``-byte tensor takes: torch's pinned-memory allocator (``CachingHostAllocator``) rounds
-    every allocation up to a power of two (``pinned_max_round_threshold`` is unbounded by default)."""
-    return 1 << max(n - 1, 0).bit_length() if n > 0 else 0
+def _slab_waste(sizes: list[int], max_slab: int | None = None) -> float:
+    """What pinning ``sizes`` bytes takes beyond them: the unused ends of the pinned slabs they are carved from
+    (``pinned.slab_layout``, the function the run sizes its slabs with; torch's pinned allocator gives a slab of a
+    power of two exactly)."""
+    from wantrain.models.wan22.pinned import WEIGHT_SLAB_MAX, slab_bytes
+
+    return float(slab_bytes(sizes, max_slab or WEIGHT_SLAB_MAX) - sum(sizes))
 
 
 @functools.lru_cache(maxsize=16)
@@ -497,15 +500,16 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
 
     * each expert's host copy in its storage dtype: with two experts the placement keeps a waiting copy of every
       frozen tensor of both (also while one trains); the swapped blocks' copies are the swap's (one expert or two);
-    * pinned-memory rounding (training on CUDA): the swap pins its copies always, the placement when both experts
-      fit in ``pin_budget`` (half the host's memory, ``placement.pin_budget``); each pinned tensor is rounded up to
-      a power of two;
+    * pinned slabs (training on CUDA): the swap pins its copies always, the placement when both experts' slabs fit
+      in ``pin_budget`` (half the host's memory, ``placement.pin_budget``); pinned copies are carved from
+      power-of-two slabs (``pinned.slab_layout``, per expert for the swap and for the placement), whose unused ends
+      are counted;
     * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
     * ``sampling_only``: the other A14B expert loaded frozen to sample with one trained expert (a host copy like a
       trained one's, no LoRA state);
-    * ``pin`` false (``model.pin_host_copies = false``): nothing is pinned, no rounding;
+    * ``pin`` false (``model.pin_host_copies = false``): nothing is pinned, no slabs;
     * with ``settings.offload_activations``, while training: the host buffers of the offloaded activations
-      (:func:`offload_host_tensors`), pinned on CUDA (rounded like the others);
+      (:func:`offload_host_tensors`), pinned on CUDA (carved from slabs like the others, ``pinned.SlabPool``);
     * one batch read from the cache (latents and text embeddings; the cache is read per step, not held);
     * while loading: one file window and one tensor in flight; while the cache fills (``encoders``): UMT5 in the
       compute dtype and the VAE in float32, loaded on the host before they move to the device (a
@@ -524,7 +528,7 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         from wantrain.models.wan22.placement import pin_budget as host_pin_budget
 
         pin_budget = host_pin_budget()
-    pin_placed = cuda and pin and bool(placed) and len(held_experts) * sum(placed) <= pin_budget
+    pin_placed = cuda and pin and bool(placed) and len(held_experts) * (sum(placed) + _slab_waste(placed)) <= pin_budget
     pin_swap = cuda and pin
     parts: dict[str, float] = {}
     rounding = 0.0
@@ -534,11 +538,11 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
             kind = ", sampling only" if expert in sampling_only else ""
             parts[f"{_EXPERT_NAME[expert]} host copy ({settings.base_dtype}{kind})"] = held
         if pin_swap:
-            rounding += sum(_pinned_bytes(s) - s for s in swapped)
+            rounding += _slab_waste(swapped)
         if pin_placed:
-            rounding += sum(_pinned_bytes(s) - s for s in placed)
+            rounding += _slab_waste(placed)
     if rounding:
-        parts["pinned-memory rounding (powers of two)"] = rounding
+        parts["pinned slabs' unused ends"] = rounding
     if len(experts) > 1:
         parts["waiting expert's LoRA + grads + AdamW"] = (len(experts) - 1) * lora_params(variant, rank) * \
             LORA_BYTES_PER_PARAM
@@ -554,8 +558,9 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         offloaded = offload_host_tensors(variant, width=width, height=height, frames=frames, batch=batch)
         training["activation offload buffers"] = float(sum(offloaded))
         if pin_swap:
-            training["pinned-memory rounding of the offload buffers"] = float(
-                sum(_pinned_bytes(s) - s for s in offloaded))
+            from wantrain.models.wan22.pinned import OFFLOAD_SLAB_MAX
+
+            training["offload slabs' unused ends"] = _slab_waste(offloaded, OFFLOAD_SLAB_MAX)
     phases["while training"] = training
     if not cuda:
         pinned = "nothing pinned (not training on CUDA)"

@@ -14,10 +14,12 @@ marked as used by the side stream (``record_stream``): the caching allocator doe
 until the copy has read it, even when autograd drops the tensor at once. A buffer a prefetch writes is allocated on
 the side stream, so an exception in the backward pass (an out-of-memory error) that frees the graph returns it to
 that stream's pool, where only work queued after its copy can reuse it: no buffer is freed under a copy in flight.
-Once unpacked it is marked as used by the compute stream. The pinned host buffers are the caching host allocator's,
-which records an event on every non-blocking copy it serves for the same reason. The adapter's device and a
-tensor's are compared with ``wantrain.core.devices.same_device`` (``cuda`` and ``cuda:0`` are one device). Pinning
-that fails falls back to pageable host memory with one warning.
+Once unpacked it is marked as used by the compute stream. The pinned host buffers are carved from a few pinned slabs
+(``pinned.SlabPool``: no power-of-two rounding), planned from the buffers the first forward asked for (that forward
+uses pageable buffers); a buffer's place is reused once its tensor is gone, by a copy queued on the same side
+stream, behind every copy that used it before. The adapter's device and a tensor's are compared with
+``wantrain.core.devices.same_device`` (``cuda`` and ``cuda:0`` are one device). Pinning that fails falls back to
+pageable host memory with one warning.
 
 Prefetch: every tensor sent to the host gets a place in the order it was saved. The backward pass unpacks them in
 about the reverse order (block ``i``'s recompute starts by unpacking block ``i``'s inputs), so each unpack issues
@@ -30,15 +32,13 @@ observe). At most one block's inputs are on the device ahead of their use.
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 
 from wantrain.core.devices import resolve_device, same_device
-
-log = logging.getLogger("wantrain.memory")
+from wantrain.models.wan22 import pinned
 
 
 class _Packed:
@@ -68,7 +68,8 @@ class ActivationOffload:
         self.on_pack = on_pack
         self.on_copy_back = on_copy_back
         self.prefetch = prefetch
-        self._pin = pin and self.device.type == "cuda" and self.host.type == "cpu"
+        self._pin = pin and self.host.type == "cpu" and pinned.pinnable(self.device)
+        self._pool = pinned.SlabPool("activation offload") if self._pin else None
         self._async = self.device.type == "cuda" and self.host.type == "cpu"
         self._stream = torch.cuda.Stream(self.device) if self._async and torch.cuda.is_available() else None
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
@@ -107,15 +108,10 @@ class ActivationOffload:
         return packed
 
     def _host_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """An empty host tensor for ``tensor``: pinned on CUDA; pageable from here on (with one warning) once the
-        driver refuses more pinned memory."""
-        if self._pin:
-            try:
-                return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host, pin_memory=True)
-            except RuntimeError as exc:
-                self._pin = False
-                log.warning("activation offload: pinning host memory failed (%s); the offloaded activations use "
-                            "pageable memory from here on (slower copies)", str(exc).splitlines()[0])
+        """An empty host tensor for ``tensor``: on CUDA from the pinned slabs (``pinned.SlabPool``; pageable in a
+        forward whose buffers the slabs do not hold yet, and from here on, with one warning, once pinning failed)."""
+        if self._pool is not None:
+            return self._pool.take(tuple(tensor.shape), tensor.dtype)
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.host)
 
     def _unpack(self, packed):
@@ -173,6 +169,8 @@ class ActivationOffload:
     def active(self) -> Iterator[None]:
         """Offload what autograd saves inside this context."""
         self._reset()
+        if self._pool is not None:
+            self._pool.start()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield

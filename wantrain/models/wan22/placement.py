@@ -3,7 +3,8 @@
 An A14B run has two 14B experts; only the one being trained (or evaluated) sits on the training device. Their
 base weights are frozen, so each expert keeps one *waiting copy* of its base tensors (parameters and buffers) on
 ``model.offload_device`` (the host by default), made once when the model is built — the tensors it was loaded
-into, pinned when the training device is CUDA and the host memory allows (:func:`pin_budget`). Then:
+into, or, when the training device is CUDA and the host memory allows (:func:`pin_budget`), copies of them carved
+from a few pinned slabs (``pinned.py``: no power-of-two rounding). Then:
 
 * moving an expert **out** drops its device copy of the base weights (the parameters point back at the waiting
   copy: nothing is copied) and copies only its LoRA parameters, their gradients and their optimizer state to the
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from wantrain.core.devices import resolve_device, same_device
+from wantrain.models.wan22 import pinned
 
 _PIN_SHARE = 0.5  # pin the waiting copies only if they fill at most this share of the host's memory
 
@@ -51,6 +53,10 @@ def pin_budget(host_ram_gb: float | None = None) -> int:
     import psutil
 
     return int(psutil.virtual_memory().total * _PIN_SHARE)
+
+
+def _name(expert: str | None) -> str:
+    return f"{expert.replace('_', '-')} expert" if expert else "transformer"
 
 
 def follows_parameter(key: str, value: Any, group: dict[str, Any] | None) -> bool:
@@ -161,29 +167,40 @@ class ExpertPlacement:
         self.where[expert] = self.offload_device
 
     def _may_pin(self) -> bool:
-        """Whether the waiting copies of every expert may be pinned (:func:`pin_budget`)."""
-        total = sum(t.numel() * t.element_size() for m in self._transformers.values()
-                    for _, _, t, _ in _tensors(m, trainable=False))
+        """Whether the waiting copies of every expert may be pinned: their slabs (``pinned.slab_bytes``) fit in
+        :func:`pin_budget`."""
+        total = sum(pinned.slab_bytes([t.numel() * t.element_size() for _, _, t, _ in _tensors(m, trainable=False)])
+                    for m in self._transformers.values())
         limit = pin_budget() if self.pin_limit is None else self.pin_limit
-        return self.device.type == "cuda" and torch.cuda.is_available() and 0 < total <= limit
+        return pinned.pinnable(self.device) and 0 < total <= limit
 
     def _keep_waiting_copy(self, expert: str | None) -> None:
-        """Make ``expert``'s waiting copy on the offload device (pinned if :attr:`pinned`). Its tensors already
-        there become the copy; an expert off the device then points at its copy, one on the device keeps its
-        device tensors."""
+        """Make ``expert``'s waiting copy on the offload device (carved from pinned slabs if :attr:`pinned`,
+        ``pinned.py``). Its tensors already there become the copy (pinned: copied into the slabs, tensor by tensor,
+        each original dropped once copied); an expert off the device then points at its copy, one on the device
+        keeps its device tensors."""
         on_device = self.where.get(expert) == self.device
-        waiting = []
-        for owner, attr, tensor, is_param in list(_tensors(self._transformers[expert], trainable=False)):
-            copy = tensor.to(self.offload_device)
-            if self.pinned and copy.device.type == "cpu":
-                try:
-                    copy = copy.pin_memory()
-                except RuntimeError:  # the driver refused more pinned memory: pageable from here on
-                    self.pinned = False
-            if not on_device:
-                _place(owner, attr, copy, is_param)
-            waiting.append((owner, attr, copy, is_param))
-        self._waiting[expert] = waiting
+        tensors = list(_tensors(self._transformers[expert], trainable=False))
+        copies: list[torch.Tensor | None] = [None] * len(tensors)
+        if self.pinned and self.offload_device.type == "cpu":
+            slabs = pinned.PinnedSlabs(f"the {_name(expert)}'s waiting copy")
+            for index, view in slabs.views([(tuple(t.shape), t.dtype) for _, _, t, _ in tensors]):
+                owner, attr, tensor, is_param = tensors[index]
+                if view is None:
+                    view = tensor.to(self.offload_device)
+                else:
+                    view.copy_(tensor)
+                if not on_device:
+                    _place(owner, attr, view, is_param)
+                copies[index] = view
+            self.pinned = slabs.pinned  # the driver refused more pinned memory: pageable from here on
+        else:
+            for index, (owner, attr, tensor, is_param) in enumerate(tensors):
+                copies[index] = tensor.to(self.offload_device)
+                if not on_device:
+                    _place(owner, attr, copies[index], is_param)
+        self._waiting[expert] = [(owner, attr, copy, is_param)
+                                 for (owner, attr, _, is_param), copy in zip(tensors, copies, strict=True)]
 
     def resident(self) -> list[str | None]:
         """The experts whose base weights are on the training device (at most one)."""

@@ -1,10 +1,11 @@
 """Block swap: the frozen base weights of the last N transformer blocks live on the host and visit the device one
 block at a time (``model.blocks_to_swap``, docs/models.md "Memory").
 
-Each swapped block keeps one host copy of its frozen tensors (the expert's host copy, pinned where the host allows)
-and, while it is not needed, a ``meta`` placeholder of the same shape on the module: running an unloaded block
-fails loudly instead of computing with stale weights. A small ring of ``ring`` device slots holds the loaded
-blocks; loading a block into a full ring evicts the block used longest ago. Just before block ``k`` runs (forward
+Each swapped block keeps one host copy of its frozen tensors (the loaded tensors; copying to CUDA, copies carved
+from a few pinned slabs, ``pinned.py``, without the pinned allocator's power-of-two rounding) and, while it is not
+needed, a ``meta`` placeholder of the same shape on the module: running an unloaded block fails loudly instead of
+computing with stale weights. A small ring of ``ring`` device slots holds the loaded blocks; loading a block into a
+full ring evicts the block used longest ago. Just before block ``k`` runs (forward
 pre-hook: the forward pass and gradient checkpointing's recompute in the backward pass alike) it is made resident
 and the next swapped block in run order is copied ahead, on a side CUDA stream (no stream on the CPU: the copy is
 synchronous); the run order is reversed inside the backward pass (recompute goes from the last block to the first).
@@ -28,6 +29,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from wantrain.core.devices import resolve_device
+from wantrain.models.wan22 import pinned
 
 
 def _in_backward() -> bool:
@@ -53,17 +55,18 @@ class BlockSwap:
         self.ring = ring
         self.on_copy = on_copy
         self.pin = pin
-        self._host: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {}
+        self._host: dict[int, list[tuple[nn.Module, str, bool, torch.Tensor]]] = {i: [] for i in self.swapped}
+        entries = []  # (block, module, name, is_parameter) of every frozen tensor of the swapped blocks
         for i in self.swapped:
-            entries = []
             for module in blocks[i].modules():
                 for name, param in module._parameters.items():
                     if param is not None and not param.requires_grad:
-                        entries.append((module, name, True, param.data))
+                        entries.append((i, module, name, True))
                 for name, buffer in module._buffers.items():
                     if buffer is not None:
-                        entries.append((module, name, False, buffer))
-            self._host[i] = [(m, n, p, self._pinned(h)) for m, n, p, h in entries]
+                        entries.append((i, module, name, False))
+        for (i, module, name, is_param), host in zip(entries, self._host_copies(entries), strict=True):
+            self._host[i].append((module, name, is_param, host))
         self._loaded: list[int] = []  # least recently used first
         self._refs: dict[int, list[StorageWeakRef]] = {}
         self._events: dict[int, torch.cuda.Event] = {}
@@ -73,15 +76,34 @@ class BlockSwap:
         self._handles = [root.register_forward_pre_hook(self._before_model)]
         self._handles += [block.register_forward_pre_hook(self._before_block(k)) for k, block in enumerate(blocks)]
 
-    def _pinned(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` in pinned memory when copying to CUDA (asynchronous copies need it); as it is when the driver
-        refuses more pinned memory."""
-        if not self.pin or self.device.type != "cuda" or host.device.type != "cpu" or not torch.cuda.is_available():
-            return host
-        try:
-            return host.pin_memory()
-        except RuntimeError:
-            return host
+    def _host_copies(self, entries: list[tuple[int, nn.Module, str, bool]]) -> list[torch.Tensor]:
+        """The host copy of every entry: the tensor the module holds, or, copying to CUDA (asynchronous copies need
+        page-locked memory), a copy carved from pinned slabs (``pinned.py``: no power-of-two rounding). Each
+        original is replaced by its placeholder once copied, so building holds at most one slab more than the
+        tensors. Where pinning fails the originals stay (pageable; one warning)."""
+        def held(module: nn.Module, name: str, is_param: bool) -> torch.Tensor:
+            return module._parameters[name].data if is_param else module._buffers[name]
+
+        hosts = [held(m, n, p) for _, m, n, p in entries]
+        if not (self.pin and pinned.pinnable(self.device) and all(h.device.type == "cpu" for h in hosts)):
+            return hosts
+        specs = [(tuple(h.shape), h.dtype) for h in hosts]
+        hosts = [None] * len(entries)  # the originals: only the modules hold them now
+        for index, view in pinned.PinnedSlabs("block swap").views(specs):
+            _, module, name, is_param = entries[index]
+            original = held(module, name, is_param)
+            if view is None:
+                hosts[index] = original
+                continue
+            view.copy_(original)
+            hosts[index] = view
+            placeholder = torch.empty_like(view, device="meta")
+            if is_param:
+                module._parameters[name] = nn.Parameter(placeholder, requires_grad=False)
+            else:
+                module._buffers[name] = placeholder
+            del original
+        return hosts
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def _before_model(self, module: nn.Module, args) -> None:
