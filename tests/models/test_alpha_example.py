@@ -134,5 +134,5 @@ def test_check_says_the_example_reaches_every_phase_within_its_max_steps():
 
     cfg = load_config(ROOT / "examples" / "i2v_a14b_alpha_schedule.toml")
     lines = alpha_schedule_lines(cfg)
-    assert lines[-1] == "  the run gives each expert 14000 steps; the schedule needs 14000", lines
+    assert lines[-1] == "  the run gives each expert 18000 steps; the schedule needs 18000", lines
     assert "below the CV 0.5 resolution" not in "\n".join(lines)

@@ -266,8 +266,9 @@ def test_a_rising_loss_holds_the_phase_at_every_look_however_small_delta_is_rela
 
     policy = AlphaPolicy(AlphaScheduleConfig(enabled=True, preset="video", phases=[
         AlphaPhase(name="a", alpha=4.0, loss_improvement_rate_below=0.05), AlphaPhase(name="b", alpha=8.0)]), (None,))
-    for steps in range(3000, 30001, 3000):  # ten looks on full windows, each clearly rising 2 % per 100 steps
-        values = {"alpha/steps/lora": float(steps), "alpha/loss_samples/lora": 3000.0,
+    window = policy.window  # the preset's: the looks come every window expert steps
+    for steps in range(window, 10 * window + 1, window):  # ten looks on full windows, each rising 2 % per 100 steps
+        values = {"alpha/steps/lora": float(steps), "alpha/loss_samples/lora": float(window),
                   "alpha/loss_improvement_rate/lora": -0.02, "alpha/loss_improvement_rate_se/lora": 0.002,
                   "alpha/loss_improvement_rate_dof/lora": 18.0, "alpha/gradient_stability/lora": 0.75}
         assert policy.observe(steps, values) == [], steps
