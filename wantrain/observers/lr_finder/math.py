@@ -25,7 +25,8 @@ so everything here can be tested on synthetic curves and replayed from an event 
   above it, read on :func:`causal_median`), ``steepest`` (most negative slope against log10(LR)), ``minimum`` (LR of
   the lowest point / 10); a 90 % band for the default suggestion (:func:`bootstrap_band`: the curve's multiplicative
   residuals resampled :data:`BOOTSTRAP` times, a fixed seed so replay reproduces it); warnings, every one of which
-  questions the suggestion (so ``trusted`` needs none): too few points, the minimum at the start, the minimum at the
+  questions the suggestion (so ``trusted`` needs none): too few points, a divergence stop on a rise within
+  :data:`RISE_NOISE` noise standard deviations (:func:`stop_rise`), the minimum at the start, the minimum at the
   end of a sweep that never diverged, a descent no larger than the noise or 2 % of the loss, and a band wider than
   :data:`BAND_FACTOR`.
 """
