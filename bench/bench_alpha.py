@@ -1,6 +1,6 @@
 """Alpha controller cost per optimizer step on the tiny model (CPU, or CUDA when present):
 
-    python bench/bench_alpha.py [--steps 200] [--log-every 10] [--variant tiny-t2v] [--rank 8]
+    python bench/bench_alpha.py [--steps 200] [--log-every 10] [--variant tiny-t2v] [--rank 8] [--window N]
 
 Trains the tiny Wan model with AdamW (fused on CPU/CUDA, as `wantrain run`) and times, per optimizer step, the
 model work (forward, backward, optimizer step) and the controller's handlers (LossComputed, GradsReady: window push
@@ -38,11 +38,13 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--variant", default="tiny-t2v")
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--window", type=int, default=None, help="lora.alpha_schedule.window (default: the preset's)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     phases = check_value(AlphaScheduleConfig, "phases", [{"name": "a", "alpha": 4.0, "min_steps": 10**9},
                                                          {"name": "b", "alpha": 8.0}], "phases")
-    schedule = AlphaScheduleConfig(enabled=True, phases=phases)
+    schedule = AlphaScheduleConfig(enabled=True, phases=phases, window=args.window,
+                                   min_samples=None if args.window is None else args.window // 2)
     adapter = build_adapter(ModelConfig(variant=args.variant, experts="high_noise", gradient_checkpointing=False),
                             LoraSection(rank=args.rank, alpha_schedule=schedule), seed=0, device=device, base_lr=1e-3)
     optimizer = torch.optim.AdamW(adapter.param_groups(), fused=True)
@@ -57,7 +59,8 @@ def main() -> None:
     expert = adapter.experts[0]
     bus.emit(RunStarted(step=0, run_dir="", total_steps=args.steps, grad_accum=1, experts=adapter.experts,
                         log_every=args.log_every))
-    model_s = controller_s = 0.0
+    model_s = controller_s = every_s = log_s = 0.0
+    logs = 0
     tensors = len(adapter.trainable_parameters(expert))
     elements = sum(p.numel() for p in adapter.trainable_parameters(expert))
     for step in range(1, args.steps + 1):
@@ -95,12 +98,18 @@ def main() -> None:
         if step > 10:  # warm-up excluded
             model_s += (t1 - t0) + (t3 - t2) + (t5 - t4)
             controller_s += (t2 - t1) + (t4 - t3) + (t6 - t5) + (t7 - t6)
+            every_s += (t2 - t1) + (t4 - t3)
+            log_s += (t6 - t5) + (t7 - t6)
+            logs += log
     n = args.steps - 10
     print(f"device {device.type}, {args.variant} rank {args.rank}: {tensors} LoRA tensors, {elements} elements, "
           f"log every {args.log_every}")
     print(f"model step (forward+backward+AdamW): {1e3 * model_s / n:8.3f} ms/step")
     print(f"alpha controller (all handlers):    {1e3 * controller_s / n:8.3f} ms/step "
           f"({100 * controller_s / model_s:.2f} % of the model step)")
+    print(f"  every step (loss push, sign agreement): {1e3 * every_s / n:8.3f} ms/step")
+    print(f"  per log step (window statistics of a {schedule.resolved('window')}-step window, the gather, the "
+          f"decision): {1e3 * log_s / max(logs, 1):8.3f} ms per log step")
 
 
 if __name__ == "__main__":

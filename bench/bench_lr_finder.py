@@ -9,12 +9,13 @@ Setup: examples/quickstart.toml (tiny-t2v, rank-8 LoRA, AdamW, the demo clips, b
 (its loss as the "model"), the same cached batches, an AdamW over the same LoRA parameters, and its defaults
 (`smooth_f = 0.05`, `diverge_th = 5`, suggestion = steepest gradient after skipping 10 / 5 points).
 
-Curve noise: "residual CV" -- the standard deviation of the raw rung losses around the centred (zero-lag smoothed)
-curve, over the centred curve's mean, over the whole sweep; "plateau CV": over the LRs <= 1e-5 the weights barely
-move (under 1e-3 in total with AdamW), so the true loss is constant there and the spread of the measured losses is
-measurement noise (standard deviation over mean). "Roughness": the residual's standard deviation over the centred
-curve's total drop (lower is cleaner). The summary gives each mode's median over the seeds and the spread of its
-suggestion over the seeds (max / min).
+Curve noise: "residual CV" -- the standard deviation of the raw rung losses around the running median of 9 LRs
+the suggestions read (``lr_finder.math.running_median``), over its mean, over the whole sweep; "plateau CV": over
+the LRs <= 1e-5 the weights barely move (under 1e-3 in total with AdamW), so the true loss is constant there and the
+spread of the measured losses is measurement noise (standard deviation over mean). "Roughness": the residual's
+standard deviation over the curve's total drop (lower is cleaner). "trusted" and "band": whether then-train would
+follow the suggestion (no warning questions it) and its 90 % bootstrap band. The summary gives each mode's median
+over the seeds and the spread of its suggestion over the seeds (max / min).
 
 Cost: "probe fwd/LR" -- forward passes without grad per LR (`probe_clips x probe_timesteps` for `probe`, 0
 otherwise); "s per LR" from the run log's start and end, and its ratio to `random` (same machine, same run of the
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from wantrain.cli.main import main as cli  # noqa: E402
-from wantrain.observers.lr_finder.math import centred  # noqa: E402
+from wantrain.observers.lr_finder.math import running_median  # noqa: E402
 
 N, START, END = 100, 1e-7, 10.0
 
@@ -64,7 +65,7 @@ def workspace(tmp: Path) -> Path:
 def curve_stats(lrs: list[float], raw: list[float]) -> dict[str, float]:
     plateau = [x for lr, x in zip(lrs, raw, strict=True) if lr <= 1e-5 and math.isfinite(x)]
     finite = [x for x in raw if math.isfinite(x)]
-    smooth = centred(finite, 0.9)
+    smooth = [float(v) for v in running_median(finite)]
     drop = max(smooth) - min(smooth)
     resid = [a - b for a, b in zip(finite, smooth, strict=True)]
     return {"plateau_cv": statistics.pstdev(plateau) / statistics.fmean(plateau),
@@ -103,7 +104,7 @@ def run_wantrain(config: Path, noise: str, seed: int, chart_to: Path | None, bar
             "probe_fwd": probe_fwd,
             "total_s": total, **{k: result["suggestions"][k] for k in ("valley", "steepest", "minimum")},
             "default": result["suggested_lr"], "stop": result["stop_reason"], "warnings": result["warnings"],
-            **curve_stats(lrs, raw)}
+            "trusted": not result.get("invalid"), "band": result.get("band"), **curve_stats(lrs, raw)}
 
 
 def run_torch_lr_finder(config: Path, seed: int) -> dict:
@@ -154,6 +155,7 @@ def run_torch_lr_finder(config: Path, seed: int) -> dict:
             "sweep_s": sweep_s, "loop_s": sweep_s, "probe_fwd": 0,
             "total_s": math.nan,
             "valley": None, "steepest": steepest, "minimum": None, "default": steepest, "stop": None, "warnings": [],
+            "trusted": None, "band": None,
             **curve_stats(lrs, raw), "snapshot_mb": snapshot_bytes / 2**20,
             "lora_mb": lora_bytes / 2**20}
 
@@ -164,6 +166,10 @@ def fmt(x) -> str:
     if isinstance(x, float):
         return "-" if math.isnan(x) else f"{x:.3g}"
     return str(x)
+
+
+def band(b) -> str:
+    return "-" if not b else f"{b[0]:.3g}-{b[1]:.3g}"
 
 
 def main() -> None:
@@ -193,13 +199,14 @@ def main() -> None:
                 rows.append(run_torch_lr_finder(config, seed))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     if args.markdown:
-        print("| finder | seed | LRs run | valley | steepest | minimum/10 | stop | residual CV | plateau CV | "
-              "roughness | probe fwd/LR | sweep s | s per LR |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| finder | seed | LRs run | valley | steepest | minimum/10 | band | trusted | stop | residual CV | "
+              "plateau CV | roughness | probe fwd/LR | sweep s | s per LR |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             stop = "diverged" if r["stop"] else "end"
             print(f"| {r['who']} | {r['seed']} | {r['rungs']} | {fmt(r['valley'])} | {fmt(r['steepest'])} | "
-                  f"{fmt(r['minimum'])} | {stop} | {fmt(r['residual_cv'])} | {fmt(r['plateau_cv'])} | "
+                  f"{fmt(r['minimum'])} | {band(r['band'])} | {fmt(r['trusted'])} | {stop} | "
+                  f"{fmt(r['residual_cv'])} | {fmt(r['plateau_cv'])} | "
                   f"{fmt(r['roughness'])} | {r['probe_fwd']} | {r['sweep_s']:.1f} | {r['sweep_s'] / r['rungs']:.3f} |")
         print("\n| mode | median residual CV | median plateau CV | default suggestion over seeds | max/min | "
               "probe fwd/LR | s per LR / random's |")

@@ -264,11 +264,19 @@ def test_a_rising_loss_holds_the_phase_at_every_look_however_small_delta_is_rela
     """Issue 34: the two-sided rule |I| < δ (δ = 0.05) ended phases of a loss rising 2 % per 100 steps."""
     from wantrain.observers.alpha.config import AlphaPhase
 
-    policy = AlphaPolicy(AlphaScheduleConfig(enabled=True, preset="video", phases=[
-        AlphaPhase(name="a", alpha=4.0, loss_improvement_rate_below=0.05), AlphaPhase(name="b", alpha=8.0)]), (None,))
-    for steps in range(3000, 30001, 3000):  # ten looks on full windows, each clearly rising 2 % per 100 steps
-        values = {"alpha/steps/lora": float(steps), "alpha/loss_samples/lora": 3000.0,
-                  "alpha/loss_improvement_rate/lora": -0.02, "alpha/loss_improvement_rate_se/lora": 0.002,
-                  "alpha/loss_improvement_rate_dof/lora": 18.0, "alpha/gradient_stability/lora": 0.75}
-        assert policy.observe(steps, values) == [], steps
-        assert [x["trend"] for x in policy.looks] == ["rising"]
+    def looks(policy):  # ten looks on full windows (the preset's), each clearly rising 2 % per 100 steps
+        for steps in range(policy.window, 10 * policy.window + 1, policy.window):
+            values = {"alpha/steps/lora": float(steps), "alpha/loss_samples/lora": float(policy.window),
+                      "alpha/loss_improvement_rate/lora": -0.02, "alpha/loss_improvement_rate_se/lora": 0.002,
+                      "alpha/loss_improvement_rate_dof/lora": 18.0, "alpha/gradient_stability/lora": 0.75}
+            yield steps, policy.observe(steps, values)
+
+    def policy():
+        return AlphaPolicy(AlphaScheduleConfig(enabled=True, preset="video", phases=[
+            AlphaPhase(name="a", alpha=4.0, loss_improvement_rate_below=0.05), AlphaPhase(name="b", alpha=8.0)]),
+            (None,))
+
+    assert [steps for steps, decided in looks(policy()) if decided] == []
+    held = policy()
+    for steps, _ in looks(held):
+        assert [x["trend"] for x in held.looks] == ["rising"], steps

@@ -1,5 +1,5 @@
 """Property tests of the alpha schedule's plateau rule on synthetic loss streams (no model, numpy + the real
-statistics): 200 seeds per case, the ``video`` preset (window 2000, δ = 0.75 % per 100 steps, min_steps 2000).
+statistics): 200 seeds per case, the ``video`` preset (window 4000, δ = 0.5 % per 100 steps, min_steps 4000).
 
 The decision math is the real one: :func:`~wantrain.observers.alpha.stats.series_statistics` on every look's
 window (all seeds and looks at once) and :func:`~wantrain.observers.alpha.controller.plateau_look` on the result;
@@ -105,25 +105,18 @@ def test_a_loss_still_falling_at_delta_ends_at_most_5_percent_of_phases_over_all
     assert (ends(losses) > 0).mean() <= 0.05  # six looks (the levels of all later looks add < 0.2 %)
 
 
-@pytest.mark.parametrize("kind", ["iid", "mixture", "spikes"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cv", [0.05, 0.3, 0.5])
 def test_a_flat_loss_ends_within_min_steps_and_two_windows(cv, kind):
+    """Also with AR(1) ρ 0.5 at CV 0.5, which triples the slope's variance: the preset's window is sized for it
+    (measured over 1000 seeds: 98.6 % within two looks; window 3000 gave 77 %)."""
     losses = stream(np.ones(FIRST + WINDOW), kind, cv, seed=int(100 * cv) + 7)
     ended = ends(losses)
     assert ((ended >= 1) & (ended <= 2)).mean() >= 0.95, np.bincount(ended)
 
 
-@pytest.mark.parametrize(("cv", "within_two", "within_eight"), [(0.3, 0.95, 0.99), (0.5, 0.5, 0.85)])
-def test_a_flat_loss_with_autocorrelated_noise_ends_later(cv, within_two, within_eight):
-    # AR(1) rho 0.5 triples the slope's variance: the batch-means standard error sees it, so the phase is held
-    # longer rather than ended on a too-small error (at CV 0.5: 57 % within two looks, 88 % within eight)
-    ended = ends(stream(np.ones(FIRST + 7 * WINDOW), "ar1", cv, seed=3))  # eight looks
-    assert ((ended >= 1) & (ended <= 2)).mean() >= within_two, np.bincount(ended)
-    assert (ended > 0).mean() >= within_eight, np.bincount(ended)
-
-
 @pytest.mark.parametrize(("kind", "cv"), [("iid", 0.05), ("iid", 0.3), ("iid", 0.5), ("mixture", 0.3),
-                                          ("mixture", 0.5), ("ar1", 0.05), ("ar1", 0.3)])
+                                          ("mixture", 0.5), ("ar1", 0.05), ("ar1", 0.3), ("ar1", 0.5)])
 def test_a_falling_then_flat_loss_ends_after_its_decrease_falls_below_delta(cv, kind):
     amplitude, tau, steps = 1.0, 3000.0, FIRST + 7 * WINDOW
     t = np.arange(steps)
@@ -151,7 +144,7 @@ def test_the_vectorised_looks_decide_as_the_policy_does():
         AlphaPhase(name="a", alpha=4.0, min_gradient_stability=0.0), AlphaPhase(name="b", alpha=8.0)])
     seeds, steps = 12, FIRST + 5 * WINDOW
     t = np.arange(steps)
-    losses = (1 + 0.5 * np.exp(-t / 1500)) * noise("iid", 0.5, seeds, steps, np.random.default_rng(5))
+    losses = (1 + 0.5 * np.exp(-t / 4000)) * noise("iid", 0.5, seeds, steps, np.random.default_rng(5))
     expected = ends(losses)
     assert len(set(expected.tolist())) > 1  # the seeds differ, so the comparison means something
     log_every = 250

@@ -90,7 +90,7 @@ def _hit_rates(cv, kind, seed):
     for _ in range(CURVES):
         lrs, clean, (lo, hi) = _curve(rng, kind)
         losses, stopped = _record(rng, clean, cv)
-        ours = suggest(list(lrs[: len(losses)]), losses, beta=BETA, stopped_early=stopped)
+        ours = suggest(list(lrs[: len(losses)]), losses, beta=BETA, stopped_early=stopped, band=False)
         fa_valley, fa_steep = _fastai(lrs, losses)
         for name, lr in (("valley", ours.lrs["valley"]), ("steepest", ours.lrs["steepest"]),
                          ("fastai valley", fa_valley), ("fastai steep", fa_steep)):
@@ -134,69 +134,34 @@ def test_one_rung_jumping_31x_does_not_collapse_the_suggestions_to_the_start():
 
 @pytest.mark.parametrize("cv", [0.05, 0.3, 0.5])
 def test_a_curve_with_no_lr_dependence_gets_no_trusted_suggestion_in_99_percent_of_seeds(cv):
+    """At CV 0.5 noise alone reaches the 4x stop in ~15 % of flat sweeps; before the stop had to be a rise beyond
+    the noise (RISE_NOISE), 3 of 200 such sweeps got a trusted suggestion. Measured now: 0, 0 and 1 of 1000."""
     lrs = sweep_lrs(START, END, N)
     trusted = 0
     for seed in range(200):
         recorded, stopped = _record(np.random.default_rng(seed), np.ones(N), cv)
-        trusted += suggest(lrs[: len(recorded)], recorded, beta=BETA, stopped_early=stopped).trusted
-    # measured: 0, 0 and 3 of 200 (the three at CV 0.5: noise the stop rule read as a rise, trimmed to a "descent")
-    assert trusted <= (3 if cv == 0.5 else 2), f"{trusted} of 200 flat curves got a trusted suggestion"
+        cheap = suggest(lrs[: len(recorded)], recorded, beta=BETA, stopped_early=stopped, band=False)
+        # the band only refuses more: the full suggestion only where the cheap checks trust it
+        trusted += cheap.trusted and suggest(lrs[: len(recorded)], recorded, beta=BETA, stopped_early=stopped).trusted
+    assert trusted <= 2, f"{trusted} of 200 flat curves got a trusted suggestion"
 
 
-def _cliff(rng, depth=None):
-    """Flat, then a descent within less than 0.7 decade (a sigmoid in log10 LR, 10-90 % over 4.4 x its width),
-    a floor, then an abrupt divergence; the right answers: from 10 % of the descent done to the clean minimum."""
-    lrs = np.array(sweep_lrs(START, END, N))
-    x = np.log10(lrs)
-    base = rng.uniform(0.05, 1.0)
-    drop = (rng.uniform(0.2, 0.6) if depth is None else depth) * base
-    middle, width = rng.uniform(-5, -2.5), rng.uniform(0.02, 0.15)
-    clean = base - drop / (1 + np.exp(-(x - middle) / width))
-    onset = middle + rng.uniform(1.0, 2.0)
-    clean = np.where(x > onset, base * 31.0 * np.exp(np.clip(3 * (x - onset), 0, 50)), clean)
-    i_min = int(np.argmin(clean))
-    i_lo = int(np.argmax(clean <= base - 0.1 * drop))
-    return lrs, clean, (lrs[i_lo], lrs[i_min])
-
-
-@pytest.mark.parametrize("cv", [0.0, 0.05, 0.3])
-def test_the_valley_of_a_sharp_cliff_is_on_its_descent(cv):
-    """Issue 34: the forward-backward EMA spread a cliff over +-10 rungs and the valley landed on the flat part
-    before it in 77-79 % of seeds."""
-    rng = np.random.default_rng(int(100 * cv) + 11)
-    hits = 0
-    for _ in range(200):
-        lrs, clean, (lo, hi) = _cliff(rng)
-        losses, stopped = _record(rng, clean, cv)
-        s = suggest(list(lrs[: len(losses)]), losses, beta=BETA, stopped_early=stopped)
-        hits += s.lrs["valley"] is not None and lo * (1 - 1e-9) <= s.lrs["valley"] <= hi * (1 + 1e-9)
-    assert hits >= 180, f"valley on the descent in {hits} of 200"
-
-
-def test_a_real_20_percent_descent_at_cv_03_trusted_only_with_a_band_on_the_descent():
-    """Issue 34: 157 of 200 such sweeps were refused as "too flat"; the rest were trusted without a band. Now a
-    suggestion is trusted only when its bootstrap band is narrow, and then the band lies on the descent."""
-    rng = np.random.default_rng(3)
-    trusted = covered = 0
-    for _ in range(200):
-        lrs, clean, (lo, hi) = _cliff(rng, depth=0.2)
-        losses, stopped = _record(rng, clean, 0.3)
-        s = suggest(list(lrs[: len(losses)]), losses, beta=BETA, stopped_early=stopped)
-        trusted += s.trusted
-        covered += s.trusted and s.band[0] <= hi and s.band[1] >= lo
-    # measured: 7 trusted (before: 43 of 200 passed the flat check, with no band) -- a 20 % descent at CV 0.3
-    # measured once per LR is at the noise floor; every trusted band covers the descent
-    assert trusted >= 5 and covered == trusted, (trusted, covered)
-
-
-def test_a_minimum_at_the_end_of_a_sweep_that_never_diverged_is_not_trusted():
-    """Issue 34: with suggestion = "minimum" on a sweep that never diverged, then-train trained the quickstart at
-    LR 0.75 (config 2e-3): the warning was not one that invalidated."""
+def test_a_stop_on_a_rise_within_the_noise_questions_the_suggestion_and_a_real_divergence_does_not():
     lrs = sweep_lrs(START, END, N)
-    falling = [1.0 - 0.5 * math.tanh((k - 60) / 10) for k in range(N)]  # still falling at the last LR
-    s = suggest(lrs, falling, beta=BETA, default="minimum")
-    assert s.lr is not None and not s.trusted
-    assert any("never diverged" in w for w in s.invalid)
+    flat_stops = questioned = 0
+    for seed in range(200):  # CV 0.5, no LR dependence: ~15 % of the sweeps stop on noise alone
+        recorded, stopped = _record(np.random.default_rng(seed), np.ones(N), 0.5)
+        if stopped:
+            s = suggest(lrs[: len(recorded)], recorded, beta=BETA, stopped_early=True, band=False)
+            flat_stops += 1
+            questioned += any("rise within the noise" in w for w in s.invalid)
+    assert flat_stops >= 10 and questioned >= 0.85 * flat_stops, (questioned, flat_stops)
+    rng = np.random.default_rng(8)
+    for _ in range(50):  # a real x31 divergence at CV 0.3 is a rise far beyond the noise
+        lrs_k, clean, _ = _curve(rng, "abrupt")
+        recorded, stopped = _record(rng, clean, 0.3)
+        s = suggest(list(lrs_k[: len(recorded)]), recorded, beta=BETA, stopped_early=stopped, band=False)
+        assert stopped and not any("rise within the noise" in w for w in s.warnings), s.warnings
 
 
 def _result(expert, losses, stopped=False):

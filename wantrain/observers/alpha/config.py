@@ -10,14 +10,16 @@ from wantrain.core.errors import ConfigError
 
 ALPHA_PRESETS: dict[str, dict[str, float | int | None]] = {
     # Derived in docs/alpha_schedule.md ("Presets"): a LoRA's loss still falls ~0.5-1 % per 100 steps well into a
-    # run, and video's per-step CV is 0.3-0.5; a window of 2000 steps (the seed's foundation phase) gives the
-    # improvement rate a standard error of 100·CV·sqrt(12/2000^3) = 0.0019 per 100 steps at CV 0.5, so a plateau
-    # test against 0.75 % per 100 steps ends >= 95 % of flat phases within two looks and holds rises of 1 %.
+    # run, so delta = 0.005; video's per-step CV is 0.3-0.5 with AR(1)-like correlation between steps (rho ~0.5,
+    # which triples the slope's variance). A window of n steps gives the improvement rate a standard error of
+    # 100·CV·sqrt(12/n^3)·sqrt((1+rho)/(1-rho)): 0.0012 per 100 steps for n = 4000 at CV 0.5, rho 0.5, so a flat
+    # loss ends >= 95 % of phases within two looks (delta >= the smallest resolvable slope, 0.0043) and a 1 % rise
+    # is 8 se below zero. The image preset: the same at CV 0.15 needs 1800 steps.
     # R^2 and CV are logged but not checked unless a phase sets them (on noisy video losses R^2 is ~0.0004 whether
     # or not the loss still falls: the seed's own finding).
-    "video": {"window": 3000, "min_samples": 2250, "min_steps": 3000, "loss_improvement_rate_below": 0.005,
+    "video": {"window": 4000, "min_samples": 3000, "min_steps": 4000, "loss_improvement_rate_below": 0.005,
               "min_gradient_stability": 0.50, "min_loss_r2": None, "max_loss_cv": None},
-    "image": {"window": 1200, "min_samples": 900, "min_steps": 1200, "loss_improvement_rate_below": 0.005,
+    "image": {"window": 1800, "min_samples": 1350, "min_steps": 1800, "loss_improvement_rate_below": 0.005,
               "min_gradient_stability": 0.50, "min_loss_r2": None, "max_loss_cv": None},
 }
 """Defaults per ``preset`` for every key a phase or the schedule leaves unset (docs/alpha_schedule.md)."""

@@ -54,21 +54,29 @@ def _stats(event: Any) -> str:
     return " ".join(parts)
 
 
-def rate_standard_error(window: int, cv: float) -> float:
-    """The standard error of a window's improvement rate (per 100 steps) for independent per-step losses of
-    coefficient of variation ``cv``: 100·cv·sqrt(12/(n³ - n)), the least-squares slope's over its mean."""
-    return 100.0 * cv * math.sqrt(12.0 / (window ** 3 - window))
+AUTOCORRELATION = 0.5
+"""The lag-1 correlation of per-step video losses the presets and ``wantrain check`` assume (AR(1), ρ ≈ 0.5:
+shared data order, momentum; issue 34). It triples the variance of a window's slope."""
 
 
-def smallest_resolvable_rate(window: int, cv: float) -> float:
-    """The smallest δ (per 100 steps) at which a flat loss with per-step CV ``cv`` (independent steps) ends a
-    phase within its first two looks in 95 % of phases: the look j passes with probability
+def rate_standard_error(window: int, cv: float, rho: float = 0.0) -> float:
+    """The standard error of a window's improvement rate (per 100 steps) for per-step losses of coefficient of
+    variation ``cv`` with AR(1) correlation ``rho`` between consecutive steps: 100·cv·sqrt(12/(n³ - n)) (the
+    least-squares slope's over its mean, independent steps) times sqrt((1+ρ)/(1-ρ)) (the long-run variance of an
+    AR(1) series over its variance)."""
+    return 100.0 * cv * math.sqrt(12.0 / (window ** 3 - window)) * math.sqrt((1 + rho) / (1 - rho))
+
+
+def smallest_resolvable_rate(window: int, cv: float, rho: float = 0.0) -> float:
+    """The smallest δ (per 100 steps) at which a flat loss with per-step CV ``cv`` and AR(1) correlation ``rho``
+    ends a phase within its first two looks in 95 % of phases: the look j passes with probability
     ≈ Φ(δ/se - t_j) - RISE_LEVEL (t_j: the spent level's quantile, 18 degrees of freedom), and the two looks'
-    windows are disjoint. Found by bisection."""
+    windows are disjoint. Found by bisection. (Simulated, tests/observers/test_alpha_plateau.py: window 4000 at
+    CV 0.5, ρ 0.5 resolves 0.0043 by this formula; a flat loss ends within two looks in 98-99 % at δ 0.005.)"""
     from statistics import NormalDist
 
     phi = NormalDist().cdf
-    se = rate_standard_error(window, cv)
+    se = rate_standard_error(window, cv, rho)
     dof = BLOCKS - 2 if window >= BLOCKS else window - 2
     t1, t2 = (float(t_quantile(look_level(j), dof)) for j in (1, 2))
     lo, hi = 0.0, 100.0 * se
@@ -81,7 +89,8 @@ def smallest_resolvable_rate(window: int, cv: float) -> float:
 
 def resolution_lines(schedule: Any, experts: int, max_steps: int) -> list[str]:
     """What ``wantrain check`` prints for an enabled schedule: per phase δ, the first look (expert steps in the
-    phase) and the smallest slope its window resolves at per-step CV 0.3 and 0.5 (:func:`smallest_resolvable_rate`),
+    phase) and the smallest slope its window resolves at per-step CV 0.3 and 0.5 with AR(1) correlation
+    :data:`AUTOCORRELATION` between steps (:func:`smallest_resolvable_rate`),
     and whether a flat loss reaches the last phase within ``max_steps`` (each of ``experts`` experts trains
     ``max_steps / experts`` of them) -- each phase ending by its second look."""
     window = schedule.resolved("window")
@@ -97,12 +106,13 @@ def resolution_lines(schedule: Any, experts: int, max_steps: int) -> list[str]:
             break
         first = max(min_steps, window)
         delta = phase.criterion("loss_improvement_rate_below", schedule.preset)
-        smallest = " / ".join(f"{smallest_resolvable_rate(window, cv):.2g}" for cv in (0.3, 0.5))
-        verdict = "" if delta is None or delta >= smallest_resolvable_rate(window, 0.5) else \
+        resolvable = [smallest_resolvable_rate(window, cv, AUTOCORRELATION) for cv in (0.3, 0.5)]
+        smallest = " / ".join(f"{r:.2g}" for r in resolvable)
+        verdict = "" if delta is None or delta >= resolvable[1] else \
             " -- below the CV 0.5 resolution: on video noise this phase may not end"
         lines.append(f"  {phase.name}: delta {delta if delta is not None else '-'} per 100 steps, looks at expert "
                      f"steps {first}, {first + window}, ... in the phase; smallest resolvable slope {smallest} per 100 "
-                     f"steps at per-step CV 0.3 / 0.5{verdict}")
+                     f"steps at per-step CV 0.3 / 0.5 (AR(1) rho {AUTOCORRELATION:g}){verdict}")
         reach += first + window
     per_expert = max_steps // max(experts, 1)
     ok = "" if reach <= per_expert else " -- raise train.max_steps or lower min_steps/window to reach every phase"

@@ -103,16 +103,20 @@ def loss_statistics(window: DeviceWindow) -> dict[str, torch.Tensor]:
 
 
 def _fit(y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Least squares of the finite ``y`` on ``x`` over the last dim: (n, ȳ, Sxx, Sxy, Syy)."""
+    """Least squares of the finite ``y`` on ``x`` over the last dim: (n, ȳ, Sxx, Sxy, Syy), from the raw sums (the
+    sums against ``x`` as matrix products: a few passes over the window instead of a dozen)."""
     ok = torch.isfinite(y)
     w = ok.to(y.dtype)
     y0 = torch.where(ok, y, torch.zeros_like(y))
     n = w.sum(-1)
-    x_mean = (w * x).sum(-1) / n
-    y_mean = y0.sum(-1) / n
-    dx = w * (x - x_mean.unsqueeze(-1))
-    dy = w * (y0 - y_mean.unsqueeze(-1))
-    return n, y_mean, (dx * dx).sum(-1), (dx * dy).sum(-1), (dy * dy).sum(-1)
+    if x.dim() == 1:
+        sx, sxx, sxy = w @ x, w @ (x * x), y0 @ x
+    else:  # one x per row (the blocks' mean positions)
+        sx, sxx, sxy = (w * x).sum(-1), (w * x * x).sum(-1), (y0 * x).sum(-1)
+    sy, syy = y0.sum(-1), (y0 * y0).sum(-1)
+    x_mean, y_mean = sx / n, sy / n
+    return (n, y_mean, torch.clamp(sxx - sx * x_mean, min=0.0), sxy - sx * y_mean,
+            torch.clamp(syy - sy * y_mean, min=0.0))
 
 
 def series_statistics(y: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -25,7 +25,8 @@ so everything here can be tested on synthetic curves and replayed from an event 
   above it, read on :func:`causal_median`), ``steepest`` (most negative slope against log10(LR)), ``minimum`` (LR of
   the lowest point / 10); a 90 % band for the default suggestion (:func:`bootstrap_band`: the curve's multiplicative
   residuals resampled :data:`BOOTSTRAP` times, a fixed seed so replay reproduces it); warnings, every one of which
-  questions the suggestion (so ``trusted`` needs none): too few points, the minimum at the start, the minimum at the
+  questions the suggestion (so ``trusted`` needs none): too few points, a divergence stop on a rise within
+  :data:`RISE_NOISE` noise standard deviations (:func:`stop_rise`), the minimum at the start, the minimum at the
   end of a sweep that never diverged, a descent no larger than the noise or 2 % of the loss, and a band wider than
   :data:`BAND_FACTOR`.
 """
@@ -33,6 +34,7 @@ so everything here can be tested on synthetic curves and replayed from an event 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 import attrs
@@ -66,6 +68,11 @@ BOOTSTRAP = 200
 BOOTSTRAP_SEED = 0
 BAND_FACTOR = 3.0
 BAND_LEVEL = 0.9
+# A divergence stop counts for the suggestion only when the rise it stopped on (log of the stop level over the lowest
+# level) exceeds this many standard deviations of the per-rung noise of the log losses: a flat curve's levels
+# (medians of 5) scatter by ~0.54 of that each, so a rise of 4 is ~5 of their standard deviations above a
+# fluctuation; noise at CV 0.5 alone reaches the 4x stop factor in ~15 % of flat sweeps, at ~3 (issue 34).
+RISE_NOISE = 4.0
 
 
 def sweep_lrs(start: float, end: float, n: int, mode: str = "exp") -> list[float]:
@@ -111,31 +118,52 @@ def centred(values: Sequence[float], beta: float) -> list[float]:
     return ema(ema(values, beta)[::-1], beta)[::-1]
 
 
+def _middle(windows: np.ndarray) -> np.ndarray:
+    """The median over the last axis of an odd-length window (a sort: faster than ``np.median`` on short rows)."""
+    return np.sort(windows, axis=-1)[..., windows.shape[-1] // 2]
+
+
 def running_median(values: Sequence[float] | np.ndarray, width: int = MEDIAN_WIDTH) -> np.ndarray:
-    """The centred running median of ``values`` over their last axis (rows independent), ``width`` rungs, the ends
-    padded with the first and last values (a monotone stretch stays exactly as it is)."""
+    """The centred running median of ``values`` over their last axis (rows independent), ``width`` rungs (odd), the
+    ends padded with the first and last values (a monotone stretch stays exactly as it is)."""
     y = np.asarray(values, dtype=float)
     half = width // 2
     if y.shape[-1] == 0 or half == 0:
         return y.copy()
     pad = [(0, 0)] * (y.ndim - 1) + [(half, half)]
     padded = np.pad(y, pad, mode="edge")
-    return np.median(np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1), axis=-1)
+    return _middle(np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1, axis=-1))
 
 
 def causal_median(values: Sequence[float] | np.ndarray, width: int = MEDIAN_WIDTH) -> np.ndarray:
     """The running median of each rung and the ``width - 1`` before it (the past only; the start padded with the
-    first value), over the last axis. It lags a descent by about ``width // 2`` rungs and never runs ahead of one."""
+    first value; ``width`` odd), over the last axis. It lags a descent by about ``width // 2`` rungs and never runs
+    ahead of one."""
     y = np.asarray(values, dtype=float)
     if y.shape[-1] == 0 or width <= 1:
         return y.copy()
     padded = np.pad(y, [(0, 0)] * (y.ndim - 1) + [(width - 1, 0)], mode="edge")
-    return np.median(np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1), axis=-1)
+    return _middle(np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1))
 
 
 def level(raw: Sequence[float]) -> float:
-    """The sweep's current level for the stop rule: the median of the last :data:`SUSTAIN` raw losses."""
-    return float(np.median(np.asarray(raw[-SUSTAIN:], dtype=float)))
+    """The sweep's current level for the stop rule: the median of the last :data:`SUSTAIN` raw losses (NaN when
+    one of them is not finite)."""
+    last = [float(v) for v in raw[-SUSTAIN:]]
+    if not all(math.isfinite(v) for v in last):
+        return math.nan
+    return statistics.median(last)
+
+
+def levels(raw: Sequence[float]) -> np.ndarray:
+    """:func:`level` after each rung of ``raw`` (all finite), at once."""
+    y = np.asarray(raw, dtype=float)
+    out = np.empty(len(y))
+    for k in range(min(SUSTAIN - 1, len(y))):  # the first rungs: fewer than SUSTAIN values
+        out[k] = float(np.median(y[: k + 1]))
+    if len(y) >= SUSTAIN:
+        out[SUSTAIN - 1:] = _middle(np.lib.stride_tricks.sliding_window_view(y, SUSTAIN))
+    return out
 
 
 def diverged(raw: float, current: float, best: float, rung: int, *, factor: float, burn_in: int) -> str | None:
@@ -223,6 +251,23 @@ def bootstrap_band(clipped: Sequence[float], curve: Sequence[float], log_x: Sequ
     return int(lo), int(hi)
 
 
+def log_noise(raw: Sequence[float]) -> float:
+    """The per-rung noise of ``log(raw)`` (positive, finite values): a robust standard deviation from successive
+    differences, 1.4826·median|Δ log y|/√2 -- a trend or a cliff moves a few differences only, not their median
+    (NaN with fewer than 3 values or a value <= 0)."""
+    y = np.asarray(raw, dtype=float)
+    if len(y) < 3 or not (y > 0).all():
+        return math.nan
+    return float(1.4826 * np.median(np.abs(np.diff(np.log(y)))) / math.sqrt(2))
+
+
+def stop_rise(losses: Sequence[float], used: int) -> tuple[float, float]:
+    """(the rise the stop rule stopped on: log of the last :func:`level` over the lowest one, the per-rung noise of
+    the log losses of the first ``used`` rungs) of a sweep whose last rung is finite."""
+    lv = levels(losses)
+    return float(math.log(lv[-1] / lv.min())), log_noise(losses[:used])
+
+
 def suggestion_curve(losses: Sequence[float], *, beta: float, stopped_early: bool) -> tuple[list[int], list[float],
                                                                                             list[float]]:
     """(indices of the rungs used, their clipped raw losses, the running median over them); see the module
@@ -235,19 +280,18 @@ def suggestion_curve(losses: Sequence[float], *, beta: float, stopped_early: boo
     if stopped_early:  # the stop rung and the ones before it, keeping MIN_POINTS of a short sweep
         keep = len(losses) - min(TRIM_END, max(len(losses) - MIN_POINTS, 1))
         used = [i for i in used if i < keep]
-    best, clipped, seen = math.inf, [], []
-    for i in used:
-        seen.append(losses[i])
-        best = min(best, level(seen))
-        clipped.append(min(losses[i], CLIP_FACTOR * best))
+    raw = np.asarray([losses[i] for i in used], dtype=float)
+    best = np.minimum.accumulate(levels(raw)) if len(raw) else raw
+    clipped = [float(v) for v in np.minimum(raw, CLIP_FACTOR * best)]
     return used, clipped, [float(v) for v in running_median(clipped)]
 
 
 def suggest(lrs: Sequence[float], losses: Sequence[float], *, beta: float, default: str = "valley",
-            stopped_early: bool = False) -> Suggestion:
+            stopped_early: bool = False, band: bool = True) -> Suggestion:
     """Suggestions from the rungs' raw ``losses`` at ``lrs`` (a diverged sweep's last, non-finite rung may be
     included). ``stopped_early``: the divergence rule ended the sweep (its tail is trimmed, and a minimum at the last
-    rung is not "the end LR is too low")."""
+    rung is not "the end LR is too low"). ``band=False`` leaves out the bootstrap band and its check (the costly
+    part: a suggestion trusted without it may still be refused by it; one not trusted without it never is)."""
     if len(lrs) != len(losses):
         raise ValueError(f"{len(lrs)} learning rates but {len(losses)} losses")
     methods = ("valley", "steepest", "minimum")
@@ -269,10 +313,19 @@ def suggest(lrs: Sequence[float], losses: Sequence[float], *, beta: float, defau
     noise = float(np.std(np.asarray(clipped) - np.asarray(curve)))
     top = max(curve[skip: i_min + 1])
     drop = top - curve[i_min]
-    b_lo, b_hi = bootstrap_band(clipped, curve, log_x, skip, default)
-    scale = 0.1 if default == "minimum" else 1.0
-    band = (x[b_lo] * scale, x[b_hi] * scale)
+    interval = None
+    if band:
+        b_lo, b_hi = bootstrap_band(clipped, curve, log_x, skip, default)
+        scale = 0.1 if default == "minimum" else 1.0
+        interval = (x[b_lo] * scale, x[b_hi] * scale)
     warnings = []
+    if stopped_early and math.isfinite(losses[-1]) and all(v > 0 for v in losses):
+        rise, sigma = stop_rise(losses, len(used))
+        if not rise > RISE_NOISE * sigma:
+            warnings.append(f"the sweep stopped on a rise within the noise: its level rose {math.exp(rise):.3g}x, "
+                            f"{rise / sigma:.2g} standard deviations of the log losses' noise per LR (a "
+                            f"divergence needs {RISE_NOISE:g}); the curve may never have diverged: use lr_finder.noise"
+                            " = 'probe' or more lr_finder.steps_per_lr")
     if i_min <= skip:
         warnings.append(f"the lowest loss is at the start of the sweep (LR {x[i_min]:.3g}): the curve never "
                         "descends; lower lr_finder.start_lr")
@@ -283,13 +336,14 @@ def suggest(lrs: Sequence[float], losses: Sequence[float], *, beta: float, defau
         warnings.append(f"the curve is too flat to trust: the smoothed loss falls by {drop:.3g} "
                         f"({100 * drop / abs(top):.2g} %) before its minimum, against a noise of {noise:.3g} per LR; "
                         "use lr_finder.noise = 'probe', more lr_finder.steps_per_lr, or a wider range")
-    if band[1] > BAND_FACTOR * band[0]:
-        warnings.append(f"the suggestion is uncertain: its {BAND_LEVEL:.0%} band {band[0]:.3g}-{band[1]:.3g} is "
-                        f"{band[1] / band[0]:.3g}x wide (more than {BAND_FACTOR:g}x); use lr_finder.noise = 'probe' "
+    if interval is not None and interval[1] > BAND_FACTOR * interval[0]:
+        lo, hi = interval
+        warnings.append(f"the suggestion is uncertain: its {BAND_LEVEL:.0%} band {lo:.3g}-{hi:.3g} is "
+                        f"{hi / lo:.3g}x wide (more than {BAND_FACTOR:g}x); use lr_finder.noise = 'probe' "
                         "or more lr_finder.steps_per_lr")
     invalid = list(warnings)  # every warning questions the suggestion
     by_rung: list[float | None] = [None] * len(losses)
     for i, value in zip(used, curve, strict=True):
         by_rung[i] = value
     return Suggestion(out, default, tuple(warnings), indices, invalid=tuple(invalid), curve=tuple(by_rung),
-                      noise=noise, descent=drop, band=band)
+                      noise=noise, descent=drop, band=interval)
