@@ -183,8 +183,13 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                              offload_activations=chosen.settings.offload_activations,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
     model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto")
+    lines = chosen.lines()
+    if cfg.model.vram_budget_gb is not None:  # the budget is the usable memory the card figure is held against
+        budget = cfg.model.vram_budget_gb
+        lines.append(f"  {'usable memory':<28} {budget:7.2f} GiB (model.vram_budget_gb; "
+                     f"{budget - chosen.device_gib:.2f} GiB of it to spare)")
     data.report.memory_plan = {"budget_gib": cfg.model.vram_budget_gb, "bucket": f"{b.width}x{b.height}x{b.frames}",
-                               "lines": chosen.lines(), **chosen.to_json()}
+                               "lines": lines, **chosen.to_json()}
     data.report.host_memory = host
     return model
 
