@@ -261,8 +261,10 @@ def _trains_on_cuda(cfg: Any, model: Any) -> bool:
 
 def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict) -> Any:
     """The run's host memory, part by part (``memory.host_estimate``): the encoders are counted as loaded (they
-    are not when every clip and caption is cached already); the pin budget is half of ``model.host_ram_budget_gb``
-    (else of the machine's memory), as the placement takes it."""
+    are not when every clip and caption is cached already and [sample] is off), in the order the run loads them:
+    in one process before the experts (``app.assemble.encode_before_the_experts``), under torchrun after them; the
+    pin budget is half of ``model.host_ram_budget_gb`` (else of the machine's memory), as the placement takes it."""
+    from wantrain.core.distributed import detect_topology
     from wantrain.models.wan22.memory import host_estimate
     from wantrain.models.wan22.placement import pin_budget
 
@@ -271,6 +273,7 @@ def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict) -> Any:
     return host_estimate(model.variant, settings, experts=model.trained_experts, cuda=_trains_on_cuda(cfg, model),
                          sampling_only=other, pin=model.pin_host_copies,
                          pin_budget=pin_budget(model.host_ram_budget_gb),
+                         encoders_first=not detect_topology().distributed,
                          **{k: v for k, v in size.items() if k != "sample"})
 
 

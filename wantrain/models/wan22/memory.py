@@ -501,16 +501,24 @@ def encoder_bytes(variant: str, compute_dtype: str) -> tuple[float, float]:
     return float(sum(unique.values()) * per), float(sum(p.numel() * 4 for p in vae.parameters()))
 
 
+# The part every phase holds, the first one (the encoders, before the experts load) only this one.
+RUNTIME_PART = "runtime (Python, torch, CUDA; assumed)"
+
+
 @attrs.frozen
 class HostEstimate:
-    """Host memory of a run: ``parts`` held for the whole run, ``phases`` what each phase adds on top (bytes)."""
+    """Host memory of a run: ``parts`` held for the whole run, ``phases`` what each phase adds on top (bytes), in
+    the order the run goes through them; the phases in ``before_experts`` come before any expert loads and hold,
+    of the parts, the runtime only."""
 
     parts: dict[str, float]
     phases: dict[str, dict[str, float]]
     pinned: str  # how the copies are pinned (for the lines)
+    before_experts: tuple[str, ...] = ()
 
     def phase_total(self, phase: str) -> float:
-        return sum(self.parts.values()) + sum(self.phases[phase].values())
+        held = self.parts.get(RUNTIME_PART, 0.0) if phase in self.before_experts else sum(self.parts.values())
+        return held + sum(self.phases[phase].values())
 
     @property
     def peak(self) -> float:
@@ -534,18 +542,30 @@ class HostEstimate:
             out.append(f"  {'total ' + phase:<44} {self.phase_total(phase) / GIB:7.2f} GiB")
         out.append(f"  peak {self.peak / GIB:.2f} GiB ({self.peak_phase}); largest part: {self.dominant}; "
                    f"{self.pinned}")
+        out.append(f"  order: {self.order}")
         return out
+
+    @property
+    def order(self) -> str:
+        """The phases as the run goes through them, in words."""
+        if "while the cache fills" not in self.phases:
+            return "the experts load (the cache is filled already: no encoder loads), then training"
+        if "while the cache fills" in self.before_experts:
+            return ("the cache fills with the encoders alone (released after), then the experts load, then "
+                    "training")
+        return "the experts load, then the cache fills beside them (torchrun: rank 0 first), then training"
 
     def to_json(self) -> dict[str, Any]:
         return {"parts_gib": {k: v / GIB for k, v in self.parts.items()},
                 "phases_gib": {p: {k: v / GIB for k, v in e.items()} for p, e in self.phases.items()},
-                "peak_gib": self.peak / GIB, "peak_phase": self.peak_phase, "dominant": self.dominant}
+                "peak_gib": self.peak / GIB, "peak_phase": self.peak_phase, "dominant": self.dominant,
+                "before_experts": list(self.before_experts), "order": self.order}
 
 
 def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str | None, ...], rank: int,
                   width: int, height: int, frames: int, batch: int = 1, cuda: bool = True,
                   pin_budget: float | None = None, encoders: bool = True, pin: bool = True,
-                  sampling_only: tuple[str, ...] = ()) -> HostEstimate:
+                  sampling_only: tuple[str, ...] = (), encoders_first: bool = True) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -564,6 +584,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     * while loading: one file window and one tensor in flight; while the cache fills (``encoders``): UMT5 in the
       compute dtype and the VAE in float32, loaded on the host before they move to the device (a
       ``model.text_encoder_file`` streams into the compute dtype: the same once).
+
+    Phases in the run's order: with ``encoders_first`` (one process, ``app.assemble.encode_before_the_experts``)
+    the cache fills first, with the encoders and the runtime alone, and the encoders are released before the
+    experts load; without it (torchrun) the cache fills after the experts loaded, beside all of the parts.
     """
     from wantrain.models.wan22.variants import VARIANTS
 
@@ -597,12 +621,18 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         parts["waiting expert's LoRA + grads + AdamW"] = (len(experts) - 1) * lora_params(variant, rank) * \
             LORA_BYTES_PER_PARAM
     parts["one batch from the cache"] = _batch_bytes(spec, width, height, frames, batch)
-    parts["runtime (Python, torch, CUDA; assumed)"] = RUNTIME_ALLOWANCE
+    parts[RUNTIME_PART] = RUNTIME_ALLOWANCE
     largest = max([*rest, *(s for block in blocks for s in block)], default=0)
-    phases = {"while loading": {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}}
+    phases: dict[str, dict[str, float]] = {}
+    filling: dict[str, float] = {}
     if encoders:
         text, vae = encoder_bytes(variant, "fp32" if settings.base_dtype == "fp32" else "bf16")
-        phases["while the cache fills"] = {"text encoder (UMT5)": text, "VAE (float32)": vae}
+        filling = {"text encoder (UMT5)": text, "VAE (float32)": vae}
+    if filling and encoders_first:
+        phases["while the cache fills"] = filling
+    phases["while loading"] = {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}
+    if filling and not encoders_first:
+        phases["while the cache fills"] = filling
     training: dict[str, float] = {}
     if settings.offload_activations:
         offloaded = offload_host_tensors(variant, width=width, height=height, frames=frames, batch=batch)
@@ -621,7 +651,7 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         pinned = "swap copies pinned; waiting copies pageable (over half the host's memory)"
     else:
         pinned = "waiting copies pageable (over half the host's memory)" if placed else "nothing pinned"
-    return HostEstimate(parts, phases, pinned)
+    return HostEstimate(parts, phases, pinned, ("while the cache fills",) if filling and encoders_first else ())
 
 
 def _batch_bytes(spec: Any, width: int, height: int, frames: int, batch: int) -> float:
