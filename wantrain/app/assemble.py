@@ -64,7 +64,9 @@ from wantrain.data.cache import CacheStats
 from wantrain.data.fingerprints import DataChanged, file_fingerprints, name_some
 from wantrain.data.fingerprints import compare as compare_data
 from wantrain.data.training import TrainingData
-from wantrain.models.wan22 import build_adapter, build_encoders
+from wantrain.models.wan22 import build_adapter, build_encoders, check_model_files
+from wantrain.models.wan22.adapter import FP8_DEVICE_TYPES
+from wantrain.models.wan22.config import FP8_DTYPES
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
 from wantrain.observers.evaluation.samples import build_sample_observer
@@ -136,15 +138,21 @@ class EncodedFirst:
     prompts: dict[str, torch.Tensor]  # [sample]'s prompts and negative prompts: text embeddings on the CPU, by text
 
 
-def encode_before_the_experts(cfg: Any, model: Any, data: Any, validation_data: Any,
-                              device: torch.device) -> EncodedFirst:
+def encode_before_the_experts(cfg: Any, model: Any, data: Any, validation_data: Any, device: torch.device,
+                              extra_observers: Sequence[type] = ()) -> EncodedFirst:
     """Fill the cache of the training and the [validation] clips and encode [sample]'s prompts with the VAE and the
     text encoder alone (``build_encoders``: no transformer; ``model`` is the planned ``[model]`` section, whose
     dtype the text embeddings are keyed on), then release them (``release_encoders``: dropped and collected, no
     reference kept): what the host holds while the cache fills is the encoders alone, never the experts' copies
     too (docs/models.md, Host memory). Nothing loads when every entry is cached and [sample] is off. A signal
-    meanwhile raises :class:`RunInterrupted` (``wantrain.app.signals``); the global RNG is left as it was found."""
+    meanwhile raises :class:`RunInterrupted` (``wantrain.app.signals``); the global RNG is left as it was found.
+    ``extra_observers`` lacking a capability of the adapter are refused first (the encoders-only adapter is of the
+    same class), before any cache entry is written, as are model files that ``build_adapter`` would refuse
+    (``check_model_files``: the checks it makes before loading anything)."""
+    check_model_files(model, sampling=cfg.sample.enabled)
     encoders = build_encoders(model, cfg.lora, seed=cfg.run.seed, device=device)
+    for observer_class in extra_observers:
+        check_needs(observer_class.__name__, encoders, needs=getattr(observer_class, "needs", ()))
     try:
         with torch.random.fork_rng(devices=[]), stop_on_signals([]):
             stats = ensure_cache(data, encoders, remove_orphans=False)
@@ -477,9 +485,12 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         data_changes = _check_data(point, data, allow_data_changes)
     torch.manual_seed(cfg.run.seed)
     model_cfg = plan_memory(cfg, data)  # a budget nothing fits is refused here, before the adapter loads
-    # One process: the encoders first, released before the experts load (torchrun: in execute(), rank 0 first)
-    encoded = None if topology.distributed else encode_before_the_experts(cfg, model_cfg, data, validation_data,
-                                                                          device)
+    # One process: the encoders first, released before the experts load (torchrun: in execute(), rank 0 first).
+    # A model the adapter will not build on this device (fp8 on a CPU) is refused by build_adapter first, before
+    # any cache entry is written.
+    refused = model_cfg.base_dtype in FP8_DTYPES and device.type not in FP8_DEVICE_TYPES
+    encoded = None if topology.distributed or refused else encode_before_the_experts(
+        cfg, model_cfg, data, validation_data, device, extra_observers)
     adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
     for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
