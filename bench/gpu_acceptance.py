@@ -290,7 +290,8 @@ def section_f(device: str, smoke: bool) -> dict:
                bf16_s_per_step=base["s_per_step"])
     if "peak_vram_gib" in planned:
         out.update(peak_allocated_gib=planned["peak_vram_gib"], peak_reserved_gib=planned["peak_vram_reserved_gib"],
-                   planner_error_pct=round(100 * (chosen.allocated / 2**30 / planned["peak_vram_gib"] - 1), 1))
+                   # the planner's training peak: the tensors and attention's float32 backward buffer (memory.py)
+                   planner_error_pct=round(100 * (chosen.training_peak / 2**30 / planned["peak_vram_gib"] - 1), 1))
     return out
 
 

@@ -163,14 +163,15 @@ def link_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def planned_gib(setting: dict, shape: tuple[int, int, int], rank: int, tiny: bool) -> float:
-    """The planner's allocated peak (GiB) of the setting (``wantrain check`` prints it part by part)."""
+    """The planner's allocated peak (GiB) of the setting, attention's backward buffer included (what
+    ``max_memory_allocated`` sees on CUDA; ``wantrain check`` prints it part by part)."""
     from wantrain.models.wan22.memory import GIB, MemorySettings, estimate
 
     height, width, frames = shape
     dtype = "fp32" if tiny else ("fp8" if setting["fp8"] else "bf16")
     est = estimate("tiny-t2v" if tiny else "t2v-a14b", MemorySettings(dtype, setting["swap"], setting["offload"]),
                    width=width, height=height, frames=frames, rank=rank)
-    return est.allocated / GIB
+    return est.training_peak / GIB
 
 
 def model_flops(counts: dict) -> tuple[float, float]:

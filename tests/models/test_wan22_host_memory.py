@@ -99,7 +99,7 @@ def test_a_both_experts_fp8_a14b_run_with_swap_fits_64_gb_of_host_memory():
                         rank=32, width=832, height=480, frames=81, cuda=True, pin_budget=32 * GIB)
     copies = [v for k, v in est.parts.items() if "host copy (fp8)" in k]
     assert len(copies) == 2 and all(13.0 < c / GIB < 14.0 for c in copies)  # 14.3e9 params, block Linears in fp8
-    assert est.peak_phase == "while the cache fills" and est.peak <= 64e9
+    assert est.peak_phase == "while loading" and est.peak <= 64e9  # the encoders were released before the experts
     # the pinned copies are carved from power-of-two slabs: their unused ends, not +53 % of per-tensor rounding
     assert 0 < est.parts["pinned slabs' unused ends"] / sum(copies) < 0.03
     assert pinned.pow2_ceil(5120 * 13824) == 128 * 2**20 and pinned.pow2_ceil(2**20) == 2**20
@@ -139,3 +139,25 @@ def test_sampling_with_one_trained_a14b_expert_counts_the_other_experts_host_cop
     copies = [k for k in sampling.parts if "host copy" in k]
     assert copies == ["low-noise expert host copy (fp8)", "high-noise expert host copy (fp8, sampling only)"]
     assert "waiting expert's LoRA + grads + AdamW" not in sampling.parts  # a frozen expert has no LoRA state
+
+
+def test_the_cache_phase_holds_the_encoders_alone_when_they_are_released_before_the_experts_load():
+    """One process fills the cache before the experts load (tests/test_encoders_before_experts.py): that phase holds
+    the runtime and the encoders only; torchrun fills it after them, on top of every part (the old order)."""
+    from wantrain.models.wan22.memory import RUNTIME_PART, encoder_bytes
+
+    size = dict(experts=("high_noise", "low_noise"), rank=32, width=832, height=480, frames=81, cuda=True,
+                pin_budget=32 * GIB)
+    first = host_estimate("t2v-a14b", MemorySettings("fp8", 20, False), **size)
+    after = host_estimate("t2v-a14b", MemorySettings("fp8", 20, False), encoders_first=False, **size)
+    text, vae = encoder_bytes("t2v-a14b", "bf16")
+    assert list(first.phases) == ["while the cache fills", "while loading", "while training"]
+    assert first.phase_total("while the cache fills") == first.parts[RUNTIME_PART] + text + vae
+    assert list(after.phases) == ["while loading", "while the cache fills", "while training"]
+    assert after.phase_total("while the cache fills") == sum(after.parts.values()) + text + vae
+    assert first.peak < after.peak and after.peak_phase == "while the cache fills"
+    assert first.lines()[-1] == ("  order: the cache fills with the encoders alone (released after), then the experts "
+                                 "load, then training")
+    assert after.lines()[-1].startswith("  order: the experts load, then the cache fills beside them")
+    none = host_estimate("t2v-a14b", MemorySettings("fp8", 20, False), encoders=False, **size)
+    assert "while the cache fills" not in none.phases and "no encoder loads" in none.order

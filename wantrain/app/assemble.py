@@ -6,9 +6,13 @@ assembly has no mode branch: a mode changes it only through :class:`RunOptions`,
 Two phases, so that bad input never leaves anything behind:
 
 * :func:`prepare` validates everything that can refuse the config (data folders, the model, observers, the LR
-  schedule, the checkpoint to resume from and its compatibility) and writes nothing.
-* :meth:`PreparedRun.execute` creates (or, on resume, reuses) the run directory, fills the cache, builds the
-  optimizer, scheduler, observers and trainer, restores the checkpoint, and trains.
+  schedule, the checkpoint to resume from and its compatibility) and writes nothing in a run directory. In one
+  process it fills the data cache (the shared one, outside the run directory) and encodes the sample prompts with
+  the VAE and text encoder alone, and releases them, before it loads the experts
+  (:func:`encode_before_the_experts`): the host never holds the encoders and the experts' copies at once.
+* :meth:`PreparedRun.execute` creates (or, on resume, reuses) the run directory, fills the cache (torchrun: rank 0
+  first, after the experts loaded), builds the optimizer, scheduler, observers and trainer, restores the
+  checkpoint, and trains.
 
 Exit codes (:data:`EXIT_CODES`): 0 completed, 1 failed, 2 bad input, 3 stopped (a signal or an observer's request;
 a checkpoint was written and ``--resume auto`` continues), 130 aborted by a second Ctrl-C.
@@ -56,10 +60,13 @@ from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refus
 from wantrain.core.state import TrainState
 from wantrain.core.state_check import check_state_tree
 from wantrain.data import build_dataset, ensure_cache
+from wantrain.data.cache import CacheStats
 from wantrain.data.fingerprints import DataChanged, file_fingerprints, name_some
 from wantrain.data.fingerprints import compare as compare_data
 from wantrain.data.training import TrainingData
-from wantrain.models.wan22 import build_adapter
+from wantrain.models.wan22 import build_adapter, build_encoders, check_model_files
+from wantrain.models.wan22.adapter import FP8_DEVICE_TYPES
+from wantrain.models.wan22.config import FP8_DTYPES
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
 from wantrain.observers.evaluation.samples import build_sample_observer
@@ -122,6 +129,45 @@ class RunOptions:
     before_run: Callable[[Any], None] | None = None  # called with the trainer right before its first step
 
 
+@attrs.frozen
+class EncodedFirst:
+    """What the encoders made before the experts loaded (:func:`encode_before_the_experts`)."""
+
+    stats: CacheStats  # the training cache
+    validation_stats: CacheStats | None  # the [validation] clips' ([validation] off: None)
+    prompts: dict[str, torch.Tensor]  # [sample]'s prompts and negative prompts: text embeddings on the CPU, by text
+
+
+def encode_before_the_experts(cfg: Any, model: Any, data: Any, validation_data: Any, device: torch.device,
+                              extra_observers: Sequence[type] = ()) -> EncodedFirst:
+    """Fill the cache of the training and the [validation] clips and encode [sample]'s prompts with the VAE and the
+    text encoder alone (``build_encoders``: no transformer; ``model`` is the planned ``[model]`` section, whose
+    dtype the text embeddings are keyed on), then release them (``release_encoders``: dropped and collected, no
+    reference kept): what the host holds while the cache fills is the encoders alone, never the experts' copies
+    too (docs/models.md, Host memory). Nothing loads when every entry is cached and [sample] is off. A signal
+    meanwhile raises :class:`RunInterrupted` (``wantrain.app.signals``); the global RNG is left as it was found.
+    ``extra_observers`` lacking a capability of the adapter are refused first (the encoders-only adapter is of the
+    same class), before any cache entry is written, as are model files that ``build_adapter`` would refuse
+    (``check_model_files``: the checks it makes before loading anything)."""
+    check_model_files(model, sampling=cfg.sample.enabled)
+    encoders = build_encoders(model, cfg.lora, seed=cfg.run.seed, device=device)
+    for observer_class in extra_observers:
+        check_needs(observer_class.__name__, encoders, needs=getattr(observer_class, "needs", ()))
+    try:
+        with torch.random.fork_rng(devices=[]), stop_on_signals([]):
+            stats = ensure_cache(data, encoders, remove_orphans=False)
+            validation = (ensure_cache(validation_data, encoders, remove_orphans=False)
+                          if validation_data is not None else None)
+            prompts: dict[str, torch.Tensor] = {}
+            for p in cfg.sample.resolved(variant_spec(cfg.model.variant)) if cfg.sample.enabled else ():
+                for text in (p.prompt, p.negative_prompt if p.guided else None):
+                    if text is not None and text not in prompts:
+                        prompts[text] = encoders.encode_text([text])["text_embeds"].cpu()
+    finally:
+        encoders.release_encoders()
+    return EncodedFirst(stats, validation, prompts)
+
+
 @attrs.define
 class PreparedRun:
     """A validated run, nothing written yet. :meth:`execute` trains."""
@@ -138,6 +184,7 @@ class PreparedRun:
     sync: Any = attrs.field(factory=SingleProcess)  # core.distributed: SingleProcess, or ProcessGroupSync (torchrun)
     data_changes: tuple[str, ...] = ()  # media changed since the resumed checkpoint (--allow-data-changes)
     lock: RunDirLock | None = None  # the run directory's lock (a resume takes it in prepare(), a fresh run in execute)
+    encoded: EncodedFirst | None = None  # one process: the cache filled before the experts loaded (prepare())
 
     def execute(self, options: RunOptions = RunOptions()) -> RunOutcome:
         """Train (see the module docstring) as ``options`` say. The run directory is locked (``core.rundir``)
@@ -229,12 +276,13 @@ class PreparedRun:
         train_cfg = options.loop if options.loop is not None else cfg.train
         model = options.model_view(adapter) if options.model_view is not None else adapter
         # Encode what the cache lacks before the first step, then free the VAE and the text encoder: training reads
-        # latents and embeddings from the cache only (nothing is loaded when everything is cached already).
-        # Under torchrun rank 0 fills the cache first; the others then find every entry in it. They wait on a
-        # barrier without the collective timeout: encoding a large uncached dataset can take hours.
+        # latents and embeddings from the cache only (nothing is loaded when everything is cached already). One
+        # process did so in prepare(), before the experts loaded (self.encoded). Under torchrun rank 0 fills the
+        # cache here first; the others then find every entry in it. They wait on a barrier without the collective
+        # timeout: encoding a large uncached dataset can take hours.
         if not main:
             sync.wait_for_rank0()
-        stats = ensure_cache(data, adapter, remove_orphans=False)
+        stats = self.encoded.stats if self.encoded is not None else ensure_cache(data, adapter, remove_orphans=False)
         # caches the validation clips and encodes the sample prompts while the encoders are loaded
         watchers = self._validation_observers(run_dir) if options.evaluation else []
         if main:
@@ -293,8 +341,10 @@ class PreparedRun:
     def _validation_observers(self, run_dir: Path) -> list[Any]:
         """The [validation] and [sample] observers, built while the encoders are still loaded."""
         cfg, adapter, out = self.cfg, self.adapter, []
+        encoded = self.encoded
         if self.validation_data is not None:
-            stats = ensure_cache(self.validation_data, adapter, remove_orphans=False)
+            stats = (encoded.validation_stats if encoded is not None and encoded.validation_stats is not None
+                     else ensure_cache(self.validation_data, adapter, remove_orphans=False))
             log.info("validation_cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded)
             v = cfg.validation
             topology = self.sync.topology  # under torchrun each rank evaluates every world_size-th clip
@@ -305,7 +355,8 @@ class PreparedRun:
                                   clips_total=len(batches)))
         if cfg.sample.enabled:
             out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir, sync=self.sync,
-                                             clips=self._first_frame_sources()))
+                                             clips=self._first_frame_sources(),
+                                             prompt_embeds=encoded.prompts if encoded is not None else None))
         return out
 
     def _first_frame_sources(self) -> list[tuple[Any, int, str]]:
@@ -434,6 +485,12 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         data_changes = _check_data(point, data, allow_data_changes)
     torch.manual_seed(cfg.run.seed)
     model_cfg = plan_memory(cfg, data)  # a budget nothing fits is refused here, before the adapter loads
+    # One process: the encoders first, released before the experts load (torchrun: in execute(), rank 0 first).
+    # A model the adapter will not build on this device (fp8 on a CPU) is refused by build_adapter first, before
+    # any cache entry is written.
+    refused = model_cfg.base_dtype in FP8_DTYPES and device.type not in FP8_DEVICE_TYPES
+    encoded = None if topology.distributed or refused else encode_before_the_experts(
+        cfg, model_cfg, data, validation_data, device, extra_observers)
     adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
     for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
@@ -455,7 +512,7 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync, data_changes=data_changes,
-                       lock=held[-1] if held else None)
+                       lock=held[-1] if held else None, encoded=encoded)
 
 
 def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:

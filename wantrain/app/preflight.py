@@ -183,8 +183,13 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                              offload_activations=chosen.settings.offload_activations,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
     model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto")
+    lines = chosen.lines()
+    if cfg.model.vram_budget_gb is not None:  # the budget is the usable memory the card figure is held against
+        budget = cfg.model.vram_budget_gb
+        lines.append(f"  {'usable memory':<28} {budget:7.2f} GiB (model.vram_budget_gb; "
+                     f"{budget - chosen.device_gib:.2f} GiB of it to spare)")
     data.report.memory_plan = {"budget_gib": cfg.model.vram_budget_gb, "bucket": f"{b.width}x{b.height}x{b.frames}",
-                               "lines": chosen.lines(), **chosen.to_json()}
+                               "lines": lines, **chosen.to_json()}
     data.report.host_memory = host
     return model
 
@@ -256,8 +261,10 @@ def _trains_on_cuda(cfg: Any, model: Any) -> bool:
 
 def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict) -> Any:
     """The run's host memory, part by part (``memory.host_estimate``): the encoders are counted as loaded (they
-    are not when every clip and caption is cached already); the pin budget is half of ``model.host_ram_budget_gb``
-    (else of the machine's memory), as the placement takes it."""
+    are not when every clip and caption is cached already and [sample] is off), in the order the run loads them:
+    in one process before the experts (``app.assemble.encode_before_the_experts``), under torchrun after them; the
+    pin budget is half of ``model.host_ram_budget_gb`` (else of the machine's memory), as the placement takes it."""
+    from wantrain.core.distributed import detect_topology
     from wantrain.models.wan22.memory import host_estimate
     from wantrain.models.wan22.placement import pin_budget
 
@@ -266,6 +273,7 @@ def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict) -> Any:
     return host_estimate(model.variant, settings, experts=model.trained_experts, cuda=_trains_on_cuda(cfg, model),
                          sampling_only=other, pin=model.pin_host_copies,
                          pin_budget=pin_budget(model.host_ram_budget_gb),
+                         encoders_first=not detect_topology().distributed,
                          **{k: v for k, v in size.items() if k != "sample"})
 
 

@@ -1,10 +1,12 @@
 """SIGINT/SIGTERM during a run: a clean stop with a checkpoint; a second Ctrl-C aborts.
 
 * Before the run directory exists (``prepare()``): Python's own handler; Ctrl-C aborts (exit code 130) and nothing
-  was written.
-* From the run directory's creation to the first step (the cache filling): :class:`RunInterrupted`, the run ends
-  ``stopped`` (exit code 3) with its log closed. A signal while the run directory is set up lands once its files
-  are written (``core.atomic.critical_section``).
+  was written. Except while ``prepare()`` fills the cache before the experts load (one process): there
+  :class:`RunInterrupted`, and the run ends ``stopped`` (exit code 3) with no run directory made (the cache keeps
+  every whole entry).
+* From the run directory's creation to the first step (the cache filling under torchrun): :class:`RunInterrupted`,
+  the run ends ``stopped`` (exit code 3) with its log closed. A signal while the run directory is set up lands once
+  its files are written (``core.atomic.critical_section``).
 * During training: the first signal asks the trainer for a clean stop (LoRA files and a checkpoint of the current
   step, exit code 3); a second Ctrl-C aborts at once (:class:`RunAborted`, exit code 130), except between the two
   renames of a checkpoint that replaces one of the same step, where it lands right after them

@@ -20,6 +20,7 @@ from typing import Any
 from wantrain.app.assemble import RunOutcome, prepare
 from wantrain.app.config import load_config
 from wantrain.app.lr_finder import check_lr_finder, run_lr_finder
+from wantrain.app.signals import RunInterrupted
 from wantrain.core.trust import allowing_code
 
 
@@ -46,7 +47,12 @@ def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | No
             cfg = config
         if cfg.lr_finder.active:
             check_lr_finder(cfg, resume)  # refusals of the config alone, before anything is prepared
-        prepared = prepare(cfg, config_dir=config_dir, resume=resume, allow_data_changes=allow_data_changes)
+        try:
+            prepared = prepare(cfg, config_dir=config_dir, resume=resume, allow_data_changes=allow_data_changes)
+        except RunInterrupted as exc:  # a signal while prepare() filled the cache: no run directory exists yet
+            return RunOutcome("stopped", f"{exc} before the first step, while the cache filled (before the run "
+                              "directory was made; the cache keeps every entry written: run again)", 0,
+                              Path(cfg.run.output_dir), ())
         try:
             return run_lr_finder(prepared) if cfg.lr_finder.active else prepared.execute()
         finally:

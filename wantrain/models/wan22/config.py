@@ -112,9 +112,11 @@ class ModelConfig:
         "input) in host memory; it comes back when the backward pass needs it.",
     )
     vram_budget_gb: float | None = setting(
-        None, doc="Device memory to plan for, in GiB: picks `blocks_to_swap`, `offload_activations` and (with "
-        "`base_dtype = \"auto\"`) bf16 or fp8 so that the largest bucket fits; a budget nothing fits is refused "
-        "before the run starts. Leave `blocks_to_swap` and `offload_activations` unset with it.", range=above(0.0),
+        None, doc="Usable device memory to plan for, in GiB (what the card has free, not its label: less on a card "
+        "that drives a display): picks `blocks_to_swap`, `offload_activations` and (with `base_dtype = \"auto\"`) "
+        "bf16 or fp8 so that the largest bucket fits with attention's backward buffer, a fragmentation margin and "
+        "the CUDA context (docs/models.md, Memory); a budget nothing fits is refused before the run starts. Leave "
+        "`blocks_to_swap` and `offload_activations` unset with it.", range=above(0.0),
     )
 
     host_ram_budget_gb: float | None = setting(

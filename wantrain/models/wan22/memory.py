@@ -27,8 +27,15 @@ Sampling (``[sample]``: diffusers' Wan pipeline around the training expert, no a
   plus the fp32 video (``VIDEO_BYTES_PER_PIXEL x frames x height x width``). The decode constant is the real VAE's
   (a tiny twin's decoder, far narrower, is overestimated).
 
-The planner's total for a budget adds 5 % for the allocator's fragmentation and 0.75 GiB for the CUDA context and
-cuBLAS workspaces (assumptions: no GPU has checked them yet).
+What the card needs (``device_gib``, the planner's one figure) adds to the tensors what no trace of them shows:
+
+* ``attention backward``: the float32 buffers of scaled-dot-product attention's backward kernel on CUDA, outside
+  autograd's tensors (:func:`attention_backward_bytes`; training only, one attention's backward at a time);
+* ``fragmentation margin``: 5 % of the larger peak (training with the attention buffer, or sampling), room for the
+  caching allocator's fragmentation (an assumption: no GPU has measured it yet);
+* ``CUDA context``: 0.75 GiB for the context and cuBLAS workspaces (an assumption too).
+
+``model.vram_budget_gb`` is the usable memory this sum is held against, not the card's label.
 """
 
 from __future__ import annotations
@@ -51,8 +58,14 @@ C_TEXT = 17.0
 OFFLOAD_BLOCKS = 2.03
 OFFLOAD_FIXED = 0.53 * GIB
 WORKSPACE_FIXED = 0.10 * GIB
-FRAGMENTATION = 1.05
+FRAGMENTATION = 1.05  # the card figure's margin: 5 % of the larger peak (attention_backward_bytes included)
 CUDA_OVERHEAD = 0.75 * GIB
+# Scaled-dot-product attention's backward on CUDA (FlashAttention-2's ``mha_bwd`` in torch's flash backend) allocates
+# outside autograd's tensors a float32 dQ accumulator [batch, tokens rounded up to 128, heads, head_dim rounded up
+# to 32] and ``softmax_d`` [batch, heads, tokens rounded up to 128]; the memory-efficient backend's dQ accumulator
+# is the same float32 size. A CPU trace (bench/trace_memory.py) never sees them.
+ATTENTION_TOKENS_ROUND = 128
+ATTENTION_HEAD_DIM_ROUND = 32
 SWAP_RING = 2
 LORA_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 LORA_SAMPLING_BYTES_PER_PARAM = 12  # while sampling: no gradient
@@ -105,11 +118,27 @@ class MemoryEstimate:
     sampling_parts: dict[str, float]  # empty: no sampling planned ([sample] off)
     link_bytes: float = 0.0  # host<->device bytes per step the settings add (swap copies, offloaded inputs)
     sample: SampleSize | None = None
+    attention_backward: float = 0.0  # bytes: attention_backward_bytes, on top of the training step's tensors
 
     @property
     def allocated(self) -> float:
-        """Bytes the tensors need at the step's peak (what ``torch.cuda.max_memory_allocated`` reports)."""
+        """Bytes the tensors need at the step's peak (what a fake-tensor trace of the step counts)."""
         return sum(self.parts.values())
+
+    @property
+    def training_peak(self) -> float:
+        """Bytes the training step allocates at its peak on CUDA: the tensors and attention's backward buffer
+        (what ``torch.cuda.max_memory_allocated`` reports)."""
+        return self.allocated + self.attention_backward
+
+    @property
+    def larger_peak(self) -> float:
+        return max(self.training_peak, self.sampling_allocated)
+
+    @property
+    def reserve(self) -> dict[str, float]:
+        """What the card figure adds to the larger peak (bytes), in print order."""
+        return {"fragmentation margin": (FRAGMENTATION - 1) * self.larger_peak, "CUDA context": CUDA_OVERHEAD}
 
     @property
     def sampling_allocated(self) -> float:
@@ -120,7 +149,7 @@ class MemoryEstimate:
 
     @property
     def training_gib(self) -> float:
-        return card_gib(self.allocated)
+        return card_gib(self.training_peak)
 
     @property
     def sampling_gib(self) -> float:
@@ -128,22 +157,28 @@ class MemoryEstimate:
 
     @property
     def device_gib(self) -> float:
-        """What the card must have (GiB): the larger peak (training, sampling) plus fragmentation and the CUDA
-        context."""
-        return card_gib(max(self.allocated, self.sampling_allocated))
+        """What the card must have (GiB): the larger peak (training with attention's backward buffer, sampling)
+        plus the fragmentation margin and the CUDA context."""
+        return card_gib(self.larger_peak)
 
     def lines(self) -> list[str]:
         out = ["  training step:"]
         out += [f"    {name:<26} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
         out.append(f"    {'tensors at the peak':<26} {self.allocated / GIB:7.2f} GiB")
+        if self.attention_backward:
+            out.append(f"    {'attention backward':<26} {self.attention_backward / GIB:7.2f} GiB (float32 dQ "
+                       "accumulator of flash/efficient attention on CUDA, beside the tensors)")
         if self.sampling_parts:
             out.append(f"  sampling ([sample] {self.sample.describe()}; no autograd):")
             for name, value in self.sampling_parts.items():
                 out.append(f"    {name:<26} {value / GIB:7.2f} GiB" + (" (the peak has the larger of these two)"
                                                                       if name == SAMPLING_PHASES[-1] else ""))
             out.append(f"    {'tensors at the peak':<26} {self.sampling_allocated / GIB:7.2f} GiB")
-        out.append(f"  {'card needs':<28} {self.device_gib:7.2f} GiB (the larger peak x{FRAGMENTATION} "
-                   f"fragmentation + {CUDA_OVERHEAD / GIB:.2f} GiB CUDA context)")
+        margin, context = self.reserve.values()
+        out.append(f"  {'fragmentation margin':<28} {margin / GIB:7.2f} GiB ({100 * (FRAGMENTATION - 1):.0f} % of the "
+                   "larger peak; assumed)")
+        out.append(f"  {'CUDA context':<28} {context / GIB:7.2f} GiB (assumed)")
+        out.append(f"  {'card needs':<28} {self.device_gib:7.2f} GiB (the larger peak + the margin + the context)")
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -151,12 +186,30 @@ class MemoryEstimate:
                 "sampling_parts_gib": {k: v / GIB for k, v in self.sampling_parts.items()},
                 "sample": attrs.asdict(self.sample) if self.sample is not None else None,
                 "allocated_gib": self.allocated / GIB, "sampling_allocated_gib": self.sampling_allocated / GIB,
-                "device_gib": self.device_gib}
+                "attention_backward_gib": self.attention_backward / GIB,
+                "reserve_gib": {k: v / GIB for k, v in self.reserve.items()}, "device_gib": self.device_gib}
 
 
-def card_gib(tensor_bytes: float) -> float:
-    """What a card must have (GiB) for ``tensor_bytes`` of tensors at the peak."""
-    return (FRAGMENTATION * tensor_bytes + CUDA_OVERHEAD) / GIB
+def card_gib(peak_bytes: float) -> float:
+    """What a card must have (GiB) for a peak of ``peak_bytes`` allocated (tensors and attention's backward
+    buffer): plus the fragmentation margin and the CUDA context."""
+    return (FRAGMENTATION * peak_bytes + CUDA_OVERHEAD) / GIB
+
+
+def attention_backward_bytes(variant: str, *, width: int, height: int, frames: int, batch: int = 1) -> float:
+    """Bytes of the float32 buffers one attention's backward allocates on CUDA beside autograd's tensors (see the
+    constants above): ``4 x batch x heads x round_up(tokens, 128) x (round_up(head_dim, 32) + 1)``, tokens being
+    one video's (the queries of self- and cross-attention alike). T2V-A14B at 832x480x81: 40 heads, 32760 -> 32768
+    tokens, head_dim 128: 0.63 GiB."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    kwargs = transformer_kwargs(spec)
+    heads, head_dim = kwargs["num_attention_heads"], kwargs["attention_head_dim"]
+    tokens = -(-tokens_of(spec, width, height, frames, 1) // ATTENTION_TOKENS_ROUND) * ATTENTION_TOKENS_ROUND
+    dim = -(-head_dim // ATTENTION_HEAD_DIM_ROUND) * ATTENTION_HEAD_DIM_ROUND
+    return 4.0 * batch * heads * tokens * (dim + 1)
 
 
 @functools.lru_cache(maxsize=16)
@@ -312,7 +365,8 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     sampling = sampling_parts(variant, settings, sample, rank=rank, layers=layers) if sample is not None else {}
     # A swapped block crosses twice per step (forward, recompute); offloaded inputs go out and come back.
     link = 2.0 * sum(blocks[n - swap:]) + (2.0 * n * hidden if settings.offload_activations else 0.0)
-    return MemoryEstimate(settings, parts, sampling, link, sample)
+    attention = attention_backward_bytes(variant, width=width, height=height, frames=frames, batch=batch)
+    return MemoryEstimate(settings, parts, sampling, link, sample, attention)
 
 
 def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
@@ -450,16 +504,24 @@ def encoder_bytes(variant: str, compute_dtype: str) -> tuple[float, float]:
     return float(sum(unique.values()) * per), float(sum(p.numel() * 4 for p in vae.parameters()))
 
 
+# The part every phase holds, the first one (the encoders, before the experts load) only this one.
+RUNTIME_PART = "runtime (Python, torch, CUDA; assumed)"
+
+
 @attrs.frozen
 class HostEstimate:
-    """Host memory of a run: ``parts`` held for the whole run, ``phases`` what each phase adds on top (bytes)."""
+    """Host memory of a run: ``parts`` held for the whole run, ``phases`` what each phase adds on top (bytes), in
+    the order the run goes through them; the phases in ``before_experts`` come before any expert loads and hold,
+    of the parts, the runtime only."""
 
     parts: dict[str, float]
     phases: dict[str, dict[str, float]]
     pinned: str  # how the copies are pinned (for the lines)
+    before_experts: tuple[str, ...] = ()
 
     def phase_total(self, phase: str) -> float:
-        return sum(self.parts.values()) + sum(self.phases[phase].values())
+        held = self.parts.get(RUNTIME_PART, 0.0) if phase in self.before_experts else sum(self.parts.values())
+        return held + sum(self.phases[phase].values())
 
     @property
     def peak(self) -> float:
@@ -483,18 +545,30 @@ class HostEstimate:
             out.append(f"  {'total ' + phase:<44} {self.phase_total(phase) / GIB:7.2f} GiB")
         out.append(f"  peak {self.peak / GIB:.2f} GiB ({self.peak_phase}); largest part: {self.dominant}; "
                    f"{self.pinned}")
+        out.append(f"  order: {self.order}")
         return out
+
+    @property
+    def order(self) -> str:
+        """The phases as the run goes through them, in words."""
+        if "while the cache fills" not in self.phases:
+            return "the experts load (the cache is filled already: no encoder loads), then training"
+        if "while the cache fills" in self.before_experts:
+            return ("the cache fills with the encoders alone (released after), then the experts load, then "
+                    "training")
+        return "the experts load, then the cache fills beside them (torchrun: rank 0 first), then training"
 
     def to_json(self) -> dict[str, Any]:
         return {"parts_gib": {k: v / GIB for k, v in self.parts.items()},
                 "phases_gib": {p: {k: v / GIB for k, v in e.items()} for p, e in self.phases.items()},
-                "peak_gib": self.peak / GIB, "peak_phase": self.peak_phase, "dominant": self.dominant}
+                "peak_gib": self.peak / GIB, "peak_phase": self.peak_phase, "dominant": self.dominant,
+                "before_experts": list(self.before_experts), "order": self.order}
 
 
 def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str | None, ...], rank: int,
                   width: int, height: int, frames: int, batch: int = 1, cuda: bool = True,
                   pin_budget: float | None = None, encoders: bool = True, pin: bool = True,
-                  sampling_only: tuple[str, ...] = ()) -> HostEstimate:
+                  sampling_only: tuple[str, ...] = (), encoders_first: bool = True) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -514,6 +588,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     * while loading: one file window and one tensor in flight; while the cache fills (``encoders``): UMT5 in the
       compute dtype and the VAE in float32, loaded on the host before they move to the device (a
       ``model.text_encoder_file`` streams into the compute dtype: the same once).
+
+    Phases in the run's order: with ``encoders_first`` (one process, ``app.assemble.encode_before_the_experts``)
+    the cache fills first, with the encoders and the runtime alone, and the encoders are released before the
+    experts load; without it (torchrun) the cache fills after the experts loaded, beside all of the parts.
     """
     from wantrain.models.wan22.variants import VARIANTS
 
@@ -547,12 +625,18 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         parts["waiting expert's LoRA + grads + AdamW"] = (len(experts) - 1) * lora_params(variant, rank) * \
             LORA_BYTES_PER_PARAM
     parts["one batch from the cache"] = _batch_bytes(spec, width, height, frames, batch)
-    parts["runtime (Python, torch, CUDA; assumed)"] = RUNTIME_ALLOWANCE
+    parts[RUNTIME_PART] = RUNTIME_ALLOWANCE
     largest = max([*rest, *(s for block in blocks for s in block)], default=0)
-    phases = {"while loading": {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}}
+    phases: dict[str, dict[str, float]] = {}
+    filling: dict[str, float] = {}
     if encoders:
         text, vae = encoder_bytes(variant, "fp32" if settings.base_dtype == "fp32" else "bf16")
-        phases["while the cache fills"] = {"text encoder (UMT5)": text, "VAE (float32)": vae}
+        filling = {"text encoder (UMT5)": text, "VAE (float32)": vae}
+    if filling and encoders_first:
+        phases["while the cache fills"] = filling
+    phases["while loading"] = {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}
+    if filling and not encoders_first:
+        phases["while the cache fills"] = filling
     training: dict[str, float] = {}
     if settings.offload_activations:
         offloaded = offload_host_tensors(variant, width=width, height=height, frames=frames, batch=batch)
@@ -572,7 +656,7 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         pinned = "swap copies pinned; waiting copies pageable (over half the host's memory)"
     else:
         pinned = "waiting copies pageable (over half the host's memory)" if placed else "nothing pinned"
-    return HostEstimate(parts, phases, pinned)
+    return HostEstimate(parts, phases, pinned, ("while the cache fills",) if filling and encoders_first else ())
 
 
 def _batch_bytes(spec: Any, width: int, height: int, frames: int, batch: int) -> float:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -305,12 +305,19 @@ def _write_png(path: Path, picture: np.ndarray) -> None:
 
 
 def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, sync: Any = None,
-                          clips: Sequence[tuple[Any, int, str]] = ()) -> Any:
+                          clips: Sequence[tuple[Any, int, str]] = (),
+                          prompt_embeds: Mapping[str, torch.Tensor] | None = None) -> Any:
     """The observer of ``cfg.sample``: encodes each prompt (and negative prompt) now, while the text encoder is
-    loaded, keeping the embeddings on the CPU; reads the first-frame images. An I2V prompt without an image takes
-    the first frame of ``clips[index % len(clips)]`` at its sample size (logged as ``sample_first_frame``).
-    torchrun ranks other than 0 encode nothing: they only wait while rank 0 samples."""
+    loaded, keeping the embeddings on the CPU (``prompt_embeds``: embeddings encoded already, by text, before the
+    experts loaded: nothing is encoded); reads the first-frame images. An I2V prompt without an image takes the
+    first frame of ``clips[index % len(clips)]`` at its sample size (logged as ``sample_first_frame``). torchrun
+    ranks other than 0 encode nothing: they only wait while rank 0 samples."""
     from PIL import Image
+
+    def embed(text: str) -> torch.Tensor:
+        if prompt_embeds is not None:
+            return prompt_embeds[text]
+        return adapter.encode_text([text])["text_embeds"].cpu()
 
     s = cfg.sample
     main = sync is None or sync.is_main
@@ -322,7 +329,7 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
         negative = None
         if p.guided:
             if p.negative_prompt not in negatives:
-                negatives[p.negative_prompt] = adapter.encode_text([p.negative_prompt])["text_embeds"].cpu()
+                negatives[p.negative_prompt] = embed(p.negative_prompt)
             negative = negatives[p.negative_prompt]
         image, source = None, None
         if p.image is not None:
@@ -336,7 +343,7 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
             log.info("sample_first_frame", prompt=p.index, source=source,
                      reason=f"the prompt has no image: the first frame of a {kind}")
         jobs.append(SampleJob(
-            index=p.index, prompt_embeds=adapter.encode_text([p.prompt])["text_embeds"].cpu(),
+            index=p.index, prompt_embeds=embed(p.prompt),
             negative_embeds=negative, width=p.width, height=p.height, frames=p.frames, seed=p.seed, steps=p.steps,
             guidance_scale=p.guidance_scale, guidance_scale_high_noise=p.guidance_scale_high_noise, image=image,
             image_source=source,
