@@ -45,7 +45,7 @@ def quantise_rows(weight: torch.Tensor, via: torch.dtype | None = None) -> tuple
     model plus one tensor)."""
     out = torch.empty(weight.shape, dtype=FP8, device=weight.device)
     scale = torch.empty((weight.shape[0], 1), dtype=torch.float32, device=weight.device)
-    for piece in _row_chunks(weight):
+    for piece in row_chunks(weight):
         w = weight[piece].to(via) if via is not None else weight[piece]
         w = w.to(torch.float32)
         absmax = w.abs().amax(dim=1, keepdim=True)
@@ -54,7 +54,7 @@ def quantise_rows(weight: torch.Tensor, via: torch.dtype | None = None) -> tuple
     return out, scale
 
 
-def _row_chunks(weight: torch.Tensor) -> list[slice]:
+def row_chunks(weight: torch.Tensor) -> list[slice]:
     """Slices of ``weight``'s rows of at most ``_CHUNK_ELEMENTS`` elements (one row at least)."""
     rows = max(1, _CHUNK_ELEMENTS // max(1, weight.numel() // max(1, weight.shape[0])))
     return [slice(start, start + rows) for start in range(0, weight.shape[0], rows)]
@@ -64,7 +64,7 @@ def dequantise(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     """``weight.float() * scale`` rounded once to ``dtype``, a few rows at a time (the float32 product of a whole
     A14B FFN weight would be 283 MB)."""
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-    for piece in _row_chunks(weight):
+    for piece in row_chunks(weight):
         out[piece] = weight[piece].to(torch.float32).mul_(scale[piece])
     return out
 

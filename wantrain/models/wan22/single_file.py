@@ -179,10 +179,10 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
                         value, fp8_scales[name] = fp8.quantise_rows(raw, via=dtype)
                 elif name in scale_of:  # fp8_scaled: the real weight is weight * scale, computed in float32
                     value = _multiplied(raw, _scale(reader, scale_of[name]), target)
+                elif store and name in store:  # through the training dtype, as the folder path rounds them
+                    value = _cast_through(raw, target, store[name])
                 else:
                     value = raw.to(target)
-                if store and name in store:  # through the training dtype, as the folder path rounds them
-                    value = value.to(store[name])
                 # in memory of its own: a tensor read zero-copy keeps the whole file's mapping (and every page of
                 # it read so far) alive, past the reader's window and after the load
                 return value.clone() if value is raw else value
@@ -238,6 +238,17 @@ def _multiplied(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
         return fp8.dequantise(weight, scale.reshape(-1, 1).expand(weight.shape[0], 1), dtype)
     factor = scale.reshape(-1, *([1] * (weight.dim() - 1))) if scale.numel() > 1 else scale.reshape(())
     return weight.to(torch.float32).mul_(factor).to(dtype)
+
+
+def _cast_through(tensor: torch.Tensor, via: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(via).to(dtype)`` a few rows at a time: the only allocation the size of the tensor is the result
+    (a whole copy in ``via`` freed right after would leave a hole in the heap with each tensor)."""
+    if tensor.dim() == 0:
+        return tensor.to(via).to(dtype)
+    out = torch.empty(tensor.shape, dtype=dtype)
+    for piece in fp8.row_chunks(tensor):
+        out[piece] = tensor[piece].to(via)
+    return out
 
 
 def _is_param(model: nn.Module, name: str) -> bool:
