@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage", choices=STORAGES, default="bf16", help="model.base_dtype to load into")
     parser.add_argument("--fp8", action="store_true", help="the same as --storage fp8")
     parser.add_argument("--matrix", action="store_true", help="every source x storage, narrow blocks, one row each")
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=SOURCES, help="the sources --matrix runs")
     parser.add_argument("--narrow", action="store_true", help="d = 1536 instead of A14B's 5120 (on with --matrix)")
     parser.add_argument("--window-mib", type=float, help="the file window (default: 256 MiB; with --narrow scaled "
                         "to the model, module docstring)")
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     window = (round(args.window_mib * 2**20) if args.window_mib is not None
               else scaled_window(model_kwargs(blocks, narrow)) if narrow else 0)
     how = "diffusers" if args.diffusers else "wantrain"
-    pairs = ([(s, t) for s in SOURCES for t in STORAGES] if args.matrix
+    pairs = ([(s, t) for s in args.sources for t in STORAGES] if args.matrix
              else [(args.source, "fp8" if args.fp8 else args.storage)])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
