@@ -37,6 +37,7 @@ for each pair: ``bench/bench_single_file_load.py --matrix`` (docs/benchmarks.md)
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,25 @@ def wan_key_map(file_keys: Iterable[str]) -> dict[str, str]:
     return {new: old for new, old in converted.items() if isinstance(old, str)}
 
 
+def _trim_heap() -> None:
+    """Give the free pages inside glibc's heap back to the system (``malloc_trim``; a no-op elsewhere). The tensors
+    converted and freed one by one while loading are under glibc's mmap threshold once it has risen (up to 32 MiB),
+    so they live in the heap, between the tensors kept, and their free pages stayed in RSS: an fp32 file into fp8
+    storage peaked at 1.53x the expert (8 narrow blocks), 1.14x with the heap trimmed at each window."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
+
+
 class _Reader:
     """Tensors of one safetensors file by key, reopening the file every ``_REOPEN_BYTES`` read so that the pages
     of the mapping do not pile up in the process."""
@@ -127,6 +147,7 @@ class _Reader:
     def get(self, key: str) -> torch.Tensor:
         if self._read > _REOPEN_BYTES:
             self._close()
+            _trim_heap()
             self._open()
         tensor = self._handle.get_tensor(key)
         self._read += tensor.numel() * tensor.element_size()
