@@ -37,22 +37,34 @@ SCALE_NAME = "weight_scale"
 _CHUNK_ELEMENTS = 1 << 22  # float32 elements dequantised at once (16 MB)
 
 
-def quantise_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantise_rows(weight: torch.Tensor, via: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn ``weight / scale``, float32 ``scale`` of shape ``[out, 1]``), ``scale = max|row| / 448``
-    (1 for an all-zero row). Computed in float32 from ``weight`` as it is (bf16 or fp32)."""
-    w = weight.to(torch.float32)
-    absmax = w.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
-    return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    (1 for an all-zero row). Computed in float32 from ``weight`` as it is (bf16 or fp32), or first rounded to ``via``
+    (a loader's training dtype), a few rows at a time: what is allocated besides the result is one chunk's float32
+    copies (16 MB), not the whole weight's (a loader quantising each tensor as it is read keeps its peak at the
+    model plus one tensor)."""
+    out = torch.empty(weight.shape, dtype=FP8, device=weight.device)
+    scale = torch.empty((weight.shape[0], 1), dtype=torch.float32, device=weight.device)
+    for piece in row_chunks(weight):
+        w = weight[piece].to(via) if via is not None else weight[piece]
+        w = w.to(torch.float32)
+        absmax = w.abs().amax(dim=1, keepdim=True)
+        scale[piece] = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax))
+        out[piece] = (w / scale[piece]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return out, scale
+
+
+def row_chunks(weight: torch.Tensor) -> list[slice]:
+    """Slices of ``weight``'s rows of at most ``_CHUNK_ELEMENTS`` elements (one row at least)."""
+    rows = max(1, _CHUNK_ELEMENTS // max(1, weight.numel() // max(1, weight.shape[0])))
+    return [slice(start, start + rows) for start in range(0, weight.shape[0], rows)]
 
 
 def dequantise(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight.float() * scale`` rounded once to ``dtype``, a few rows at a time (the float32 product of a whole
     A14B FFN weight would be 283 MB)."""
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-    rows = max(1, _CHUNK_ELEMENTS // max(1, weight.shape[1]))
-    for start in range(0, weight.shape[0], rows):
-        piece = slice(start, start + rows)
+    for piece in row_chunks(weight):
         out[piece] = weight[piece].to(torch.float32).mul_(scale[piece])
     return out
 

@@ -25,10 +25,19 @@ a diffusers folder) and ``store`` (names kept in another storage dtype than they
 ``model.base_dtype = "fp8"``, cast as each tensor arrives, so no bf16 copy of the model is ever whole). Tensors are
 read in the file's order (a sharded folder opens each shard once). Building blocks: :func:`training_dtype`,
 :func:`stream_into`.
+
+Host memory: every source dtype into every storage dtype costs one copy of the model in its storage dtype plus a
+window of the file. safetensors hands out each tensor as a view of its mapping of the whole file, and one live view
+keeps every page of the file read so far in the process; so every tensor the model keeps is in memory of its own (a
+copy where no conversion made one: the file's float8 weights and scales too), the reader reopens the file every
+``_REOPEN_BYTES`` read, which lets the pages read so far go, and a conversion holds one tensor at a time (quantised
+or multiplied out a few rows at a time: ``fp8.quantise_rows``, ``fp8.dequantise``). Peak RSS over the loaded expert
+for each pair: ``bench/bench_single_file_load.py --matrix`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,17 +72,12 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def stream_into(model: nn.Module, names: Iterable[str], read: Callable[[str, torch.dtype], torch.Tensor],
-                dtype: torch.dtype, store: Mapping[str, torch.dtype] | None = None) -> nn.Module:
-    """Fill ``model``'s tensors ``names`` (built on ``meta``) one at a time: ``read(name, target_dtype)`` returns
-    the tensor already in its training dtype, cast on to ``store[name]`` where given (its storage dtype); it
-    replaces the meta tensor at once, so at most one tensor is in flight."""
+                dtype: torch.dtype) -> nn.Module:
+    """Fill ``model``'s tensors ``names`` (built on ``meta``) one at a time: ``read(name, training_dtype)`` returns
+    the tensor in its storage dtype, in memory of its own; it replaces the meta tensor at once, so at most one tensor
+    is in flight."""
     for name in names:
-        value = read(name, training_dtype(model, name, dtype))
-        if store and name in store:
-            value = value.to(store[name])
-        elif store:  # own memory: a tensor read zero-copy would keep the whole file's mapping (and its pages) alive
-            value = value.clone()
-        _set(model, name, value)
+        _set(model, name, read(name, training_dtype(model, name, dtype)))
     return model
 
 
@@ -83,6 +87,25 @@ def wan_key_map(file_keys: Iterable[str]) -> dict[str, str]:
 
     converted = convert_wan_transformer_to_diffusers({key: key for key in file_keys})
     return {new: old for new, old in converted.items() if isinstance(old, str)}
+
+
+def _trim_heap() -> None:
+    """Give the free pages inside glibc's heap back to the system (``malloc_trim``; a no-op elsewhere). The tensors
+    converted and freed one by one while loading are under glibc's mmap threshold once it has risen (up to 32 MiB),
+    so they live in the heap, between the tensors kept, and their free pages stayed in RSS: an fp32 file into fp8
+    storage peaked at 1.53x the expert (8 narrow blocks), 1.14x with the heap trimmed at each window."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
 
 
 class _Reader:
@@ -124,6 +147,7 @@ class _Reader:
     def get(self, key: str) -> torch.Tensor:
         if self._read > _REOPEN_BYTES:
             self._close()
+            _trim_heap()
             self._open()
         tensor = self._handle.get_tensor(key)
         self._read += tensor.numel() * tensor.element_size()
@@ -161,27 +185,31 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
 
             def read(name: str, target: torch.dtype) -> torch.Tensor:
                 key = mapping[name]
-                tensor = reader.get(key)
-                if name in kept_in_fp8:  # scaled fp8 storage: the file's fp8 and scale as they are, or quantised
-                    if tensor.dtype == fp8.FP8:
-                        fp8_scales[name] = (reader.get(scale_of[name]).to(torch.float32) if name in scale_of
-                                            else torch.ones(()))
-                    else:  # from the training dtype's rounding, whatever the source stores (same scales)
-                        tensor, fp8_scales[name] = fp8.quantise_rows(tensor.to(dtype))
-                    target = fp8.FP8
-                elif name in scale_of:  # fp8_scaled: the real weight is weight * scale, computed in float32
-                    scale = reader.get(scale_of[name]).to(torch.float32)
-                    tensor = tensor.to(torch.float32).mul_(scale.reshape(-1, *([1] * (tensor.dim() - 1)))
-                                                           if scale.numel() > 1 else scale.reshape(()))
+                raw = reader.get(key)
                 want = model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
-                if tuple(tensor.shape) != tuple(want.shape):
+                if tuple(raw.shape) != tuple(want.shape):
                     raise UserError(f"{where} does not fit the {variant} transformer ({key} has shape "
-                                    f"{tuple(tensor.shape)}, the model needs {tuple(want.shape)}); is this the "
+                                    f"{tuple(raw.shape)}, the model needs {tuple(want.shape)}); is this the "
                                     "right model?")
-                return tensor.to(target) if tensor.dtype != target else tensor
+                if name in kept_in_fp8:  # scaled fp8 storage: the file's fp8 and scale as they are, or quantised
+                    if raw.dtype == fp8.FP8:
+                        fp8_scales[name] = (_scale(reader, scale_of[name]) if name in scale_of
+                                            else torch.ones(()))
+                        value = raw
+                    else:  # from the training dtype's rounding, whatever the source stores (same scales)
+                        value, fp8_scales[name] = fp8.quantise_rows(raw, via=dtype)
+                elif name in scale_of:  # fp8_scaled: the real weight is weight * scale, computed in float32
+                    value = _multiplied(raw, _scale(reader, scale_of[name]), target)
+                elif store and name in store:  # through the training dtype, as the folder path rounds them
+                    value = _cast_through(raw, target, store[name])
+                else:
+                    value = raw.to(target)
+                # in memory of its own: a tensor read zero-copy keeps the whole file's mapping (and every page of
+                # it read so far) alive, past the reader's window and after the load
+                return value.clone() if value is raw else value
 
             order = {key: i for i, key in enumerate(keys)}
-            stream_into(model, sorted(mapping, key=lambda name: order[mapping[name]]), read, dtype, store)
+            stream_into(model, sorted(mapping, key=lambda name: order[mapping[name]]), read, dtype)
     except (SafetensorError, OSError) as exc:
         raise UserError(f"{where} is not a readable safetensors file ({exc})") from None
     _rebuild_derived_buffers(model)
@@ -217,6 +245,31 @@ def _file_mapping(keys: list[str], key_map: Callable[[Iterable[str]], dict[str, 
     orphans = sorted(s for w, s in scales.items() if w not in keys)  # a scale without its weight
     weights = [k for k in keys if k not in ignored and k not in scales.values()]
     return scales, (key_map or wan_key_map)(weights + orphans)
+
+
+def _scale(reader: Any, key: str) -> torch.Tensor:
+    """The float32 scale ``key`` of an fp8_scaled file, in memory of its own (never a view of the file)."""
+    return reader.get(key).to(torch.float32, copy=True)
+
+
+def _multiplied(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight.float() * scale`` (one scale, or one per output row) rounded once to ``dtype``, a few rows at a time
+    for a matrix (``fp8.dequantise``): the float32 product of the whole tensor is never held."""
+    if weight.dim() == 2:
+        return fp8.dequantise(weight, scale.reshape(-1, 1).expand(weight.shape[0], 1), dtype)
+    factor = scale.reshape(-1, *([1] * (weight.dim() - 1))) if scale.numel() > 1 else scale.reshape(())
+    return weight.to(torch.float32).mul_(factor).to(dtype)
+
+
+def _cast_through(tensor: torch.Tensor, via: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(via).to(dtype)`` a few rows at a time: the only allocation the size of the tensor is the result
+    (a whole copy in ``via`` freed right after would leave a hole in the heap with each tensor)."""
+    if tensor.dim() == 0:
+        return tensor.to(via).to(dtype)
+    out = torch.empty(tensor.shape, dtype=dtype)
+    for piece in fp8.row_chunks(tensor):
+        out[piece] = tensor[piece].to(via)
+    return out
 
 
 def _is_param(model: nn.Module, name: str) -> bool:
