@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from inprocess import wantrain
 from safetensors.torch import load_file
 from test_end_to_end import copy_examples
 
@@ -31,11 +32,15 @@ TYPE_KEYS = {"lokr": "lokr_w1", "loha": "hada_w1_a", "dora": "dora_scale"}
 
 
 def run(config: Path, out: Path, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "wantrain", "run", str(config), "--set", f"run.output_dir={out}"]
+    """A run of the quickstart; one that is killed (``faults.kill_at_steps``) in a process of its own, the others in
+    this one (``tests/inprocess.py``)."""
+    args = ["run", str(config), "--set", f"run.output_dir={out}"]
     for item in [*SETTINGS, *extra]:
         args += ["--set", item]
     args += ["--resume", "auto"] if resume else []
-    return subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if not any(item.startswith("faults.kill_at_steps") for item in extra):
+        return wantrain(*args)
+    return subprocess.run([sys.executable, "-m", "wantrain", *args], capture_output=True, text=True, timeout=600)
 
 
 def only_run_dir(out: Path) -> Path:

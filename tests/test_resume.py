@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from inprocess import wantrain
 from test_end_to_end import copy_examples
 
 from wantrain.cli.main import main
@@ -88,14 +89,15 @@ def loss_series(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def resume(config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(command(config, "--resume", "auto"), capture_output=True, text=True, timeout=300)
+    """``--resume auto`` in this process (``tests/inprocess.py``): the kills and signals are the subprocesses'."""
+    return wantrain(*command(config, "--resume", "auto")[3:])
 
 
 @pytest.fixture(scope="module")
 def reference(workspace, tmp_path_factory) -> Path:
     """The uninterrupted run everything is compared with."""
     tmp = tmp_path_factory.mktemp("reference")
-    done = subprocess.run(command(fresh_copy(workspace, tmp)), capture_output=True, text=True, timeout=300)
+    done = wantrain(*command(fresh_copy(workspace, tmp))[3:])
     assert done.returncode == 0, done.stderr
     return only_run_dir(tmp)
 

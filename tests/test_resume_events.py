@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from inprocess import wantrain
 from test_end_to_end import copy_examples
 
 pytestmark = pytest.mark.slow
@@ -22,6 +23,9 @@ SETTINGS = ["--max-steps", "24", "--set", "checkpoint.every=5", "--set", "train.
 
 
 def run(config: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A run; one that is killed (``faults.kill_at_steps``) in a process of its own, the others in this one."""
+    if not any(item.startswith("faults.kill_at_steps") for item in extra):
+        return wantrain("run", str(config), *SETTINGS, *extra)
     return subprocess.run([sys.executable, "-m", "wantrain.cli.main", "run", str(config), *SETTINGS, *extra],
                           capture_output=True, text=True, timeout=300)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from core.small_fs import fill, read_only_bind, remount, small_tmpfs
+from inprocess import wantrain
 from test_end_to_end import copy_examples
 
 from wantrain.cli.main import main
@@ -70,8 +71,9 @@ def assert_one_line(err: str, *parts: str) -> str:
 
 
 def subprocess_run(config: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "wantrain.cli.main", *args(config, steps, *extra)],
-                          capture_output=True, text=True, timeout=600)
+    """A run as a subprocess would give it (exit code, stdout, stderr), in this process (``tests/inprocess.py``):
+    the live runs that are signalled or made read-only are real subprocesses."""
+    return wantrain(*args(config, steps, *extra))
 
 
 # -- one writer per run directory ------------------------------------------------------------------------------------
