@@ -188,3 +188,14 @@ def test_quantising_a_few_rows_at_a_time_keeps_only_one_chunk_in_float32(monkeyp
     assert Largest.most <= 1000 and scale.shape == (300, 1)
     want, want_scale = _reference_rows(weight)
     assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and torch.equal(scale, want_scale)
+
+
+def test_the_memory_planners_meta_count_quantises_each_weight_in_one_piece():
+    """The planner counts fp8_scaled weights by converting a ``meta`` build (``memory.weight_bytes``): row chunks
+    there only multiply meta ops (an A14B count went from 2 s to 16 s), so a meta weight is one chunk while a real
+    one of the same shape is several."""
+    shape = (13824, 5120)  # an A14B FFN weight
+    assert fp8.row_chunks(torch.empty(shape, device="meta")) == [slice(0, shape[0])]
+    assert len(fp8.row_chunks(torch.empty(1).expand(shape))) > 1  # a real weight (no memory: an expanded view)
+    weight, scale = fp8.quantise_rows(torch.empty(shape, device="meta"))
+    assert weight.is_meta and weight.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (shape[0], 1)

@@ -55,7 +55,10 @@ def quantise_rows(weight: torch.Tensor, via: torch.dtype | None = None) -> tuple
 
 
 def row_chunks(weight: torch.Tensor) -> list[slice]:
-    """Slices of ``weight``'s rows of at most ``_CHUNK_ELEMENTS`` elements (one row at least)."""
+    """Slices of ``weight``'s rows of at most ``_CHUNK_ELEMENTS`` elements (one row at least). A ``meta`` tensor (the
+    memory planner's count) is one slice: it holds no memory, and each meta op costs the same whatever its size."""
+    if weight.is_meta:
+        return [slice(0, weight.shape[0])]
     rows = max(1, _CHUNK_ELEMENTS // max(1, weight.numel() // max(1, weight.shape[0])))
     return [slice(start, start + rows) for start in range(0, weight.shape[0], rows)]
 
