@@ -253,7 +253,7 @@ def section_c(device: str, smoke: bool) -> dict:
 def section_d(device: str, smoke: bool) -> dict:
     import gpu_step
 
-    argv = ["--smoke", "--settings", "bf16"] if smoke else ["--device", device, "--settings", "bf16,fp8"]
+    argv = ["--smoke"] if smoke else ["--device", device, "--settings", "bf16,fp8"]  # smoke: every CPU setting
     import contextlib
     import io
 
