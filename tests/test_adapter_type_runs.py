@@ -1,20 +1,17 @@
 """Whole runs of each ``lora.type`` (the quickstart: tiny-t2v, both experts, an expert switch every 3 steps, block
 swap and gradient checkpointing on, validation and samples): each trains and exports its LyCORIS keys, a run
 killed with SIGKILL after its first checkpoint resumes with ``--resume auto`` to files byte-equal to an
-uninterrupted run, and ``wantrain inspect-lora`` names the type. The LR finder, the alpha schedule and torchrun
-run with a non-LoRA type too."""
+uninterrupted run, and ``wantrain inspect-lora`` names the type. The LR finder and the alpha schedule run with a
+non-LoRA type too (torchrun with a DoRA: tests/test_distributed.py's two-node run)."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 from inprocess import wantrain
 from safetensors.torch import load_file
@@ -23,7 +20,6 @@ from test_end_to_end import copy_examples
 from wantrain.cli.main import main
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
 
 SETTINGS = ["train.max_steps=8", "train.log_every=2", "train.save_every=8", "checkpoint.every=4",
             "observers.progress=false", "optimizer.lr=3e-3", "model.gradient_checkpointing=true",
@@ -40,7 +36,7 @@ def run(config: Path, out: Path, *extra: str, resume: bool = False) -> subproces
     args += ["--resume", "auto"] if resume else []
     if not any(item.startswith("faults.kill_at_steps") for item in extra):
         return wantrain(*args)
-    return subprocess.run([sys.executable, "-m", "wantrain", *args], capture_output=True, text=True, timeout=600)
+    return prewarmed.run(["-m", "wantrain", *args], capture_output=True, text=True, timeout=600)
 
 
 def only_run_dir(out: Path) -> Path:
@@ -131,24 +127,3 @@ def test_the_alpha_schedule_changes_a_loha_alpha_and_the_export_carries_it(tmp_p
         tensors = load_file(str(run_dir / f"quickstart_{expert}.safetensors"))
         assert {float(v) for k, v in tensors.items() if k.endswith(".alpha")} == {7.0}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_a_dora_trains_under_torchrun_and_exports_its_keys(tmp_path):
-    config = _workspace(tmp_path)
-    shutil.rmtree(tmp_path / "runs", ignore_errors=True)
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(_free_port()), "-m", "wantrain", "run", str(config), "--set",
-            f'run.output_dir="{tmp_path / "runs"}"', "--set", 'lora.type="dora"', "--set", "train.max_steps=4",
-            "--set", "observers.progress=false"]
-    done = subprocess.run(args, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    for expert in ("high_noise", "low_noise"):
-        tensors = load_file(str(run_dir / f"quickstart_{expert}.safetensors"))
-        assert any(k.endswith(".dora_scale") for k in tensors)

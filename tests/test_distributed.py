@@ -235,12 +235,14 @@ def test_the_quickstart_runs_under_torchrun_with_its_validation_and_samples(tmp_
 
 def test_two_torchrun_launchers_meet_through_a_c10d_rendezvous_as_two_nodes(tmp_path):
     """docs/distributed.md's multi-node command, both "machines" on localhost: two launchers of one process each
-    (`--nnodes 2`, c10d rendezvous, gloo) train one run."""
+    (`--nnodes 2`, c10d rendezvous, gloo) train one run, of a DoRA (a non-LoRA type under torchrun: its magnitude
+    vectors are trained and exported like the LoRA matrices)."""
     copy_examples(tmp_path)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = launcher(tmp_path, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-                       "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "wantrain-test") + ["--max-steps", "2"]
+                       "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "wantrain-test")
+    command += ["--max-steps", "2", "--set", 'lora.type="dora"']
     nodes = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     results = [node.communicate(timeout=600) for node in nodes]
@@ -248,4 +250,7 @@ def test_two_torchrun_launchers_meet_through_a_c10d_rendezvous_as_two_nodes(tmp_
         assert node.returncode == 0, err[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
     assert [r["step"] for r in metrics(run_dir)][-1] == 2
-    assert sorted(loras(run_dir)) == ["quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"]
+    exported = loras(run_dir)
+    assert sorted(exported) == ["quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"]
+    for tensors in exported.values():
+        assert any(k.endswith(".dora_scale") for k in tensors), sorted(tensors)[:4]

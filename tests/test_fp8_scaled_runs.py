@@ -2,18 +2,22 @@
 checkpointing on, an expert switch every 3 steps) on a CPU: it trains and saves, and a run killed with SIGKILL
 after its first checkpoint resumes with ``--resume auto`` to LoRA files byte-equal to an uninterrupted run.
 
-fp8 storage is refused on a CPU only because it is not worth its cost there, so each run goes through a small
-launcher that allows it (``FP8_DEVICE_TYPES``) and records that the scaled fp8 conversion ran."""
+fp8 storage is refused on a CPU only because it is not worth its cost there, so each run allows it
+(``FP8_DEVICE_TYPES``) and records that the scaled fp8 conversion ran: the uninterrupted run and the resume in this
+process (``tests/inprocess.py``), the run that is killed in a process of its own through a small launcher that does
+the same."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
+from inprocess import wantrain
 from test_end_to_end import copy_examples
+
+from wantrain.models.wan22 import fp8
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +28,9 @@ adapter.FP8_DEVICE_TYPES = ("cuda", "cpu")
 convert = fp8.to_scaled_fp8
 def to_scaled_fp8(model, *args, **kwargs):
     model = convert(model, *args, **kwargs)
+    count = sum(isinstance(m, fp8.ScaledFp8Linear) for m in model.modules())
     with open(os.environ["FP8_MARKER"], "a") as f:
-        device = next(model.parameters()).device.type  # "meta": the memory planner's count of the weights
-        f.write(f"{device}:{sum(isinstance(m, fp8.ScaledFp8Linear) for m in model.modules())}\\n")
+        f.write(f"{next(model.parameters()).device.type}:{count}\\n")
     return model
 fp8.to_scaled_fp8 = to_scaled_fp8
 from wantrain.cli.main import main
@@ -37,13 +41,34 @@ SETTINGS = ["train.max_steps=8", "train.log_every=2", "train.save_every=8", "che
             "model.switch_every=3", 'model.base_dtype="fp8_scaled"']
 
 
-def run(config: Path, out: Path, marker: Path, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-c", LAUNCHER, "run", str(config), "--set", f"run.output_dir={out}"]
+@pytest.fixture
+def converted(monkeypatch) -> list[str]:
+    """fp8 allowed on the CPU in this process; each scaled fp8 conversion appends ``"device:ScaledFp8Linears"``
+    (device ``meta``: the memory planner's count of the weights)."""
+    monkeypatch.setattr("wantrain.models.wan22.adapter.FP8_DEVICE_TYPES", ("cuda", "cpu"))
+    conversions, convert = [], fp8.to_scaled_fp8
+
+    def to_scaled_fp8(model, *args, **kwargs):
+        model = convert(model, *args, **kwargs)
+        count = sum(isinstance(m, fp8.ScaledFp8Linear) for m in model.modules())
+        conversions.append(f"{next(model.parameters()).device.type}:{count}")
+        return model
+
+    monkeypatch.setattr(fp8, "to_scaled_fp8", to_scaled_fp8)
+    return conversions
+
+
+def run(config: Path, out: Path, *extra: str, resume: bool = False, marker: Path | None = None):
+    """A run in this process, or with ``marker`` (where the launcher writes its conversions) in a process of its
+    own."""
+    args = ["run", str(config), "--set", f"run.output_dir={out}"]
     for item in [*SETTINGS, *extra]:
         args += ["--set", item]
     args += ["--resume", "auto"] if resume else []
+    if marker is None:
+        return wantrain(*args)
     env = {**os.environ, "FP8_MARKER": str(marker)}
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    return prewarmed.run(["-c", LAUNCHER, *args], capture_output=True, text=True, timeout=600, env=env)
 
 
 def loras(out: Path) -> dict[str, bytes]:
@@ -51,21 +76,24 @@ def loras(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(run_dir.glob("quickstart*.safetensors"))}
 
 
-def test_a_scaled_fp8_run_trains_saves_and_resumes_after_sigkill_to_byte_equal_loras(tmp_path):
+def test_a_scaled_fp8_run_trains_saves_and_resumes_after_sigkill_to_byte_equal_loras(tmp_path, converted):
     config = copy_examples(tmp_path)
-    marker = tmp_path / "converted.txt"
-    done = run(config, tmp_path / "straight", marker)
+    done = run(config, tmp_path / "straight")
     assert done.returncode == 0, done.stderr
     reference = loras(tmp_path / "straight")
     assert set(reference) == {"quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"}
     # both experts converted, 10 Linears in each of the tiny twin's 2 blocks
-    assert [line for line in marker.read_text().split() if not line.startswith("meta:")] == ["cpu:20", "cpu:20"]
+    assert [c for c in converted if not c.startswith("meta:")] == ["cpu:20", "cpu:20"]
 
-    killed = run(config, tmp_path / "killed", marker, "faults.kill_at_steps=[6]")
+    marker = tmp_path / "converted.txt"
+    killed = run(config, tmp_path / "killed", "faults.kill_at_steps=[6]", marker=marker)
     assert killed.returncode == -9, killed.stderr
+    assert [c for c in marker.read_text().split() if not c.startswith("meta:")] == ["cpu:20", "cpu:20"]
     (run_dir,) = (tmp_path / "killed").iterdir()
     assert (run_dir / "checkpoints" / "step_000004" / "complete.json").exists()
     assert not list(run_dir.glob("quickstart*.safetensors"))
-    resumed = run(config, tmp_path / "killed", marker, resume=True)
+    converted.clear()
+    resumed = run(config, tmp_path / "killed", resume=True)
     assert resumed.returncode == 0, resumed.stderr
+    assert [c for c in converted if not c.startswith("meta:")] == ["cpu:20", "cpu:20"]
     assert loras(tmp_path / "killed") == reference

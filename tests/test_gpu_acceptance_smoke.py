@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_gpu_acceptance_script_runs_every_section_on_the_cpu():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_acceptance.py"), "--smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = prewarmed.run([ROOT / "bench" / "gpu_acceptance.py", "--smoke"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     sections = ("tiny_t2v_resume", "expert_switch_memory", "block_activations", "gpu_step", "sync_debug", "vram_plan")

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 from inprocess import wantrain
 from test_end_to_end import copy_examples
@@ -113,7 +114,7 @@ def assert_same_as_reference(run_dir: Path, reference: Path, *, losses: bool = T
 def test_sigkill_at_a_random_moment_then_resume_auto_gives_the_same_loras_and_losses(workspace, reference, tmp_path):
     config = fresh_copy(workspace, tmp_path)
     delay = random.Random(time.time_ns()).uniform(0.0, 1.5)
-    proc = subprocess.Popen(command(config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = prewarmed.Popen(command(config)[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = first_checkpoint(tmp_path, proc)
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
@@ -150,9 +151,8 @@ def test_sigkill_during_a_save_leaves_nothing_half_written_and_resume_auto_skips
     driver = tmp_path / "driver.py"
     driver.write_text(KILL_DURING_SAVE)
     config = fresh_copy(workspace, tmp_path / "runs")
-    args = [sys.executable, str(driver), *command(config)[3:]]
-    killed = subprocess.run(args, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "KILL_AT_SAVE_CALL": str(call)})
+    killed = prewarmed.run([driver, *command(config)[3:]], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "KILL_AT_SAVE_CALL": str(call)})
     assert killed.returncode == -signal.SIGKILL
     run_dir = only_run_dir(tmp_path / "runs")
     leftovers = [p.name for p in [*run_dir.glob(".*tmp-*"), *(run_dir / "checkpoints").glob(".*tmp-*")]]
@@ -170,7 +170,7 @@ def test_sigkill_during_a_save_leaves_nothing_half_written_and_resume_auto_skips
 def test_sigterm_stops_with_exit_code_3_and_a_checkpoint_that_resumes_to_the_same_loras(workspace, reference,
                                                                                         tmp_path):
     config = fresh_copy(workspace, tmp_path)
-    proc = subprocess.Popen(command(config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = prewarmed.Popen(command(config)[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = first_checkpoint(tmp_path, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
@@ -188,12 +188,12 @@ def test_sigterm_stops_with_exit_code_3_and_a_checkpoint_that_resumes_to_the_sam
 
 CACHE_SIGNAL = """
 import os, signal, sys
-import wantrain.data as data
-original = data.ensure_cache
+import wantrain.app.assemble as assemble  # where a run calls it (imported already in a prewarmed fork)
+original = assemble.ensure_cache
 def ensure_cache(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGTERM)
     return original(*args, **kwargs)
-data.ensure_cache = ensure_cache
+assemble.ensure_cache = ensure_cache
 from wantrain.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -205,8 +205,7 @@ def test_a_signal_while_the_cache_fills_stops_cleanly_before_the_run_directory_e
     driver = tmp_path / "driver.py"
     driver.write_text(CACHE_SIGNAL)
     config = fresh_copy(workspace, tmp_path / "runs")
-    done = subprocess.run([sys.executable, str(driver), *command(config)[3:]], capture_output=True, text=True,
-                          timeout=300)
+    done = prewarmed.run([driver, *command(config)[3:]], capture_output=True, text=True, timeout=300)
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr and "stopped after 0 steps" in done.stderr
     assert "SIGTERM before the first step, while the cache filled (before the run directory was made" in done.stderr

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 from inprocess import wantrain
 from test_end_to_end import copy_examples
@@ -26,8 +26,8 @@ def run(config: Path, *extra: str) -> subprocess.CompletedProcess:
     """A run; one that is killed (``faults.kill_at_steps``) in a process of its own, the others in this one."""
     if not any(item.startswith("faults.kill_at_steps") for item in extra):
         return wantrain("run", str(config), *SETTINGS, *extra)
-    return subprocess.run([sys.executable, "-m", "wantrain.cli.main", "run", str(config), *SETTINGS, *extra],
-                          capture_output=True, text=True, timeout=300)
+    return prewarmed.run(["-m", "wantrain.cli.main", "run", str(config), *SETTINGS, *extra], capture_output=True,
+                         text=True, timeout=300)
 
 
 def events(root: Path) -> list[dict]:

@@ -9,11 +9,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import tomllib
 from pathlib import Path
 
+import prewarmed
 import pytest
 from core.small_fs import fill, read_only_bind, remount, small_tmpfs
 from inprocess import wantrain
@@ -80,8 +80,8 @@ def subprocess_run(config: Path, steps: int, *extra: str) -> subprocess.Complete
 def test_resume_auto_on_a_live_run_is_refused_naming_its_pid_and_the_live_run_loses_nothing(workspace, tmp_path,
                                                                                             capsys):
     config = config_in(workspace, tmp_path)
-    live = subprocess.Popen([sys.executable, "-m", "wantrain.cli.main", *args(config, 400)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    live = prewarmed.Popen(["-m", "wantrain.cli.main", *args(config, 400)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not (tmp_path.is_dir() and run_dirs(tmp_path)
@@ -150,8 +150,8 @@ def test_a_resume_on_a_full_disk_keeps_config_toml_so_a_later_resume_finds_the_r
 
 def test_a_run_directory_made_read_only_mid_run_is_one_line_and_resumes_once_writable(workspace, tmp_path):
     config = config_in(workspace, tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "wantrain.cli.main", *args(config, 400)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = prewarmed.Popen(["-m", "wantrain.cli.main", *args(config, 400)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not (run_dirs(tmp_path) and (run_dirs(tmp_path)[0] / "checkpoints" / "step_000004").exists()):

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 from wantrain.app.serve import PageServer
@@ -73,8 +72,8 @@ def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     # the quickstart, long enough to be watched: it ends only when the page stops it; the page is `wantrain serve`
     # of its output folder (--serve starts the same server in a child process that ends with the run)
-    trainer = subprocess.Popen(
-        [sys.executable, "-m", "wantrain", "run", str(ROOT / "examples" / "quickstart.toml"),
+    trainer = prewarmed.Popen(
+        ["-m", "wantrain", "run", str(ROOT / "examples" / "quickstart.toml"),
          "--set", f'run.output_dir="{output}"', "--set", "train.max_steps=100000", "--set", "train.log_every=2",
          "--set", "train.save_every=100000", "--set", "validation.every=100000", "--set", "sample.every=100000"],
         env=env, stdout=(tmp_path / "out.txt").open("w"), stderr=(tmp_path / "err.txt").open("w"))  # never full
