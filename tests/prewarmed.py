@@ -184,7 +184,7 @@ class _Server:
     """The server of this test process, started on first use and stopped when the process ends."""
 
     _lock = threading.Lock()
-    _path: str | None = None
+    _path: str | None = os.environ.get("PREWARMED_SERVER")  # a relay's: its test process's server
 
     @classmethod
     def path(cls) -> str:
@@ -206,6 +206,11 @@ class _Server:
     @staticmethod
     def _stop(lifeline) -> None:
         lifeline.close()  # the server sees its stdin end and exits
+
+
+def server() -> str:
+    """The socket of this test process's server (started if need be), for a relay's ``PREWARMED_SERVER``."""
+    return _Server.path()
 
 
 class Popen:

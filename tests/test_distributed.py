@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 from safetensors.torch import load_file
 from test_end_to_end import copy_examples
@@ -51,17 +52,19 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def torchrun(workspace: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node 2 -m wantrain run`` on 127.0.0.1, runs under ``workspace/name``."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), "-m", "wantrain", "run", str(workspace / "quickstart.toml"),
+    """``torchrun --nproc_per_node 2 -m wantrain run`` on 127.0.0.1, runs under ``workspace/name``: torchrun and its
+    ranks forked from the prewarmed server (``tests/prewarmed.py``, ``tests/prewarmed_relay.py``; the quickstart and
+    two-node tests below launch ``torchrun -m wantrain`` itself)."""
+    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(ROOT / "tests" / "prewarmed_relay.py"),
+            "-m", "wantrain", "run", str(workspace / "quickstart.toml"),
             "--set", f'run.output_dir="{workspace / name}"', "--set", "faults.oom_ranks=[1]",
             "--set", 'observers.extra=["distributed_probe:RankProbe"]', "--allow-code"]
     for item in SETTINGS:
         args += ["--set", item]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "WANTRAIN_PROBE_DIR": str(workspace / f"{name}_probe"),
-               "WANTRAIN_PROBE_WATCH": str(workspace / name), **(env or {})}
-    return subprocess.run(args + list(extra), cwd=workspace, env=environ, capture_output=True, text=True,
-                          timeout=600)
+               "WANTRAIN_PROBE_WATCH": str(workspace / name), "PREWARMED_SERVER": prewarmed.server(), **(env or {})}
+    return prewarmed.run(args + list(extra), cwd=workspace, env=environ, capture_output=True, text=True, timeout=600)
 
 
 def probe(workspace: Path, name: str, rank: int) -> tuple[dict, dict]:
