@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import prewarmed
 import psutil
@@ -54,3 +55,20 @@ def test_the_server_is_no_child_of_the_test_process():
     assert prewarmed.run(["-c", "pass"]).returncode == 0
     children = psutil.Process().children(recursive=True)
     assert not [p for p in children if "prewarmed" in " ".join(p.cmdline())]
+
+
+def test_the_relay_passes_a_signal_on_and_ends_with_its_forks_code(tmp_path):
+    """What torchrun sees of a rank started through ``tests/prewarmed_relay.py``: the fork's output and exit code,
+    and a SIGTERM sent to the relay ends the fork (torchrun's way of stopping the other ranks)."""
+    relay = [sys.executable, str(Path(__file__).with_name("prewarmed_relay.py"))]
+    env = {**os.environ, "PREWARMED_SERVER": prewarmed.server()}
+    done = subprocess.run([*relay, "-c", "import os; print(os.environ['RANK']); raise SystemExit(3)"],
+                          capture_output=True, text=True, env={**env, "RANK": "1"}, timeout=60)
+    assert (done.returncode, done.stdout) == (3, "1\n")
+    proc = subprocess.Popen([*relay, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    fork = psutil.Process(int(proc.stdout.readline()))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert not fork.is_running() or fork.status() == psutil.STATUS_ZOMBIE
+    proc.stdout.close()
