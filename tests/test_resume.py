@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -50,7 +49,8 @@ def fresh_copy(workspace: Path, tmp_path: Path) -> Path:
 
 
 def command(config: Path, *extra: str) -> list[str]:
-    args = [sys.executable, "-m", "wantrain.cli.main", "run", str(config)]
+    """``wantrain``'s arguments for a run of ``config`` with :data:`SETTINGS`."""
+    args = ["run", str(config)]
     for item in SETTINGS:
         args += ["--set", item]
     return args + list(extra)
@@ -91,14 +91,14 @@ def loss_series(run_dir: Path) -> list[tuple[int, float]]:
 
 def resume(config: Path) -> subprocess.CompletedProcess:
     """``--resume auto`` in this process (``tests/inprocess.py``): the kills and signals are the subprocesses'."""
-    return wantrain(*command(config, "--resume", "auto")[3:])
+    return wantrain(*command(config, "--resume", "auto"))
 
 
 @pytest.fixture(scope="module")
 def reference(workspace, tmp_path_factory) -> Path:
     """The uninterrupted run everything is compared with."""
     tmp = tmp_path_factory.mktemp("reference")
-    done = wantrain(*command(fresh_copy(workspace, tmp))[3:])
+    done = wantrain(*command(fresh_copy(workspace, tmp)))
     assert done.returncode == 0, done.stderr
     return only_run_dir(tmp)
 
@@ -114,7 +114,7 @@ def assert_same_as_reference(run_dir: Path, reference: Path, *, losses: bool = T
 def test_sigkill_at_a_random_moment_then_resume_auto_gives_the_same_loras_and_losses(workspace, reference, tmp_path):
     config = fresh_copy(workspace, tmp_path)
     delay = random.Random(time.time_ns()).uniform(0.0, 1.5)
-    proc = prewarmed.Popen(command(config)[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = prewarmed.Popen(["-m", "wantrain", *command(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = first_checkpoint(tmp_path, proc)
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
@@ -151,7 +151,7 @@ def test_sigkill_during_a_save_leaves_nothing_half_written_and_resume_auto_skips
     driver = tmp_path / "driver.py"
     driver.write_text(KILL_DURING_SAVE)
     config = fresh_copy(workspace, tmp_path / "runs")
-    killed = prewarmed.run([driver, *command(config)[3:]], capture_output=True, text=True, timeout=300,
+    killed = prewarmed.run([driver, *command(config)], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "KILL_AT_SAVE_CALL": str(call)})
     assert killed.returncode == -signal.SIGKILL
     run_dir = only_run_dir(tmp_path / "runs")
@@ -170,7 +170,8 @@ def test_sigkill_during_a_save_leaves_nothing_half_written_and_resume_auto_skips
 def test_sigterm_stops_with_exit_code_3_and_a_checkpoint_that_resumes_to_the_same_loras(workspace, reference,
                                                                                         tmp_path):
     config = fresh_copy(workspace, tmp_path)
-    proc = prewarmed.Popen(command(config)[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = prewarmed.Popen(["-m", "wantrain", *command(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
     run_dir = first_checkpoint(tmp_path, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
@@ -205,7 +206,7 @@ def test_a_signal_while_the_cache_fills_stops_cleanly_before_the_run_directory_e
     driver = tmp_path / "driver.py"
     driver.write_text(CACHE_SIGNAL)
     config = fresh_copy(workspace, tmp_path / "runs")
-    done = prewarmed.run([driver, *command(config)[3:]], capture_output=True, text=True, timeout=300)
+    done = prewarmed.run([driver, *command(config)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr and "stopped after 0 steps" in done.stderr
     assert "SIGTERM before the first step, while the cache filled (before the run directory was made" in done.stderr
