@@ -31,6 +31,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -199,13 +200,14 @@ class _Server:
                 ready = server.stdout.readline()
                 assert ready == b"ready\n", f"the prewarmed server did not start:\n{log.read_text()}"
                 server.wait()  # the launcher that forked the server away
-                atexit.register(cls._stop, server.stdin)
+                atexit.register(cls._stop, server.stdin, folder)
                 cls._path = path
             return cls._path
 
     @staticmethod
-    def _stop(lifeline) -> None:
+    def _stop(lifeline, folder: str) -> None:
         lifeline.close()  # the server sees its stdin end and exits
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def server() -> str:
