@@ -267,12 +267,10 @@ class Popen:
         return json.loads(line)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            message = self._message(0)
-            if message is not None:
-                self.returncode = message["returncode"]
-                self._conn.close()
-        return self.returncode
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
