@@ -59,20 +59,48 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 PCIe": 756.0, "H100"
                     "A100": 312.0, "L40S": 362.0, "L40": 181.0, "A6000": 155.0, "RTX 4090": 165.0, "A10G": 70.0}
 
 
-def latent_shape(height: int, width: int, frames: int) -> tuple[int, int, int, int, int]:
-    """Wan 2.1 VAE latents of one clip: 16 channels, time /4 (+1), space /8."""
-    return (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+def latent_shape(height: int, width: int, frames: int, variant: str = "t2v-a14b") -> tuple[int, int, int, int, int]:
+    """The VAE latents of one clip: Wan 2.1's 16 channels, time /4 (+1), space /8 (A14B); Wan 2.2's 48 channels,
+    space /16 (TI2V-5B)."""
+    spec = VARIANTS[variant]
+    stride = spec.spatial_multiple // 2  # spatial_multiple is the VAE's stride times the 2x2 patch
+    return (1, spec.latent_channels, (frames - 1) // spec.frame_multiple + 1, height // stride, width // stride)
 
 
-def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: bool, rank: int, swap: int = 0):
-    """One expert with random weights, built on ``meta`` in its storage dtypes and only then materialised: the
-    frozen tensors of the last ``swap`` blocks straight on the host (where ``BlockSwap`` keeps them), everything
-    else on ``device``. The device never holds the model in another dtype, nor a swapped block outside the ring (a
-    24 GiB card could not hold the 28.6 GB bf16 expert even for a moment)."""
+def fill_random(model, device: torch.device, seed: int, *, lora: bool = False) -> None:
+    """Random weights drawn on ``device`` with one generator per tensor seeded from ``seed`` and the tensor's index,
+    then copied to wherever the tensor lives (the host for swapped blocks) in its storage dtype: every placement of
+    the same architecture gets the same weights (the plain and the swapped run compare their gradients), and the
+    host never draws ~14 B random numbers on one core. Small normal for matrices, ones/zeros for norms and biases;
+    ``lora``: only the LoRA tensors, all small normal (B not zero: the gradients of A are compared too)."""
+    with torch.no_grad():
+        for index, (name, p) in enumerate(model.named_parameters()):
+            is_lora = f".{ADAPTER_NAME}." in name
+            if is_lora != lora:
+                continue
+            g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+            if p.dim() >= 2 or is_lora:
+                value = torch.randn(p.shape, generator=g, device=device).mul_(0.01 if is_lora else 0.02)
+                p.copy_(value)  # cast to the storage dtype (float8 included) and, for host tensors, copied there
+                del value
+            elif "norm" in name or name.endswith("scale_shift_table"):
+                p.fill_(1.0 if "weight" in name else 0.0)
+            else:
+                p.zero_()
+
+
+def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: bool, rank: int, swap: int = 0,
+                 variant: str = "t2v-a14b", fp8_scaled: bool = False, seed: int = 0):
+    """One expert of ``variant`` with random weights (:func:`fill_random`), built on ``meta`` in its storage dtypes
+    and only then materialised: the frozen tensors of the last ``swap`` blocks straight on the host (where
+    ``BlockSwap`` keeps them), everything else on ``device``. The device never holds the model in another dtype,
+    nor a swapped block outside the ring (a 24 GiB card could not hold the 28.6 GB bf16 expert even for a moment).
+    ``fp8_scaled``: bf16 weights quantised per output row into ``ScaledFp8Linear`` (``base_dtype = "fp8_scaled"``)
+    after materialising, so only with ``swap = 0``."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
-    spec = VARIANTS["tiny-t2v" if tiny else "t2v-a14b"]
+    spec = VARIANTS[model_variant(variant, tiny)]
     kwargs = transformer_kwargs(spec)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     with torch.device("meta"):
@@ -83,17 +111,12 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
         if swap else set()
     for module in model.modules():
         module.to_empty(device="cpu" if id(module) in host_blocks else device, recurse=False)
-    with torch.no_grad():  # random weights: small normal for matrices, ones/zeros for norms and biases
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # normal_ has no float8 kernel
-                    p.copy_(torch.empty(p.shape, dtype=torch.bfloat16, device=p.device).normal_(0.0, 0.02))
-                else:
-                    p.normal_(0.0, 0.02)
-            elif "norm" in name or name.endswith("scale_shift_table"):
-                p.fill_(1.0 if "weight" in name else 0.0)
-            else:
-                p.zero_()
+    fill_random(model, device, seed)
+    if fp8_scaled:
+        from wantrain.models.wan22.fp8 import to_scaled_fp8
+
+        assert not swap and not fp8, "fp8_scaled is built on the device, unswapped"
+        to_scaled_fp8(model, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     # RoPE frequencies are buffers computed in __init__: rebuild them on the device (to_empty left them blank)
     model.rope = type(model.rope)(model.rope.attention_head_dim, model.rope.patch_size,
                                   model.rope.max_seq_len).to(device)
@@ -106,6 +129,7 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
         if f".{ADAPTER_NAME}." in name:  # LoRA follows its base layer's device: all of it goes to the device
             p.data = p.data.float().to(device)
             p.requires_grad_(True)
+    fill_random(model, device, seed, lora=True)
     return model.train(), spec, dtype
 
 
@@ -113,7 +137,8 @@ def settings_table(smoke: bool) -> dict[str, dict]:
     """Setting name -> (fp8, blocks_to_swap, offload). Smoke: the tiny twin's two blocks, fp32 on the CPU."""
     if smoke:
         return {"bf16": dict(fp8=False, swap=0, offload=False), "bf16-swap1": dict(fp8=False, swap=1, offload=False),
-                "bf16-swap1-offload": dict(fp8=False, swap=1, offload=True)}
+                "bf16-swap1-offload": dict(fp8=False, swap=1, offload=True),
+                "fp8_scaled": dict(fp8=False, swap=0, offload=False, fp8_scaled=True)}
     out = {}
     for fp8 in (False, True):
         for swap in (0, 20, 38):
@@ -124,13 +149,15 @@ def settings_table(smoke: bool) -> dict[str, dict]:
 
 
 def parse_setting(name: str, blocks: int) -> dict | None:
-    """``bf16``, ``fp8-swap38``, ``bf16-swap39-offload``, ... -> (fp8, blocks_to_swap, offload); None if not one."""
+    """``bf16``, ``fp8-swap38``, ``bf16-swap39-offload``, ``fp8_scaled``, ... -> (fp8, blocks_to_swap, offload);
+    None if not one (``fp8_scaled`` is built on the device: no swap)."""
     import re
 
-    match = re.fullmatch(r"(bf16|fp8)(?:-swap(\d+))?(-offload)?", name)
-    if match is None or int(match.group(2) or 0) > blocks:
+    match = re.fullmatch(r"(bf16|fp8_scaled|fp8)(?:-swap(\d+))?(-offload)?", name)
+    if match is None or int(match.group(2) or 0) > blocks or (match.group(1) == "fp8_scaled" and match.group(2)):
         return None
-    return dict(fp8=match.group(1) == "fp8", swap=int(match.group(2) or 0), offload=bool(match.group(3)))
+    return dict(fp8=match.group(1) == "fp8", swap=int(match.group(2) or 0), offload=bool(match.group(3)),
+                fp8_scaled=match.group(1) == "fp8_scaled")
 
 
 def swap_blocks(model, swap: int, device: torch.device, on_copy) -> BlockSwap | None:
@@ -162,16 +189,17 @@ def link_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return nbytes / statistics.median(times)
 
 
-def planned_gib(setting: dict, shape: tuple[int, int, int], rank: int, tiny: bool) -> float:
-    """The planner's allocated peak (GiB) of the setting, attention's backward buffer included (what
-    ``max_memory_allocated`` sees on CUDA; ``wantrain check`` prints it part by part)."""
-    from wantrain.models.wan22.memory import GIB, MemorySettings, estimate
+def planned(setting: dict, shape: tuple[int, int, int], rank: int, variant: str):
+    """The planner's estimate (``wantrain.models.wan22.memory``) of the setting: its ``training_peak`` is the
+    allocated peak with attention's backward buffer (what ``max_memory_allocated`` sees on CUDA; ``wantrain check``
+    prints it part by part), its ``link_bytes`` the bytes over the host link per step."""
+    from wantrain.models.wan22.memory import MemorySettings, estimate
 
     height, width, frames = shape
-    dtype = "fp32" if tiny else ("fp8" if setting["fp8"] else "bf16")
-    est = estimate("tiny-t2v" if tiny else "t2v-a14b", MemorySettings(dtype, setting["swap"], setting["offload"]),
-                   width=width, height=height, frames=frames, rank=rank)
-    return est.training_peak / GIB
+    tiny = variant.startswith("tiny-")
+    dtype = "fp32" if tiny else ("fp8" if setting["fp8"] else "fp8_scaled" if setting.get("fp8_scaled") else "bf16")
+    return estimate(variant, MemorySettings(dtype, setting["swap"], setting["offload"]),
+                    width=width, height=height, frames=frames, rank=rank)
 
 
 def model_flops(counts: dict) -> tuple[float, float]:
@@ -180,15 +208,31 @@ def model_flops(counts: dict) -> tuple[float, float]:
     return sum(counts.values()) - attention, attention
 
 
+def model_variant(variant: str, tiny: bool) -> str:
+    """The variant built: ``variant``'s tiny twin with ``tiny`` (``t2v-a14b`` -> ``tiny-t2v``)."""
+    return "tiny-" + variant.split("-")[0] if tiny else variant
+
+
 def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape: tuple[int, int, int],
                steps: int, warmup: int, rank: int, peak_tflops: float | None, swap: int = 0,
-               offload: bool = False, bandwidth: float | None = None, cap_gib: float | None = None) -> dict:
+               offload: bool = False, bandwidth: float | None = None, cap_gib: float | None = None,
+               variant: str = "t2v-a14b", fp8_scaled: bool = False, first_grads: dict | None = None) -> dict:
+    """One setting's steps and figures (JSON-ready). ``first_grads``, when given, receives the LoRA gradients of
+    the first step (before clipping) on the host, and the result its loss: runs of the same variant and seed
+    have the same weights and inputs, so a placement that moves data wrongly shows as a different gradient."""
+    context_gib = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        # a smaller card on a larger one: allocations past the cap raise out-of-memory (1.0: no cap)
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total) if cap_gib else 1.0, device)
-    model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank, swap=swap)
+        # a smaller card on a larger one: allocations past the cap raise out-of-memory (1.0: no cap). The card's
+        # memory also holds the CUDA context and the libraries' workspaces, outside PyTorch's allocator: the cap
+        # is the card less what is used outside the allocator now
+        free, total = torch.cuda.mem_get_info(device)
+        outside = total - free - torch.cuda.memory_reserved(device)
+        context_gib = round(outside / 2**30, 3)
+        fraction = (cap_gib * 2**30 - outside) / total if cap_gib else 1.0
+        torch.cuda.set_per_process_memory_fraction(min(1.0, max(fraction, 0.0)), device)
+    model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank, swap=swap,
+                                      variant=variant, fp8_scaled=fp8_scaled)
     traffic = {"bytes": 0}
     block_bytes: dict[int, int] = {}
 
@@ -209,9 +253,11 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
     g = torch.Generator(device=device).manual_seed(0)
-    latents = torch.randn(latent_shape(*shape), generator=g, device=device)
-    if tiny:
-        latents = latents[:, : model.config.in_channels]
+    latents = torch.randn(latent_shape(*shape, variant=variant), generator=g, device=device)
+    latents = latents[:, : model.config.out_channels]
+    # I2V: the channels past the noisy latents are the image condition (mask and encoded first frame), fixed
+    condition = torch.randn(1, model.config.in_channels - latents.shape[1], *latents.shape[2:], generator=g,
+                            device=device)
     text = torch.randn(1, spec.text_len, model.config.text_dim, generator=g, device=device, dtype=dtype)
 
     def loss_fn() -> torch.Tensor:
@@ -219,7 +265,8 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
         noise = torch.randn(latents.shape, generator=g, device=device)
         x_t = (1 - t.view(1, 1, 1, 1, 1)) * latents + t.view(1, 1, 1, 1, 1) * noise
         with offloader.active() if offloader is not None else contextlib.nullcontext():
-            pred = model(hidden_states=x_t.to(dtype), timestep=t * 1000, encoder_hidden_states=text,
+            pred = model(hidden_states=torch.cat([x_t, condition], 1).to(dtype), timestep=t * 1000,
+                         encoder_hidden_states=text,
                          return_dict=False)[0].float()
         return ((pred - (noise - latents)) ** 2).mean()
 
@@ -247,6 +294,10 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
         start = time.perf_counter()
         loss = loss_fn()
         loss.backward()
+        if i == 0 and first_grads is not None:  # a warm-up step: its syncs and copies are not timed
+            first_loss = loss.item()
+            first_grads.update({n: p.grad.detach().float().cpu() for n, p in model.named_parameters()
+                                if p.grad is not None})
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -254,8 +305,8 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
         if i >= warmup:
             times.append(time.perf_counter() - start)
     s_per_step = statistics.median(times)
-    out = {"config": name, "latents": list(latents.shape), "tokens": int(latents.shape[2] * latents.shape[3]
-                                                                         * latents.shape[4] // 4),
+    out = {"config": name, "variant": variant, "latents": list(latents.shape),
+           "tokens": int(latents.shape[2] * latents.shape[3] * latents.shape[4] // 4),
            "lora_rank": rank, "fp8_base": fp8, "blocks_to_swap": swap, "offload_activations": offload,
            "gradient_checkpointing": True, "steps_timed": steps,
            "s_per_step": round(s_per_step, 4), "forward_tflops": round(forward_flops / 1e12, 3),
@@ -268,14 +319,32 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     if bandwidth:
         copy_s = out["link_bytes_per_step"] / bandwidth
         out.update(copy_s_per_step=round(copy_s, 4), copy_fraction_of_step=round(copy_s / s_per_step, 4))
-    out["memory_cap_gib"] = cap_gib
-    out["planned_allocated_gib"] = round(planned_gib({"fp8": fp8, "swap": swap, "offload": offload}, shape, rank,
-                                                     tiny), 2)
+    if first_grads is not None:
+        out["first_step_loss"] = first_loss
+    out["memory_cap_gib"], out["context_gib"] = cap_gib, context_gib
+    est = planned({"fp8": fp8, "swap": swap, "offload": offload, "fp8_scaled": fp8_scaled}, shape, rank,
+                  model_variant(variant, tiny))
+    out["planned_allocated_gib"] = round(est.training_peak / 2**30, 2)
+    out["planned_link_bytes_per_step"] = est.link_bytes
     if device.type == "cuda":
         out["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         out["peak_vram_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
         out["planned_vs_measured"] = round(out["planned_allocated_gib"] / out["peak_vram_gib"], 3)
     return out
+
+
+def compare_first_steps(loss_a: float, grads_a: dict, loss_b: float, grads_b: dict) -> dict:
+    """How far run b's first step is from run a's: the loss's relative difference, and the LoRA gradients' relative
+    L2 distance (all tensors together) and the largest one tensor has; a tensor missing from either is counted."""
+    names = sorted(set(grads_a) | set(grads_b))
+    missing = [n for n in names if n not in grads_a or n not in grads_b]
+    diff = sum(float((grads_a[n] - grads_b[n]).pow(2).sum()) for n in names if n not in missing)
+    norm = sum(float(grads_a[n].pow(2).sum()) for n in names if n not in missing)
+    worst = max((float((grads_a[n] - grads_b[n]).norm() / grads_a[n].norm().clamp_min(1e-30))
+                 for n in names if n not in missing), default=0.0)
+    return {"loss_rel_diff": abs(loss_b - loss_a) / max(abs(loss_a), 1e-30),
+            "grad_rel_l2": (diff / max(norm, 1e-30)) ** 0.5, "grad_worst_tensor_rel_l2": worst,
+            "tensors": len(names), "missing": len(missing)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 TFLOP/s (default: from a table)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny-t2v twin, tiny shapes, on the CPU (checks that the script runs)")
+    parser.add_argument("--variant", default="t2v-a14b", choices=("t2v-a14b", "i2v-a14b", "ti2v-5b"))
+    parser.add_argument("--size", default="832x480x81", help="video WIDTHxHEIGHTxFRAMES (default 832x480x81)")
     parser.add_argument("--cap-gib", type=float, help="emulate a card of this many GiB for every setting but plain "
                         "bf16 (torch.cuda.set_per_process_memory_fraction), e.g. 24 for a 4090")
     args = parser.parse_args(argv)
@@ -300,22 +371,35 @@ def main(argv: list[str] | None = None) -> int:
         peak = peak or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
     table = settings_table(args.smoke)
     wanted = args.settings.split(",") if args.settings else list(table)
-    blocks = VARIANTS["tiny-t2v" if args.smoke else "t2v-a14b"].num_layers
+    blocks = VARIANTS[model_variant(args.variant, args.smoke)].num_layers
     for w in wanted:
         setting = table.get(w) or parse_setting(w, blocks)
         if setting is None:
-            parser.error(f"unknown setting {w!r}; use bf16|fp8[-swapN][-offload] with N <= {blocks}, e.g. "
+            parser.error(f"unknown setting {w!r}; use bf16|fp8|fp8_scaled[-swapN][-offload] with N <= {blocks} "
+                         f"(fp8_scaled: no swap), e.g. "
                          f"{', '.join(table)}")
         table[w] = setting
     bandwidth = link_bandwidth(device, 1 << 20 if args.smoke else 1 << 30)
     info["link_bytes_per_s"] = round(bandwidth)
-    shape = (64, 64, 9) if args.smoke else (480, 832, 81)
+    try:
+        width, height, frames = (int(v) for v in args.size.lower().split("x"))
+    except ValueError:
+        parser.error(f"--size {args.size!r}: use WIDTHxHEIGHTxFRAMES, e.g. 832x480x81")
+    shape = (64, 64, 9) if args.smoke else (height, width, frames)
     results = []
+    plain_grads: dict = {}
     for name in wanted:
+        grads: dict = {}
         results.append(run_config(name, device, tiny=args.smoke, shape=shape, rank=args.rank if not args.smoke else 4,
                                   steps=args.steps if not args.smoke else 2, warmup=args.warmup if not args.smoke
-                                  else 1, peak_tflops=peak, bandwidth=bandwidth,
-                                  cap_gib=None if name == "bf16" else args.cap_gib, **table[name]))
+                                  else 1, peak_tflops=peak, bandwidth=bandwidth, variant=args.variant,
+                                  cap_gib=None if name == "bf16" else args.cap_gib, first_grads=grads, **table[name]))
+        if name == "bf16":
+            plain_grads, plain_loss = grads, results[-1]["first_step_loss"]
+        elif plain_grads and name.startswith("bf16-"):  # the same weights and inputs, only placed differently
+            results[-1]["same_as_bf16"] = compare_first_steps(plain_loss, plain_grads,
+                                                              results[-1]["first_step_loss"], grads)
+        del grads
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # progress, in case the run is cut short
         gc.collect()  # the swap's hooks hold the model in reference cycles: free it before the next setting
         if device.type == "cuda":
