@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         grads: dict = {}
         results.append(run_config(name, device, tiny=args.smoke, shape=shape, rank=args.rank if not args.smoke else 4,
-                                  steps=args.steps if not args.smoke else 2, warmup=args.warmup if not args.smoke
+                                  steps=args.steps if not args.smoke else 1, warmup=args.warmup if not args.smoke
                                   else 1, peak_tflops=peak, bandwidth=bandwidth, variant=args.variant,
                                   cap_gib=None if name == "bf16" else args.cap_gib, first_grads=grads, **table[name]))
         if name == "bf16":
