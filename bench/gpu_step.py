@@ -26,8 +26,14 @@ Linear's backward is 1x its forward; the LoRA weight gradients are negligible), 
 2x its forward (dQ, dK, dV and the recomputed scores). The forward recomputed by gradient checkpointing is not
 counted, as usual for MFU. The peak comes from ``--peak-tflops`` or a table of known GPUs.
 
-The model is built on ``meta`` in its storage dtypes (bf16, or float8 Linears for ``fp8``) and materialised on
-the device afterwards, and the peak-memory counter is reset after the build: the peak is that of training.
+The model is built on ``meta`` in its storage dtypes (bf16, or float8 Linears for ``fp8``; ``fp8_scaled``: bf16
+quantised per row into wantrain's ``ScaledFp8Linear``, unswapped) and materialised afterwards with random weights
+drawn on the device, one generator per tensor from a fixed seed (:func:`fill_random`; swapped blocks' tensors are
+copied to the host from there), and the peak-memory counter is reset after the build: the peak is that of
+training. Every setting of a variant has the same weights and inputs, so a bf16 setting run after plain ``bf16``
+reports its first step's loss and LoRA gradients against plain's (``same_as_bf16``). ``--variant`` (``i2v-a14b``:
+36 input channels, the 20 past the latents a fixed random condition; ``ti2v-5b``: 48-channel latents, stride 16)
+and ``--size`` pick another model and video. ``--cap-gib`` counts the CUDA context (``context_gib``) in the cap.
 
     python bench/gpu_step.py                       # every setting on cuda:0, JSON on stdout (~15 min on an H200)
     python bench/gpu_step.py --settings bf16,bf16-swap38-offload --steps 3
