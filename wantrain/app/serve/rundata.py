@@ -250,8 +250,9 @@ class RunData:
                         else JsonlTail(run_dir / "events.jsonl", select=_timeline_lines))
         self._log = JsonlTail(run_dir / "log.jsonl", select=_warning_lines)
         # metrics as columns: the step of each row, one float array per metric (NaN where a row lacks it)
-        self.steps = np.zeros(0)
-        self.columns: dict[str, np.ndarray] = {}
+        self._rows = 0
+        self._steps = np.zeros(0)  # buffers with room to grow (doubling): appending a row copies nothing
+        self._columns: dict[str, np.ndarray] = {}
         self.timeline: list[dict[str, Any]] = []
         self.switches: list[int] = []  # steps of ExpertSwitched
         self.started: dict[str, Any] | None = None
@@ -278,7 +279,6 @@ class RunData:
             self._read_once()
             if not any(tail.more for tail in self.tails):
                 break
-        self.last_summary = self.summary()
 
     def _read_once(self) -> None:
         self._add_rows(self._metrics.read())
@@ -300,7 +300,31 @@ class RunData:
 
     @property
     def rows(self) -> int:
-        return len(self.steps)
+        return self._rows
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self._steps[:self._rows]
+
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        """One float array per metric, NaN where a row lacks it (views: later rows go past their end)."""
+        return {key: column[:self._rows] for key, column in self._columns.items()}
+
+    def _room(self, count: int) -> None:
+        """Capacity for ``count`` more rows: the buffers double when full, so rows cost O(1) each, amortised (a
+        poll of a 100k-row run copies nothing)."""
+        need = self._rows + count
+        if need <= len(self._steps):
+            return
+        capacity = max(need, 2 * len(self._steps), 1024)
+        for key, column in self._columns.items():
+            grown = np.full(capacity, np.nan)
+            grown[:self._rows] = column[:self._rows]
+            self._columns[key] = grown
+        steps = np.zeros(capacity)
+        steps[:self._rows] = self._steps[:self._rows]
+        self._steps = steps
 
     def _add_rows(self, rows: list[dict[str, Any]]) -> None:
         """Append metrics rows to the columns. Rows with the same keys (most of them) become one 2-D array in one
@@ -330,11 +354,15 @@ class RunData:
                 if column is None:
                     column = batch[key] = np.full(count, np.nan)
                 column[indices] = table[:, j]
-        before = self.rows
-        for key in batch.keys() | self.columns.keys():
-            old = self.columns.get(key, np.full(before, np.nan))
-            self.columns[key] = np.concatenate([old, batch.get(key, np.full(count, np.nan))])
-        self.steps = np.concatenate([self.steps, np.array([float(r["step"]) for r in good])])
+        self._room(count)
+        start, end = self._rows, self._rows + count
+        for key, values in batch.items():
+            column = self._columns.get(key)
+            if column is None:  # a metric first seen now: NaN for the rows before (and the room after)
+                column = self._columns[key] = np.full(len(self._steps), np.nan)
+            column[start:end] = values
+        self._steps[start:end] = [float(r["step"]) for r in good]
+        self._rows = end
         for row in reversed(good):
             if "train/loss" in row:
                 self.last_loss, self.last_row = row["train/loss"], row

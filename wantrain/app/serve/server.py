@@ -118,6 +118,7 @@ class Site:
                 continue
             try:
                 self._refresh(fresh.name, data)
+                data.last_summary = data.summary()
                 out.append(data.last_summary)
             except RunGone:
                 continue
