@@ -413,3 +413,16 @@ def test_a_short_fixed_token_is_refused_in_one_line(site, monkeypatch, capsys):
     assert main(["serve", str(site.root), "--port", "0"]) == 2
     assert capsys.readouterr().err.strip().endswith("has 4 characters: use at least 16 (whoever guesses it can "
                                                     "stop the runs), or unset it for a random token")
+
+
+def test_a_control_uses_what_the_server_has_read_not_a_fresh_read_of_the_logs(client, site, monkeypatch):
+    run = site.root / "20260101_000000"
+    (run / "metrics.jsonl").write_text(metrics_rows(range(1, 2001)))  # ~100 KB
+    client.get("/api/runs/20260101_000000/poll?m=0&e=0")
+    read = []
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: read.append(n) or real(fd, n, offset))
+    ok = client.post("/api/runs/20260101_000000/control", json={"action": "save"},
+                     headers={"X-Wantrain-Token": "secret-token", "Origin": LOCAL})
+    assert ok.status_code == 200
+    assert sum(read) < 10_000  # the head checks of the logs; was a new reader parsing both logs whole
