@@ -426,3 +426,18 @@ def test_a_control_uses_what_the_server_has_read_not_a_fresh_read_of_the_logs(cl
                      headers={"X-Wantrain-Token": "secret-token", "Origin": LOCAL})
     assert ok.status_code == 200
     assert sum(read) < 10_000  # the head checks of the logs; was a new reader parsing both logs whole
+
+
+def test_an_inbox_this_server_may_not_write_is_a_403_that_says_why(client, monkeypatch):
+    import errno
+
+    from wantrain.app.serve import rundata
+
+    def refused(run_dir, action, source):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(rundata, "post_request", refused)  # another user's run folder
+    response = client.post("/api/runs/20260101_000000/control", json={"action": "stop"},
+                           headers={"X-Wantrain-Token": "secret-token", "Origin": LOCAL})
+    assert response.status_code == 403
+    assert response.json()["error"].startswith("this server may not write the run's inbox (Permission denied)")
