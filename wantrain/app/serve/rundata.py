@@ -10,9 +10,11 @@ Files read (each is what the run itself writes; none is required):
 * ``log.jsonl`` -- warnings and errors of the run log join the timeline;
 * ``config.toml``, ``preflight.json``, ``lr_finder.json`` / ``lr_finder.csv``, ``samples/``, ``checkpoints/``.
 
-JSONL files are read incrementally (:class:`JsonlTail`: a byte offset, only new whole lines are parsed), so a
-poll of a large run costs what was written since the last one. A torn last line (a run killed mid-write) is left
-unread and reported; a line that is not JSON is counted and skipped.
+JSONL files are read incrementally (:class:`JsonlTail`: a byte offset, only new whole lines are parsed; a gzip log
+as a stream, :class:`GzipJsonlTail`), and the metrics go into columns that grow without copying, so a poll of a
+large run costs what was written since the last one. A log rewritten by a resume is recognised
+(:meth:`JsonlTail.rewritten`) and the run read again from the start (``RunData.generation`` counts it). A torn last
+line (a run killed mid-write) is left unread and reported; a line that is not JSON is counted and skipped.
 """
 
 from __future__ import annotations
