@@ -164,7 +164,7 @@ def server_polls(root: Path, name: str, steps: int, polls: int) -> dict[str, flo
     server = subprocess.Popen([sys.executable, "-m", "wantrain", "serve", str(root), "--port", "0"], env=env,
                               stdout=subprocess.PIPE, text=True)
     try:
-        url = next(line.split("open ", 1)[1].split("?", 1)[0] for line in server.stdout if "open http" in line)
+        url = next(line.split("open ", 1)[1].strip().split("?", 1)[0] for line in server.stdout if "open http" in line)
         client = httpx.Client(base_url=url, headers={"X-Wantrain-Token": TOKEN}, timeout=600)
         for _ in range(600):  # the URL is printed just before it serves
             try:
