@@ -20,6 +20,7 @@ one member, a sync flush every 1000 lines). For each:
 
     python bench/bench_serve.py                 # JSON on stdout: medians over --rounds
     python bench/bench_serve.py --steps 100000 --rounds 3 --polls 200
+    git archive a47007a wantrain | tar -x -C /tmp/old && python bench/bench_serve.py --server-code /tmp/old --polls 20
 """
 
 from __future__ import annotations
@@ -158,11 +159,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def server_polls(root: Path, name: str, steps: int, polls: int) -> dict[str, float]:
-    """A real ``wantrain serve`` process: its CPU time per poll, each poll after one row and one event."""
+def server_polls(root: Path, name: str, steps: int, polls: int, code: Path | None = None) -> dict[str, float]:
+    """A real ``wantrain serve`` process: its CPU time per poll, each poll after one row and one event. ``code``:
+    the wantrain to run it from (a checkout or an export of another commit), else this one."""
     env = {**os.environ, "WANTRAIN_SERVE_TOKEN": TOKEN}
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
     server = subprocess.Popen([sys.executable, "-m", "wantrain", "serve", str(root), "--port", "0"], env=env,
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, cwd=root)  # not the work tree: -m puts it first
     try:
         url = next(line.split("open ", 1)[1].strip().split("?", 1)[0] for line in server.stdout if "open http" in line)
         client = httpx.Client(base_url=url, headers={"X-Wantrain-Token": TOKEN}, timeout=600)
@@ -203,7 +207,7 @@ def measure(root: Path, run: Path, args: argparse.Namespace) -> dict[str, object
         for name, size in sizes.items():  # drop the appended lines so every round reads the same run
             with (run / name).open("r+b") as fh:
                 fh.truncate(size)
-    polled = server_polls(root, run.name, args.steps, args.polls)
+    polled = server_polls(root, run.name, args.steps, args.polls, args.server_code)
     for name, size in sizes.items():
         with (run / name).open("r+b") as fh:
             fh.truncate(size)
@@ -217,6 +221,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--polls", type=int, default=200, help="polls of the real server, for its CPU per poll")
+    parser.add_argument("--server-code", type=Path, default=None,
+                        help="run the polled server from this copy of wantrain (PYTHONPATH), for a before/after")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
