@@ -1,35 +1,43 @@
-"""wantrain serve: page load of a 100k-step run, the latency of a live poll, and what the inbox check costs a step.
+"""wantrain serve: page load of a 100k-step run, what a live poll costs the server, what the inbox check costs a step.
 
 Not a test (timing belongs here). A synthetic run directory as a run with ``log_every = 1`` writes it after 100k
-optimizer steps: ``metrics.jsonl`` with one row per step (two experts: loss, LR, norms, memory), ``events.jsonl``
-with the four per-step events of every step plus its ``MetricsLogged`` (500k lines), a ``RunStarted``, the expert
-switches. Then, against a fresh server each round (Starlette's in-process client: the HTTP handling included, no
-network):
+optimizer steps: ``metrics.jsonl`` with one row per step (two experts: loss, LR, norms, memory), the event log with
+the four per-step events of every step plus its ``MetricsLogged`` (500k lines), a ``RunStarted``, the expert
+switches; the event log plain (``events.jsonl``) and gzip (``events.jsonl.gz``, written as the recorder writes it:
+one member, a sync flush every 1000 lines). For each:
 
-* ``page_load_s`` -- what opening the run page asks: the run's details, every series downsampled, the first poll
-  (the timeline); the target is 1 s; ``page_load_cpu_s`` the process CPU time of it (on a shared machine the wall
-  time also counts the other processes' turns); ``page_load_warm_s`` the same when the server has read the run
-  before (it was up while the run trained, as with ``wantrain run --serve``, or the page is opened again);
-* ``runs_list_s`` -- the runs list (one run);
-* ``live_poll_s`` -- after the load, one metrics row and one event appended, the poll that returns them (the page
-  polls every 0.5 s, so a point appears within 0.5 s + this);
+* in process, against a fresh server each round (Starlette's in-process client: the HTTP handling included, no
+  network): ``page_load_s`` / ``page_load_cpu_s`` -- what opening the run page asks: the run's details, every series
+  downsampled, the first poll (the timeline); ``page_load_warm_s`` -- the same when the server has read the run
+  before; ``runs_list_s``; ``live_poll_s`` -- after the load, one metrics row and one event appended, the poll that
+  returns them;
+* ``poll_server_cpu_ms`` -- the CPU time of a real ``wantrain serve`` process (its ``/proc`` utime + stime) per
+  poll, over ``--polls`` polls, each after one metrics row and one event were appended (the gzip one through an
+  open ``GzipFile`` with a sync flush, as the recorder does): the cost of a poll however long the run; with
+  ``poll_read_bytes`` what the server read per poll is not what the run wrote before;
 * ``inbox_idle_ns`` / ``inbox_stat_ns`` -- ``Inbox.poll()`` per call on steps between checks (a clock read) and on
   a due step with nothing new (one ``stat``); every step pays the first, one step per 0.2 s the second.
 
     python bench/bench_serve.py                 # JSON on stdout: medians over --rounds
-    python bench/bench_serve.py --steps 100000 --rounds 5
+    python bench/bench_serve.py --steps 100000 --rounds 3 --polls 200
+    git archive a47007a wantrain | tar -x -C /tmp/old && python bench/bench_serve.py --server-code /tmp/old --polls 20
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import timeit
 from pathlib import Path
 
+import httpx
 import orjson
 from starlette.testclient import TestClient
 
@@ -48,6 +56,7 @@ from wantrain.core.inbox import Inbox
 
 EXPERTS = ("high_noise", "low_noise")
 TIMED = ("page_load_s", "page_load_cpu_s", "page_load_warm_s", "page_load_warm_cpu_s", "runs_list_s", "live_poll_s")
+TOKEN = "bench-token-0123456789"
 
 
 def write_run(run: Path, steps: int) -> None:
@@ -88,8 +97,33 @@ def write_run(run: Path, steps: int) -> None:
     (run / "metrics.jsonl").write_bytes(b"\n".join(metrics) + b"\n")
 
 
+def to_gzip(run: Path) -> None:
+    """``events.jsonl`` -> ``events.jsonl.gz`` as the recorder writes it: one member, a sync flush per 1000 lines."""
+    lines = (run / "events.jsonl").read_bytes().splitlines(keepends=True)
+    with gzip.open(run / "events.jsonl.gz", "wb", compresslevel=6) as fh:
+        for start in range(0, len(lines), 1000):
+            fh.write(b"".join(lines[start:start + 1000]))
+            fh.flush()
+    (run / "events.jsonl").unlink()
+
+
+def event_log(run: Path) -> Path:
+    return run / "events.jsonl.gz" if (run / "events.jsonl.gz").exists() else run / "events.jsonl"
+
+
+def append_event(run: Path, line: bytes) -> None:
+    log = event_log(run)
+    if log.suffix == ".gz":
+        with log.open("ab") as fh:
+            fh.write(gzip.compress(line))
+    else:
+        with log.open("ab") as fh:
+            fh.write(line)
+
+
 def one_round(root: Path, name: str, steps: int) -> dict[str, float]:
-    client = TestClient(build_app(Site(root, token="t")), base_url="http://127.0.0.1:8765")
+    site = Site(root, token=TOKEN)
+    client = TestClient(build_app(site), base_url="http://127.0.0.1:8765", cookies={site.cookie: TOKEN})
     client.get("/static/app.css").raise_for_status()  # the client's own start-up, not the page's
     started, cpu = time.perf_counter(), time.process_time()
     client.get(f"/api/runs/{name}").raise_for_status()
@@ -107,9 +141,8 @@ def one_round(root: Path, name: str, steps: int) -> dict[str, float]:
     run = root / name
     with (run / "metrics.jsonl").open("ab") as fh:
         fh.write(orjson.dumps({"step": steps + 1, "train/loss": 0.5}) + b"\n")
-    with (run / "events.jsonl").open("ab") as fh:
-        fh.write(orjson.dumps(to_record(ExpertSwitched(step=steps + 1, previous="high_noise", expert="low_noise"),
-                                        10**7, 2.0e9)) + b"\n")
+    append_event(run, orjson.dumps(to_record(ExpertSwitched(step=steps + 1, previous="high_noise", expert="low_noise"),
+                                             10**7, 2.0e9)) + b"\n")
     started = time.perf_counter()
     live = client.get(f"/api/runs/{name}/poll?m={first['rows']}&e={first['event_count']}").json()
     live_poll = time.perf_counter() - started
@@ -121,10 +154,75 @@ def one_round(root: Path, name: str, steps: int) -> dict[str, float]:
             "points_per_series_max": max(len(s["x"]) for s in series["series"].values())}
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def server_polls(root: Path, name: str, steps: int, polls: int, code: Path | None = None) -> dict[str, float]:
+    """A real ``wantrain serve`` process: its CPU time per poll, each poll after one row and one event. ``code``:
+    the wantrain to run it from (a checkout or an export of another commit), else this one."""
+    env = {**os.environ, "WANTRAIN_SERVE_TOKEN": TOKEN}
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
+    server = subprocess.Popen([sys.executable, "-m", "wantrain", "serve", str(root), "--port", "0"], env=env,
+                              stdout=subprocess.PIPE, text=True, cwd=root)  # not the work tree: -m puts it first
+    try:
+        url = next(line.split("open ", 1)[1].strip().split("?", 1)[0] for line in server.stdout if "open http" in line)
+        client = httpx.Client(base_url=url, headers={"X-Wantrain-Token": TOKEN}, timeout=600)
+        for _ in range(600):  # the URL is printed just before it serves
+            try:
+                client.get("/static/app.css")
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        first = client.get(f"/api/runs/{name}/poll?m=0&e=0").json()  # waits for the first read
+        rows, events = first["rows"], first["event_count"]
+        run = root / name
+        gz = event_log(run).suffix == ".gz"
+        cpu, seq = cpu_seconds(server.pid), 10**7
+        with gzip.open(event_log(run), "ab") if gz else event_log(run).open("ab") as writer:  # as the recorder
+            for i in range(polls):
+                with (run / "metrics.jsonl").open("ab") as fh:
+                    fh.write(orjson.dumps({"step": steps + 2 + i, "train/loss": 0.5}) + b"\n")
+                seq += 1
+                writer.write(orjson.dumps(to_record(ExpertSwitched(step=steps + 2 + i, previous="high_noise",
+                                                                   expert="low_noise"), seq, 2.0e9)) + b"\n")
+                writer.flush()
+                poll = client.get(f"/api/runs/{name}/poll?m={rows}&e={events}").json()
+                assert len(poll["points"]["train/loss"]["x"]) == 1 and len(poll["events"]) == 1, poll
+                rows, events = poll["rows"], poll["event_count"]
+        used = cpu_seconds(server.pid) - cpu
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return {"poll_server_cpu_ms": used / polls * 1e3}
+
+
+def measure(root: Path, run: Path, args: argparse.Namespace) -> dict[str, object]:
+    sizes = {p.name: p.stat().st_size for p in run.glob("*.jsonl*")}
+    rounds = []
+    for _ in range(args.rounds):
+        rounds.append(one_round(root, run.name, args.steps))
+        for name, size in sizes.items():  # drop the appended lines so every round reads the same run
+            with (run / name).open("r+b") as fh:
+                fh.truncate(size)
+    polled = server_polls(root, run.name, args.steps, args.polls, args.server_code)
+    for name, size in sizes.items():
+        with (run / name).open("r+b") as fh:
+            fh.truncate(size)
+    return {"file_bytes": sizes, **{key: statistics.median(r[key] for r in rounds) for key in TIMED},
+            "page_load_s_all": [round(r["page_load_s"], 3) for r in rounds], **polled,
+            "timeline_items": rounds[0]["timeline_items"], "points_per_series_max": rounds[0]["points_per_series_max"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100_000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--polls", type=int, default=200, help="polls of the real server, for its CPU per poll")
+    parser.add_argument("--server-code", type=Path, default=None,
+                        help="run the polled server from this copy of wantrain (PYTHONPATH), for a before/after")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -132,25 +230,15 @@ def main() -> None:
         started = time.perf_counter()
         write_run(run, args.steps)
         written = time.perf_counter() - started
-        sizes = {p.name: p.stat().st_size for p in run.glob("*.jsonl")}
-        rounds = []
-        for _ in range(args.rounds):
-            clean = root / "20260101_000000"
-            rounds.append(one_round(root, clean.name, args.steps))
-            # drop the appended lines so every round reads the same run
-            for name in ("metrics.jsonl", "events.jsonl"):
-                path = run / name
-                data = path.read_bytes()
-                path.write_bytes(data[:sizes[name]])
+        plain = measure(root, run, args)
         inbox = Inbox(run, every_s=3600.0)
         idle = min(timeit.repeat(inbox.poll, number=100_000, repeat=5)) / 100_000
         inbox_due = Inbox(run, every_s=0.0)
         due = min(timeit.repeat(inbox_due.poll, number=20_000, repeat=5)) / 20_000
+        to_gzip(run)
+        compressed = measure(root, run, args)
     result = {
-        "steps": args.steps, "file_bytes": sizes, "write_s": round(written, 2),
-        **{key: statistics.median(r[key] for r in rounds) for key in TIMED},
-        "page_load_s_all": [round(r["page_load_s"], 3) for r in rounds],
-        "timeline_items": rounds[0]["timeline_items"], "points_per_series_max": rounds[0]["points_per_series_max"],
+        "steps": args.steps, "write_s": round(written, 2), "plain": plain, "gzip": compressed,
         "inbox_idle_ns": round(idle * 1e9, 1), "inbox_stat_ns": round(due * 1e9, 1),
     }
     print(json.dumps(result, indent=2))

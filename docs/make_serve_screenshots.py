@@ -32,7 +32,7 @@ def main(root: Path) -> None:
     server = PageServer(root, port=0).start()
     driver = webdriver.Chrome(service=Service(executable_path="/usr/bin/chromedriver"), options=options)
     try:
-        driver.get(server.url)
+        driver.get(server.token_url)  # the printed URL: the token goes into the cookie
         time.sleep(1.5)
         driver.save_screenshot(str(OUT / "serve_runs.png"))
         if training:

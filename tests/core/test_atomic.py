@@ -126,3 +126,38 @@ def test_a_cache_folder_without_write_permission_is_one_line(tmp_path, monkeypat
     monkeypatch.setattr(Path, "mkdir", denied)
     with pytest.raises(StorageError, match="Permission denied.*data.cache_dir"):
         save_entry(tmp_path / "cache" / "latents" / "k.safetensors", {"w": torch.ones(2)}, {})
+
+
+def test_a_missing_folder_is_the_callers_bug_not_a_storage_error(tmp_path):
+    with pytest.raises(FileNotFoundError):  # was a StorageError with a "free space" hint: exit 2 for a bug
+        atomic_write(tmp_path / "nowhere" / "file.txt", b"x")
+
+
+def test_atomic_write_reads_the_umask_and_never_sets_it(tmp_path, monkeypatch):
+    umask = os.umask(0o027)
+    os.umask(umask)
+
+    def refuse(value):  # another thread creating a file between set and restore would get the wrong mode
+        raise AssertionError("os.umask called")
+
+    monkeypatch.setattr(atomic.os, "umask", refuse)
+    path = atomic_write(tmp_path / "f.txt", lambda tmp: Path(tmp).write_bytes(b"x") and os.chmod(tmp, 0o600))
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_cut_back_writes_through_atomic_write_and_a_full_disk_is_one_line(tmp_path, monkeypatch):
+    from wantrain.core.events.log import cut_back
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n')
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic, "fsync_file", full)
+    with pytest.raises(StorageError, match="cannot write the run's log .*metrics.jsonl'.*No space left"):
+        cut_back(log, 1)
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n' and sorted(p.name for p in tmp_path.iterdir()) == [
+        "metrics.jsonl"]
+    monkeypatch.undo()
+    assert [r["step"] for r in cut_back(log, 1)] == [1] and log.read_text() == '{"step": 1}\n'

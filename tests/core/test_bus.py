@@ -405,3 +405,35 @@ def test_the_plain_function_example_in_the_observer_guide_runs(capsys):
     out = capsys.readouterr().out
     assert "step 2: saved lora_2.safetensors" in out and "step 3: saved lora_3_final.safetensors" in out
     assert out.rstrip().endswith("run completed after 3 steps")
+
+
+def test_attaching_an_observer_twice_closes_it_once():
+    closed = []
+
+    class Once(Observer):
+        @on(RunEnded)
+        def handle(self, event, ctx):
+            pass
+
+        def close(self):
+            closed.append(1)
+
+    bus = Bus(ctx=None)
+    observer = Once()
+    assert bus.attach(observer) is bus.attach(observer)
+    bus.close()
+    assert closed == [1]
+
+
+def test_events_emitted_during_an_aborted_dispatch_are_delivered_and_recorded_before_the_next_event():
+    bus = Bus(ctx=None)
+    records = []
+    bus.add_journal(records.append)
+    bus.subscribe(GradsReady, lambda e, c: bus.emit(ObserverFailed(step=e.step, observer="x", event_type="y",
+                                                                   error="z", failures=1, disabled=False)),
+                  priority=Priority.CONTROLLER)
+    bus.subscribe(GradsReady, _raise(RuntimeError("boom")), critical=True)
+    with pytest.raises(CriticalObserverError):
+        bus.emit(grads_ready(3))
+    bus.emit(ended(3))  # what the trainer emits next: the queued event reaches the journal first
+    assert [r["_type"] for r in records] == ["GradsReady", "ObserverFailed", "RunEnded"]

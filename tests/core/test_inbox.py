@@ -135,3 +135,33 @@ def test_the_run_log_says_each_request_and_warns_of_a_refused_one():
     assert [(e["event"], e["log_level"], e["action"]) for e in logs] == [
         ("request", "info", "save"), ("request_refused", "warning", "sample")]
     assert logs[1]["reason"] == "not under torchrun"
+
+
+def test_a_deeply_nested_or_huge_line_is_skipped_and_the_run_goes_on(tmp_path, monkeypatch):
+    inbox = Inbox(tmp_path, every_s=0.0)
+    with (tmp_path / INBOX_NAME).open("ab") as fh:  # a RecursionError in json.loads ended the run before
+        fh.write(b"[" * 3000 + b"\n" + b"[" * 100_000 + b"\n")
+        fh.write(b'{"action": "save", "source": "x", "id": "[[[[[[{{{{"}\n')  # brackets in a string count not
+    requests = inbox.poll()
+    assert [r.error for r in requests] == ["nested deeper than 4 levels", "a line of 100000 bytes (at most 4096)",
+                                           None]
+    monkeypatch.setattr(inbox_module, "CHECK_EVERY_S", 0.0)
+    bus = Bus()
+    events = []
+    bus.subscribe(ControlRequested, lambda e, c: events.append(e))
+
+    def write_at_step_2(event, ctx):
+        if event.step == 2:
+            with (tmp_path / INBOX_NAME).open("ab") as fh:
+                fh.write(b"[" * 100_000 + b"\n")
+            post_request(tmp_path, "stop", "ctl")
+
+    bus.subscribe(OptimizerStepped, write_at_step_2)
+    adapter = LinearAdapter()
+    trainer = Trainer(adapter=adapter, batches=linear_batches(), run_dir=tmp_path, bus=bus, saver=ListSaver(),
+                      optimizer=torch.optim.SGD(adapter.param_groups(), lr=0.05),
+                      settings=LoopSettings(max_steps=6, grad_accum=1, log_every=2, save_every=None))
+    result = trainer.run()
+    assert result.status == "stopped" and result.steps == 2
+    assert [(e.action, e.refused) for e in events] == [("", "a line of 100000 bytes (at most 4096)"),
+                                                          ("stop", None)]

@@ -81,7 +81,7 @@ def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path
     try:
         # generous: on a busy shared machine the quickstart takes minutes to start
         run_dir = wait_for(lambda: next(iter(output.iterdir()), None), 600, "the run directory", trainer)
-        browser.get(server.url)
+        browser.get(server.token_url)  # the printed URL: the token goes into a cookie
         def open_run():
             rows = browser.find_elements(By.CSS_SELECTOR, f'tr[data-run="{run_dir.name}"] a')
             if rows:
@@ -125,3 +125,57 @@ def test_a_person_watches_the_quickstart_saves_it_and_stops_it(browser, tmp_path
             trainer.wait()
         server.stop()
         shutil.rmtree(output, ignore_errors=True)
+
+
+def test_the_run_page_after_a_resume_shows_each_step_once_and_reads_well(browser, tmp_path):
+    """A run's page open while it is resumed (the logs cut back by the resume's own ``cut_back``, then grown past
+    their old size); the three display items: a prompt by its text, memory ticks told apart, one validation point
+    in a narrow x range."""
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    from wantrain.core.events import RunStarted, to_record
+    from wantrain.core.events.log import cut_back
+
+    run = tmp_path / "runs" / "20260101_000000"
+    (run / "samples").mkdir(parents=True)
+    (run / "config.toml").write_text('[run]\nname = "demo"\n[sample]\nprompts = ["a red fox in the snow"]\n')
+    started = to_record(RunStarted(step=0, run_dir=str(run), total_steps=200, grad_accum=1, experts=("high_noise",),
+                                   log_every=1), 1, time.time())
+    (run / "events.jsonl").write_text(json.dumps(started) + "\n")
+    (run / "samples" / "step_000050_00.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+
+    def rows(steps, loss=1.0):
+        return "".join(json.dumps({"step": s, "train/loss": loss, "memory/ram_total_gb": 0.5611 + s * 1e-6,
+                                   **({"val/loss": 0.3} if s == 50 else {})}) + "\n" for s in steps)
+
+    (run / "metrics.jsonl").write_text(rows(range(1, 101)))
+    server = PageServer(tmp_path / "runs", port=0).start()
+    try:
+        browser.get(server.token_url)
+        browser.get(f"{server.url}#/run/{run.name}")
+
+        def steps():
+            return browser.execute_script("const c = state.charts.loss; return c ? c.plot.data[0] : []")
+
+        wait_for(lambda: len(steps()) == 100, 60, "the loss chart")
+        cut_back(run / "metrics.jsonl", 50)  # the resume from step 50 ...
+        with (run / "metrics.jsonl").open("a") as fh:
+            fh.write(rows(range(51, 151), loss=0.25))  # ... and the resumed run past the old size before a look
+        wait_for(lambda: len(steps()) >= 150, 60, "the resumed run's steps")
+        time.sleep(1.5)  # a few more polls: nothing is appended twice
+        assert steps() == list(range(1, 151))
+        losses = browser.execute_script("return state.charts.loss.plot.data[1]")
+        assert losses == [1.0] * 50 + [0.25] * 100  # the resumed run's values, none of the old ones
+        assert browser.find_element(By.ID, "run-status").text == "running"
+
+        ticks = browser.execute_script("return state.charts.memory.plot.axes[1]._values")
+        assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), ticks  # was "0.561 0.561 0.561"
+        val = browser.execute_script("const x = state.charts.val.plot.scales.x; return [x.min, x.max]")
+        assert val[0] < 50 < val[1] and val[1] - val[0] <= 10, val  # was 0..100 for one point
+        browser.find_element(By.CSS_SELECTOR, 'a[data-tab="samples"]').click()
+        prompt = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#samples td.prompt"), 30, "the samples")
+        assert prompt[0].text == "a red fox in the snow"
+    finally:
+        server.stop()

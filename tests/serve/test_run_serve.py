@@ -18,18 +18,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_starts_the_page_of_the_configs_output_folder_in_a_child_process(tmp_path):
+def test_serve_starts_the_page_of_the_configs_output_folder_in_a_child_process(tmp_path, monkeypatch):
     config = tmp_path / "run.toml"
     config.write_text('[run]\noutput_dir = "out"\n[data]\npath = "data"\n', encoding="utf-8")
     (tmp_path / "out" / "20260101_000000").mkdir(parents=True)
     (tmp_path / "out" / "20260101_000000" / "config.toml").write_text('[run]\nname = "x"\n')
     port = free_port()
+    monkeypatch.setenv("WANTRAIN_SERVE_TOKEN", "a-fixed-token-of-the-test")  # the child's token: it prints it
     page = start_page(argparse.Namespace(config=config, serve=port), [])
     try:
         deadline, runs = time.monotonic() + 60, None
         while runs is None and time.monotonic() < deadline and page.poll() is None:
             try:
-                runs = httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2).json()
+                runs = httpx.get(f"http://127.0.0.1:{port}/api/runs", timeout=2,
+                                 headers={"X-Wantrain-Token": "a-fixed-token-of-the-test"}).json()
             except httpx.HTTPError:
                 time.sleep(0.2)
         assert runs is not None and runs["root"] == str((tmp_path / "out").resolve())

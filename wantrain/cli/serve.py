@@ -1,6 +1,6 @@
 """``wantrain serve [OUTPUT_DIR] [--host H] [--port P] [--read-only]``: the live page of the runs under an output
-directory (docs/serve.md). Binds to 127.0.0.1 unless ``--host`` names another address; then every request needs
-the token it prints."""
+directory (docs/serve.md). Binds to 127.0.0.1 unless ``--host`` names another address; on every address the page,
+its data and its controls need the token in the URL it prints (``$WANTRAIN_SERVE_TOKEN`` sets a fixed one)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output_dir", nargs="?", default="runs", type=Path,
                         help="the folder holding the run directories (run.output_dir; default: ./runs)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1, this machine only); any other address makes "
-                             "every request need the printed token")
+                        help="address to listen on (default 127.0.0.1, this machine only); on any address, "
+                             "open the printed URL: it carries the token the page needs")
     parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free port)")
     parser.add_argument("--read-only", action="store_true", help="show runs only: the save/sample/stop buttons are off")
     # `wantrain run --serve`'s child: end when the run's process is gone, even if it was killed (no orphan server)
@@ -33,14 +33,20 @@ def run(args: argparse.Namespace) -> int:
                         "directories (the config's run.output_dir)")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not valid: use 0-65535")
+    from wantrain.app.serve import TOKEN_ENV
+
+    fixed = os.environ.get(TOKEN_ENV)
+    if fixed is not None and len(fixed) < 16:
+        raise UserError(f"${TOKEN_ENV} has {len(fixed)} characters: use at least 16 (whoever guesses it can stop "
+                        "the runs), or unset it for a random token")
     try:
         server = PageServer(args.output_dir, host=args.host, port=args.port, read_only=args.read_only)
     except OSError as exc:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    remote = not is_loopback(args.host)
     print(f"wantrain serve: {args.output_dir.resolve()}")
-    print(f"  open {server.token_url if remote else server.url}")
-    print(f"  token (controls{', every request' if remote else ''}): {server.site.token}")
+    print(f"  open {server.token_url}")
+    where = "" if is_loopback(args.host) else " from the network"
+    print(f"  (the token lets whoever has it see and stop your runs{where}; the page keeps it in a cookie)")
     if args.read_only:
         print("  read-only: the controls are off")
     print("  Ctrl-C to stop", flush=True)

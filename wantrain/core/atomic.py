@@ -131,10 +131,31 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
 
 
-def _default_mode() -> int:
-    umask = os.umask(0)
+def _umask_at_import() -> int:
+    umask = os.umask(0o022)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+_UMASK_AT_IMPORT = _umask_at_import()
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it (``/proc/self/status``; ``os.umask`` sets it to read it, and
+    another thread creating a file in between would get the wrong permissions). Where that file has no ``Umask``
+    line, the umask at import."""
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _UMASK_AT_IMPORT
+
+
+def _default_mode() -> int:
+    return 0o666 & ~current_umask()
 
 
 def atomic_write(path: Path | str, content: bytes | str | Callable[[Path], None], *, what: str = "file",
@@ -143,9 +164,10 @@ def atomic_write(path: Path | str, content: bytes | str | Callable[[Path], None]
 
     ``content``: the bytes or text (UTF-8) to write, or a callable that writes the file it is given (the temporary
     path), for writers that take a file name (safetensors, PIL, PyAV, matplotlib). The file gets the permissions
-    the umask gives a new file (safetensors makes its files owner-only otherwise). Storage errors raise
-    :class:`StorageError` naming ``what`` and ``path``; other exceptions propagate unchanged; the temporary file is
-    removed either way.
+    the umask gives a new file (safetensors makes its files owner-only otherwise; the umask is read, never set).
+    Storage errors (:data:`STORAGE_ERRNOS`) raise :class:`StorageError` naming ``what`` and ``path``; other
+    exceptions, other ``OSError`` s included (a missing folder), propagate unchanged; the temporary file is removed
+    either way.
     """
     path = Path(path)
     tmp = temporary_name(path)
@@ -163,9 +185,9 @@ def atomic_write(path: Path | str, content: bytes | str | Callable[[Path], None]
     except BaseException as exc:
         with contextlib.suppress(OSError):  # the folder itself went read-only: nothing more to do here
             tmp.unlink(missing_ok=True)
-        if isinstance(exc, Exception) and os_error_of(exc) is not None:
+        if isinstance(exc, Exception) and is_storage_error(exc):
             raise storage_error(what, path, exc, hint=hint) from exc
-        raise
+        raise  # a missing folder, a bad name: the caller's bug, not the storage's
     return path
 
 

@@ -37,7 +37,9 @@ Guarantees (each one has a test named after it in ``tests/core/test_bus.py``):
   the current event has reached every other receiver, and after ``max_failures`` failures the observer (or plain
   function) is disconnected from every signal (it receives nothing more) while training goes on. When a critical
   receiver or an exception that is not an ``Exception`` (``KeyboardInterrupt``) aborts a dispatch, the
-  ``ObserverFailed`` events it left pending are delivered before the next event.
+  ``ObserverFailed`` events it left pending, and the events its receivers had emitted (queued), are delivered
+  before the next event (with a warning when the dispatch is aborted; a warning each at :meth:`Bus.close` if no
+  event came after): nothing emitted is dropped unrecorded but what comes after ``RunEnded``.
 * **Storage errors end the run, once, in one line.** An observer or journal that cannot write because the disk is
   full or the run directory read-only or not writable (``core.atomic.is_storage_error``: ``ENOSPC``, ``EDQUOT``,
   ``EROFS``, ``EACCES``, ...) is no bug of the observer's: the first such error, critical observer or passive,
@@ -390,6 +392,7 @@ class Bus:
         self._journals: list[Callable[[dict[str, Any]], None]] = []
         self._seq = itertools.count(1)
         self._queue: deque[Event] = deque()
+        self._left: list[Event] = []  # emitted during a dispatch that was aborted: delivered before the next event
         self._dispatching = False
         self._ended = False  # RunEnded has been dispatched
         self._closed = False
@@ -413,7 +416,10 @@ class Bus:
         return self.namespace.signal(signal_name(event_type), event_type=event_type)  # type: ignore[call-arg]
 
     def attach(self, observer: Any) -> Any:
-        """Connect every ``@on`` handler of ``observer``; returns it. Its ``close()`` runs at :meth:`close`."""
+        """Connect every ``@on`` handler of ``observer``; returns it. Its ``close()`` runs at :meth:`close`, once:
+        attaching an observer that is attached already changes nothing."""
+        if any(attached is observer for attached in self._observers):
+            return observer
         name = getattr(observer, "name", type(observer).__name__)
         priority = int(getattr(observer, "priority", Priority.SINK))
         critical = bool(getattr(observer, "critical", False))
@@ -470,6 +476,9 @@ class Bus:
         if self._dispatching:
             self._queue.append(event)  # emitted by a receiver: dispatched after the current event
             return
+        if self._left:  # emitted during a dispatch a critical observer aborted: they come first
+            self._queue.extend(self._left)
+            self._left.clear()
         pending = self._policy.pending
         if pending:
             # left by a dispatch that a critical observer or a KeyboardInterrupt aborted: report them first
@@ -485,7 +494,11 @@ class Bus:
             self._drain()  # events the receivers emitted, in order
         finally:
             self._dispatching = False
-            self._queue.clear()
+            if self._queue:  # a critical observer or an interrupt aborted the dispatch: keep what was emitted
+                self._left.extend(self._queue)
+                self._queue.clear()
+                log.warning("events_delayed_by_aborted_dispatch", event_types=[type(e).__name__ for e in self._left],
+                            hint="they are delivered (and recorded) before the next event")
 
     def _drain(self) -> None:
         while self._queue:
@@ -550,6 +563,10 @@ class Bus:
                         f"the output of {name}", getattr(observer, "path", None) or ".", exc)))
                     continue
                 log.warning("observer_close_failed", observer=name, error=repr(exc), exc_info=exc)
+        for late in self._left:
+            log.warning("event_never_delivered", event_type=type(late).__name__, step=late.step,
+                        reason="emitted during a dispatch that was aborted, and no event came after it")
+        self._left.clear()
         for signal in self._signals.values():
             signal._disconnect_all()
         self._journals.clear()

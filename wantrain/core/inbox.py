@@ -16,7 +16,9 @@ request becomes a ``ControlRequested`` event in the event log, so a replay shows
 
 Requests written before the run started (a previous run of the same directory, a resume) are not for this run:
 reading starts at the file's size when the run starts. Only whole lines count (a line being written is read at the
-next check); a line that is not a request (bad JSON, an unknown action) is skipped and logged by the caller.
+next check); a line that is not a request (bad JSON, an unknown action, a line over :data:`MAX_LINE` bytes or
+nested deeper than :data:`MAX_DEPTH`, both checked before parsing) is skipped and logged by the caller: no line can
+end the run.
 The file is opened without following symbolic links, for reading and for writing.
 """
 
@@ -36,6 +38,11 @@ ACTIONS = ("save", "sample", "validate", "stop")
 CHECK_EVERY_S = 0.2
 """Seconds between two looks at the inbox: a request is acted on at the first step that ends after this."""
 _MAX_READ = 1 << 20  # bytes read per look: a runaway writer cannot make one step read a huge file
+MAX_LINE = 4096
+"""Bytes in one request line (a request is about 100): a longer line is skipped unparsed."""
+MAX_DEPTH = 4
+"""JSON nesting one request line may have (a request is one flat object): deeper is skipped unparsed, so a line
+like ``[[[[...`` cannot reach the parser's recursion."""
 
 
 @attrs.frozen
@@ -67,11 +74,38 @@ def post_request(run_dir: Path, action: str, source: str) -> str:
     return request_id
 
 
+def json_depth(text: bytes) -> int:
+    """The deepest nesting of ``[`` and ``{`` in ``text``, brackets inside JSON strings left out."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
 def parse_line(line: bytes) -> Request:
-    """The request of one inbox line (without its newline)."""
+    """The request of one inbox line (without its newline); never raises: a line that is not a request comes back
+    with ``error`` set."""
+    if len(line) > MAX_LINE:
+        return Request(action="", source="", request_id="", error=f"a line of {len(line)} bytes (at most {MAX_LINE})")
+    if json_depth(line) > MAX_DEPTH:
+        return Request(action="", source="", request_id="", error=f"nested deeper than {MAX_DEPTH} levels")
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return Request(action="", source="", request_id="", error="not JSON")
     if not isinstance(record, dict):
         return Request(action="", source="", request_id="", error="not a JSON object")

@@ -8,6 +8,7 @@ and runs it (uvicorn) in this process: in the foreground for ``wantrain serve``,
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import threading
 from pathlib import Path
@@ -16,6 +17,10 @@ import attrs
 import uvicorn
 
 from wantrain.app.serve.server import LOCAL_HOSTS, Site, build_app
+
+TOKEN_ENV = "WANTRAIN_SERVE_TOKEN"
+"""An environment variable that sets the server's token (a fixed one, for a bookmark or a script); a random one
+otherwise."""
 
 
 def is_loopback(host: str) -> bool:
@@ -30,7 +35,8 @@ def is_loopback(host: str) -> bool:
 @attrs.define
 class PageServer:
     """The page of ``root`` on ``host:port`` (port 0: any free port). Bound when built, so :attr:`url` is known
-    before it serves. A host that is not a loopback address makes every request need the token."""
+    before it serves. Every request for the page or a run needs the token (:attr:`token_url` carries it); its
+    value is random unless ``$WANTRAIN_SERVE_TOKEN`` sets it."""
 
     root: Path
     host: str = "127.0.0.1"
@@ -42,7 +48,9 @@ class PageServer:
     _thread: threading.Thread | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
-        self.site = Site(self.root, local_only=is_loopback(self.host), read_only=self.read_only)
+        self.site = Site(self.root, local_only=is_loopback(self.host), read_only=self.read_only,
+                         hosts={self.host, f"[{self.host}]"} if ":" in self.host else {self.host},
+                         token=os.environ.get(TOKEN_ENV) or None)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

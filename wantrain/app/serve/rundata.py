@@ -10,9 +10,11 @@ Files read (each is what the run itself writes; none is required):
 * ``log.jsonl`` -- warnings and errors of the run log join the timeline;
 * ``config.toml``, ``preflight.json``, ``lr_finder.json`` / ``lr_finder.csv``, ``samples/``, ``checkpoints/``.
 
-JSONL files are read incrementally (:class:`JsonlTail`: a byte offset, only new whole lines are parsed), so a
-poll of a large run costs what was written since the last one. A torn last line (a run killed mid-write) is left
-unread and reported; a line that is not JSON is counted and skipped.
+JSONL files are read incrementally (:class:`JsonlTail`: a byte offset, only new whole lines are parsed; a gzip log
+as a stream, :class:`GzipJsonlTail`), and the metrics go into columns that grow without copying, so a poll of a
+large run costs what was written since the last one. A log rewritten by a resume is recognised
+(:meth:`JsonlTail.rewritten`) and the run read again from the start (``RunData.generation`` counts it). A torn last
+line (a run killed mid-write) is left unread and reported; a line that is not JSON is counted and skipped.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import operator
 import os
 import re
 import stat
+import threading
 import time
 import tomllib
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +51,8 @@ _SKIPPED = re.compile(rb'"skipped": ?true')
 _SAMPLE = re.compile(r"step_(\d+)_(\d+)(_latents)?\.(mp4|png)$")
 _WARNING = re.compile(rb'"level": ?"(?:warning|error|critical)"')
 _NOT_METRICS = {"step", "time", "elapsed_s", "expert"}
-_MAX_READ = 256 << 20  # bytes parsed per refresh (a first read of a huge run comes in a few polls)
+_MAX_READ = 256 << 20  # bytes read per call (a refresh reads on until the end of the file)
+_HEAD = 4096  # bytes at the start of a log that must stay the same for the reader to go on where it stopped
 
 
 class RunGone(Exception):
@@ -89,34 +94,70 @@ def is_run_dir(path: Path) -> bool:
 
 
 class JsonlTail:
-    """The whole lines appended to a JSONL file since the last :meth:`read` (a file replaced by a shorter one is
-    read again from its start). ``select(buffer)``, when given, picks the lines worth parsing out of a buffer of
-    whole lines in C-speed scans (a regex over the buffer), so a 500k-line event log is not split line by line."""
+    """The whole lines appended to a JSONL file since the last :meth:`read`, parsed. ``select(buffer)``, when given,
+    picks the lines worth parsing out of a buffer of whole lines in C-speed scans (a regex over the buffer), so a
+    500k-line event log is not split line by line.
+
+    A resume rewrites the file shorter (``core.events.log.cut_back``, a new file renamed over the old one) and the
+    run then appends to it again, possibly past the old size before the next look: :meth:`rewritten` tells, from
+    the file's identity (device and inode), its size and its first bytes, and the reader is then rebuilt."""
 
     def __init__(self, path: Path, select: Any = None) -> None:
         self.path, self.select = path, select
-        self.offset = 0
+        self.offset = 0  # bytes of the file consumed
         self.bad_lines = 0
         self.torn_tail = 0  # bytes after the last newline
+        self.more = False  # the last read stopped at _MAX_READ
+        self.bytes_read = 0  # bytes read from the file, all reads together (bench/bench_serve.py, the tests)
+        self._identity: tuple[int, int] | None = None
+        self._head = b""  # the first _HEAD bytes consumed, to recognise the same file
+        self._pending = b""  # text after the last newline (a line being written)
+
+    def rewritten(self) -> bool:
+        """Whether the file read so far was replaced, cut shorter or changed at its start (a resume's rewrite)."""
+        if self._identity is None:
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return True  # gone, or a link now
+        try:
+            info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) != self._identity or info.st_size < self.offset:
+                return True
+            return os.pread(fd, len(self._head), 0) != self._head
+        finally:
+            os.close(fd)
 
     def read(self) -> list[dict[str, Any]]:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+        except OSError:
             return []
         try:
-            size = os.fstat(fd).st_size
-            if size < self.offset:
-                self.offset = 0
-            data = os.pread(fd, min(size - self.offset, _MAX_READ), self.offset) if size > self.offset else b""
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                return []
+            self._identity = (info.st_dev, info.st_ino)
+            size = info.st_size
+            raw = os.pread(fd, min(size - self.offset, _MAX_READ), self.offset) if size > self.offset else b""
+            if raw and len(self._head) < _HEAD:
+                self._head = os.pread(fd, min(_HEAD, self.offset + len(raw)), 0)
         finally:
             os.close(fd)
-        end = data.rfind(b"\n")
-        self.torn_tail = len(data) - end - 1 if end >= 0 else len(data)
-        if end < 0:
+        self.offset += len(raw)
+        self.bytes_read += len(raw)
+        self.more = size > self.offset
+        if not raw:
             return []
-        self.offset += end + 1
-        return self._parse(data[:end + 1])
+        text = self._pending + self._decode(raw)
+        end = text.rfind(b"\n")
+        self._pending = text[end + 1:]
+        self.torn_tail = len(self._pending)
+        return self._parse(text[:end + 1]) if end >= 0 else []
+
+    def _decode(self, raw: bytes) -> bytes:
+        return raw
 
     def _parse(self, whole: bytes) -> list[dict[str, Any]]:
         """The records of ``whole`` (whole lines) that ``select`` picks."""
@@ -143,33 +184,33 @@ class JsonlTail:
 
 
 class GzipJsonlTail(JsonlTail):
-    """The same for a gzip-compressed log (``events.jsonl.gz``, ``observers.record_compression = "gzip"``): a
-    compressed stream cannot be read from a byte offset, so each time the file grew it is decompressed again
-    (``core.events.log.iter_log_lines``, which stops at a torn member) and the lines after those already read
-    are parsed."""
+    """The same for a gzip-compressed log (``events.jsonl.gz``, ``observers.record_compression = "gzip"``), read
+    as a stream from where it stopped: the compressed bytes appended since the last read go into the same
+    decompressor (gzip members one after another, as the recorder appends them; a member still being written is
+    decompressed as far as its bytes go), so a poll costs what was written since the last one, however long the
+    run. Damaged bytes (not a gzip stream) end the reading there, said as a problem."""
 
     def __init__(self, path: Path, select: Any = None) -> None:
         super().__init__(path, select)
-        self._lines = 0
+        self._stream = zlib.decompressobj(wbits=31)
+        self.damaged_at: int | None = None  # the compressed offset of the damage
 
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            info = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return []
-        if not stat.S_ISREG(info.st_mode) or info.st_size == self.offset:
-            return []
-        self.offset = info.st_size
-        lines, self.torn_tail = [], 0
-        for _, text, complete in iter_log_lines(self.path):
-            if complete:
-                lines.append(text.encode())
+    def _decode(self, raw: bytes) -> bytes:
+        out = []
+        start = self.offset - len(raw)
+        while raw and self.damaged_at is None:
+            try:
+                out.append(self._stream.decompress(raw))
+            except zlib.error:
+                self.damaged_at = start
+                break
+            if self._stream.eof:  # one member ended: the next one starts in its unused data
+                raw = self._stream.unused_data
+                start = self.offset - len(raw)
+                self._stream = zlib.decompressobj(wbits=31)
             else:
-                self.torn_tail = len(text.encode())
-        if len(lines) < self._lines:  # rewritten shorter (a resume cut it back): read it again
-            self._lines = 0
-        new, self._lines = lines[self._lines:], len(lines)
-        return self._parse(b"\n".join(new) + b"\n") if new else []
+                raw = b""
+        return b"".join(out)
 
 
 def _lines_at(data: bytes, positions: Any) -> list[bytes]:
@@ -191,19 +232,29 @@ def _warning_lines(data: bytes) -> list[bytes]:
 
 
 class RunData:
-    """A run directory as the page sees it, refreshed incrementally by :meth:`refresh`."""
+    """A run directory as the page sees it, refreshed incrementally by :meth:`refresh`. ``generation`` counts the
+    rebuilds after a log was rewritten (a resume): the page reloads the run when it changes. ``lock`` is held by
+    whoever refreshes or reads it (the server's handlers run in threads)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.name = run_dir.name
+        self.generation = 0
+        self.lock = threading.Lock()
+        self.last_summary: dict[str, Any] | None = None  # what the runs list shows while another thread reads
+        self._start()
+
+    def _start(self) -> None:
+        """Empty columns and timeline, and readers at the start of each file."""
+        run_dir = self.run_dir
         self._metrics = JsonlTail(run_dir / "metrics.jsonl")
-        gzip_log = not (run_dir / "events.jsonl").exists() and (run_dir / "events.jsonl.gz").exists()
-        self._events = (GzipJsonlTail(run_dir / "events.jsonl.gz", select=_timeline_lines) if gzip_log
+        self._events = (GzipJsonlTail(run_dir / "events.jsonl.gz", select=_timeline_lines) if self._gzip_log()
                         else JsonlTail(run_dir / "events.jsonl", select=_timeline_lines))
         self._log = JsonlTail(run_dir / "log.jsonl", select=_warning_lines)
         # metrics as columns: the step of each row, one float array per metric (NaN where a row lacks it)
-        self.steps = np.zeros(0)
-        self.columns: dict[str, np.ndarray] = {}
+        self._rows = 0
+        self._steps = np.zeros(0)  # buffers with room to grow (doubling): appending a row copies nothing
+        self._columns: dict[str, np.ndarray] = {}
         self.timeline: list[dict[str, Any]] = []
         self.switches: list[int] = []  # steps of ExpertSwitched
         self.started: dict[str, Any] | None = None
@@ -212,9 +263,26 @@ class RunData:
         self.last_loss: float | None = None
         self.first_elapsed: tuple[int, float] | None = None  # (step, elapsed_s) of the first train row
 
+    def _gzip_log(self) -> bool:
+        return not (self.run_dir / "events.jsonl").exists() and (self.run_dir / "events.jsonl.gz").exists()
+
+    @property
+    def tails(self) -> tuple[JsonlTail, ...]:
+        return self._metrics, self._events, self._log
+
     def refresh(self) -> None:
         if not self.run_dir.is_dir():
             raise RunGone(f"the run directory {self.run_dir} no longer exists")
+        if (any(tail.rewritten() for tail in self.tails)
+                or isinstance(self._events, GzipJsonlTail) != self._gzip_log()):
+            self._start()  # a resume cut the logs back: read them again from their start
+            self.generation += 1
+        while True:
+            self._read_once()
+            if not any(tail.more for tail in self.tails):
+                break
+
+    def _read_once(self) -> None:
         self._add_rows(self._metrics.read())
         for record in self._events.read():
             kind = record.get("_type")
@@ -234,7 +302,31 @@ class RunData:
 
     @property
     def rows(self) -> int:
-        return len(self.steps)
+        return self._rows
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self._steps[:self._rows]
+
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        """One float array per metric, NaN where a row lacks it (views: later rows go past their end)."""
+        return {key: column[:self._rows] for key, column in self._columns.items()}
+
+    def _room(self, count: int) -> None:
+        """Capacity for ``count`` more rows: the buffers double when full, so rows cost O(1) each, amortised (a
+        poll of a 100k-row run copies nothing)."""
+        need = self._rows + count
+        if need <= len(self._steps):
+            return
+        capacity = max(need, 2 * len(self._steps), 1024)
+        for key, column in self._columns.items():
+            grown = np.full(capacity, np.nan)
+            grown[:self._rows] = column[:self._rows]
+            self._columns[key] = grown
+        steps = np.zeros(capacity)
+        steps[:self._rows] = self._steps[:self._rows]
+        self._steps = steps
 
     def _add_rows(self, rows: list[dict[str, Any]]) -> None:
         """Append metrics rows to the columns. Rows with the same keys (most of them) become one 2-D array in one
@@ -264,11 +356,15 @@ class RunData:
                 if column is None:
                     column = batch[key] = np.full(count, np.nan)
                 column[indices] = table[:, j]
-        before = self.rows
-        for key in batch.keys() | self.columns.keys():
-            old = self.columns.get(key, np.full(before, np.nan))
-            self.columns[key] = np.concatenate([old, batch.get(key, np.full(count, np.nan))])
-        self.steps = np.concatenate([self.steps, np.array([float(r["step"]) for r in good])])
+        self._room(count)
+        start, end = self._rows, self._rows + count
+        for key, values in batch.items():
+            column = self._columns.get(key)
+            if column is None:  # a metric first seen now: NaN for the rows before (and the room after)
+                column = self._columns[key] = np.full(len(self._steps), np.nan)
+            column[start:end] = values
+        self._steps[start:end] = [float(r["step"]) for r in good]
+        self._rows = end
         for row in reversed(good):
             if "train/loss" in row:
                 self.last_loss, self.last_row = row["train/loss"], row
@@ -316,18 +412,29 @@ class RunData:
             "problems": self.problems(),
         }
 
-    def run_name(self) -> str | None:
+    def config(self) -> dict[str, Any]:
         try:
-            config = tomllib.loads((self.run_dir / "config.toml").read_text(encoding="utf-8"))
+            return tomllib.loads((self.run_dir / "config.toml").read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return None
-        return (config.get("run") or {}).get("name")
+            return {}
+
+    def run_name(self) -> str | None:
+        return (self.config().get("run") or {}).get("name")
+
+    def sample_prompts(self) -> list[str]:
+        """``[sample] prompts`` of the run's config (the text of each sample row), as the run resolved them."""
+        prompts = (self.config().get("sample") or {}).get("prompts")
+        return [str(p) for p in prompts] if isinstance(prompts, list) else []
 
     def problems(self) -> list[str]:
         out = []
         for tail in (self._events, self._metrics):
             if tail.bad_lines:
                 out.append(f"{tail.path.name}: {tail.bad_lines} line(s) are not JSON and were skipped")
+            damaged = getattr(tail, "damaged_at", None)
+            if damaged is not None:
+                out.append(f"{tail.path.name}: damaged at byte {damaged} (not a gzip stream from there); what "
+                           "follows is not shown")
             if tail.torn_tail and (self.ended is not None or self.status() == "interrupted"):
                 out.append(f"{tail.path.name}: the last line is incomplete ({tail.torn_tail} bytes; the run was "
                            "cut off while writing it) and is not shown")
@@ -355,11 +462,14 @@ class RunData:
             names = os.listdir(self.run_dir / "samples")
         except OSError:
             return out
+        prompts = self.sample_prompts() if names else []
         for name in names:
             match = _SAMPLE.match(name)
             if match:
-                out.append({"step": int(match.group(1)), "index": int(match.group(2)),
-                            "kind": "latents" if match.group(3) else match.group(4), "path": f"samples/{name}"})
+                index = int(match.group(2))
+                out.append({"step": int(match.group(1)), "index": index,
+                            "kind": "latents" if match.group(3) else match.group(4), "path": f"samples/{name}",
+                            "prompt": prompts[index] if index < len(prompts) else None})
         return sorted(out, key=lambda s: (s["index"], s["step"], s["kind"]))
 
     def checkpoints(self) -> list[dict[str, Any]]:
@@ -440,16 +550,68 @@ def list_runs(root: Path) -> list[RunData]:
             if is_safe_name(e.name) and not e.is_symlink() and is_run_dir(Path(e.path))]
 
 
-def ask(run_dir: Path, action: str, source: str) -> str:
+def ask(run_dir: Path, action: str, source: str, *, ended: dict[str, Any] | bool | None = False) -> str:
     """Post ``action`` to a running run's inbox (``core.inbox``); returns the request id. Raises ``RunGone`` for
-    a directory that is not a run, ``ValueError`` (one line) for a run that has ended or an unknown action."""
+    a directory that is not a run, ``ValueError`` (one line) for a run that has ended or an unknown action.
+
+    ``ended``: the run's ``RunEnded`` record as the caller knows it (the server's cached :class:`RunData`), or
+    False to look for it in the event log (:func:`ended_record`, from the end of the file)."""
     if not is_run_dir(run_dir):
         raise RunGone(f"{run_dir} is not a run directory (no events.jsonl or config.toml)")
-    data = RunData(run_dir)
-    data.refresh()
-    if data.ended is not None:
-        raise ValueError(f"the run in {run_dir} has ended ({data.ended.get('status')}); nothing can be asked of it")
+    if ended is False:
+        ended = ended_record(run_dir)
+    if ended:
+        raise ValueError(f"the run in {run_dir} has ended ({ended.get('status')}); nothing can be asked of it")
     return post_request(run_dir, action, source)
+
+
+_START_OR_END = re.compile(rb'"_type": ?"(RunStarted|RunEnded)"')
+_TAIL_WINDOW = 64 << 10
+
+
+def ended_record(run_dir: Path) -> dict[str, Any] | None:
+    """The ``RunEnded`` record of the run's last start, or None while it runs (or never recorded one). A plain log
+    is read backwards from its end in 64 KiB windows until a ``RunStarted`` or ``RunEnded`` line (one window for a
+    run that ended, however long); a gzip log has to be decompressed from its start."""
+    plain, compressed = run_dir / "events.jsonl", run_dir / "events.jsonl.gz"
+    if not plain.exists() and compressed.exists():
+        last = None
+        for _, line, complete in iter_log_lines(compressed):
+            found = _START_OR_END.search(line.encode()) if complete else None
+            if found:
+                last = line if found.group(1) == b"RunEnded" else None
+        return _loads(last)
+    try:
+        fd = os.open(plain, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        end = os.fstat(fd).st_size
+        window = _TAIL_WINDOW
+        while True:
+            start = max(0, end - window)
+            data = os.pread(fd, end - start, start)
+            found = None
+            for found in _START_OR_END.finditer(data, data.find(b"\n") + 1 if start > 0 else 0):  # noqa: B007
+                pass  # the last one: one C scan of the window
+            if found is not None:
+                if found.group(1) != b"RunEnded":
+                    return None
+                line_end = data.find(b"\n", found.end())
+                return _loads(data[data.rfind(b"\n", 0, found.start()) + 1:line_end]) if line_end >= 0 else None
+            if start == 0:
+                return None
+            window *= 4
+    finally:
+        os.close(fd)
+
+
+def _loads(line: str | bytes | None) -> dict[str, Any] | None:
+    try:
+        record = orjson.loads(line) if line else None
+    except orjson.JSONDecodeError:
+        return None  # a torn line: not an end
+    return record if isinstance(record, dict) else None
 
 
 def _timeline_item(record: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import os
 import shutil
 import time
 import zlib
@@ -43,6 +42,7 @@ import cattrs
 import orjson
 import structlog
 
+from wantrain.core.atomic import atomic_write
 from wantrain.core.errors import UserError
 from wantrain.core.events import CATALOGUE, SCHEMA_VERSION, Event, from_record, known_event_types
 from wantrain.core.rundir import open_append as open_append_no_follow
@@ -168,7 +168,8 @@ def _decodable_prefix(decompressor: Any, raw: bytes) -> bytes:
 
 def cut_back(path: Path, step: int, *, sequenced: bool = False) -> list[dict[str, Any]]:
     """Keep only the complete lines of the JSONL file ``path`` (plain or gzip) that are records with an integer
-    ``step <= step``, byte for byte, rewritten atomically; nothing happens when the file does not exist. Resume
+    ``step <= step``, byte for byte, rewritten atomically (``core.atomic.atomic_write``: fsync'ed, a unique
+temporary name, a full disk one line); nothing happens when the file does not exist. Resume
     cuts the event log and every metrics file back to the checkpoint's step with it (a torn tail goes too).
     Returns the kept records, parsed.
 
@@ -201,13 +202,15 @@ def cut_back(path: Path, step: int, *, sequenced: bool = False) -> list[dict[str
         shutil.copy2(path, copy)
         log.warning("damaged_log_kept", path=str(path), problem=damage, copy=str(copy),
                     hint="the run goes on; the damaged records are not in the rewritten log, the copy keeps them")
-    tmp = path.with_name(path.name + ".tmp")
+    text = "".join(kept).encode("utf-8")
     if path.suffix == ".gz":
-        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as fh:
-            fh.write("".join(kept))
+        def write_gzip(tmp: Path) -> None:
+            with gzip.open(tmp, "xb", compresslevel=6) as fh:
+                fh.write(text)
+
+        atomic_write(path, write_gzip, what="the run's log")
     else:
-        tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+        atomic_write(path, text, what="the run's log")
     return records
 
 

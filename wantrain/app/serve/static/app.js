@@ -28,7 +28,7 @@ const GROUPS = [
 
 const state = {
   run: null, rows: 0, events: 0, series: {}, timeline: [], charts: {}, switches: [], timer: null, runsTimer: null,
-  zoom: null, summary: null, samplesKey: "", checkpointsKey: "", lrFinderShown: false,
+  zoom: null, summary: null, samplesKey: "", checkpointsKey: "", lrFinderShown: false, generation: 0,
 };
 
 async function api(path, options) {
@@ -59,6 +59,22 @@ function el(tag, attrs = {}, ...children) {
   }
   for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(c));
   return e;
+}
+// axis ticks: the fewest significant digits (3 at least) that tell every tick apart ("0.5612 0.5613", not "0.561 0.561")
+function tickLabels(vals) {
+  const shown = vals.filter(v => v != null);
+  for (let digits = 3; digits <= 10; digits++) {
+    const labels = vals.map(v => v == null ? "" : fmt(v, digits));
+    if (new Set(labels.filter((l, i) => vals[i] != null)).size === shown.length) return labels;
+  }
+  return vals.map(v => v == null ? "" : String(v));
+}
+// the x range of a chart: one step alone is centred in a range of a few steps, not 0..100
+function xRange(u, min, max) {
+  const xs = u.data && u.data[0];
+  if (xs && xs.length === 1) return [xs[0] - 2, xs[0] + 2];  // uPlot hands one point 0..2x
+  if (min == null || max == null) return [0, 1];
+  return min === max ? [min - 2, max + 2] : [min, max];
 }
 function badge(status) { return el("span", {class: "badge " + status}, status); }
 function connection(ok) { $("#connection").hidden = ok; }
@@ -106,6 +122,7 @@ async function showRun(id) {
   tab("charts");
   try {
     const info = await api(`/api/runs/${encodeURIComponent(id)}`);
+    state.generation = info.generation;
     showDetails(info);
     await loadSeries();
   } catch (e) { showProblem(e.message); return; }
@@ -121,6 +138,11 @@ async function loadSeries() {
   for (const [k, s] of Object.entries(data.series)) state.series[k] = {x: s.x, y: s.y};
   state.rows = data.rows;
   state.switches = data.switches;
+  if (data.generation !== state.generation) {  // read again since the page last looked: so is the timeline
+    Object.assign(state, {generation: data.generation, events: 0, timeline: []});
+    $("#events tbody").replaceChildren();
+    renderEvents();
+  }
   drawCharts(true);
 }
 
@@ -131,24 +153,36 @@ async function poll() {
     const data = await api(`/api/runs/${encodeURIComponent(id)}/poll?m=${state.rows}&e=${state.events}`);
     if (state.run !== id) return;
     connection(true);
-    showSummary(data.summary);
-    let grew = false, tooMany = false;
-    for (const [k, p] of Object.entries(data.points)) {
-      const s = state.series[k] || (state.series[k] = {x: [], y: []});
-      s.x.push(...p.x); s.y.push(...p.y); grew = true;
-      if (s.x.length > 2 * MAX_POINTS) tooMany = true;
-    }
-    state.rows = data.rows;
-    if (data.events.length) { addEvents(data.events); grew = true; }
-    state.events = data.event_count;
-    showCheckpoints(data.checkpoints);
-    showSamples(data.samples);
-    if (tooMany) await loadSeries(); else if (grew) drawCharts(false);
+    if (data.generation !== state.generation) await reloadRun();  // a resume rewrote the logs
+    else await applyPoll(data);
   } catch (e) {
     if (e.status === 404) { showProblem(e.message); showSummary(null); return; }  // the run directory is gone
     connection(false);
   }
   state.timer = setTimeout(poll, POLL_MS);
+}
+
+async function reloadRun() {
+  // a resume cut the run's logs back and the server read them again: load the series afresh (loadSeries then
+  // drops the timeline, since the generation differs)
+  Object.assign(state, {rows: 0, series: {}});
+  await loadSeries();
+}
+
+async function applyPoll(data) {
+  showSummary(data.summary);
+  let grew = false, tooMany = false;
+  for (const [k, p] of Object.entries(data.points)) {
+    const s = state.series[k] || (state.series[k] = {x: [], y: []});
+    s.x.push(...p.x); s.y.push(...p.y); grew = true;
+    if (s.x.length > 2 * MAX_POINTS) tooMany = true;
+  }
+  state.rows = data.rows;
+  if (data.events.length) { addEvents(data.events); grew = true; }
+  state.events = data.event_count;
+  showCheckpoints(data.checkpoints);
+  showSamples(data.samples);
+  if (tooMany) await loadSeries(); else if (grew) drawCharts(false);
 }
 
 function showProblem(message) {
@@ -292,8 +326,8 @@ function makeChart(group, data) {
   }))];
   const opts = {
     width, height: 260, series, cursor: {drag: {x: true, y: false}},
-    scales: {x: {time: false}, y: {distr: logBox.checked ? 3 : 1}},
-    axes: [{label: "step"}, {size: 70, values: (u, vals) => vals.map(v => v == null ? "" : fmt(v, 3))}], hooks: overlays(group),
+    scales: {x: {time: false, range: xRange}, y: {distr: logBox.checked ? 3 : 1}},
+    axes: [{label: "step"}, {size: 70, values: (u, vals) => tickLabels(vals)}], hooks: overlays(group),
   };
   const plot = new uPlot(opts, [data.x, ...data.columns], target);
   target.addEventListener("dblclick", () => { state.zoom = null; loadSeries(); });
@@ -366,12 +400,14 @@ function showSamples(samples) {
   state.samplesKey = key;
   const steps = [...new Set(samples.map(s => s.step))].sort((a, b) => a - b);
   const prompts = [...new Set(samples.map(s => s.index))].sort((a, b) => a - b);
+  const text = new Map(samples.map(s => [s.index, s.prompt]));  // the prompt's text, from the run's config
   if (!samples.length) { $("#samples").replaceChildren(el("p", {}, "No samples yet.")); return; }
   const file = p => `/files/${encodeURIComponent(state.run)}/${p}`;
   const table = el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "prompt"), ...steps.map(s => el("th", {}, `step ${s}`)))));
   const body = el("tbody");
   for (const p of prompts) {
-    body.append(el("tr", {}, el("td", {}, String(p)), ...steps.map(step => {
+    const label = text.get(p) || `prompt ${p}`;
+    body.append(el("tr", {}, el("td", {class: "prompt", title: label}, label), ...steps.map(step => {
       const cell = el("td");
       for (const s of samples.filter(s => s.step === step && s.index === p)) {
         cell.append(s.kind === "mp4" ? el("video", {src: file(s.path), controls: "", loop: "", muted: "", preload: "metadata"})
