@@ -64,6 +64,7 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
     data.report.model_files = model_plan(cfg)
+    speed_plan(cfg, data, resolve_device(cfg.train.device))
     plan_memory(cfg, data)
     return data.report
 
@@ -128,6 +129,36 @@ def model_plan(cfg: Any) -> list[str]:
     except UserError as exc:
         return [f"problem: {exc}"]
     return plan_lines(cfg.model, source.spec, random=source.random)
+
+
+def speed_plan(cfg: Any, data: Any, device: torch.device) -> dict[str, Any]:
+    """The attention kernel (``model.attention``) and the compile plan (``model.compile``) of a run on ``device``,
+    into ``data.report.speed`` (``check`` prints its lines; the run's ``preflight.json``). A kernel whose package is
+    missing or that the device cannot run, or a compile the toolchain cannot do, is a one-line ``UserError`` here,
+    before the run directory exists. The compile cache is ``torch_compile/`` in the data's cache folder."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.attention import check_kernel
+    from wantrain.models.wan22.compile import CompilePlan, check_compiler
+
+    model = cfg.model
+    spec = variant_spec(model.variant)
+    fp32 = model.base_dtype == "fp32" or (model.base_dtype == "auto" and spec.tiny)
+    kernel = check_kernel(model.attention, device, torch.float32 if fp32 else torch.bfloat16)
+    check_compiler(model.compile, device)
+    cache = compile_cache_dir(data) if model.compile != "off" else None
+    plan = CompilePlan(model.compile, model.compile_dynamic, transformer_kwargs(spec)["num_layers"], cache)
+    speed = {"attention": kernel.name, "attention_backend": kernel.backend, "compile": plan.to_json(),
+             "lines": [f"attention: {kernel.name} ({kernel.describe}; diffusers backend '{kernel.backend}')",
+                       *plan.lines()]}
+    data.report.speed = speed
+    return speed
+
+
+def compile_cache_dir(data: Any) -> Path | None:
+    """``torch_compile/`` in the cache folder of the run's first clip (``data.cache_dir`` or the dataset's
+    ``.wantrain_cache``); None without clips."""
+    clips = getattr(data, "clips", None)
+    return Path(clips[0].cache_dir) / "torch_compile" if clips else None
 
 
 LARGEST_DEVICE_GIB = 288.0
