@@ -88,7 +88,7 @@ def test_every_adapter_type_compiles_without_graph_breaks_and_trains_as_eager(ao
 
 def test_bucket_shapes_compile_a_bounded_number_of_times_and_validation_reuses_the_blocks(aot_eager):
     adapter = make_adapter(compile="default")
-    batches = _encoded(adapter, sizes=(32, 48, 64, 40))
+    batches = _encoded(adapter, sizes=(32, 48, 64, 80))
     start = compile_counts()["graphs"]
     counts = []
     for batch in batches:

@@ -191,7 +191,7 @@ def plan_memory(cfg: Any, data: Any) -> Any:
         dtype = "fp32"
     if model.vram_budget_gb is None:
         settings = MemorySettings("bf16" if dtype == "auto" else dtype, model.blocks_to_swap, model.offload_activations)
-        chosen = estimate(model.variant, settings, **size,
+        chosen = estimate(model.variant, settings, **size, attention=model.attention,
                           gradient_checkpointing=model.gradient_checkpointing)
         if chosen.device_gib > LARGEST_DEVICE_GIB and plan(model.variant, LARGEST_DEVICE_GIB, base_dtype=dtype,
                                                            **size)[0] is None:
@@ -203,7 +203,8 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                 "train.batch_size or lora.rank"
             )
     else:
-        chosen, smallest = plan(model.variant, model.vram_budget_gb, base_dtype=dtype, **size)
+        chosen, smallest = plan(model.variant, model.vram_budget_gb, base_dtype=dtype, **size,
+                                attention=model.attention)
         if chosen is None:
             raise UserError(
                 f"model.vram_budget_gb = {model.vram_budget_gb:g}: nothing fits the largest bucket "
@@ -242,9 +243,11 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
         # fp8 halves the host copies of the blocks' Linears (it needs gradient checkpointing: ModelConfig)
         if auto_dtype and chosen.settings.base_dtype == "bf16" and model.gradient_checkpointing:
             if cfg.model.vram_budget_gb is not None:
-                fp8_est, _ = plan(model.variant, cfg.model.vram_budget_gb, base_dtype="fp8", **size)
+                fp8_est, _ = plan(model.variant, cfg.model.vram_budget_gb, base_dtype="fp8", **size,
+                                  attention=chosen.attention_kernel)
             else:
-                fp8_est = estimate(model.variant, attrs.evolve(chosen.settings, base_dtype="fp8"), **size)
+                fp8_est = estimate(model.variant, attrs.evolve(chosen.settings, base_dtype="fp8"), **size,
+                                   attention=chosen.attention_kernel)
             if fp8_est is not None:
                 yield attrs.evolve(model, base_dtype="fp8", blocks_to_swap=fp8_est.settings.blocks_to_swap,
                                    offload_activations=fp8_est.settings.offload_activations), fp8_est

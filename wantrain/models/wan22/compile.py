@@ -78,16 +78,22 @@ class CompilePlan:
 def use_cache_dir(folder: Path | None) -> Path | None:
     """Point inductor's and Triton's caches into ``folder`` (created) unless the user's environment already names
     them; returns the folder inductor uses. Call before the first compile."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # inductor writes its default into the environment the first time it asks: that one is not the user's choice
+    users = given is not None and os.path.abspath(given) != os.path.abspath(default_cache_dir())
     if folder is None:
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) if "TORCHINDUCTOR_CACHE_DIR" in os.environ else None
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        return Path(given) if users else None
+    if not users:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"model.compile: cannot create the compile cache folder '{folder}' "
                             f"({exc.strerror or exc}); set data.cache_dir to a writable folder") from None
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-        os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
+        if "TRITON_CACHE_DIR" not in os.environ:
+            os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
@@ -102,6 +108,40 @@ def tensor_scaling(transformer: nn.Module) -> None:
             scaling[ADAPTER_NAME] = torch.tensor(float(scaling[ADAPTER_NAME]), dtype=torch.float32)
 
 
+def _without_module_dropout(layer: nn.Module):
+    """peft's LoKr/LoHa ``forward`` for wantrain's adapters, without the module-dropout draw: peft draws
+    ``torch.rand(1)`` from the global RNG at every call and branches on it (a graph break in every block), though the
+    draw only matters with module dropout, which wantrain refuses for these types (``LoraConfig``). The rest is
+    peft's forward as it is: the base layer, plus each active adapter's delta, cast back to the input dtype."""
+    def forward(x, *args, **kwargs):
+        if layer.disable_adapters or layer.merged:
+            return type(layer).forward(layer, x, *args, **kwargs)
+        result = layer.base_layer(x, *args, **kwargs)
+        for adapter in layer.active_adapters:
+            if adapter in layer._available_adapters:
+                result = result + layer._get_delta_activations(adapter, x, *args, **kwargs)
+        return result.to(x.dtype)
+    return forward
+
+
+def _traceable_peft() -> None:
+    """Let dynamo trace peft's DoRA without a graph break: peft's ``dequantize_module_weight`` asks
+    ``type(weight).__module__.startswith("torchao.")``, a string method on a class attribute that dynamo does not
+    trace. In the graph it is replaced by the same function for the weights wantrain has (plain parameters, no
+    HQQ/torchao/bitsandbytes quantization); eager calls keep peft's own."""
+    from peft.utils import integrations
+
+    original = integrations.dequantize_module_weight
+    if getattr(original, "_wantrain_traceable", False):
+        return
+
+    @torch.compiler.substitute_in_graph(original, skip_signature_check=True)
+    def plain_weight(module: nn.Module) -> torch.Tensor:
+        return module.weight
+
+    original._wantrain_traceable = True
+
+
 def compile_blocks(transformer: nn.Module, mode: str, dynamic: bool | None) -> int:
     """Compile the ``forward`` of each of ``transformer.blocks`` (one compiled function shared by all blocks);
     returns how many. Compilation itself happens on the first call; a compiler failure then is a ``UserError``
@@ -112,6 +152,14 @@ def compile_blocks(transformer: nn.Module, mode: str, dynamic: bool | None) -> i
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                            RECOMPILE_LIMIT * 4)
     tensor_scaling(transformer)
+    _traceable_peft()
+    for module in transformer.blocks.modules():
+        dropout = getattr(module, "module_dropout", None)
+        if isinstance(dropout, dict) and hasattr(module, "_get_delta_activations"):  # peft's LyCORIS layers
+            if any(dropout.values()):
+                raise UserError("model.compile cannot trace LyCORIS module dropout (a random branch per call); "
+                                "remove it or set model.compile = 'off'")
+            module.forward = _without_module_dropout(module)
     blocks = list(transformer.blocks)
     if not blocks:
         return 0
