@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+import torch._dynamo
 from wan22_helpers import make_adapter, raw_batch
 
 from wantrain.core.errors import ConfigError, UserError
@@ -23,7 +24,12 @@ from wantrain.models.wan22.compile import compile_counts, is_compiled
 
 @pytest.fixture
 def aot_eager(monkeypatch):
+    """The cheap backend, and dynamo's caches emptied: each test counts the graphs it compiles itself (the
+    compiled graphs of a block's code are shared process-wide)."""
     monkeypatch.setattr(wan_compile, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _losses(adapter, batches, *, alpha_after: int | None = None) -> list[float]:
@@ -49,6 +55,7 @@ def _encoded(adapter, sizes=(32,)):
     return [adapter.encode_batch(raw_batch(size=s, seed=i)) for i, s in enumerate(sizes)]
 
 
+@pytest.mark.slow  # compiles
 def test_compiled_blocks_train_as_eager_with_block_swap_offload_and_an_alpha_change(aot_eager):
     memory = dict(blocks_to_swap=1, offload_activations=True, pin_host_copies=False)
     eager = make_adapter(**memory)
@@ -74,6 +81,7 @@ def test_compiled_blocks_train_as_eager_with_block_swap_offload_and_an_alpha_cha
     assert float(again.transformer_for("high_noise").blocks[0].attn1.to_q.scaling["wantrain"]) == 2.0
 
 
+@pytest.mark.slow  # compiles
 @pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
 def test_every_adapter_type_compiles_without_graph_breaks_and_trains_as_eager(aot_eager, kind):
     eager = make_adapter(lora={"type": kind})
@@ -86,6 +94,7 @@ def test_every_adapter_type_compiles_without_graph_breaks_and_trains_as_eager(ao
     assert after["graph_breaks"] == before["graph_breaks"] and 1 <= after["graphs"] - before["graphs"] <= 2
 
 
+@pytest.mark.slow  # compiles
 def test_bucket_shapes_compile_a_bounded_number_of_times_and_validation_reuses_the_blocks(aot_eager):
     adapter = make_adapter(compile="default")
     batches = _encoded(adapter, sizes=(32, 48, 64, 80))
@@ -135,6 +144,7 @@ def test_a_missing_kernel_package_is_refused_in_one_line(monkeypatch):
         make_adapter(attention="xformers")
 
 
+@pytest.mark.slow  # compiles
 def test_a_second_process_of_the_same_shapes_compiles_from_the_cache(tmp_path):
     """Inductor itself (a C++ compiler is on this machine): the second process finds every graph in the cache
     folder the first one filled (``use_cache_dir``) and compiles none. The time this saves: bench/bench_compile.py."""
