@@ -82,7 +82,7 @@ def test_compiled_blocks_train_as_eager_with_block_swap_offload_and_an_alpha_cha
 
 
 @pytest.mark.slow  # compiles
-@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
+@pytest.mark.parametrize("kind", ["dora", "lokr"])  # loha: the same LyCORIS forward as lokr
 def test_every_adapter_type_compiles_without_graph_breaks_and_trains_as_eager(aot_eager, kind):
     eager = make_adapter(lora={"type": kind})
     batches = _encoded(eager, sizes=(32, 32))
@@ -95,21 +95,18 @@ def test_every_adapter_type_compiles_without_graph_breaks_and_trains_as_eager(ao
 
 
 @pytest.mark.slow  # compiles
-def test_bucket_shapes_compile_a_bounded_number_of_times_and_validation_reuses_the_blocks(aot_eager):
+def test_bucket_shapes_compile_a_bounded_number_of_times(aot_eager):
+    """Forward passes only (validation's no-grad form: the same guards on shapes as training, a third of the
+    tracing): the first shape compiles static graphs, the second one dynamic graph per form, later shapes none."""
     adapter = make_adapter(compile="default")
     batches = _encoded(adapter, sizes=(32, 48, 64, 80))
     start = compile_counts()["graphs"]
     counts = []
-    for batch in batches:
-        _losses(adapter, [batch])
-        counts.append(compile_counts()["graphs"] - start)
-    # static for the first shape, one dynamic graph from the second on: nothing new for the third and fourth
-    assert counts[2] == counts[3] == counts[1] <= 2 * counts[0]
     with adapter.evaluating():
-        before = compile_counts()["graphs"]
-        adapter.validation_loss(batches[0], 0.5, torch.randn(batches[0]["latents"].shape))
-        adapter.validation_loss(batches[2], 0.5, torch.randn(batches[2]["latents"].shape))
-        assert compile_counts()["graphs"] - before <= 2  # no-grad forms: at most one per block-0 / others
+        for batch in batches:
+            adapter.validation_loss(batch, 0.5, torch.randn(batch["latents"].shape))
+            counts.append(compile_counts()["graphs"] - start)
+    assert counts[0] >= 1 and counts[1] <= 2 * counts[0] and counts[3] == counts[2] == counts[1]
 
 
 def test_a_compiler_failure_is_one_line_naming_the_key(monkeypatch):
