@@ -42,7 +42,7 @@ class Kernel:
 
 KERNELS: dict[str, Kernel] = {
     "sdpa": Kernel("sdpa", "native", None, None, False,
-                   "PyTorch scaled_dot_product_attention (its own choice of flash, memory-efficient or math kernel)"),
+                   "PyTorch scaled_dot_product_attention, which picks flash, memory-efficient or math itself"),
     "flash": Kernel("flash", "flash", "flash_attn", "flash-attn", True, "flash-attn 2 (flash_attn_func)"),
     "xformers": Kernel("xformers", "xformers", "xformers", "xformers", True,
                        "xformers memory_efficient_attention"),
