@@ -38,6 +38,10 @@ and ``--size`` pick another model and video. ``--cap-gib`` counts the CUDA conte
     python bench/gpu_step.py                       # every setting on cuda:0, JSON on stdout (~15 min on an H200)
     python bench/gpu_step.py --settings bf16,bf16-swap38-offload --steps 3
     python bench/gpu_step.py --smoke               # tiny model, tiny shapes, on the CPU: checks the script runs
+    python bench/gpu_step.py --settings bf16,bf16-compile,bf16-flash,bf16-xformers   # issue 44's rows
+
+A setting name may end in ``-compile`` (``model.compile = "default"``) and ``-flash`` / ``-xformers``
+(``model.attention``); the row then has ``compile``, ``attention`` and ``first_step_s`` (the compiling step).
 
 Never run on a GPU by its author (written on a machine without one); ``--smoke`` was run on the CPU.
 """
@@ -137,6 +141,34 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
             p.requires_grad_(True)
     fill_random(model, device, seed, lora=True)
     return model.train(), spec, dtype
+
+
+# -- model.compile and model.attention (issue 44): a setting name may end in "-compile" (model.compile = "default")
+# and/or "-flash" / "-xformers" (model.attention), e.g. "bf16-compile", "bf16-flash", "bf16-swap20-compile-flash".
+# Both are applied after the FLOPs are counted (the count is the same for every kernel and for compiled blocks).
+SPEED_SUFFIXES = ("-compile", "-flash", "-xformers")
+
+
+def split_speed(name: str) -> tuple[str, bool, str]:
+    """(the memory setting's name, compiled, attention kernel) of a setting name."""
+    compiled, kernel = False, "sdpa"
+    for suffix in SPEED_SUFFIXES:
+        if suffix in name:
+            name = name.replace(suffix, "")
+            compiled, kernel = (True, kernel) if suffix == "-compile" else (compiled, suffix[1:])
+    return name, compiled, kernel
+
+
+def apply_speed(model, name: str, device: torch.device) -> dict:
+    """The setting's attention kernel and compiled blocks, as wantrain's adapter applies them."""
+    from wantrain.models.wan22.attention import check_kernel, use_kernel
+    from wantrain.models.wan22.compile import compile_blocks
+
+    _, compiled, kernel = split_speed(name)
+    use_kernel(model, check_kernel(kernel, device))
+    if compiled:
+        compile_blocks(model, "default", None)
+    return {"compile": "default" if compiled else "off", "attention": kernel}
 
 
 def settings_table(smoke: bool) -> dict[str, dict]:
@@ -289,6 +321,7 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     # frozen base: the backward computes input gradients only (linear: 1x forward) but attention's backward is
     # 2x its forward (dQ, dK, dV and the recomputed scores); the checkpointing recompute is not counted
     step_flops = 2 * linear_flops + 3 * attention_flops
+    speed = apply_speed(model, name, device)
     if device.type == "cuda":  # the peak of the training steps, not of building the model
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -308,13 +341,16 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()
+        elapsed = time.perf_counter() - start
+        if i == 0:
+            first_s = elapsed  # with "-compile": the step that compiles
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
     s_per_step = statistics.median(times)
     out = {"config": name, "variant": variant, "latents": list(latents.shape),
            "tokens": int(latents.shape[2] * latents.shape[3] * latents.shape[4] // 4),
            "lora_rank": rank, "fp8_base": fp8, "blocks_to_swap": swap, "offload_activations": offload,
-           "gradient_checkpointing": True, "steps_timed": steps,
+           "gradient_checkpointing": True, "steps_timed": steps, **speed, "first_step_s": round(first_s, 2),
            "s_per_step": round(s_per_step, 4), "forward_tflops": round(forward_flops / 1e12, 3),
            "forward_attention_tflops": round(attention_flops / 1e12, 3), "step_tflops": round(step_flops / 1e12, 3),
            "trainable_params": sum(p.numel() for p in params), "final_loss": loss.item()}
@@ -379,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = args.settings.split(",") if args.settings else list(table)
     blocks = VARIANTS[model_variant(args.variant, args.smoke)].num_layers
     for w in wanted:
-        setting = table.get(w) or parse_setting(w, blocks)
+        setting = table.get(w) or parse_setting(split_speed(w)[0], blocks)
         if setting is None:
             parser.error(f"unknown setting {w!r}; use bf16|fp8|fp8_scaled[-swapN][-offload] with N <= {blocks} "
                          f"(fp8_scaled: no swap), e.g. "

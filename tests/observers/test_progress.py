@@ -128,3 +128,20 @@ def test_progress_shows_an_adaptive_optimizers_effective_lr_beside_its_multiplie
     drive(progress, clock, values={"train/loss": 0.5, "optimizer/effective_lr/high_noise": 3e-5,
                                    "optimizer/effective_lr/low_noise": 4e-5})
     assert "| lr 0.0002 (effective 4e-05) |" in progress.render()  # the active expert's group
+
+
+def test_a_compiling_run_says_so_until_its_first_step_and_its_rate_leaves_that_step_out():
+    clock, out = FakeClock(), io.StringIO()
+    progress = ProgressLine(stream=out, clock=clock, compiling=True)
+    bus = Bus(Context(control=Control(), state=TrainState(), metrics=DeviceMetrics(), live=Live()))
+    bus.attach(progress)
+    bus.emit(RunStarted(step=0, run_dir="", total_steps=100, grad_accum=1, experts=(None,), log_every=5))
+    for step in range(1, 6):
+        clock.now += 60.0 if step == 1 else 0.5  # the compiling step takes a minute, the others 2 it/s
+        bus.emit(OptimizerStepped(step=step, expert=None, skipped=False, skip_reason=None, lrs=(1e-4,),
+                                  group_names=("lora",), is_log_step=step == 5))
+    bus.emit(MetricsLogged(step=5, expert=None, elapsed_s=clock.now - 100, values={"train/loss": 0.5},
+                           total_steps=100))
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step 0/100") and "compiling the transformer blocks (model.compile)" in lines[0]
+    assert "compiling" not in lines[1] and "| 2.00 it/s |" in lines[1]

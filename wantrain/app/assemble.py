@@ -35,7 +35,7 @@ from wantrain.app.config import to_plain
 from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
-from wantrain.app.preflight import config_warnings, plan_memory, resolve_device
+from wantrain.app.preflight import compile_cache_dir, config_warnings, plan_memory, resolve_device, speed_plan
 from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
@@ -66,6 +66,8 @@ from wantrain.data.fingerprints import compare as compare_data
 from wantrain.data.training import TrainingData
 from wantrain.models.wan22 import build_adapter, build_encoders, check_model_files
 from wantrain.models.wan22.adapter import FP8_DEVICE_TYPES
+from wantrain.models.wan22.attention import kernel_in_use
+from wantrain.models.wan22.compile import use_cache_dir
 from wantrain.models.wan22.config import FP8_DTYPES
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
@@ -242,6 +244,12 @@ class PreparedRun:
             log.warning("resume_note", note=note)
         for note in data.report.warnings if sync.is_main else ():
             log.warning("config_warning", note=note)
+        if data.report.speed and sync.is_main:
+            speed = data.report.speed
+            ran = kernel_in_use(self.adapter.transformer_for(self.adapter.experts[0]))
+            log.info("speed", attention=speed["attention"], attention_backend=ran,
+                     compile=speed["compile"]["mode"], compile_dynamic=speed["compile"]["dynamic"],
+                     compile_cache=speed["compile"]["cache_dir"])
         trainer = None
         try:
             try:
@@ -484,6 +492,9 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
                             "directory)")
         data_changes = _check_data(point, data, allow_data_changes)
     torch.manual_seed(cfg.run.seed)
+    speed_plan(cfg, data, device)  # a kernel or compile this device cannot run: refused here, one line
+    if cfg.model.compile != "off":
+        use_cache_dir(compile_cache_dir(data))
     model_cfg = plan_memory(cfg, data)  # a budget nothing fits is refused here, before the adapter loads
     # One process: the encoders first, released before the experts load (torchrun: in execute(), rank 0 first).
     # A model the adapter will not build on this device (fp8 on a CPU) is refused by build_adapter first, before

@@ -84,7 +84,8 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn("jsonl", "wantrain.observers.jsonl_metrics:JsonlMetrics", lambda cfg: cfg.observers.jsonl,
             lambda cls, cfg, w: cls(w.run_dir / "metrics.jsonl"), flag="observers.jsonl=true", sink=True),
     BuiltIn("progress", "wantrain.observers.progress:ProgressLine", lambda cfg: cfg.observers.progress,
-            lambda cls, cfg, w: cls(alpha_phases=_phase_names(cfg)), flag="observers.progress=true", sink=True),
+            lambda cls, cfg, w: cls(alpha_phases=_phase_names(cfg), compiling=cfg.model.compile != "off"),
+            flag="observers.progress=true", sink=True),
     # every rank decides alike; only rank 0 writes alpha_metrics.jsonl
     BuiltIn("alpha", "wantrain.observers.alpha.controller:AlphaController", _alpha_enabled,
             lambda cls, cfg, w: cls(cfg.lora.alpha_schedule, cfg.model.trained_experts,

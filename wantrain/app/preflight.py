@@ -64,6 +64,7 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
     data.report.model_files = model_plan(cfg)
+    speed_plan(cfg, data, resolve_device(cfg.train.device))
     plan_memory(cfg, data)
     return data.report
 
@@ -130,6 +131,36 @@ def model_plan(cfg: Any) -> list[str]:
     return plan_lines(cfg.model, source.spec, random=source.random)
 
 
+def speed_plan(cfg: Any, data: Any, device: torch.device) -> dict[str, Any]:
+    """The attention kernel (``model.attention``) and the compile plan (``model.compile``) of a run on ``device``,
+    into ``data.report.speed`` (``check`` prints its lines; the run's ``preflight.json``). A kernel whose package is
+    missing or that the device cannot run, or a compile the toolchain cannot do, is a one-line ``UserError`` here,
+    before the run directory exists. The compile cache is ``torch_compile/`` in the data's cache folder."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.attention import check_kernel
+    from wantrain.models.wan22.compile import CompilePlan, check_compiler
+
+    model = cfg.model
+    spec = variant_spec(model.variant)
+    fp32 = model.base_dtype == "fp32" or (model.base_dtype == "auto" and spec.tiny)
+    kernel = check_kernel(model.attention, device, torch.float32 if fp32 else torch.bfloat16)
+    check_compiler(model.compile, device)
+    cache = compile_cache_dir(data) if model.compile != "off" else None
+    plan = CompilePlan(model.compile, model.compile_dynamic, transformer_kwargs(spec)["num_layers"], cache)
+    speed = {"attention": kernel.name, "attention_backend": kernel.backend, "compile": plan.to_json(),
+             "lines": [f"attention: {kernel.name} ({kernel.describe}; diffusers backend '{kernel.backend}')",
+                       *plan.lines()]}
+    data.report.speed = speed
+    return speed
+
+
+def compile_cache_dir(data: Any) -> Path | None:
+    """``torch_compile/`` in the cache folder of the run's first clip (``data.cache_dir`` or the dataset's
+    ``.wantrain_cache``); None without clips."""
+    clips = getattr(data, "clips", None)
+    return Path(clips[0].cache_dir) / "torch_compile" if clips else None
+
+
 LARGEST_DEVICE_GIB = 288.0
 """About the memory of the largest single accelerators sold (B300, MI355X: 288 GB): a plan that needs more with its
 smallest setting fits no device, and is refused by ``check`` and ``run`` alike."""
@@ -160,7 +191,7 @@ def plan_memory(cfg: Any, data: Any) -> Any:
         dtype = "fp32"
     if model.vram_budget_gb is None:
         settings = MemorySettings("bf16" if dtype == "auto" else dtype, model.blocks_to_swap, model.offload_activations)
-        chosen = estimate(model.variant, settings, **size,
+        chosen = estimate(model.variant, settings, **size, attention=model.attention,
                           gradient_checkpointing=model.gradient_checkpointing)
         if chosen.device_gib > LARGEST_DEVICE_GIB and plan(model.variant, LARGEST_DEVICE_GIB, base_dtype=dtype,
                                                            **size)[0] is None:
@@ -172,7 +203,8 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                 "train.batch_size or lora.rank"
             )
     else:
-        chosen, smallest = plan(model.variant, model.vram_budget_gb, base_dtype=dtype, **size)
+        chosen, smallest = plan(model.variant, model.vram_budget_gb, base_dtype=dtype, **size,
+                                attention=model.attention)
         if chosen is None:
             raise UserError(
                 f"model.vram_budget_gb = {model.vram_budget_gb:g}: nothing fits the largest bucket "
@@ -211,9 +243,11 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
         # fp8 halves the host copies of the blocks' Linears (it needs gradient checkpointing: ModelConfig)
         if auto_dtype and chosen.settings.base_dtype == "bf16" and model.gradient_checkpointing:
             if cfg.model.vram_budget_gb is not None:
-                fp8_est, _ = plan(model.variant, cfg.model.vram_budget_gb, base_dtype="fp8", **size)
+                fp8_est, _ = plan(model.variant, cfg.model.vram_budget_gb, base_dtype="fp8", **size,
+                                  attention=chosen.attention_kernel)
             else:
-                fp8_est = estimate(model.variant, attrs.evolve(chosen.settings, base_dtype="fp8"), **size)
+                fp8_est = estimate(model.variant, attrs.evolve(chosen.settings, base_dtype="fp8"), **size,
+                                   attention=chosen.attention_kernel)
             if fp8_est is not None:
                 yield attrs.evolve(model, base_dtype="fp8", blocks_to_swap=fp8_est.settings.blocks_to_swap,
                                    offload_activations=fp8_est.settings.offload_activations), fp8_est

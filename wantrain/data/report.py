@@ -61,6 +61,7 @@ class PreflightReport:
     epochs: dict[str, Any] = attrs.field(factory=dict)
     # what the run loads from where, one line per part (filled by `wantrain check`; a problem is its one line)
     model_files: list[str] = attrs.field(factory=list)
+    speed: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.preflight.speed_plan: kernel and compile
     # one line each, about the config against this plan (an expert that gets no step: wantrain.app.epochs); `run`
     # logs them as `config_warning`, `check` prints them last
     warnings: list[str] = attrs.field(factory=list)
@@ -162,6 +163,9 @@ class PreflightReport:
         if self.model_files:
             lines.append("model files:")
             lines.extend(f"  {line}" for line in self.model_files)
+        if self.speed:
+            lines.append("speed (docs/models.md, Speed):")
+            lines.extend(f"  {line}" for line in self.speed["lines"])
         if self.memory_plan:
             plan = self.memory_plan
             chosen = plan["settings"]

@@ -15,6 +15,9 @@ line is printed per log step (the last one with the run's status), so logs stay 
 * loss: exponential moving average (``beta`` 0.9) of the logged interval means, per expert (``train/loss/<expert>``)
   when the model has experts, else of ``train/loss``; the active expert's is shown.
 * LR: the LR the step used, of the parameter group named after the active expert if there is one, else the first.
+* compiling (``model.compile``): from the run's start until its first step ends the line says that the blocks are
+  compiling, and it/s counts from the end of that first step (its compile time would skew the rate for ``window``
+  steps).
 """
 
 from __future__ import annotations
@@ -54,8 +57,11 @@ class ProgressLine(Observer):
         beta: float = 0.9,
         clock: Callable[[], float] = time.monotonic,
         alpha_phases: tuple[str, ...] = (),
+        compiling: bool = False,
     ) -> None:
         self.enabled = enabled
+        self.compiling = compiling  # model.compile is on: the first step compiles the blocks
+        self._first_step_pending = False  # compiling, and the run's first step has not ended yet
         self.alpha_phases = tuple(alpha_phases)  # the alpha schedule's phase names, by index (the line names them)
         self._stream = stream
         self.refresh_s = refresh_s
@@ -85,10 +91,22 @@ class ProgressLine(Observer):
         self._stepped = None
         self._times.clear()
         self._times.append((self._clock(), event.step))
+        self._first_step_pending = self.compiling
+        if self.compiling:
+            line = f"{self.render()} | compiling the transformer blocks (model.compile): the first step is slow"
+            if self._is_tty():
+                self._write("\r" + line)
+                self._drawn_width = len(line)
+            else:
+                self._print_line(line)
 
     @on(OptimizerStepped)
     def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
         self._stepped = event
+        if self._first_step_pending:  # the compiling step has ended: the rate starts here (one clock read per run)
+            self._first_step_pending = False
+            self._times.clear()
+            self._times.append((self._clock(), event.step))
         if self._tty is not False and self._is_tty() and not event.is_log_step and event.step != self.total_steps:
             self._draw(force=False)
 

@@ -26,6 +26,8 @@ from wantrain.core.errors import UserError
 from wantrain.core.optim_state import check_rescalable, rescale_state, state_kind
 from wantrain.models.wan22 import architecture, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
+from wantrain.models.wan22.attention import check_kernel, use_kernel
+from wantrain.models.wan22.compile import check_compiler, compile_blocks
 from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.export import ADAPTER_NAME, Wan22Saver, lora_layers
 from wantrain.models.wan22.loading import WeightSource
@@ -130,6 +132,9 @@ class Wan22Adapter:
         self._swaps: dict[str | None, BlockSwap] = {}  # model.blocks_to_swap > 0: per expert
         self._offload = (ActivationOffload(self.device, pin=model.pin_host_copies) if model.offload_activations
                          else None)
+        if transformers:  # model.attention / model.compile this device cannot run: refused before any weight loads
+            self.attention_kernel = check_kernel(model.attention, self.device, self.compute_dtype)
+            check_compiler(model.compile, self.device)
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
             transformer = self.source.transformer(expert, load_dtype)
             self._transformers[expert] = self._prepare(transformer, storage=model.base_dtype,
@@ -172,7 +177,14 @@ class Wan22Adapter:
                 param.data = param.data.float()  # adapter weights train in fp32 whatever the base dtype
                 param.requires_grad_(True)
         init_adapter_in_fp32(transformer, init_seed, self.kind)
+        self._speed_up(transformer)
         return transformer.train()
+
+    def _speed_up(self, transformer: nn.Module) -> None:
+        """``model.attention``'s kernel and ``model.compile``'s compiled blocks (``attention.py``, ``compile.py``)."""
+        use_kernel(transformer, self.attention_kernel)
+        if self.model_config.compile != "off":
+            compile_blocks(transformer, self.model_config.compile, self.model_config.compile_dynamic)
 
     def _start_from(self, expert: str | None, lora: LoraFile) -> None:
         """Copy the adapter of a file into ``expert``'s adapter layers (fp32) with each module's alpha; modules the
@@ -406,6 +418,7 @@ class Wan22Adapter:
         if lora_file is not None:
             _load_lora_file(transformer, Path(lora_file), expert)
         transformer.requires_grad_(False).eval()
+        self._speed_up(transformer)
         if self.model_config.blocks_to_swap:  # as for a trained expert: the host copies are the loaded tensors
             blocks = transformer.blocks
             self._swaps[expert] = BlockSwap(transformer, blocks, range(len(blocks) - self.model_config.blocks_to_swap,

@@ -94,7 +94,11 @@ class AdapterType:
 
     def set_alpha(self, layer: nn.Module, alpha: float) -> None:
         getattr(layer, "lora_alpha", getattr(layer, "alpha", None))[ADAPTER_NAME] = alpha
-        layer.scaling[ADAPTER_NAME] = alpha / layer.r[ADAPTER_NAME]
+        scale = alpha / layer.r[ADAPTER_NAME]
+        if torch.is_tensor(layer.scaling[ADAPTER_NAME]):  # compiled blocks read it as an input (compile.py)
+            layer.scaling[ADAPTER_NAME].fill_(scale)
+        else:
+            layer.scaling[ADAPTER_NAME] = scale
 
     @torch.no_grad()
     def init_fp32(self, layer: nn.Module, generator: torch.Generator) -> None:

@@ -132,6 +132,26 @@ class ModelConfig:
         "would not fit `host_ram_budget_gb`. Pinning the driver refuses falls back to pageable memory.",
     )
 
+    compile: Literal["off", "default", "max-autotune-no-cudagraphs"] = setting(
+        "off", doc="torch.compile each transformer block (regional compilation: the blocks, not the whole model) "
+        "with this mode: `default` (inductor's kernels), `max-autotune-no-cudagraphs` (also benchmarks matmul "
+        "and convolution configurations: a longer first step). Block swap, activation offload and gradient "
+        "checkpointing stay outside the compiled region; the first steps (and each new bucket shape) compile, "
+        "into the compile cache under the cache folder (docs/models.md, Compile).",
+    )
+    compile_dynamic: bool | None = setting(
+        None, doc="With `model.compile`: compile the token dimension as dynamic (`true`: one graph for every "
+        "bucket), static (`false`: one compile per bucket shape), or, unset, static until a second shape shows up "
+        "and dynamic from then on (torch's automatic dynamic shapes).",
+    )
+    attention: Literal["sdpa", "flash", "xformers", "sage"] = setting(
+        "sdpa", doc="Attention kernel, through diffusers' attention dispatcher: `sdpa` (PyTorch's "
+        "scaled_dot_product_attention, which picks its own flash, memory-efficient or math kernel), `flash` "
+        "(the flash-attn 2 package, CUDA, bf16), `xformers` (xformers' memory-efficient attention, CUDA); `sage` "
+        "is refused for training (SageAttention quantizes Q and K to int8 in its forward and has no backward "
+        "pass: the LoRA on the attention's projections would get no gradient).",
+    )
+
     def __attrs_post_init__(self) -> None:
         spec = VARIANTS[self.variant]
         try:
@@ -165,6 +185,15 @@ class ModelConfig:
                 "of every frozen Linear for the backward (more memory than 'bf16'); set gradient_checkpointing = "
                 "true or base_dtype = 'bf16'"
             )
+        if self.attention == "sage":
+            raise ConfigError(
+                "model.attention = 'sage' cannot train: SageAttention has no backward pass (its int8 Q/K forward is "
+                "for inference), so the LoRA on the attention's projections would get no gradient; use 'sdpa', "
+                "'flash' or 'xformers'"
+            )
+        if self.compile_dynamic is not None and self.compile == "off":
+            raise ConfigError("model.compile_dynamic applies to a compiled model; set model.compile = 'default' or "
+                              "'max-autotune-no-cudagraphs', or remove model.compile_dynamic")
         if spec.boundary_ratio is None:
             if self.experts != "both":
                 raise ConfigError(

@@ -66,6 +66,14 @@ CUDA_OVERHEAD = 0.75 * GIB
 # is the same float32 size. A CPU trace (bench/trace_memory.py) never sees them.
 ATTENTION_TOKENS_ROUND = 128
 ATTENTION_HEAD_DIM_ROUND = 32
+# What that buffer is for each ``model.attention`` kernel (``attention.py``): flash-attn 2's ``mha_bwd`` is the kernel
+# torch's flash backend wraps, and xformers' cutlass backward accumulates dQ in float32 of the same layout (it calls
+# flash-attn's when that is installed): one size, three names, so the plan says whose buffer it counts.
+ATTENTION_BACKWARD_KERNELS = {
+    "sdpa": "float32 dQ accumulator of torch's flash/efficient attention backward",
+    "flash": "float32 dQ accumulator of flash-attn 2's backward (mha_bwd)",
+    "xformers": "float32 dQ accumulator of xformers' memory-efficient backward",
+}
 SWAP_RING = 2
 LORA_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 LORA_SAMPLING_BYTES_PER_PARAM = 12  # while sampling: no gradient
@@ -119,6 +127,7 @@ class MemoryEstimate:
     link_bytes: float = 0.0  # host<->device bytes per step the settings add (swap copies, offloaded inputs)
     sample: SampleSize | None = None
     attention_backward: float = 0.0  # bytes: attention_backward_bytes, on top of the training step's tensors
+    attention_kernel: str = "sdpa"  # model.attention: whose backward buffer attention_backward counts
 
     @property
     def allocated(self) -> float:
@@ -166,8 +175,8 @@ class MemoryEstimate:
         out += [f"    {name:<26} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
         out.append(f"    {'tensors at the peak':<26} {self.allocated / GIB:7.2f} GiB")
         if self.attention_backward:
-            out.append(f"    {'attention backward':<26} {self.attention_backward / GIB:7.2f} GiB (float32 dQ "
-                       "accumulator of flash/efficient attention on CUDA, beside the tensors)")
+            out.append(f"    {'attention backward':<26} {self.attention_backward / GIB:7.2f} GiB "
+                       f"({ATTENTION_BACKWARD_KERNELS[self.attention_kernel]} on CUDA, beside the tensors)")
         if self.sampling_parts:
             out.append(f"  sampling ([sample] {self.sample.describe()}; no autograd):")
             for name, value in self.sampling_parts.items():
@@ -196,11 +205,14 @@ def card_gib(peak_bytes: float) -> float:
     return (FRAGMENTATION * peak_bytes + CUDA_OVERHEAD) / GIB
 
 
-def attention_backward_bytes(variant: str, *, width: int, height: int, frames: int, batch: int = 1) -> float:
+def attention_backward_bytes(variant: str, *, width: int, height: int, frames: int, batch: int = 1,
+                             kernel: str = "sdpa") -> float:
     """Bytes of the float32 buffers one attention's backward allocates on CUDA beside autograd's tensors (see the
     constants above): ``4 x batch x heads x round_up(tokens, 128) x (round_up(head_dim, 32) + 1)``, tokens being
     one video's (the queries of self- and cross-attention alike). T2V-A14B at 832x480x81: 40 heads, 32760 -> 32768
-    tokens, head_dim 128: 0.63 GiB."""
+    tokens, head_dim 128: 0.63 GiB. ``kernel``: ``model.attention`` (:data:`ATTENTION_BACKWARD_KERNELS`)."""
+    if kernel not in ATTENTION_BACKWARD_KERNELS:
+        raise ValueError(f"no attention backward buffer known for kernel {kernel!r}")
     from wantrain.models.wan22.architecture import transformer_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
@@ -340,9 +352,9 @@ def tokens_of(spec: Any, width: int, height: int, frames: int, batch: int) -> in
 
 def estimate(variant: str, settings: MemorySettings, *, width: int, height: int, frames: int, rank: int,
              batch: int = 1, layers: int | None = None, gradient_checkpointing: bool = True,
-             sample: SampleSize | None = None) -> MemoryEstimate:
+             sample: SampleSize | None = None, attention: str = "sdpa") -> MemoryEstimate:
     """The parts of one training step's peak, for one expert of ``variant``, and with ``sample`` those of
-    sampling one video."""
+    sampling one video; ``attention``: the kernel whose backward buffer is counted (``model.attention``)."""
     spec, d, f, blocks, resident, ring = _shapes_and_weights(variant, settings, layers)
     n = len(blocks)
     swap = min(settings.blocks_to_swap, n)
@@ -365,8 +377,9 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     sampling = sampling_parts(variant, settings, sample, rank=rank, layers=layers) if sample is not None else {}
     # A swapped block crosses twice per step (forward, recompute); offloaded inputs go out and come back.
     link = 2.0 * sum(blocks[n - swap:]) + (2.0 * n * hidden if settings.offload_activations else 0.0)
-    attention = attention_backward_bytes(variant, width=width, height=height, frames=frames, batch=batch)
-    return MemoryEstimate(settings, parts, sampling, link, sample, attention)
+    backward = attention_backward_bytes(variant, width=width, height=height, frames=frames, batch=batch,
+                                        kernel=attention)
+    return MemoryEstimate(settings, parts, sampling, link, sample, backward, attention)
 
 
 def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
@@ -382,7 +395,8 @@ def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
 
 
 def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height: int, frames: int, rank: int,
-         batch: int = 1, sample: SampleSize | None = None) -> tuple[MemoryEstimate | None, MemoryEstimate]:
+         batch: int = 1, sample: SampleSize | None = None, attention: str = "sdpa"
+         ) -> tuple[MemoryEstimate | None, MemoryEstimate]:
     """(the chosen estimate or None, the smallest one). The choice: the first dtype of :func:`candidates` that
     fits (training and, with ``sample``, sampling), and within it the fitting setting moving the fewest bytes over
     the host link per step."""
@@ -397,7 +411,7 @@ def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height
         if chosen_dtype is not None and settings.base_dtype != chosen_dtype:
             break
         est = estimate(variant, settings, width=width, height=height, frames=frames, rank=rank, batch=batch,
-                       sample=sample)
+                       sample=sample, attention=attention)
         if smallest is None or est.device_gib < smallest.device_gib:
             smallest = est
         if est.device_gib <= budget_gib:

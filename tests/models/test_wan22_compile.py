@@ -1,0 +1,172 @@
+"""model.compile (regional torch.compile of the blocks) and model.attention (the kernel), on the CPU.
+
+Most tests compile with the ``aot_eager`` backend (dynamo and AOTAutograd, no code generation: the same graphs,
+guards and breaks as inductor at a fraction of the cost); the compile cache test runs inductor itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch._dynamo
+from wan22_helpers import make_adapter, raw_batch
+
+from wantrain.core.errors import ConfigError, UserError
+from wantrain.models.wan22 import ModelConfig, attention
+from wantrain.models.wan22 import compile as wan_compile
+from wantrain.models.wan22.compile import compile_counts, is_compiled
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """The cheap backend, and dynamo's caches emptied: each test counts the graphs it compiles itself (the
+    compiled graphs of a block's code are shared process-wide)."""
+    monkeypatch.setattr(wan_compile, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _losses(adapter, batches, *, alpha_after: int | None = None) -> list[float]:
+    """One AdamW step per batch on the adapter's first expert; with ``alpha_after`` = k, alpha goes from the rank to
+    twice it (output preserved, optimizer state rescaled) after step k, as the alpha controller does."""
+    expert = adapter.experts[0]
+    optimizer = torch.optim.AdamW(adapter.param_groups(), lr=1e-2, weight_decay=0.0)
+    adapter.activate(expert, optimizer)
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for step, batch in enumerate(batches, start=1):
+        loss = adapter.loss(batch, expert, generator)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out.append(loss.item())
+        if step == alpha_after:
+            adapter.change_lora_alpha(2.0 * adapter.lora_alpha(expert), expert, optimizer)
+    return out
+
+
+def _encoded(adapter, sizes=(32,)):
+    return [adapter.encode_batch(raw_batch(size=s, seed=i)) for i, s in enumerate(sizes)]
+
+
+@pytest.mark.slow  # compiles
+def test_compiled_blocks_train_as_eager_with_block_swap_offload_and_an_alpha_change(aot_eager):
+    memory = dict(blocks_to_swap=1, offload_activations=True, pin_host_copies=False)
+    eager = make_adapter(**memory)
+    batches = _encoded(eager, sizes=(32, 32, 32))
+    expected = _losses(eager, batches, alpha_after=2)
+    compiled = make_adapter(**memory, compile="default")
+    blocks = compiled.transformer_for("high_noise").blocks
+    assert all(is_compiled(b) for b in blocks) and not is_compiled(compiled.transformer_for("high_noise"))
+    before = compile_counts()
+    first = _losses(compiled, batches[:2])
+    after_two = compile_counts()
+    compiled.change_lora_alpha(2.0 * compiled.lora_alpha("high_noise"), "high_noise")
+    assert compile_counts()["graphs"] == after_two["graphs"]
+    # the full comparison: the same three steps, alpha changed after the second, in a fresh compiled adapter
+    again = make_adapter(**memory, compile="default")
+    got = _losses(again, batches, alpha_after=2)
+    end = compile_counts()
+    assert got == pytest.approx(expected, rel=1e-5) and first == pytest.approx(expected[:2], rel=1e-5)
+    assert end["graph_breaks"] == before["graph_breaks"]  # 0 graph breaks inside a block
+    # one graph for block 0 (its input needs no grad) and one shared by the others; the alpha change and the
+    # second adapter's fresh (swapped) parameters add none
+    assert after_two["graphs"] - before["graphs"] <= 2 and end["graphs"] == after_two["graphs"]
+    assert float(again.transformer_for("high_noise").blocks[0].attn1.to_q.scaling["wantrain"]) == 2.0
+
+
+@pytest.mark.slow  # compiles
+@pytest.mark.parametrize("kind", ["dora", "lokr"])  # loha: the same LyCORIS forward as lokr
+def test_every_adapter_type_compiles_without_graph_breaks_and_trains_as_eager(aot_eager, kind):
+    eager = make_adapter(lora={"type": kind})
+    batches = _encoded(eager, sizes=(32, 32))
+    expected = _losses(eager, batches, alpha_after=1)
+    before = compile_counts()
+    got = _losses(make_adapter(lora={"type": kind}, compile="default"), batches, alpha_after=1)
+    after = compile_counts()
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert after["graph_breaks"] == before["graph_breaks"] and 1 <= after["graphs"] - before["graphs"] <= 2
+
+
+@pytest.mark.slow  # compiles
+def test_bucket_shapes_compile_a_bounded_number_of_times(aot_eager):
+    """Forward passes only (validation's no-grad form: the same guards on shapes as training, a third of the
+    tracing): the first shape compiles static graphs, the second one dynamic graph per form, later shapes none."""
+    adapter = make_adapter(compile="default")
+    batches = _encoded(adapter, sizes=(32, 48, 64, 80))
+    start = compile_counts()["graphs"]
+    counts = []
+    with adapter.evaluating():
+        for batch in batches:
+            adapter.validation_loss(batch, 0.5, torch.randn(batch["latents"].shape))
+            counts.append(compile_counts()["graphs"] - start)
+    assert counts[0] >= 1 and counts[1] <= 2 * counts[0] and counts[3] == counts[2] == counts[1]
+
+
+def test_a_compiler_failure_is_one_line_naming_the_key(monkeypatch):
+    def broken(graph, example_inputs):
+        raise RuntimeError("no C++ compiler for this target\nlong inductor traceback")
+
+    monkeypatch.setattr(wan_compile, "BACKEND", broken)
+    adapter = make_adapter(compile="default")
+    with pytest.raises(UserError) as info:
+        adapter.loss(_encoded(adapter)[0], "high_noise", torch.Generator().manual_seed(0)).backward()
+    message = str(info.value)
+    assert message.startswith("model.compile = 'default': torch.compile failed") and "\n" not in message
+    assert "no C++ compiler for this target" in message and "model.compile = 'off'" in message
+
+
+def test_the_attention_kernel_is_set_through_diffusers_dispatcher_and_checked(monkeypatch):
+    adapter = make_adapter(attention="sdpa")
+    assert attention.kernel_in_use(adapter.transformer_for("high_noise")) == "native"
+    with pytest.raises(ConfigError, match=r"model.attention = 'sage' cannot train: SageAttention has no backward"):
+        ModelConfig(attention="sage")
+    with pytest.raises(ConfigError, match=r"model.compile_dynamic applies to a compiled model"):
+        ModelConfig(compile_dynamic=True)
+    monkeypatch.setattr(attention, "_importable", lambda module: True)  # installed or not: the device refuses
+    with pytest.raises(UserError, match=r"model.attention = 'flash' runs on CUDA only \(training device is cpu\)"):
+        make_adapter(attention="flash")
+
+
+def test_a_missing_kernel_package_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(attention, "_importable", lambda module: False)
+    with pytest.raises(UserError, match=r"model.attention = 'xformers' needs the 'xformers' package, which is not "
+                                        r"installed; pip install xformers"):
+        make_adapter(attention="xformers")
+
+
+@pytest.mark.slow  # compiles
+def test_a_second_process_of_the_same_shapes_compiles_from_the_cache(tmp_path):
+    """Inductor itself (a C++ compiler is on this machine): the second process finds every graph in the cache
+    folder the first one filled (``use_cache_dir``) and compiles none. The time this saves: bench/bench_compile.py."""
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from pathlib import Path
+        from torch._dynamo.utils import counters
+        from wan22_helpers import make_adapter, raw_batch
+        from wantrain.models.wan22.compile import use_cache_dir
+        use_cache_dir(Path({str(tmp_path / 'cache')!r}))
+        adapter = make_adapter(compile="default", gradient_checkpointing=False)
+        batch = adapter.encode_batch(raw_batch(size=16, frames=1))
+        with adapter.evaluating():
+            adapter.validation_loss(batch, 0.5, torch.zeros(batch["latents"].shape))
+        print(json.dumps(dict(counters["inductor"])))
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))}
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first.get("fxgraph_cache_miss", 0) >= 1 and first.get("fxgraph_cache_hit", 0) == 0
+    assert second.get("fxgraph_cache_miss", 0) == 0 and second.get("fxgraph_cache_hit", 0) >= 1
+    assert any((tmp_path / "cache").rglob("*"))
