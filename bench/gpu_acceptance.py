@@ -21,8 +21,9 @@ a. ``tiny_t2v_resume``: tiny-t2v on CUDA with the default fused AdamW, both expe
 e. ``sync_debug``: ``torch.cuda.set_sync_debug_mode("warn")`` over three non-log steps of a tiny run: the list of
    synchronising calls (file:line of the innermost wantrain frame) — the loop promises none.
 r. ``rows``: one step each of ``fp8_scaled`` T2V-A14B and bf16 I2V-A14B at 832x480x81 and bf16 TI2V-5B at
-   1280x704x121 (s/step, MFU, peak against the planner), each skipped at the deadline; placeholders for issue 44's
-   compile and attention-kernel rows.
+   1280x704x121 (s/step, MFU, peak against the planner), each skipped at the deadline; then issue 44's rows:
+   compiled blocks and the flash kernel at 832x480x81 beside eager bf16 (``s_per_step_vs_bf16``, ``same_as_bf16``,
+   ``first_step_s`` the compiling step), reported, not judged (skipped in ``--smoke``).
 b. ``expert_switch_memory``: two experts of A14B width (d=5120) with a few blocks in bf16, placed as a run places
    them (``ExpertPlacement``): ``torch.cuda.max_memory_allocated`` across a switch in each direction against one
    expert's bytes; it must stay below two experts.
@@ -317,8 +318,14 @@ ROWS = (("fp8_scaled t2v-a14b 832x480x81", ["--variant", "t2v-a14b", "--settings
                                             "--size", "832x480x81"], 45),
         ("bf16 i2v-a14b 832x480x81", ["--variant", "i2v-a14b", "--settings", "bf16", "--size", "832x480x81"], 45),
         ("bf16 ti2v-5b 1280x704x121", ["--variant", "ti2v-5b", "--settings", "bf16", "--size", "1280x704x121"], 40))
-# The rows of issue 44 (torch.compile, attention kernels): filled when that lands
-PENDING_ROWS = ("compile: regional torch.compile of the blocks", "attention kernel: the fastest available")
+# Issue 44's rows: regional torch.compile of the blocks and the flash-attn kernel, each beside plain bf16 eager
+# built from the same weights (its s/step ratio and first-step equality); a kernel the machine lacks is the row's
+# one-line error. Not on a CPU: inductor compiles A14B-shaped blocks for minutes there (tests/models/
+# test_wan22_compile.py covers the CPU path of the same code).
+SPEED_ROWS = (("compile t2v-a14b 832x480x81", ["--variant", "t2v-a14b", "--settings", "bf16,bf16-compile",
+                                               "--size", "832x480x81"], 150),
+              ("flash t2v-a14b 832x480x81", ["--variant", "t2v-a14b", "--settings", "bf16,bf16-flash",
+                                             "--size", "832x480x81"], 60))
 
 
 def section_rows(device: str, smoke: bool, deadline: Deadline) -> dict:
@@ -335,7 +342,19 @@ def section_rows(device: str, smoke: bool, deadline: Deadline) -> dict:
         except Exception as exc:  # noqa: BLE001 -- one row failing must not hide the others
             rows.append({"row": name, "error": _short(exc)})
         _free(device)
-    rows += [{"row": name, "pending": "issue 44"} for name in PENDING_ROWS]
+    for name, argv, seconds in SPEED_ROWS:
+        if smoke:
+            rows.append({"row": name, "skipped": "smoke: not compiled or kernel-switched on a CPU"})
+            continue
+        if not deadline.allows(seconds):
+            rows.append({"row": name, "skipped": deadline.why(seconds)})
+            continue
+        try:
+            eager, fast = _gpu_step(["--device", device, "--steps", "2", *argv])["results"]
+            rows.append({"row": name, **fast, "eager_s_per_step": eager["s_per_step"]})
+        except Exception as exc:  # noqa: BLE001 -- one row failing must not hide the others
+            rows.append({"row": name, "error": _short(exc)})
+        _free(device)
     return {"rows": rows}
 
 

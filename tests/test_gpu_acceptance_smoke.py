@@ -59,13 +59,13 @@ def test_the_gpu_acceptance_script_runs_every_section_on_the_cpu_and_writes_each
     assert plan["same_as_bf16"] == {"loss_rel_diff": 0.0, "grad_rel_l2": 0.0, "grad_worst_tensor_rel_l2": 0.0,
                                     "tensors": 40, "missing": 0}
     assert "peak_allocated_gib" not in plan  # only CUDA measures it
-    # fp8_scaled, I2V (36 input channels) and TI2V-5B (48-channel latents) step on their tiny twins; issue 44's rows
-    # wait for it
+    # fp8_scaled, I2V (36 input channels) and TI2V-5B (48-channel latents) step on their tiny twins; issue 44's
+    # speed rows say they do not run on a CPU
     by_row = {r["row"].split(" ")[0] + " " + r["row"].split(" ")[1]: r for r in report["rows"]["rows"]}
     assert by_row["fp8_scaled t2v-a14b"]["config"] == "fp8_scaled"
     assert by_row["bf16 i2v-a14b"]["variant"] == "i2v-a14b" and by_row["bf16 ti2v-5b"]["latents"][1] == 48
     assert all(r["final_loss"] > 0 and r["s_per_step"] > 0 for r in report["rows"]["rows"] if "config" in r)
-    assert [r["pending"] for r in report["rows"]["rows"] if "pending" in r] == ["issue 44", "issue 44"]
+    assert [r["skipped"].split(":")[0] for r in report["rows"]["rows"] if "skipped" in r] == ["smoke", "smoke"]
     judged = report["thresholds"]
     assert judged["optimizer_state_on_device"]["holds"] is True and judged["swapped_equals_plain"]["holds"] is True
     assert judged["planner_within_5_percent"]["holds"] is None  # a CPU measures no VRAM: not judged
@@ -163,4 +163,27 @@ def test_the_rows_stop_at_the_deadline_and_say_which_were_skipped(monkeypatch):
     assert len(ran) == 1 and rows[0] == {"row": acceptance.ROWS[0][0], "s_per_step": 1.0}
     assert [r["skipped"].split(",")[0] for r in rows[1:3]] == [f"skipped: needs ~{row[2]} s"
                                                                for row in acceptance.ROWS[1:]]
-    assert [r.get("pending") for r in rows[3:]] == ["issue 44", "issue 44"]
+    assert [r["row"] for r in rows[3:]] == [row[0] for row in acceptance.SPEED_ROWS]
+    assert all(r["skipped"].startswith("skipped: needs ~") for r in rows[3:]) and len(ran) == 1
+
+
+def test_the_compile_and_kernel_rows_report_each_beside_eager_bf16_from_the_same_run(monkeypatch):
+    acceptance = _load("gpu_acceptance")
+    calls = []
+
+    def gpu_step(argv):
+        calls.append(argv)
+        if "bf16,bf16-compile" in argv:
+            return {"results": [{"config": "bf16", "s_per_step": 2.0},
+                                {"config": "bf16-compile", "s_per_step": 1.6, "s_per_step_vs_bf16": 0.8}]}
+        if "bf16,bf16-flash" in argv:
+            raise RuntimeError("model.attention = 'flash' needs the flash-attn package")
+        return {"results": [{"s_per_step": 1.0}]}
+
+    monkeypatch.setattr(acceptance, "_gpu_step", gpu_step)
+    rows = {r["row"]: r for r in acceptance.section_rows("cuda", False, acceptance.Deadline(1e6))["rows"]}
+    compiled, flash = (rows[name] for name, _, _ in acceptance.SPEED_ROWS)
+    assert compiled["config"] == "bf16-compile" and compiled["eager_s_per_step"] == 2.0
+    assert compiled["s_per_step_vs_bf16"] == 0.8
+    assert "flash-attn" in flash["error"]  # a kernel the machine lacks is the row's one line, the others still ran
+    assert sum("--smoke" in argv for argv in calls) == 0 and len(calls) == len(acceptance.ROWS) + 2
