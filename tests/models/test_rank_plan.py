@@ -82,7 +82,8 @@ def test_more_sequence_degree_leaves_less_per_gpu():
     ("t2v-a14b", Layout(gpus=3, sequence_degree=3), "does not divide the 40 attention heads"),
     ("ti2v-5b", Layout(gpus=16, sequence_degree=16), "valid degrees: 1, 2, 3, 4, 6, 8, 12, 24"),
     ("ti2v-5b", Layout(gpus=2, expert_groups=2), "ti2v-5b has 1 expert(s): expert groups must be 1"),
-    ("t2v-a14b", Layout(gpus=6, expert_groups=2, shard_degree=4), "cannot be split into 2 expert group(s)"),
+    ("t2v-a14b", Layout(gpus=6, expert_groups=2, shard_degree=2), "does not divide the 3 GPU(s) of each expert"),
+    ("t2v-a14b", Layout(gpus=3, expert_groups=2), "3 GPUs cannot be split into 2 expert groups"),
 ])
 def test_a_layout_the_model_cannot_run_is_refused_in_one_line(variant, layout, words):
     with pytest.raises(UserError) as refused:

@@ -1,15 +1,17 @@
 """The memory plan per GPU for a layout of several GPUs (docs/distributed.md, "The plan per rank"): a layer over the
 one-GPU estimate of ``memory.py``, which it reads and never changes.
 
-A layout of ``gpus`` GPUs (:class:`Layout`) multiplies three degrees and data parallelism:
+A layout of ``gpus`` GPUs (:class:`Layout`) has three degrees; each expert group's GPUs form one mesh:
 
-* ``expert_groups``: 2 puts each A14B expert on its own group of GPUs (one expert per GPU with 2 GPUs), 1 keeps the
-  experts together (every GPU alternates them, the waiting one on the host);
+* ``expert_groups``: 2 puts each A14B expert on its own group of ``gpus / 2`` GPUs (one expert per GPU with 2
+  GPUs), 1 keeps the experts together (every GPU alternates them, the waiting one on the host);
+* ``sequence_degree``: Ulysses sequence parallelism splits each clip's tokens over this many GPUs of a group; the
+  attention exchanges heads for tokens (an all-to-all), so the degree must divide the heads (40 for A14B, 24 for
+  TI2V-5B); ``gpus / (expert_groups x sequence_degree)`` clips train at once per group (data parallel);
 * ``shard_degree``: FSDP2 shards each block's frozen weights, the LoRA, its gradients and AdamW's moments over this
-  many GPUs (``core.sharding``); a block's whole weights exist on a GPU only while it runs;
-* ``sequence_degree``: Ulysses sequence parallelism splits each clip's tokens over this many GPUs; the attention
-  exchanges heads for tokens (an all-to-all), so the degree must divide the heads (40 for A14B, 24 for TI2V-5B);
-* what is left, ``gpus / (expert_groups x shard_degree x sequence_degree)``, is plain data parallelism.
+  many GPUs of a group (``core.sharding``), across the sequence and data-parallel GPUs alike (torchtitan folds its
+  context-parallel ranks into the shard dimension the same way); it divides the group's GPUs, and the shards are
+  replicated ``gpus / (expert_groups x shard_degree)`` times (HSDP: shard inside a machine, replicate across).
 
 Parts per GPU (bytes), beside :func:`memory.estimate`'s one-GPU parts (``bf16`` base, no block swap):
 
@@ -51,15 +53,22 @@ class Layout:
     sequence_degree: int = 1
 
     @property
+    def group(self) -> int:
+        """GPUs per expert group."""
+        return self.gpus // self.expert_groups
+
+    @property
     def data_parallel(self) -> int:
-        return self.gpus // (self.expert_groups * self.shard_degree * self.sequence_degree)
+        """Clips trained at once per expert group."""
+        return self.group // self.sequence_degree
 
     def describe(self) -> str:
         parts = [f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}"]
         if self.expert_groups > 1:
             parts.append(f"one expert per group of {self.gpus // self.expert_groups}")
         if self.shard_degree > 1:
-            parts.append(f"FSDP over {self.shard_degree}")
+            replicas = self.group // self.shard_degree
+            parts.append(f"FSDP over {self.shard_degree}" + (f" x {replicas} replicas" if replicas > 1 else ""))
         if self.sequence_degree > 1:
             parts.append(f"Ulysses over {self.sequence_degree}")
         if self.data_parallel > 1:
@@ -78,11 +87,14 @@ def check_layout(variant: str, layout: Layout) -> None:
                        ("sequence_degree", layout.sequence_degree), ("gpus", layout.gpus)):
         if value < 1:
             raise UserError(f"{key} = {value}: must be 1 or more")
-    used = layout.expert_groups * layout.shard_degree * layout.sequence_degree
-    if layout.gpus % used:
-        raise UserError(f"{layout.gpus} GPUs cannot be split into {layout.expert_groups} expert group(s) x shard "
-                        f"degree {layout.shard_degree} x sequence degree {layout.sequence_degree} = {used}; use a "
-                        "number of GPUs that is a multiple of their product")
+    if layout.gpus % layout.expert_groups:
+        raise UserError(f"{layout.gpus} GPUs cannot be split into {layout.expert_groups} expert groups; use a "
+                        f"multiple of {layout.expert_groups} GPUs")
+    for key, value in (("shard degree", layout.shard_degree), ("sequence degree", layout.sequence_degree)):
+        if layout.group % value:
+            raise UserError(f"{key} {value} does not divide the {layout.group} GPU(s) of each expert group "
+                            f"({layout.gpus} GPUs / {layout.expert_groups} group(s)); use a divisor of "
+                            f"{layout.group}")
     if layout.expert_groups not in (1, len(spec.experts)):
         raise UserError(f"{variant} has {len(spec.experts)} expert(s): expert groups must be 1"
                         + (f" or {len(spec.experts)}" if len(spec.experts) > 1 else ""))
@@ -148,13 +160,22 @@ class RankEstimate:
     layout: Layout
     parts: dict[str, float]
 
+    attention_backward: float = 0.0  # bytes: memory.attention_backward_bytes at this GPU's heads and tokens
+
     @property
     def total(self) -> float:
+        """Bytes of the tensors at the step's peak on one GPU."""
         return sum(self.parts.values())
 
+    @property
+    def card_gib(self) -> float:
+        """What each card must have (GiB): the tensors, attention's backward buffer, the fragmentation margin and
+        the CUDA context (``memory.card_gib``)."""
+        return memory.card_gib(self.total + self.attention_backward)
+
     def lines(self) -> list[str]:
-        return [f"{self.layout.describe()}: {self.total / GIB:.1f} GiB per GPU"] + [
-            f"  {name}: {value / GIB:.2f} GiB" for name, value in self.parts.items() if value]
+        return [f"{self.layout.describe()}: {self.total / GIB:.1f} GiB of tensors, {self.card_gib:.1f} GiB per "
+                "card"] + [f"  {name}: {value / GIB:.2f} GiB" for name, value in self.parts.items() if value]
 
 
 def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, frames: int, rank: int,
@@ -184,4 +205,5 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
         "sequence exchange": 8.0 * tokens * d * 2.0 if q > 1 else 0.0,
         "workspace": memory.WORKSPACE_FIXED + (p["workspace"] - memory.WORKSPACE_FIXED) / q,
     }
-    return RankEstimate(layout, parts)
+    # Ulysses: all tokens and 1/q of the heads in the attention, so its backward buffer is 1/q of one GPU's
+    return RankEstimate(layout, parts, single.attention_backward / q)
