@@ -6,19 +6,16 @@ a run resumed from it; the test process resumes the same checkpoint at world siz
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import fsdp_twin
-import prewarmed
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import free_port
+from test_distributed import torchrun_script
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 RELATIVE_TOLERANCE = 1e-6
 """Of each LoRA tensor, max |a - b| / max |b|, fp32: the shards sum in another order than one process (measured:
 0.0 on the tiny twin, whose reductions are small enough to come out in the same order)."""
@@ -27,12 +24,7 @@ RELATIVE_TOLERANCE = 1e-6
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
-    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), str(ROOT / "tests" / "prewarmed_relay.py"),
-            str(ROOT / "tests" / "fsdp_twin.py"), str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-           "PREWARMED_SERVER": prewarmed.server()}
-    done = prewarmed.run(args, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    done = torchrun_script("fsdp_twin.py", str(out), cwd=out)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 

@@ -4,30 +4,20 @@ torchrun split the tiny TI2V twin's tokens through diffusers' ``ContextParallelC
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import prewarmed
 import pytest
 from safetensors.torch import load_file
-from test_distributed import free_port
+from test_distributed import torchrun_script
 from ulysses_twin import loss_and_gradients
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 RELATIVE_TOLERANCE = 1e-6
 """Of the loss and of each gradient, max |a - b| / max |b|, fp32 (measured: the loss equal, the gradients 1.7e-7:
 the attention sums its heads' and the gradients their tokens' contributions in another order)."""
 
 
 def test_ulysses_degree_2_gives_the_one_process_loss_and_gradients(tmp_path):
-    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-            "--master_port", str(free_port()), str(ROOT / "tests" / "prewarmed_relay.py"),
-            str(ROOT / "tests" / "ulysses_twin.py"), str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-           "PREWARMED_SERVER": prewarmed.server()}
-    done = prewarmed.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = torchrun_script("ulysses_twin.py", str(tmp_path), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     split = load_file(str(tmp_path / "ulysses.safetensors"))
     whole = loss_and_gradients(1)
