@@ -10,10 +10,10 @@ Model-free: the caller names the blocks (for a Wan transformer, ``transformer.bl
   backward). Gradients are reduce-scattered (averaged over the ranks) in ``reduce_dtype``: the one-process gradient
   of the global batch, each rank holding its rows. No flat all-reduce of ``core.distributed`` is needed for them.
 - :func:`save_trainable` / :func:`load_trainable` write and read the trainable parameters and the optimizer state by
-  their global names and shapes (DCP: one file per rank plus ``.metadata``), so a checkpoint written by ``N`` ranks
-  is read by ``M`` (one process included, without a process group): the resharding is DCP's.
-- :func:`full_trainable` gathers the trainable parameters as whole tensors (every rank calls it; an all-gather per
-  parameter), for the LoRA files rank 0 exports.
+  their global names and shapes (DCP: one safetensors file per rank), so a checkpoint written by ``N`` ranks is
+  read by ``M`` (one process included, without a process group): the resharding is DCP's.
+- :func:`full_trainable` gathers the trainable parameters as whole tensors on rank 0 (every rank calls it; an
+  all-gather per parameter), for the LoRA files rank 0 exports.
 
 No pickle: the files are DCP's safetensors storage (``HuggingFaceStorageWriter``, each rank its own file, the
 offsets of its shards in the file's JSON header); only tensors travel (the optimizer's hyperparameters come from
@@ -39,9 +39,10 @@ def shard_per_block(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Any
 
     ``param_dtype``: the dtype a block's weights are all-gathered and computed in (bf16 on a GPU; None keeps each
     parameter's own, fp32 for the CPU tests' exactness); ``reduce_dtype``: the dtype gradients are averaged in
-    (fp32). The LoRA's own parameters keep their fp32 storage: the sharded copy is what the optimizer steps.
-    Blocks reshard after their forward (the default), so at most one block's full weights (two while the next is
-    prefetched) live at once."""
+    (fp32). The LoRA's own parameters keep their fp32 storage: the sharded copy is what the optimizer steps, so the
+    optimizer is built after this call, over ``module.parameters()`` (the ``DTensor`` parameters replace the
+    originals). Blocks reshard after their forward (the default), so at most one block's full weights (two while
+    the next is prefetched) live at once."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
