@@ -42,6 +42,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_script(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 tests/SCRIPT ARGS`` on 127.0.0.1, the ranks forked from the prewarmed server,
+    with ``tests/`` importable (the FSDP and Ulysses twins)."""
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(ROOT / "tests" / "prewarmed_relay.py"),
+               str(ROOT / "tests" / script), *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+           "PREWARMED_SERVER": prewarmed.server()}
+    return prewarmed.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("distributed")

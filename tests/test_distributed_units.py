@@ -234,3 +234,20 @@ def test_other_ranks_wait_for_rank_0s_samples_past_the_process_groups_timeout(tm
     r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
     assert r0["sums"] == r1["sums"] == [1.5, 2.0]
     assert r1["waited"] >= BUSY_S - 1.0 > GROUP_TIMEOUT_S  # rank 1 waited the whole time, without timing out
+
+
+def test_check_prints_the_plan_per_gpu_of_a_layout_and_refuses_a_sequence_degree_not_dividing_the_heads(
+        tmp_path, capsys):
+    from test_end_to_end import copy_examples
+
+    from wantrain.cli.main import main
+
+    config = copy_examples(tmp_path)
+    assert main(["check", str(config), "--gpus", "4", "--expert-groups", "2", "--shard-degree", "2",
+                 "--sequence-degree", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan per GPU at " in out and "4 GPUs, one expert per group of 2, FSDP over 2, Ulysses over 2" in out
+    assert "weights (shard)" in out and "sequence exchange" in out
+    assert main(["check", str(config), "--gpus", "4", "--sequence-degree", "4"]) == 2  # the tiny twin has 2 heads
+    err = capsys.readouterr().err
+    assert "sequence degree 4 does not divide the 2 attention heads of tiny-t2v" in err and "Traceback" not in err

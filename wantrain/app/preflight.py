@@ -345,3 +345,29 @@ def _lora_rank(cfg: Any) -> int:
         lora, _ = resolve_init(cfg.lora, cfg.model)
         return lora.rank
     return cfg.lora.rank
+
+
+def planned_layout(cfg: Any, **degrees: int) -> Any:
+    """``wantrain check --gpus N ...``'s layout (``rank_plan.Layout``), checked against the model: one line naming
+    what is wrong (a sequence degree not dividing the heads, ...)."""
+    from wantrain.models.wan22.rank_plan import Layout, check_layout
+
+    layout = Layout(**degrees)
+    check_layout(cfg.model.variant, layout)
+    return layout
+
+
+def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
+    """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
+    bucket of ``report`` (a ``preflight_report``), part by part. Planned only: ``wantrain run`` trains data parallel
+    under torchrun (docs/distributed.md)."""
+    from wantrain.models.wan22.rank_plan import rank_estimate
+
+    bucket = (report.memory_plan or {}).get("bucket")
+    if bucket is None:
+        return []
+    width, height, frames = (int(x) for x in bucket.split("x"))
+    estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
+                             rank=_lora_rank(cfg), batch=cfg.train.batch_size)
+    return [f"plan per GPU at {bucket} (bf16 base, no block swap; planned, not yet trainable: "
+            "docs/distributed.md):", *("  " + line for line in estimate.lines())]

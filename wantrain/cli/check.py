@@ -19,6 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--verify", action="store_true",
                         help="decode every clip to verify frame counts (slow on large datasets)")
+    layout = parser.add_argument_group("plan per GPU of a multi-GPU layout (docs/distributed.md)")
+    layout.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs in all")
+    layout.add_argument("--expert-groups", type=int, default=1, metavar="E",
+                        help="2: one A14B expert per group of GPUs")
+    layout.add_argument("--shard-degree", type=int, default=1, metavar="S", help="FSDP over S GPUs of a group")
+    layout.add_argument("--sequence-degree", type=int, default=1, metavar="Q",
+                        help="Ulysses over Q GPUs of a group (must divide the attention heads)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +33,12 @@ def run(args: argparse.Namespace) -> int:
     from wantrain.core.errors import UserError
 
     cfg = load_run_config(args)
+    layout = None
+    if args.gpus is not None:  # refused first, before the data is probed
+        from wantrain.app.preflight import planned_layout
+
+        layout = planned_layout(cfg, gpus=args.gpus, expert_groups=args.expert_groups,
+                                shard_degree=args.shard_degree, sequence_degree=args.sequence_degree)
     try:
         report = preflight_report(cfg, verify=args.verify, config_dir=Path(args.config).parent)
     except NoUsableSample as exc:  # the report is what the user needs: every skipped and ignored file
@@ -34,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     _print(report, args.json)
     for line in alpha_schedule_lines(cfg):
         print(line)
+    if layout is not None:
+        from wantrain.app.preflight import layout_lines
+
+        print("\n".join(layout_lines(cfg, report, layout)))
     return 0
 
 

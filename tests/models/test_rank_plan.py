@@ -1,0 +1,91 @@
+"""The plan per GPU of a multi-GPU layout (``wantrain.models.wan22.rank_plan``, docs/distributed.md) against what
+FSDP2 really allocates: one process as rank 0 of N on a fake process group shards the real-width T2V-A14B expert
+(built on ``meta``, its LoRA added, materialised under fake tensors: no memory is used) and
+``FSDPMemTracker`` counts its sharded parameters, gradients and AdamW state after one step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from wantrain.core.errors import UserError
+from wantrain.core.sharding import shard_per_block
+from wantrain.models.wan22.memory import LORA_BYTES_PER_PARAM
+from wantrain.models.wan22.rank_plan import Layout, check_layout, lora_shard_params, rank_estimate, sharded_weight_bytes
+
+LAYERS = 4
+"""Blocks of the traced expert: the real width and 4 of its 40 identical blocks (the planner counts per block, so
+the blocks add nothing new to check; 40 blocks at N = 8 was traced once, see docs/distributed.md)."""
+RANK = 32
+
+
+def tracked_bytes(shard_degree: int) -> float:
+    """Sharded parameters + gradients + optimizer state on rank 0 of ``shard_degree``, by FSDPMemTracker."""
+    from diffusers import WanTransformer3DModel
+    from peft import LoraConfig, inject_adapter_in_model
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.export import LORA_TARGET_REGEX
+    from wantrain.models.wan22.variants import VARIANTS
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=shard_degree)
+    try:
+        kwargs = dict(transformer_kwargs(VARIANTS["t2v-a14b"]), num_layers=LAYERS)
+        with torch.device("meta"):
+            model = WanTransformer3DModel(**kwargs)
+            cast_keeping_fp32_modules(model, torch.bfloat16)
+            model.requires_grad_(False)
+            inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=LORA_TARGET_REGEX), model)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+        shard_per_block(model, model.blocks)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            lora = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(lora, foreach=False)
+            tracker = FSDPMemTracker(model, optimizer)
+            with tracker:
+                for p in lora:
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+            snapshot = tracker.get_tracker_snapshot("current")
+        kinds = ("Sharded Param", "Sharded Grad", "OptState", "Buffer")
+        return float(sum(v for per_device in snapshot.values() for k, v in per_device.items()
+                         if getattr(k, "value", k) in kinds))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shard_degree", [2, 4, 8])
+def test_the_weights_lora_and_optimizer_per_gpu_are_within_5_percent_of_the_fsdp_tracker(shard_degree):
+    planned = (sharded_weight_bytes("t2v-a14b", shard_degree, LAYERS)[0]
+               + lora_shard_params("t2v-a14b", RANK, shard_degree, LAYERS) * LORA_BYTES_PER_PARAM)
+    tracked = tracked_bytes(shard_degree)
+    assert abs(planned - tracked) <= 0.05 * tracked, (planned, tracked)
+    # and sharding divides: each GPU holds about 1/N of the one-GPU figure
+    whole = sharded_weight_bytes("t2v-a14b", 1, LAYERS)[0]
+    assert sharded_weight_bytes("t2v-a14b", shard_degree, LAYERS)[0] < 1.1 * whole / shard_degree
+
+
+def test_more_sequence_degree_leaves_less_per_gpu():
+    figures = [rank_estimate("t2v-a14b", Layout(gpus=q, sequence_degree=q), width=832, height=480, frames=81,
+                             rank=RANK, layers=LAYERS).parts["one recomputed block"] for q in (1, 2, 4)]
+    assert figures[0] == pytest.approx(2 * figures[1]) == pytest.approx(4 * figures[2])
+
+
+@pytest.mark.parametrize(("variant", "layout", "words"), [
+    ("t2v-a14b", Layout(gpus=3, sequence_degree=3), "does not divide the 40 attention heads"),
+    ("ti2v-5b", Layout(gpus=16, sequence_degree=16), "valid degrees: 1, 2, 3, 4, 6, 8, 12, 24"),
+    ("ti2v-5b", Layout(gpus=2, expert_groups=2), "ti2v-5b has 1 expert(s): expert groups must be 1"),
+    ("t2v-a14b", Layout(gpus=6, expert_groups=2, shard_degree=2), "does not divide the 3 GPU(s) of each expert"),
+    ("t2v-a14b", Layout(gpus=3, expert_groups=2), "3 GPUs cannot be split into 2 expert groups"),
+])
+def test_a_layout_the_model_cannot_run_is_refused_in_one_line(variant, layout, words):
+    with pytest.raises(UserError) as refused:
+        check_layout(variant, layout)
+    assert words in str(refused.value) and "\n" not in str(refused.value)

@@ -1,0 +1,152 @@
+"""Sharded base weights on PyTorch's own engine: FSDP2 ``fully_shard`` per block, and the trainable state (the LoRA
+and its optimizer state, never the base weights) through ``torch.distributed.checkpoint`` (docs/distributed.md,
+"Sharded base weights").
+
+Model-free: the caller names the blocks (for a Wan transformer, ``transformer.blocks``) and owns the optimizer.
+
+- :func:`shard_per_block` wraps each block, then the root, with ``fully_shard``. Every parameter of a block, frozen
+  base weight and trainable LoRA alike, becomes a ``DTensor`` holding ``1/N`` of the rows on each of the ``N``
+  ranks; a block's full weights exist only between its all-gather and its reshard (forward, and again in the
+  backward). Gradients are reduce-scattered (averaged over the ranks) in ``reduce_dtype``: the one-process gradient
+  of the global batch, each rank holding its rows. No flat all-reduce of ``core.distributed`` is needed for them.
+- :func:`save_trainable` / :func:`load_trainable` write and read the trainable parameters and the optimizer state by
+  their global names and shapes (DCP: one safetensors file per rank), so a checkpoint written by ``N`` ranks is
+  read by ``M`` (one process included, without a process group): the resharding is DCP's.
+- :func:`full_trainable` gathers the trainable parameters as whole tensors on rank 0 (every rank calls it; an
+  all-gather per parameter), for the LoRA files rank 0 exports.
+
+No pickle: the files are DCP's safetensors storage (``HuggingFaceStorageWriter``, each rank its own file, the
+offsets of its shards in the file's JSON header); only tensors travel (the optimizer's hyperparameters come from
+the config and the scheduler). DCP's default writer would pickle its ``.metadata`` and any non-tensor value.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def shard_per_block(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Any = None,
+                    param_dtype: torch.dtype | None = torch.bfloat16,
+                    reduce_dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """``fully_shard`` each of ``blocks`` and then ``module`` itself (the embeddings and head left over) on
+    ``mesh`` (None: every rank of the default group), in place; returns ``module``.
+
+    ``param_dtype``: the dtype a block's weights are all-gathered and computed in (bf16 on a GPU; None keeps each
+    parameter's own, fp32 for the CPU tests' exactness); ``reduce_dtype``: the dtype gradients are averaged in
+    (fp32). The LoRA's own parameters keep their fp32 storage: the sharded copy is what the optimizer steps, so the
+    optimizer is built after this call, over ``module.parameters()`` (the ``DTensor`` parameters replace the
+    originals). Blocks reshard after their forward (the default), so at most one block's full weights (two while
+    the next is prefetched) live at once."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    return module
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, **kwargs)
+
+
+def trainable_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    """The trainable parameters of ``module`` and the state of ``optimizer`` by global names (sharded
+    ``DTensor``\\ s under FSDP, plain tensors in one process), as ``get_state_dict`` gives them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(module, optimizer, options=_options())
+
+
+def _tensors(model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors of both states under flat names (``lora/<name>``, ``optim/<name>/<key>``): what travels through
+    DCP. The optimizer's hyperparameters (``param_groups``) stay out: the config and the LR scheduler give them, and
+    non-tensor values would go through pickle."""
+    flat = {f"lora/{name}": value for name, value in model_state.items()}
+    for name, entries in optim_state.get("state", {}).items():
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                flat[f"optim/{name}/{key}"] = value
+    return flat
+
+
+def _storage(path: str | Path, *, writing: bool) -> Any:
+    """DCP's safetensors storage (its index is JSON; the default writer's ``.metadata`` is a pickle)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    if writing:
+        return HuggingFaceStorageWriter(str(path), save_distributed=True)
+    return HuggingFaceStorageReader(str(path))
+
+
+def save_trainable(path: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write the trainable state of ``module`` and ``optimizer`` under ``path`` (a folder of safetensors files,
+    one per rank, and a JSON index). Every rank calls it (a collective plan and a barrier). The base weights are
+    never written."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_tensors(*trainable_state(module, optimizer)), storage_writer=_storage(path, writing=True))
+
+
+def load_trainable(path: str | Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read what :func:`save_trainable` wrote (at any world size) into ``module`` and ``optimizer``, resharded to
+    this run's layout. Every rank calls it. The optimizer must hold its state tensors already (an AdamW creates them
+    at its first step: :func:`initialise_optimizer_state`); DCP fills tensors, it creates none."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model_state, optim_state = trainable_state(module, optimizer)
+    with warnings.catch_warnings():  # one process (no group) is a layout of its own here, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(_tensors(model_state, optim_state), storage_reader=_storage(path, writing=False))
+    # strict=False: the frozen base weights are not in the state (a trainable tensor missing from the files is
+    # refused by dcp.load above)
+    set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=_options(strict=False))
+
+
+def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` its state tensors without changing a parameter: one step with zero gradients and a
+    learning rate of zero (AdamW's moments stay zero, its decoupled decay is ``lr * wd = 0``), then the step
+    counters back to zero. What DCP needs to load an optimizer state into (it fills tensors, it creates none)."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, saved, strict=True):
+        group["lr"] = lr
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+
+
+def full_trainable(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of ``module`` as whole tensors on the CPU, by global name. Every rank calls it
+    under FSDP (an all-gather per parameter); rank 0 receives them, the others an empty dict."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(module, options=_options(full_state_dict=True, cpu_offload=True))
+    return {name: value.detach().clone() for name, value in state.items()}
+
+
+def local_bytes(module: nn.Module) -> int:
+    """The bytes of ``module``'s parameters this rank holds: its shard of each ``DTensor``, a plain parameter
+    whole."""
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total

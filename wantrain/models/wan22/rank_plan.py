@@ -1,0 +1,209 @@
+"""The memory plan per GPU for a layout of several GPUs (docs/distributed.md, "The plan per rank"): a layer over the
+one-GPU estimate of ``memory.py``, which it reads and never changes.
+
+A layout of ``gpus`` GPUs (:class:`Layout`) has three degrees; each expert group's GPUs form one mesh:
+
+* ``expert_groups``: 2 puts each A14B expert on its own group of ``gpus / 2`` GPUs (one expert per GPU with 2
+  GPUs), 1 keeps the experts together (every GPU alternates them, the waiting one on the host);
+* ``sequence_degree``: Ulysses sequence parallelism splits each clip's tokens over this many GPUs of a group; the
+  attention exchanges heads for tokens (an all-to-all), so the degree must divide the heads (40 for A14B, 24 for
+  TI2V-5B); ``gpus / (expert_groups x sequence_degree)`` clips train at once per group (data parallel);
+* ``shard_degree``: FSDP2 shards each block's frozen weights, the LoRA, its gradients and AdamW's moments over this
+  many GPUs of a group (``core.sharding``), across the sequence and data-parallel GPUs alike (torchtitan folds its
+  context-parallel ranks into the shard dimension the same way); it divides the group's GPUs, and the shards are
+  replicated ``gpus / (expert_groups x shard_degree)`` times (HSDP: shard inside a machine, replicate across).
+
+Parts per GPU (bytes), beside :func:`memory.estimate`'s one-GPU parts (``bf16`` base, no block swap):
+
+* ``weights (shard)``: the expert's frozen weights over ``shard_degree``, each tensor's rows rounded up to a
+  multiple of the degree (FSDP2 pads dim 0), exactly as :func:`sharded_weight_bytes` counts them on ``meta``;
+* ``gathered blocks``: with ``shard_degree`` > 1, two blocks' whole weights (the one running and the one
+  prefetched), less this GPU's own shard of them;
+* ``LoRA + optimizer``: 16 bytes per LoRA parameter (``memory.LORA_BYTES_PER_PARAM``) over ``shard_degree``;
+* ``checkpointed inputs``, ``one recomputed block``: the one-GPU figures of ``tokens / sequence_degree`` tokens;
+* ``sequence exchange``: with ``sequence_degree`` > 1, the all-to-all's send and receive buffers of q, k, v and
+  the output of one attention (8 bf16 copies of this GPU's tokens x width): an assumption, not traced;
+* ``workspace``: as one GPU, at this GPU's tokens.
+
+The weights, LoRA and optimizer parts are checked against ``FSDPMemTracker`` under fake tensors on a fake process
+group (tests/models/test_rank_plan.py); the activation parts reuse ``memory.py``'s traced constants; what NCCL and
+real links add (their buffers, overlap) is not measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import attrs
+
+from wantrain.core.errors import UserError
+from wantrain.models.wan22 import memory
+from wantrain.models.wan22.memory import GIB, LORA_BYTES_PER_PARAM, MemorySettings
+
+
+@attrs.frozen
+class Layout:
+    """How ``gpus`` GPUs share one run (module docstring)."""
+
+    gpus: int = 1
+    expert_groups: int = 1
+    shard_degree: int = 1
+    sequence_degree: int = 1
+
+    @property
+    def group(self) -> int:
+        """GPUs per expert group."""
+        return self.gpus // self.expert_groups
+
+    @property
+    def data_parallel(self) -> int:
+        """Clips trained at once per expert group."""
+        return self.group // self.sequence_degree
+
+    def describe(self) -> str:
+        parts = [f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}"]
+        if self.expert_groups > 1:
+            parts.append(f"one expert per group of {self.gpus // self.expert_groups}")
+        if self.shard_degree > 1:
+            replicas = self.group // self.shard_degree
+            parts.append(f"FSDP over {self.shard_degree}" + (f" x {replicas} replicas" if replicas > 1 else ""))
+        if self.sequence_degree > 1:
+            parts.append(f"Ulysses over {self.sequence_degree}")
+        if self.data_parallel > 1:
+            parts.append(f"{self.data_parallel} data-parallel replicas")
+        return ", ".join(parts)
+
+
+def check_layout(variant: str, layout: Layout) -> None:
+    """Refuse (one line) a layout the variant cannot run: degrees that do not divide the GPUs, two expert groups
+    for a one-expert model, a sequence degree that does not divide the attention heads."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    for key, value in (("expert_groups", layout.expert_groups), ("shard_degree", layout.shard_degree),
+                       ("sequence_degree", layout.sequence_degree), ("gpus", layout.gpus)):
+        if value < 1:
+            raise UserError(f"{key} = {value}: must be 1 or more")
+    if layout.gpus % layout.expert_groups:
+        raise UserError(f"{layout.gpus} GPUs cannot be split into {layout.expert_groups} expert groups; use a "
+                        f"multiple of {layout.expert_groups} GPUs")
+    for key, value in (("shard degree", layout.shard_degree), ("sequence degree", layout.sequence_degree)):
+        if layout.group % value:
+            raise UserError(f"{key} {value} does not divide the {layout.group} GPU(s) of each expert group "
+                            f"({layout.gpus} GPUs / {layout.expert_groups} group(s)); use a divisor of "
+                            f"{layout.group}")
+    if layout.expert_groups not in (1, len(spec.experts)):
+        raise UserError(f"{variant} has {len(spec.experts)} expert(s): expert groups must be 1"
+                        + (f" or {len(spec.experts)}" if len(spec.experts) > 1 else ""))
+    heads = transformer_kwargs(spec)["num_attention_heads"]
+    if heads % layout.sequence_degree:
+        valid = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise UserError(f"sequence degree {layout.sequence_degree} does not divide the {heads} attention heads of "
+                        f"{variant} (Ulysses gives each GPU whole heads); valid degrees: "
+                        f"{', '.join(map(str, valid))}")
+
+
+@functools.lru_cache(maxsize=32)
+def sharded_weight_bytes(variant: str, shard_degree: int, layers: int | None = None) -> tuple[float, float]:
+    """(bytes of one expert's bf16 frozen weights one GPU holds under FSDP2 with ``shard_degree``, bytes of its
+    largest block whole), counted on a ``meta`` build: each tensor's dim 0 rounded up to a multiple of the degree
+    (``fully_shard``'s padding), the ``_keep_in_fp32_modules`` tensors in fp32."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    if layers is not None:
+        kwargs["num_layers"] = layers
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**kwargs)
+    cast_keeping_fp32_modules(model, torch.bfloat16)
+
+    def shard(t: Any) -> float:
+        if t.dim() == 0:
+            return float(t.element_size())
+        rows = math.ceil(t.shape[0] / shard_degree)
+        return float(rows * (t.numel() // max(t.shape[0], 1)) * t.element_size())
+
+    params = sum(shard(p) for p in model.parameters())
+    buffers = sum(float(b.numel() * b.element_size()) for b in model.buffers())  # buffers stay whole
+    largest = max(float(sum(p.numel() * p.element_size() for p in b.parameters())) for b in model.blocks)
+    return params + buffers, largest
+
+
+def lora_shard_params(variant: str, rank: int, shard_degree: int, layers: int | None = None) -> float:
+    """LoRA parameters one GPU holds: every A [rank, in] and B [out, rank] matrix's rows rounded up to a multiple
+    of ``shard_degree``."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
+    f = kwargs["ffn_dim"]
+    n = layers if layers is not None else kwargs["num_layers"]
+
+    def rows(count: int) -> int:
+        return math.ceil(count / shard_degree)
+
+    # (in, out) of the 10 Linears of a block: 8 attention projections d -> d, the FFN d -> f and f -> d
+    linears = [(d, d)] * 8 + [(d, f), (f, d)]
+    return float(n * sum(rows(rank) * i + rows(o) * rank for i, o in linears))
+
+
+@attrs.frozen
+class RankEstimate:
+    layout: Layout
+    parts: dict[str, float]
+
+    attention_backward: float = 0.0  # bytes: memory.attention_backward_bytes at this GPU's heads and tokens
+
+    @property
+    def total(self) -> float:
+        """Bytes of the tensors at the step's peak on one GPU."""
+        return sum(self.parts.values())
+
+    @property
+    def card_gib(self) -> float:
+        """What each card must have (GiB): the tensors, attention's backward buffer, the fragmentation margin and
+        the CUDA context (``memory.card_gib``)."""
+        return memory.card_gib(self.total + self.attention_backward)
+
+    def lines(self) -> list[str]:
+        return [f"{self.layout.describe()}: {self.total / GIB:.1f} GiB of tensors, {self.card_gib:.1f} GiB per "
+                "card"] + [f"  {name}: {value / GIB:.2f} GiB" for name, value in self.parts.items() if value]
+
+
+def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, frames: int, rank: int,
+                  batch: int = 1, layers: int | None = None) -> RankEstimate:
+    """The parts of one training step's peak on one GPU of ``layout`` (module docstring); bf16 base, no swap."""
+    check_layout(variant, layout)
+    single = memory.estimate(variant, MemorySettings("bf16"), width=width, height=height, frames=frames, rank=rank,
+                             batch=batch, layers=layers)
+    s, q = layout.shard_degree, layout.sequence_degree
+    weights, largest = sharded_weight_bytes(variant, s, layers)
+    gathered = 2.0 * largest * (1.0 - 1.0 / s) if s > 1 else 0.0
+    # the token-proportional parts at this GPU's share of the tokens (the text tokens' share of a recomputed block
+    # is counted split too: a few percent of it at 832x480x81); the workspace keeps its fixed part whole
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
+    tokens = memory.tokens_of(VARIANTS[variant], width, height, frames, batch) / q
+    p = single.parts
+    parts = {
+        "weights (shard)": weights,
+        "gathered blocks": gathered,
+        "LoRA + optimizer": lora_shard_params(variant, rank, s, layers) * LORA_BYTES_PER_PARAM,
+        "checkpointed inputs": p["checkpointed inputs"] / q,
+        "one recomputed block": p["one recomputed block"] / q,
+        "sequence exchange": 8.0 * tokens * d * 2.0 if q > 1 else 0.0,
+        "workspace": memory.WORKSPACE_FIXED + (p["workspace"] - memory.WORKSPACE_FIXED) / q,
+    }
+    # Ulysses: all tokens and 1/q of the heads in the attention, so its backward buffer is 1/q of one GPU's
+    return RankEstimate(layout, parts, single.attention_backward / q)

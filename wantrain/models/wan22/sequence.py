@@ -1,0 +1,54 @@
+"""Ulysses sequence parallelism for long clips through diffusers' own context parallelism (docs/distributed.md,
+"Sequence parallelism"): each GPU of a sequence group holds ``1/degree`` of a clip's tokens; in each attention an
+all-to-all trades tokens for heads, so every GPU attends over the whole sequence with ``heads / degree`` heads
+(the degree must divide the heads: ``rank_plan.check_layout`` refuses another).
+
+``diffusers`` 0.42.1 picks the rank's device as ``rank % torch.accelerator.device_count()``
+(``ModelMixin._resolve_parallel_config``): a division by zero on a machine without an accelerator, where gloo ranks
+run on the CPU. :func:`cpu_device_count_workaround` is the one place that works around it (a device count of at
+least 1 while the parallelism is set up); it changes nothing where an accelerator exists.
+
+The gradients: each GPU back-propagates through its own tokens only, so a trainable parameter's gradient is the
+sum of the group's (:func:`sum_sequence_gradients`), as data parallelism's is their mean."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def cpu_device_count_workaround() -> Iterator[None]:
+    """``torch.accelerator.device_count()`` is at least 1 inside (diffusers 0.42.1 divides a rank by it)."""
+    real = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: max(real(), 1)
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = real
+
+
+def enable_ulysses(transformer: nn.Module, degree: int, *, mesh: Any = None) -> nn.Module:
+    """Split ``transformer``'s sequence over ``degree`` ranks (diffusers' ``ContextParallelConfig(ulysses_degree=
+    degree)``, on ``mesh`` when given, else on every rank of the default group), in place. Its inputs are whole on
+    every rank and its output is gathered whole again (diffusers' plan for Wan)."""
+    from diffusers import ContextParallelConfig
+
+    config = ContextParallelConfig(ulysses_degree=degree, mesh=mesh)
+    with cpu_device_count_workaround():
+        transformer.enable_parallelism(config=config)
+    return transformer
+
+
+def sum_sequence_gradients(params: Sequence[nn.Parameter], group: Any = None) -> None:
+    """Add up the gradients of ``params`` over the sequence group ``group`` (None: the default group), in place:
+    one all-reduce per parameter with a gradient."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
