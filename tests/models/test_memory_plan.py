@@ -73,6 +73,15 @@ def test_adapter_parameters_are_counted_per_type_as_peft_builds_them():
     lokr = lora_params("t2v-a14b", 32, adapter=AdapterSpec("lokr"))
     assert 0 < lokr < 0.05 * lora
     assert lora_params("t2v-a14b", 32, adapter=AdapterSpec("lokr", lokr_decompose_both=True)) < lokr
+    # the waiting expert's adapter state on the host follows the type too
+    from wantrain.models.wan22.memory import host_estimate
+
+    def waiting(adapter):
+        est = host_estimate("t2v-a14b", MemorySettings("fp8", 40, True), experts=("high_noise", "low_noise"),
+                            rank=32, width=832, height=480, frames=81, pin_budget=0.0, adapter=adapter)
+        return est.parts["waiting expert's LoRA + grads + AdamW"]
+
+    assert waiting(AdapterSpec("loha")) == 2 * waiting(AdapterSpec()) == 2 * 16 * lora
 
 
 def test_weights_are_counted_per_tensor_in_the_dtypes_a_run_gives_them():
