@@ -8,12 +8,16 @@ docs/benchmarks.md has its table and the estimate's error on every row). Parts (
 
 * ``weights resident``: the frozen base outside the swapped blocks (one expert; the other waits on the host);
 * ``swap buffers``: ``ring`` blocks' frozen tensors (``model.blocks_to_swap`` > 0);
-* ``LoRA + optimizer``: fp32 LoRA weights, their gradients and AdamW's two moments (16 bytes per LoRA parameter);
+* ``LoRA + optimizer``: the adapter's fp32 weights, their gradients and AdamW's two moments (16 bytes per
+  parameter), the parameters of ``lora.type`` counted on a ``meta`` build of one block with peft's layers
+  (:func:`adapter_block`; LoHa twice LoRA's, LoKr a few per cent, DoRA LoRA's plus a magnitude per row);
 * ``checkpointed inputs``: each block's input hidden states, bf16 (``blocks x tokens x width x 2``), kept for the
   recompute; with ``model.offload_activations`` on the host, and on the device only the few in flight;
 * ``one recomputed block``: what one block's recompute saves and its backward needs at once, per token
   ``C_WIDTH x width + C_FFN x ffn_width`` bytes and per text token ``C_TEXT x width`` (fp8: plus the bf16 copies
   of the block's Linears);
+* ``adapter's own transients`` (LoHa, LoKr, DoRA): what the type's peft layers build on every forward beyond a
+  LoRA's, at the recompute's peak (``ADAPTER_TRANSIENT``);
 * ``workspace``: the layers outside the blocks, the loss, and a fixed allowance.
 
 Sampling (``[sample]``: diffusers' Wan pipeline around the training expert, no autograd), at the sample size:
@@ -427,17 +431,18 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     text = batch * spec.text_len * d * 2.0 * 4  # projected text embeddings and their copies
     workspace = WORKSPACE_FIXED + text + tokens * 64 * 4 * 4  # latents, prediction, target, loss terms (fp32)
     parts = {"weights resident": resident, "swap buffers": ring, "LoRA + optimizer": params * LORA_BYTES_PER_PARAM,
-             "checkpointed inputs": inputs, "one recomputed block": per_block, "workspace": workspace}
+             "checkpointed inputs": inputs, "one recomputed block": per_block}
     transient = adapter_transient_bytes(variant, adapter, tokens)
     if transient:  # without checkpointing every block keeps its own
         parts[ADAPTER_PART] = transient * (1 if gradient_checkpointing else n)
+    parts["workspace"] = workspace
     sampling = sampling_parts(variant, settings, sample, rank=rank, layers=layers, adapter=adapter) \
         if sample is not None else {}
     # A swapped block crosses twice per step (forward, recompute); offloaded inputs go out and come back.
     link = 2.0 * sum(blocks[n - swap:]) + (2.0 * n * hidden if settings.offload_activations else 0.0)
     attention = attention_backward_bytes(variant, width=width, height=height, frames=frames, batch=batch)
     return MemoryEstimate(settings, parts, sampling, link, sample, attention,
-                          f"{adapter.describe(rank)}: {params / 1e6:.1f} M parameters")
+                          f"{adapter.describe(rank)}: {params / 1e6:.1f} M parameters per expert")
 
 
 def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
