@@ -7,12 +7,17 @@ memory) in the dtypes a run gives them (base in bf16 or float8_e4m3fn with diffu
 when asked. One step (forward with gradient checkpointing, the flow-matching MSE, backward, AdamW with its state)
 runs under a dispatch mode that counts the bytes of every live storage on the device: the peak is what the
 tensors need, the quantity ``torch.cuda.max_memory_allocated`` reports, and what the planner's estimate
-(``wantrain.models.wan22.memory``, what ``wantrain check`` prints) is checked against.
+(``wantrain.models.wan22.memory``, what ``wantrain check`` prints) is checked against. With ``--flops`` the step
+runs a second time under ``torch.utils.flop_counter.FlopCounterMode`` (``tflops``: the matmuls and attention of the
+forward, the recompute and the backward, counted from the shapes; apart, because the counter changes what lives
+when).
 
 Choices that differ from a GPU:
 
 * the "device" is a fake CPU (this torch has no CUDA, and fake CUDA tensors fail in indexing), and the host side of
   the swap and of the offload is ``meta`` (not counted);
+* peft's LoHa and LoKr layers are put in eval mode: in training mode they draw ``torch.rand(1) > module_dropout``
+  on the host on every forward, which a fake tensor cannot answer (with ``lora.dropout = 0`` the path is the same);
 * attention is the CPU flash kernel's (output + logsumexp, as the CUDA flash/cuDNN kernels); the math kernel
   would materialise the score matrix;
 * diffusers' layerwise-casting hook (fp8) casts with new Parameter objects instead of ``Module.to`` (which cannot
@@ -23,6 +28,8 @@ Choices that differ from a GPU:
     python bench/trace_memory.py                           # the table of docs/benchmarks.md (markdown + JSON)
     python bench/trace_memory.py --variant t2v-a14b --dtype fp8 --swap 20 --offload --size 832x480x81
     python bench/trace_memory.py --json out.json
+    python bench/trace_memory.py --lora-type all --layers 2 --dtype bf16 --swap 0 --offload --size 832x480x81
+                                                           # a row per adapter type (lora.type)
     python bench/trace_memory.py --sampling                # the sampling table (a no-grad denoising step with
                                                            # guidance, then the VAE decode)
 """
@@ -39,17 +46,34 @@ from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
 
 from wantrain.models.wan22.architecture import transformer_kwargs
-from wantrain.models.wan22.export import ADAPTER_NAME, LORA_TARGET_REGEX
+from wantrain.models.wan22.export import ADAPTER_NAME
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.variants import VARIANTS
 
 DEVICE = torch.device("cpu")  # the fake device
 HOST = torch.device("meta")  # the host side: not counted
+
+
+def _cpu_flash_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# FlopCounterMode counts the CUDA attention kernels only; the CPU flash kernel the trace runs does the same work
+# (its formulas take the shapes, [batch, heads, tokens, head_dim]).
+CPU_ATTENTION_FLOPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
+                       torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+                           _cpu_flash_backward_flops}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -124,10 +148,14 @@ def parse_size(text: str) -> tuple[int, int, int]:
     return width, height, frames
 
 
-def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode, layers: int | None = None):
-    """The expert as a run holds it, with fake tensors on :data:`DEVICE` (``layers``: fewer blocks)."""
+def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode, layers: int | None = None,
+                      lora_type: str = "lora"):
+    """The expert as a run holds it, with fake tensors on :data:`DEVICE` (``layers``: fewer blocks), its adapter of
+    ``lora_type`` built by peft as a run builds it (``adapter_types.py``, the config's defaults otherwise)."""
     from diffusers import WanTransformer3DModel
-    from peft import LoraConfig
+
+    from wantrain.models.wan22.adapter_types import adapter_type, candidate_modules
+    from wantrain.models.wan22.config import LoraConfig
 
     spec = VARIANTS[variant]
     with torch.device("meta"):
@@ -140,7 +168,8 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
         if dtype == "fp8":
             model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
         model.enable_gradient_checkpointing()
-        model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGET_REGEX),
+        targets = candidate_modules(len(model.blocks))
+        model.add_adapter(adapter_type(lora_type).peft_config(LoraConfig(type=lora_type, rank=rank), targets),
                           adapter_name=ADAPTER_NAME)
     keep = set(model._keep_in_fp32_modules or ())
     with fake:
@@ -149,26 +178,33 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
             for key, param in list(module._parameters.items()):
                 if param is None:
                     continue
-                is_lora = lora or f".{ADAPTER_NAME}." in f".{name}.{key}"
+                is_lora = lora or key == ADAPTER_NAME or f".{ADAPTER_NAME}." in f".{name}.{key}"
                 target = torch.float32 if is_lora or keep.intersection(name.split(".")) else param.dtype
                 module._parameters[key] = torch.nn.Parameter(
                     torch.empty(param.shape, dtype=target, device=DEVICE), requires_grad=is_lora)
             for key, buffer in list(module._buffers.items()):
                 if buffer is not None:
                     module._buffers[key] = torch.empty(buffer.shape, dtype=buffer.dtype, device=DEVICE)
-    return model.train()
+    model.train()
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    for module in model.modules():  # LoHa / LoKr draw ``torch.rand(1) > module_dropout`` per forward in training
+        if isinstance(module, LycorisLayer):  # mode, which a fake tensor cannot answer; with dropout 0 the same
+            module.training = False  # path runs in eval mode
+    return model
 
 
 def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload: bool = False,
           size: tuple[int, int, int] = (832, 480, 81), rank: int = 32, batch: int = 1,
-          layers: int | None = None) -> dict:
-    """Peak live device bytes of one training step of ``variant`` (one expert), in GiB, with the parts at rest."""
+          layers: int | None = None, lora_type: str = "lora", count_flops: bool = False) -> dict:
+    """Peak live device bytes of one training step of ``variant`` (one expert), in GiB, with the parts at rest;
+    with ``count_flops`` its FLOPs instead (``tflops``; the bytes of that trace are not the step's)."""
     spec = VARIANTS[variant]
     width, height, frames = size
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     start = time.perf_counter()
     with fake_layerwise_casting():  # the hooks keep the methods they find when registered
-        model = build_fake_expert(variant, dtype, rank, fake, layers)
+        model = build_fake_expert(variant, dtype, rank, fake, layers, lora_type)
     blocks = model.blocks
     copies: list[int] = []
     with fake:
@@ -198,7 +234,9 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
         frames_latent = (frames - 1) // spec.frame_multiple + 1
         stride = spec.spatial_multiple // 2  # the VAE's (the patch is 2x2)
         shape = (batch, spec.transformer_in_channels, frames_latent, height // stride, width // stride)
-        with counter:
+        # FLOPs in a trace of their own: FlopCounterMode changes what lives when (+0.24 GiB on one A14B block)
+        flops = FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) if count_flops else None
+        with counter, flops or contextlib.nullcontext():
             x0 = torch.empty(shape, dtype=torch.float32, device=DEVICE)
             text = torch.empty(batch, spec.text_len, 4096, dtype=torch.bfloat16, device=DEVICE)
             timestep = torch.full((batch,), 500.0, device=DEVICE)
@@ -214,8 +252,10 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
             optimizer.zero_grad(set_to_none=True)
     tokens = batch * frames_latent * (height // spec.spatial_multiple) * (width // spec.spatial_multiple)
     return {"variant": variant, "dtype": dtype, "swap": swap, "offload": offload,
-            "size": f"{width}x{height}x{frames}", "rank": rank, "batch": batch, "layers": len(blocks), "tokens": tokens,
+            "size": f"{width}x{height}x{frames}", "rank": rank, "lora_type": lora_type, "batch": batch,
+            "layers": len(blocks), "tokens": tokens, "adapter_params": sum(p.numel() for p in lora),
             "at_rest_gib": at_rest / 2**30, "peak_gib": counter.peak / 2**30,
+            "tflops": flops.get_total_flops() / 1e12 if flops else None,
             "seconds": round(time.perf_counter() - start, 1), "block_copies": len(copies),
             "offloaded_bytes": offloaded}
 
@@ -317,7 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload", action="store_true", default=None)
     parser.add_argument("--size", type=parse_size, help="WIDTHxHEIGHTxFRAMES")
     parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--lora-type", choices=("lora", "loha", "lokr", "dora", "all"), default="lora",
+                        help="the adapter type (lora.type; 'all': one row per type)")
     parser.add_argument("--layers", type=int, help="fewer blocks than the variant has (a quick check)")
+    parser.add_argument("--flops", action="store_true", help="also count the step's FLOPs (a second trace)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sampling", action="store_true", help="trace sampling instead of a training step")
     args = parser.parse_args(argv)
@@ -336,8 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
         return 0
-    for size, dtype, swap, offload in itertools.product(sizes, dtypes, swaps, offloads):
-        row = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers)
+    types = ["lora", "loha", "lokr", "dora"] if args.lora_type == "all" else [args.lora_type]
+    for size, dtype, swap, offload, lora_type in itertools.product(sizes, dtypes, swaps, offloads, types):
+        if lora_type == "dora" and dtype == "fp8":
+            continue  # refused by the config: peft's DoRA reads the base weights outside their forward
+        row = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers, lora_type=lora_type)
+        if args.flops:
+            row["tflops"] = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers,
+                                  lora_type=lora_type, count_flops=True)["tflops"]
         row.update(compare(row))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -349,12 +398,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def compare(row: dict) -> dict:
     """The planner's estimate of the same configuration and its error against the trace."""
-    from wantrain.models.wan22.memory import GIB, MemorySettings, estimate
+    from wantrain.models.wan22.memory import GIB, AdapterSpec, MemorySettings, estimate
 
     width, height, frames = parse_size(row["size"])
     est = estimate(row["variant"], MemorySettings(row["dtype"], row["swap"], row["offload"]), width=width,
                    height=height, frames=frames, rank=row["rank"], batch=row["batch"],
-                   layers=row["layers"] if row["layers"] != VARIANTS[row["variant"]].num_layers else None)
+                   layers=row["layers"] if row["layers"] != VARIANTS[row["variant"]].num_layers else None,
+                   adapter=AdapterSpec(row["lora_type"]))
     return {"estimate_gib": est.allocated / GIB, "error_pct": 100 * (est.allocated / GIB / row["peak_gib"] - 1)}
 
 
@@ -381,11 +431,12 @@ def markdown_sampling(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| size | base | swapped | offload | traced peak GiB | estimate GiB | error | trace s |",
-             "|---|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| size | adapter | base | swapped | offload | traced peak GiB | estimate GiB | error | TFLOP | trace s |",
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['dtype']} | {r['swap']} | {'on' if r['offload'] else 'off'} | "
-                     f"{r['peak_gib']:.2f} | {r['estimate_gib']:.2f} | {r['error_pct']:+.1f} % | {r['seconds']} |")
+        lines.append(f"| {r['size']} | {r['lora_type']} | {r['dtype']} | {r['swap']} | "
+                     f"{'on' if r['offload'] else 'off'} | {r['peak_gib']:.2f} | {r['estimate_gib']:.2f} | "
+                     f"{r['error_pct']:+.1f} % | {r['tflops'] or 0:.1f} | {r['seconds']} |")
     return "\n".join(lines)
 
 

@@ -9,10 +9,12 @@ import pytest
 
 from wantrain.models.wan22.memory import (
     GIB,
+    AdapterSpec,
     MemorySettings,
     SampleSize,
     attention_backward_bytes,
     estimate,
+    lora_params,
     offload_host_tensors,
     plan,
     weight_bytes,
@@ -41,6 +43,45 @@ def test_the_estimate_is_within_ten_percent_of_a_traced_step_at_real_width(setti
     # the host side of the offload, tensor by tensor, is what the host estimate counts
     offloaded = offload_host_tensors("t2v-a14b", width=480, height=272, frames=33, layers=2)
     assert sorted(traced["offloaded_bytes"]) == (sorted(offloaded) if settings.offload_activations else [])
+
+
+@pytest.mark.parametrize("lora_type", ["loha", "lokr", "dora"])
+def test_the_estimate_of_each_adapter_type_is_within_five_percent_of_a_traced_step(lora_type):
+    # Two real-width A14B blocks at 832x480x33 (14040 tokens), each type built by peft as a run builds it: its
+    # parameters, gradients and moments, and what its layers build on every forward (LoHa / LoKr: float32 delta
+    # weights; DoRA: an identity of the input width and float32 products of the output width per token).
+    traced = trace_module().trace("t2v-a14b", "bf16", 0, False, (832, 480, 33), rank=32, layers=2,
+                                  lora_type=lora_type)
+    est = estimate("t2v-a14b", MemorySettings("bf16"), width=832, height=480, frames=33, rank=32, layers=2,
+                   adapter=AdapterSpec(lora_type))
+    assert traced["adapter_params"] == lora_params("t2v-a14b", 32, 2, AdapterSpec(lora_type))
+    assert abs(est.allocated / GIB / traced["peak_gib"] - 1) < 0.05, (est.parts, traced)
+    lora = estimate("t2v-a14b", MemorySettings("bf16"), width=832, height=480, frames=33, rank=32, layers=2)
+    assert est.allocated > lora.allocated + 0.5 * GIB  # a plan that ignored the type would be short by this
+
+
+def test_adapter_parameters_are_counted_per_type_as_peft_builds_them():
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS["t2v-a14b"])
+    d, f = kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"]
+    lora = lora_params("t2v-a14b", 32)
+    assert lora == 40 * 32 * (8 * 2 * d + 2 * (d + f))  # A [r, in] and B [out, r] on the 10 Linears
+    assert lora_params("t2v-a14b", 32, adapter=AdapterSpec("loha")) == 2 * lora  # two pairs per Linear
+    assert lora_params("t2v-a14b", 32, adapter=AdapterSpec("dora")) == lora + 40 * (9 * d + f)  # magnitude [out]
+    lokr = lora_params("t2v-a14b", 32, adapter=AdapterSpec("lokr"))
+    assert 0 < lokr < 0.05 * lora
+    assert lora_params("t2v-a14b", 32, adapter=AdapterSpec("lokr", lokr_decompose_both=True)) < lokr
+    # the waiting expert's adapter state on the host follows the type too
+    from wantrain.models.wan22.memory import host_estimate
+
+    def waiting(adapter):
+        est = host_estimate("t2v-a14b", MemorySettings("fp8", 40, True), experts=("high_noise", "low_noise"),
+                            rank=32, width=832, height=480, frames=81, pin_budget=0.0, adapter=adapter)
+        return est.parts["waiting expert's LoRA + grads + AdamW"]
+
+    assert waiting(AdapterSpec("loha")) == 2 * waiting(AdapterSpec()) == 2 * 16 * lora
 
 
 def test_weights_are_counted_per_tensor_in_the_dtypes_a_run_gives_them():
@@ -101,6 +142,32 @@ def test_check_on_an_a14b_config_prints_the_plan_part_by_part(tmp_path, capsys, 
                  "card needs"):
         assert part in out
     assert "sampling (" not in out  # [sample] is off: no sampling to plan
+
+
+def test_check_plans_and_prints_each_adapter_type_apart(tmp_path, capsys, monkeypatch):
+    import re
+
+    from wantrain.cli.main import main
+
+    monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+    printed = {}
+    for lora_type in ("lora", "loha", "lokr"):
+        (tmp_path / lora_type).mkdir()
+        config = a14b_config(tmp_path / lora_type, 32)
+        config.write_text(config.read_text(encoding="utf-8") + f'\n[lora]\ntype = "{lora_type}"\nrank = 32\n',
+                          encoding="utf-8")
+        assert main(["check", str(config)]) == 0
+        out = capsys.readouterr().out
+        chosen, _ = plan("t2v-a14b", 32.0, base_dtype="auto", width=832, height=464, frames=81, rank=32,
+                         adapter=AdapterSpec(lora_type))
+        assert re.findall(r"card needs +([\d.]+) GiB", out) == [f"{chosen.device_gib:.2f}"]
+        adapter = re.search(r"adapter: (\w+), rank 32: ([\d.]+) M parameters", out)
+        assert adapter.group(2) == f"{lora_params('t2v-a14b', 32, adapter=AdapterSpec(lora_type)) / 1e6:.1f}"
+        assert ("adapter's own transients" in out) == (lora_type != "lora")
+        printed[lora_type] = (adapter.group(1), re.search(r"LoRA \+ optimizer +([\d.]+) GiB", out).group(1),
+                              re.search(r"card needs +([\d.]+) GiB", out).group(1))
+    assert [p[0] for p in printed.values()] == ["LoRA", "LoHa", "LoKr"]
+    assert len({p[1] for p in printed.values()}) == 3 and len({p[2] for p in printed.values()}) == 3
 
 
 def test_check_prints_one_vram_figure_and_it_is_the_planners(tmp_path, capsys, monkeypatch):
@@ -215,6 +282,27 @@ def test_the_readme_table_of_what_fits_where_is_the_planners():
             assert ("offload" in cell) == s.offload_activations and cell.startswith(s.base_dtype), (budget, cell)
             figures = re.search(r"\(([\d.]+)(?: tensors)?, ([\d.]+)(?: card)?\)", cell).groups()
             assert figures == (f"{chosen.allocated / GIB:.1f}", f"{chosen.device_gib:.1f}"), (budget, cell)
+
+
+def test_the_readme_sentence_on_adapter_types_is_the_planners():
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8").split("## What fits where")[1].split("\n## ")[0]
+    said = re.search(r"fits 81 frames with LoKr \(([\d.]+) GiB at\s+best\), (\d+) with LoHa \(its 81 frames need "
+                     r"([\d.]+) GiB at best\) and (\d+) with DoRA \(([\d.]+) GiB at best\)", text).groups()
+    size = dict(width=832, height=480, rank=32)
+
+    def frames_that_fit(adapter, dtype):
+        return next(f for f in range(81, 0, -4) if plan("t2v-a14b", 24.0, base_dtype=dtype, frames=f,
+                                                        adapter=adapter, **size)[0] is not None)
+
+    def smallest(adapter, dtype):
+        return f"{plan('t2v-a14b', 0.0, base_dtype=dtype, frames=81, adapter=adapter, **size)[1].device_gib:.2f}"
+
+    lokr, loha, dora = AdapterSpec("lokr"), AdapterSpec("loha"), AdapterSpec("dora")
+    assert frames_that_fit(lokr, "auto") == 81 and said[0] == smallest(lokr, "auto")
+    assert said[1:3] == (str(frames_that_fit(loha, "auto")), smallest(loha, "auto"))
+    assert said[3:] == (str(frames_that_fit(dora, "bf16")), smallest(dora, "bf16"))
 
 
 def test_the_card_figure_reserves_flash_attentions_float32_backward_buffer_beside_the_tensors():

@@ -175,7 +175,7 @@ def plan_memory(cfg: Any, data: Any) -> Any:
     and what would fit; so is a plan no device fits (:data:`LARGEST_DEVICE_GIB`)."""
     import attrs
 
-    from wantrain.models.wan22.memory import MemorySettings, SampleSize, estimate, plan
+    from wantrain.models.wan22.memory import AdapterSpec, MemorySettings, SampleSize, estimate, plan
 
     model = cfg.model
     buckets = data.report.buckets
@@ -183,7 +183,8 @@ def plan_memory(cfg: Any, data: Any) -> Any:
         return model
     spec = variant_spec(model.variant)
     b = max(buckets, key=lambda r: (r.width * r.height * r.frames, r.frames))
-    size = dict(width=b.width, height=b.height, frames=b.frames, rank=_lora_rank(cfg), batch=cfg.train.batch_size)
+    size = dict(width=b.width, height=b.height, frames=b.frames, rank=_lora_rank(cfg), batch=cfg.train.batch_size,
+                adapter=AdapterSpec.of(cfg.lora))
     if cfg.sample.enabled:
         size["sample"] = SampleSize(*sample_size(cfg.sample, spec), guidance=cfg.sample.guidance_scale > 1)
     dtype = model.base_dtype

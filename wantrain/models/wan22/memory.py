@@ -8,12 +8,16 @@ docs/benchmarks.md has its table and the estimate's error on every row). Parts (
 
 * ``weights resident``: the frozen base outside the swapped blocks (one expert; the other waits on the host);
 * ``swap buffers``: ``ring`` blocks' frozen tensors (``model.blocks_to_swap`` > 0);
-* ``LoRA + optimizer``: fp32 LoRA weights, their gradients and AdamW's two moments (16 bytes per LoRA parameter);
+* ``LoRA + optimizer``: the adapter's fp32 weights, their gradients and AdamW's two moments (16 bytes per
+  parameter), the parameters of ``lora.type`` counted on a ``meta`` build of one block with peft's layers
+  (:func:`adapter_block`; LoHa twice LoRA's, LoKr a few per cent, DoRA LoRA's plus a magnitude per row);
 * ``checkpointed inputs``: each block's input hidden states, bf16 (``blocks x tokens x width x 2``), kept for the
   recompute; with ``model.offload_activations`` on the host, and on the device only the few in flight;
 * ``one recomputed block``: what one block's recompute saves and its backward needs at once, per token
   ``C_WIDTH x width + C_FFN x ffn_width`` bytes and per text token ``C_TEXT x width`` (fp8: plus the bf16 copies
   of the block's Linears);
+* ``adapter's own transients`` (LoHa, LoKr, DoRA): what the type's peft layers build on every forward beyond a
+  LoRA's, at the recompute's peak (``ADAPTER_TRANSIENT``);
 * ``workspace``: the layers outside the blocks, the loss, and a fixed allowance.
 
 Sampling (``[sample]``: diffusers' Wan pipeline around the training expert, no autograd), at the sample size:
@@ -51,6 +55,16 @@ GIB = 2**30
 # resolutions each, bf16 base, fp32 rank-32 LoRA).
 C_WIDTH = 75.8
 C_FFN = 10.0
+# What each adapter type's layers build in one block's recompute beyond LoRA's (bench/trace_memory.py --lora-type,
+# docs/benchmarks.md): (float32 copies of the block's largest adapted weight [out, in], float32 copies of the
+# identity [in, in] of its widest input, bytes per video token per unit of width). peft's LoHa and LoKr build the
+# full float32 delta weight of every Linear on every forward and keep it for backward, and their backward adds the
+# delta's gradient and the factors' products; at the step's peak (in the FFN's backward) that is about four copies
+# of the FFN's weight. peft's DoRA multiplies the LoRA by an identity of the input width on every call (the FFN's
+# down projection: 13824 x 13824 at A14B) and keeps float32 products of the output width per token. Fitted to
+# A14B and TI2V-5B traces of 7920 to 32760 tokens (below ~5000 tokens LoHa and LoKr hold up to 1.5x this).
+ADAPTER_TRANSIENT = {"lora": (0.0, 0.0, 0.0), "loha": (4.0, 0.0, 0.0), "lokr": (4.0, 0.0, 0.0),
+                     "dora": (0.0, 1.79, 62.4)}
 # ... and per text token per unit of width (bench/measure_block_activations.py, saved_tensors_hooks on one block).
 C_TEXT = 17.0
 # With activation offload, the block inputs still on the device: this many blocks' worth plus a fixed part (the
@@ -114,6 +128,30 @@ class SampleSize:
         return f"{self.width}x{self.height}x{self.frames}" + (", guidance" if self.guidance else "")
 
 
+@attrs.frozen
+class AdapterSpec:
+    """What the plan needs of ``[lora]``: the adapter type (``lora.type``) and LoKr's factorisation, which set the
+    adapter's parameter count and what its layers build on every forward (``ADAPTER_TRANSIENT``)."""
+
+    type: str = "lora"
+    lokr_factor: int = -1
+    lokr_decompose_both: bool = False
+
+    @classmethod
+    def of(cls, lora: Any) -> AdapterSpec:
+        """The spec of a ``LoraConfig`` (``[lora]``)."""
+        return cls(lora.type, lora.lokr_factor, lora.lokr_decompose_both)
+
+    def describe(self, rank: int) -> str:
+        from wantrain.models.wan22.adapter_types import TYPE_TITLES
+
+        return f"{TYPE_TITLES[self.type]}, rank {rank}"
+
+
+LORA = AdapterSpec()
+ADAPTER_PART = "adapter's own transients"  # the part ADAPTER_TRANSIENT counts (absent for LoRA)
+
+
 # The sampling parts that are alternatives (the pipeline decodes after the last denoising step): the peak has the
 # larger of the two.
 SAMPLING_PHASES = ("denoising step", "VAE decode")
@@ -128,6 +166,7 @@ class MemoryEstimate:
     sample: SampleSize | None = None
     attention_backward: float = 0.0  # bytes: attention_backward_bytes, on top of the training step's tensors
     attention_kernel: str = "sdpa"  # model.attention: whose backward buffer attention_backward counts
+    adapter: str = ""  # the adapter the estimate counts, in words (type, rank, parameters per expert)
 
     @property
     def allocated(self) -> float:
@@ -171,7 +210,8 @@ class MemoryEstimate:
         return card_gib(self.larger_peak)
 
     def lines(self) -> list[str]:
-        out = ["  training step:"]
+        out = [f"  adapter: {self.adapter}"] if self.adapter else []
+        out.append("  training step:")
         out += [f"    {name:<26} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
         out.append(f"    {'tensors at the peak':<26} {self.allocated / GIB:7.2f} GiB")
         if self.attention_backward:
@@ -195,7 +235,7 @@ class MemoryEstimate:
                 "sampling_parts_gib": {k: v / GIB for k, v in self.sampling_parts.items()},
                 "sample": attrs.asdict(self.sample) if self.sample is not None else None,
                 "allocated_gib": self.allocated / GIB, "sampling_allocated_gib": self.sampling_allocated / GIB,
-                "attention_backward_gib": self.attention_backward / GIB,
+                "attention_backward_gib": self.attention_backward / GIB, "adapter": self.adapter,
                 "reserve_gib": {k: v / GIB for k, v in self.reserve.items()}, "device_gib": self.device_gib}
 
 
@@ -303,6 +343,17 @@ def recompute_block_bytes(tokens: float, width: float, ffn: float, text_tokens: 
     return tokens * (C_WIDTH * width + C_FFN * ffn) + text_tokens * C_TEXT * width
 
 
+def adapter_transient_bytes(variant: str, adapter: AdapterSpec, tokens: float) -> float:
+    """What one block's recompute holds beyond LoRA's for ``adapter``'s type (``ADAPTER_TRANSIENT``), bytes."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    d, f = kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"]
+    weights, identity, per_token = ADAPTER_TRANSIENT[adapter.type]
+    return 4.0 * (weights * d * f + identity * max(d, f) ** 2) + per_token * tokens * d
+
+
 def _shapes_and_weights(variant: str, settings: MemorySettings, layers: int | None):
     """(spec, width, FFN width, block bytes, resident bytes, swap-ring bytes) of one expert under ``settings``."""
     from wantrain.models.wan22.architecture import transformer_kwargs
@@ -319,30 +370,49 @@ def _shapes_and_weights(variant: str, settings: MemorySettings, layers: int | No
 
 
 def sampling_parts(variant: str, settings: MemorySettings, sample: SampleSize, *, rank: int,
-                   layers: int | None = None) -> dict[str, float]:
+                   layers: int | None = None, adapter: AdapterSpec = LORA) -> dict[str, float]:
     """The parts of sampling one video of ``sample``'s size with one expert on the device (module docstring)."""
     spec, d, f, _, resident, ring = _shapes_and_weights(variant, settings, layers)
     tokens = tokens_of(spec, sample.width, sample.height, sample.frames, 1)
     pixels = sample.width * sample.height
     return {"weights resident": resident, "swap buffers": ring,
-            "LoRA + moments": lora_params(variant, rank, layers) * LORA_SAMPLING_BYTES_PER_PARAM,
+            "LoRA + moments": lora_params(variant, rank, layers, adapter) * LORA_SAMPLING_BYTES_PER_PARAM,
             "VAE": vae_bytes(variant),
             "denoising step": SAMPLE_FIXED + tokens * (SAMPLE_C_WIDTH * d + SAMPLE_C_FFN * f),
             "VAE decode": VAE_DECODE_PER_PIXEL[spec.vae] * pixels + VIDEO_BYTES_PER_PIXEL * pixels * sample.frames}
 
 
-def lora_params(variant: str, rank: int, layers: int | None = None) -> float:
-    """LoRA parameters of one expert at ``rank`` on the 10 Linears of every block."""
-    from wantrain.models.wan22.architecture import transformer_kwargs
+def lora_params(variant: str, rank: int, layers: int | None = None, adapter: AdapterSpec = LORA) -> float:
+    """Adapter parameters of one expert at ``rank`` on the 10 Linears of every block, of ``adapter``'s type (LoHa
+    has twice LoRA's, LoKr a few per cent of them, DoRA LoRA's plus a magnitude per output row)."""
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
-    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
-    f = kwargs["ffn_dim"]
-    n = layers if layers is not None else kwargs["num_layers"]
-    # attn1 and attn2: q, k, v, o (d -> d; attn2's k and v read the projected text, also width d); ffn: d->f, f->d
-    per_block = 8 * (d + d) + (d + f) + (f + d)
-    return float(n * rank * per_block)
+    n = layers if layers is not None else VARIANTS[variant].num_layers
+    return n * adapter_block(variant, rank, adapter)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def adapter_block(variant: str, rank: int, adapter: AdapterSpec = LORA) -> tuple[float, float]:
+    """(adapter parameters of one block, elements of the block's adapted Linear weights), counted on a ``meta``
+    build of one block with peft's layers of ``adapter``'s type, as the run adds them (``adapter_types.py``)."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from wantrain.models.wan22.adapter_types import ADAPTER_NAME, adapter_type, candidate_modules
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.config import LoraConfig
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = dict(transformer_kwargs(VARIANTS[variant]), num_layers=1)
+    lora = LoraConfig(type=adapter.type, rank=rank, lokr_factor=adapter.lokr_factor,
+                      lokr_decompose_both=adapter.lokr_decompose_both)
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**kwargs)
+        linears = sum(model.get_submodule(name).weight.numel() for name in candidate_modules(1))
+        model.add_adapter(adapter_type(adapter.type).peft_config(lora, candidate_modules(1)),
+                          adapter_name=ADAPTER_NAME)
+    params = sum(p.numel() for name, p in model.named_parameters() if ADAPTER_NAME in name.split("."))
+    return float(params), float(linears)
 
 
 def tokens_of(spec: Any, width: int, height: int, frames: int, batch: int) -> int:
@@ -352,13 +422,14 @@ def tokens_of(spec: Any, width: int, height: int, frames: int, batch: int) -> in
 
 def estimate(variant: str, settings: MemorySettings, *, width: int, height: int, frames: int, rank: int,
              batch: int = 1, layers: int | None = None, gradient_checkpointing: bool = True,
-             sample: SampleSize | None = None, attention: str = "sdpa") -> MemoryEstimate:
+             sample: SampleSize | None = None, attention: str = "sdpa", adapter: AdapterSpec = LORA
+             ) -> MemoryEstimate:
     """The parts of one training step's peak, for one expert of ``variant``, and with ``sample`` those of
     sampling one video; ``attention``: the kernel whose backward buffer is counted (``model.attention``)."""
     spec, d, f, blocks, resident, ring = _shapes_and_weights(variant, settings, layers)
     n = len(blocks)
     swap = min(settings.blocks_to_swap, n)
-    lora = lora_params(variant, rank, layers) * LORA_BYTES_PER_PARAM
+    params = lora_params(variant, rank, layers, adapter)
     tokens = tokens_of(spec, width, height, frames, batch)
     hidden = tokens * d * 2.0
     per_block = recompute_block_bytes(tokens, d, f, batch * spec.text_len)
@@ -372,14 +443,20 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
         inputs = n * hidden
     text = batch * spec.text_len * d * 2.0 * 4  # projected text embeddings and their copies
     workspace = WORKSPACE_FIXED + text + tokens * 64 * 4 * 4  # latents, prediction, target, loss terms (fp32)
-    parts = {"weights resident": resident, "swap buffers": ring, "LoRA + optimizer": lora,
-             "checkpointed inputs": inputs, "one recomputed block": per_block, "workspace": workspace}
-    sampling = sampling_parts(variant, settings, sample, rank=rank, layers=layers) if sample is not None else {}
+    parts = {"weights resident": resident, "swap buffers": ring, "LoRA + optimizer": params * LORA_BYTES_PER_PARAM,
+             "checkpointed inputs": inputs, "one recomputed block": per_block}
+    transient = adapter_transient_bytes(variant, adapter, tokens)
+    if transient:  # without checkpointing every block keeps its own
+        parts[ADAPTER_PART] = transient * (1 if gradient_checkpointing else n)
+    parts["workspace"] = workspace
+    sampling = sampling_parts(variant, settings, sample, rank=rank, layers=layers, adapter=adapter) \
+        if sample is not None else {}
     # A swapped block crosses twice per step (forward, recompute); offloaded inputs go out and come back.
     link = 2.0 * sum(blocks[n - swap:]) + (2.0 * n * hidden if settings.offload_activations else 0.0)
     backward = attention_backward_bytes(variant, width=width, height=height, frames=frames, batch=batch,
                                         kernel=attention)
-    return MemoryEstimate(settings, parts, sampling, link, sample, backward, attention)
+    return MemoryEstimate(settings, parts, sampling, link, sample, backward, attention,
+                          f"{adapter.describe(rank)}: {params / 1e6:.1f} M parameters per expert")
 
 
 def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
@@ -395,8 +472,8 @@ def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
 
 
 def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height: int, frames: int, rank: int,
-         batch: int = 1, sample: SampleSize | None = None, attention: str = "sdpa"
-         ) -> tuple[MemoryEstimate | None, MemoryEstimate]:
+         batch: int = 1, sample: SampleSize | None = None, attention: str = "sdpa",
+         adapter: AdapterSpec = LORA) -> tuple[MemoryEstimate | None, MemoryEstimate]:
     """(the chosen estimate or None, the smallest one). The choice: the first dtype of :func:`candidates` that
     fits (training and, with ``sample``, sampling), and within it the fitting setting moving the fewest bytes over
     the host link per step."""
@@ -411,7 +488,7 @@ def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height
         if chosen_dtype is not None and settings.base_dtype != chosen_dtype:
             break
         est = estimate(variant, settings, width=width, height=height, frames=frames, rank=rank, batch=batch,
-                       sample=sample, attention=attention)
+                       sample=sample, attention=attention, adapter=adapter)
         if smallest is None or est.device_gib < smallest.device_gib:
             smallest = est
         if est.device_gib <= budget_gib:
@@ -582,7 +659,8 @@ class HostEstimate:
 def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str | None, ...], rank: int,
                   width: int, height: int, frames: int, batch: int = 1, cuda: bool = True,
                   pin_budget: float | None = None, encoders: bool = True, pin: bool = True,
-                  sampling_only: tuple[str, ...] = (), encoders_first: bool = True) -> HostEstimate:
+                  sampling_only: tuple[str, ...] = (), encoders_first: bool = True,
+                  adapter: AdapterSpec = LORA) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -636,7 +714,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if rounding:
         parts["pinned slabs' unused ends"] = rounding
     if len(experts) > 1:
-        parts["waiting expert's LoRA + grads + AdamW"] = (len(experts) - 1) * lora_params(variant, rank) * \
+        parts["waiting expert's LoRA + grads + AdamW"] = (len(experts) - 1) * lora_params(variant, rank,
+                                                                                           adapter=adapter) * \
             LORA_BYTES_PER_PARAM
     parts["one batch from the cache"] = _batch_bytes(spec, width, height, frames, batch)
     parts[RUNTIME_PART] = RUNTIME_ALLOWANCE
