@@ -185,6 +185,7 @@ class PreparedRun:
     data_changes: tuple[str, ...] = ()  # media changed since the resumed checkpoint (--allow-data-changes)
     lock: RunDirLock | None = None  # the run directory's lock (a resume takes it in prepare(), a fresh run in execute)
     encoded: EncodedFirst | None = None  # one process: the cache filled before the experts loaded (prepare())
+    config_file: Path | None = None  # the config file the run was given (recorded for --resume auto)
 
     def execute(self, options: RunOptions = RunOptions()) -> RunOutcome:
         """Train (see the module docstring) as ``options`` say. The run directory is locked (``core.rundir``)
@@ -231,7 +232,7 @@ class PreparedRun:
             raise
         sync.broadcast_text("path:" + str(run_dir))
         atomic_write(run_dir / "config.toml", tomli_w.dumps(self.plain), what="run file")
-        write_config_source(run_dir, self.config_dir)
+        write_config_source(run_dir, self.config_dir, self.config_file)
         _write_preflight(run_dir, self.data)
         return run_dir, configure_logging(run_dir / "log.jsonl")
 
@@ -429,9 +430,11 @@ def _check_data(point: ResumePoint, data: Any, allow_changes: bool) -> tuple[str
 
 
 def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None,
-            allow_data_changes: bool = False) -> PreparedRun:
+            allow_data_changes: bool = False, config_file: Path | None = None) -> PreparedRun:
     """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing.
     ``allow_data_changes``: resume on media whose content or caption changed since the checkpoint (``_check_data``).
+    ``config_file``: the file ``cfg`` was loaded from (recorded in the run directory; ``--resume auto`` continues
+    only a run of the same file).
     """
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
@@ -444,13 +447,14 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     topology = detect_topology()
     point, held = None, []
     if resume is not None:
-        point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank))
+        point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank), config_file=config_file)
         refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
         check_resume_world_size(point, topology.world_size)
         if topology.is_main:  # refused here, before the model loads, when another process writes the run
             held.append(lock_run_dir(point.run_dir))
     try:
-        return _prepare_rest(cfg, plain, config_dir, topology, extra_observers, point, held, allow_data_changes)
+        prepared = _prepare_rest(cfg, plain, config_dir, topology, extra_observers, point, held, allow_data_changes)
+        return attrs.evolve(prepared, config_file=config_file)
     except BaseException:
         for lock in held:
             lock.release()
