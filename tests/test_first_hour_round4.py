@@ -1,0 +1,80 @@
+"""The first hour, round 4 (issue 49): `--resume auto` never takes over another run, a plan before the weights are
+downloaded, moving from musubi-tuner in one pass, and messages that say only what is true."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import safetensors.torch
+
+from tests.test_day_one_runs import workspace
+from wantrain.cli.main import main
+
+CHECKPOINTS = ["--set", "checkpoint.every=2"]
+NAN_STREAK = ["--set", "faults.nan_at_steps=[3, 4]", "--set", "train.max_consecutive_nan=2"]
+
+
+def lora_bytes(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(run_dir.glob("*.safetensors"))}
+
+
+def test_resume_auto_continues_only_an_unfinished_run_of_the_same_config_file_and_run_id(tmp_path, capsys):
+    config = workspace(tmp_path)
+    assert main(["run", str(config), "--max-steps", "4", *CHECKPOINTS]) == 0
+    (done,) = (tmp_path / "runs").iterdir()
+    assert main(["run", str(config), "--run-id", "alpha", *CHECKPOINTS, *NAN_STREAK]) == 1  # failed at step 4
+    (alpha,) = [d for d in (tmp_path / "runs").iterdir() if d != done]
+    assert "the last good checkpoint is kept (step 2; --resume auto continues from it)" in capsys.readouterr().err
+    finished = lora_bytes(done)
+
+    # the newest run of this file without a run id completed: refused, naming it and how to go on on purpose
+    assert main(["run", str(config), "--max-steps", "6", *CHECKPOINTS, "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert f"'{done}', completed at step 4" in err and f"--resume '{done}' --max-steps N" in err, err
+    assert "Traceback" not in err and lora_bytes(done) == finished
+
+    # another config file (a copy): none of these runs is its own
+    other = tmp_path / "other.toml"
+    shutil.copy(config, other)
+    assert main(["run", str(other), "--run-id", "alpha", *CHECKPOINTS, "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert f"no complete checkpoint of a run named 't' (run id 'alpha', config file '{other}') left unfinished" in err
+
+    # the unfinished run of this id, with another LR: only on purpose (the run directory named)
+    assert main(["run", str(config), "--run-id", "alpha", *CHECKPOINTS, "--set", "optimizer.lr=1e-3",
+                 "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.lr: 0.003 -> 0.001" in err and f"pass --resume '{alpha}'" in err, err
+
+    # the same config and id: picked, and named before anything loads
+    assert main(["run", str(config), "--run-id", "alpha", *CHECKPOINTS, "--resume", "auto"]) == 0
+    err = capsys.readouterr().err
+    assert "resume_auto_picked" in err and f"run_dir={alpha}" in err, err
+    assert err.index("resume_auto_picked") < err.index("cache_ready")
+    logged = [json.loads(x) for x in (alpha / "log.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in logged if x["event"] == "run_ended"] == ["failed", "completed"]
+    assert lora_bytes(done) == finished
+
+
+def test_a_failure_before_the_first_checkpoint_says_there_is_nothing_to_resume_and_a_full_disk_exits_1(
+        tmp_path, capsys, monkeypatch):
+    config = workspace(tmp_path)
+    assert main(["run", str(config), "--set", "faults.nan_at_steps=[1, 2]", "--set", "train.max_consecutive_nan=2",
+                 "--set", "checkpoint.every=4"]) == 1
+    err = capsys.readouterr().err
+    assert "no checkpoint was written before it, so there is nothing to resume from" in err, err
+    assert "the last good checkpoint is kept" not in err
+
+    def full_disk(tensors, filename, metadata=None):  # the first checkpoint's tensors
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    assert main(["run", str(config), *CHECKPOINTS]) == 1  # failed (README's exit codes), not "bad input"
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("wantrain run: error: cannot write checkpoint") and "No space left on device" in err, err
+    assert "no checkpoint was saved before this one, so there is nothing to resume from" in err
+    assert "intact" not in err
