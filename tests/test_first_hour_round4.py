@@ -78,3 +78,27 @@ def test_a_failure_before_the_first_checkpoint_says_there_is_nothing_to_resume_a
     assert err.startswith("wantrain run: error: cannot write checkpoint") and "No space left on device" in err, err
     assert "no checkpoint was saved before this one, so there is nothing to resume from" in err
     assert "intact" not in err
+
+
+def test_check_plans_memory_before_the_weights_are_downloaded_and_names_every_missing_file(tmp_path, capsys):
+    config = workspace(tmp_path)
+    files = {"high_noise_file": "w/high.safetensors", "low_noise_file": "w/low.safetensors",
+             "vae_file": "w/vae.safetensors", "text_encoder_file": "w/umt5.safetensors", "tokenizer_path": "w/tok"}
+    sets = ["--set", "model.variant='t2v-a14b'", "--set", "model.gradient_checkpointing=true",
+            "--set", "model.host_ram_budget_gb=96"]
+    for key, value in files.items():
+        sets += ["--set", f"model.{key}='{tmp_path / value}'"]
+    assert main(["check", str(config), *sets]) == 2
+    captured = capsys.readouterr()
+    assert "memory plan for 32x32x1" in captured.out and "card needs" in captured.out, captured.out
+    assert "host memory (RAM), part by part" in captured.out
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("wantrain check: error: 5 model files missing: "), err
+    for key, value in files.items():
+        assert f"model.{key} '{tmp_path / value}' does not exist" in err
+        assert f"problem: model.{key} '{tmp_path / value}' does not exist" in captured.out
+    assert not (tmp_path / "runs").exists()
+
+    assert main(["check", str(config), "--set", "model.variant='ti2v-5b'", "--set", "model.host_ram_budget_gb=96"]) == 2
+    captured = capsys.readouterr()
+    assert "model.path is not set: ti2v-5b needs its weights" in captured.err and "card needs" in captured.out

@@ -51,7 +51,9 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     resolve_extra_observers(cfg, config_dir)
     if cfg.observers.wandb:
         require_wandb()
-    check_model_files(cfg.model, sampling=cfg.sample.enabled)
+    missing = missing_model_files(cfg.model)
+    if not missing:  # weights still to download: the plan below is made from the variant's architecture alone
+        check_model_files(cfg.model, sampling=cfg.sample.enabled)
     check_sections(cfg.validation, cfg.sample, variant_spec(cfg.model.variant), cfg.model.trained_experts)
     data = dataset(cfg)
     if verify:
@@ -63,9 +65,46 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
-    data.report.model_files = model_plan(cfg)
-    plan_memory(cfg, data)
+    data.report.model_files = [f"problem: {line}" for line in missing] if missing else model_plan(cfg)
+    try:
+        plan_memory(cfg, data)
+    except UserError as exc:
+        if not missing:
+            raise
+        raise MissingModelFiles(data.report, missing, also=str(exc)) from None  # the device plan stays in the report
+    if missing:
+        raise MissingModelFiles(data.report, missing)
     return data.report
+
+
+class MissingModelFiles(UserError):
+    """Model files the config names that are not on disk yet (every one), raised once the report, with the memory
+    and host plans made from the variant's architecture, is complete: ``wantrain check`` prints it, then this."""
+
+    def __init__(self, report: PreflightReport, missing: list[str], *, also: str | None = None) -> None:
+        super().__init__(f"{len(missing)} model file{'s' if len(missing) > 1 else ''} missing: " + "; ".join(missing)
+                         + " (the memory plan above is made from the variant's architecture)"
+                         + (f"; and {also}" if also else ""))
+        self.report = report
+
+
+MODEL_FILE_KEYS = ("path", "high_noise_file", "low_noise_file", "transformer_file", "vae_file", "text_encoder_file",
+                   "tokenizer_path")
+"""The ``[model]`` keys that name weights on disk."""
+
+
+def missing_model_files(model: Any) -> list[str]:
+    """One line per ``[model]`` file key that names something not on disk, and for a real variant without
+    ``model.path`` or any file key, that it is unset: every one at once (``check`` before the download). Empty when
+    nothing is missing (the run's own checks then judge what is there)."""
+    if variant_spec(model.variant).tiny and model.path is None:
+        return []
+    missing = [f"model.{key} '{value}' does not exist" for key in MODEL_FILE_KEYS
+               if (value := getattr(model, key)) is not None and not Path(value).expanduser().exists()]
+    if model.path is None and not any(getattr(model, key) is not None for key in MODEL_FILE_KEYS):
+        missing.append(f"model.path is not set: {model.variant} needs its weights (a diffusers-format folder, or "
+                       "each part as a file: docs/models.md)")
+    return missing
 
 
 def config_warnings(cfg: Any, given: Any) -> list[str]:
@@ -182,7 +221,14 @@ def plan_memory(cfg: Any, data: Any) -> Any:
         model = attrs.evolve(model, vram_budget_gb=None, blocks_to_swap=chosen.settings.blocks_to_swap,
                              offload_activations=chosen.settings.offload_activations,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
+    _record_plan(cfg, data, b, chosen)  # the device plan, should the host plan refuse
     model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto")
+    _record_plan(cfg, data, b, chosen)
+    data.report.host_memory = host
+    return model
+
+
+def _record_plan(cfg: Any, data: Any, b: Any, chosen: Any) -> None:
     lines = chosen.lines()
     if cfg.model.vram_budget_gb is not None:  # the budget is the usable memory the card figure is held against
         budget = cfg.model.vram_budget_gb
@@ -190,8 +236,6 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                      f"{budget - chosen.device_gib:.2f} GiB of it to spare)")
     data.report.memory_plan = {"budget_gib": cfg.model.vram_budget_gb, "bucket": f"{b.width}x{b.height}x{b.frames}",
                                "lines": lines, **chosen.to_json()}
-    data.report.host_memory = host
-    return model
 
 
 def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool) -> tuple[Any, Any, dict]:
