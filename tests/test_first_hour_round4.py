@@ -101,4 +101,4 @@ def test_check_plans_memory_before_the_weights_are_downloaded_and_names_every_mi
 
     assert main(["check", str(config), "--set", "model.variant='ti2v-5b'", "--set", "model.host_ram_budget_gb=96"]) == 2
     captured = capsys.readouterr()
-    assert "model.path is not set: ti2v-5b needs its weights" in captured.err and "card needs" in captured.out
+    assert "model.path is required for ti2v-5b" in captured.err and "card needs" in captured.out

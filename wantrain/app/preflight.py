@@ -99,11 +99,12 @@ def missing_model_files(model: Any) -> list[str]:
     nothing is missing (the run's own checks then judge what is there)."""
     if variant_spec(model.variant).tiny and model.path is None:
         return []
-    missing = [f"model.{key} '{value}' does not exist" for key in MODEL_FILE_KEYS
+    missing = [f"model.{key} '{Path(value).expanduser()}' " + ("is not a directory (expected a diffusers-format "
+               "model folder)" if key == "path" else "does not exist") for key in MODEL_FILE_KEYS
                if (value := getattr(model, key)) is not None and not Path(value).expanduser().exists()]
     if model.path is None and not any(getattr(model, key) is not None for key in MODEL_FILE_KEYS):
-        missing.append(f"model.path is not set: {model.variant} needs its weights (a diffusers-format folder, or "
-                       "each part as a file: docs/models.md)")
+        missing.append(f"model.path is required for {model.variant}: its weights as a diffusers-format folder, or "
+                       "each part as a file (docs/models.md)")
     return missing
 
 
