@@ -12,6 +12,7 @@ from pathlib import Path
 import safetensors.torch
 
 from tests.test_day_one_runs import workspace
+from tests.test_end_to_end import copy_examples
 from wantrain.cli.main import main
 
 CHECKPOINTS = ["--set", "checkpoint.every=2"]
@@ -102,3 +103,14 @@ def test_check_plans_memory_before_the_weights_are_downloaded_and_names_every_mi
     assert main(["check", str(config), "--set", "model.variant='ti2v-5b'", "--set", "model.host_ram_budget_gb=96"]) == 2
     captured = capsys.readouterr()
     assert "model.path is required for ti2v-5b" in captured.err and "card needs" in captured.out
+
+
+def test_videos_shorter_than_every_frame_bucket_are_warned_by_count_and_share(tmp_path, capsys):
+    config = copy_examples(tmp_path)  # 16 clips of 10-22 frames at 16 fps, 4 images
+    assert main(["check", str(config), "--set", "data.frames=[1, 25, 45]"]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: 16 of 16 videos (100 %) are shorter than every frame bucket above 1 (the shortest is 25 "
+            "frames; they have 10-22 after retiming) and train as single frames: add a bucket they reach, e.g. "
+            "data.frames = [1, 9, 25, 45]") in out, out
+    assert main(["check", str(config)]) == 0  # the quickstart's 9 frames: no such warning
+    assert "train as single frames" not in capsys.readouterr().out

@@ -35,7 +35,7 @@ from wantrain.app.config import to_plain
 from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
-from wantrain.app.preflight import config_warnings, plan_memory, resolve_device
+from wantrain.app.preflight import config_warnings, data_warnings, plan_memory, resolve_device
 from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
@@ -479,7 +479,8 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     data_changes: tuple[str, ...] = ()
-    data.report.warnings.extend(config_warnings(cfg, given))  # logged once the run's log exists (config_warning)
+    data.report.warnings.extend([*config_warnings(cfg, given), *data_warnings(data)])  # logged once the run's log
+    # exists (config_warning)
     if point is not None:
         if cfg.train.max_steps < point.step:  # it would report "completed" at more than 100 %
             raise UserError(f"train.max_steps = {cfg.train.max_steps} is below the step of checkpoint "

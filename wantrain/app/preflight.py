@@ -62,6 +62,7 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
         cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     data.report.warnings.extend(config_warnings(cfg, given))  # an epoch-length run with an idle expert refuses here
+    data.report.warnings.extend(data_warnings(data))
     if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
@@ -118,6 +119,30 @@ def config_warnings(cfg: Any, given: Any) -> list[str]:
 
     found = [check_every_expert_trains(cfg, user_cfg=given), check_rank(cfg.model.variant, cfg.lora.rank)]
     return [line for line in found if line]
+
+
+def data_warnings(data: Any) -> list[str]:
+    """One line when videos train as stills: shorter than every multi-frame bucket of their ``data.frames``, they
+    fall to the 1-frame bucket (musubi's ``frames = [1, 25, 45]`` on clips of 14-22 frames) -- how many, their
+    share of the videos, and the bucket that would keep them moving."""
+    available = {r["path"]: r["frames"] for r in data.report.retimed}
+    stills: dict[str, int] = {}
+    videos = set()
+    for clip in data.clips:
+        if clip.kind != "video":
+            continue
+        videos.add(str(clip.path))
+        if clip.frames == 1 and any(b > 1 for b in clip.frame_buckets):
+            stills[str(clip.path)] = available.get(str(clip.path), clip.source_frames)
+    if not stills:
+        return []
+    buckets = sorted(data.clips[0].frame_buckets)
+    fits = (min(stills.values()) - 1) // 4 * 4 + 1  # Wan's frame counts are 4k + 1
+    return [f"{len(stills)} of {len(videos)} videos ({100 * len(stills) / len(videos):.0f} %) are shorter than every "
+            f"frame bucket above 1 (the shortest is {min(b for b in buckets if b > 1)} frames; they have "
+            f"{min(stills.values())}-{max(stills.values())} after retiming) and train as single frames: add a "
+            + (f"bucket they reach, e.g. data.frames = {sorted({*buckets, fits})}" if fits > 1
+               else "shorter bucket or use longer clips")]
 
 
 def alpha_schedule_lines(cfg: Any) -> list[str]:
