@@ -13,6 +13,8 @@ import safetensors.torch
 
 from tests.test_day_one_runs import workspace
 from tests.test_end_to_end import copy_examples
+from tests.test_first_hour_round3 import AI_TOOLKIT as ROUND3_AI_TOOLKIT
+from tests.test_first_hour_round3 import MUSUBI_DATASET
 from wantrain.cli.main import main
 
 CHECKPOINTS = ["--set", "checkpoint.every=2"]
@@ -114,3 +116,80 @@ def test_videos_shorter_than_every_frame_bucket_are_warned_by_count_and_share(tm
             "data.frames = [1, 9, 25, 45]") in out, out
     assert main(["check", str(config)]) == 0  # the quickstart's 9 frames: no such warning
     assert "train as single frames" not in capsys.readouterr().out
+
+
+# -- moving from musubi-tuner or ai-toolkit in one pass ---------------------------------------------------------------
+def test_every_config_problem_is_reported_at_once_each_with_its_mapping(tmp_path, capsys):
+    config = workspace(tmp_path)
+    text = config.read_text().replace("[lora]\nrank = 4", '[lora]\nrank = 0\nnetwork_module = "networks.lora_wan"')
+    config.write_text(text.replace("max_steps = 8", 'max_steps = "eight"\nmixed_precision = "bf16"'))
+    assert main(["check", str(config), "--network_dim", "32", "--learning_rate", "1e-4"]) == 2
+    err = capsys.readouterr().err
+    assert "--network_dim is musubi-tuner's argument; wantrain's is --set lora.rank=32" in err
+    assert "--learning_rate is musubi-tuner's argument; wantrain's is --set optimizer.lr=1e-4" in err
+    assert main(["check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "4 problems in the config, all of them:" in err, err
+    assert "'network_module' is musubi-tuner's name; wantrain's key for it is 'lora.type'" in err
+    assert "config key 'train.max_steps' = 'eight' has the wrong type; expected an integer" in err
+    assert "'mixed_precision' is musubi-tuner's; wantrain needs no key for it" in err
+    assert "config key 'lora.rank'" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+MUSUBI_ARGS = """
+task = "t2v-A14B"
+dit = "/w/low.safetensors"
+dit_high_noise = "/w/high.safetensors"
+network_module = "networks.lora_wan"
+network_dim = 32
+network_alpha = 16
+learning_rate = 2e-4
+max_train_steps = 1000
+mixed_precision = "bf16"
+timestep_sampling = "shift"
+discrete_flow_shift = 3.0
+min_timestep = 100
+seed = 42
+output_name = "mylora"
+dataset_config = "dataset.toml"
+weird_flag = 1
+"""
+
+AI_TOOLKIT = ROUND3_AI_TOOLKIT + """      train:
+        steps: 2000
+        lr: 1e-4
+        batch_size: 1
+      sample:
+        sample_every: 250
+        num_frames: 41
+"""
+
+def test_convert_writes_a_wantrain_config_from_musubi_and_ai_toolkit_naming_each_key_it_could_not_map(tmp_path,
+                                                                                                      capsys):
+    from wantrain.app.config import load_config
+
+    (tmp_path / "args.toml").write_text(MUSUBI_ARGS)
+    (tmp_path / "dataset.toml").write_text(MUSUBI_DATASET)
+    out = tmp_path / "converted.toml"
+    assert main(["convert", str(tmp_path / "args.toml"), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    for key in ("mixed_precision: left out", "weird_flag = 1: no wantrain key known", "[general] enable_bucket"):
+        assert f"wantrain convert: not mapped: {key}" in err, err
+    assert "lora.rank" not in err and "dataset_config" not in err  # mapped, and the dataset read
+    cfg = load_config(out)
+    assert (cfg.model.variant, cfg.lora.rank, cfg.lora.alpha, cfg.optimizer.lr) == ("t2v-a14b", 32, 16, 2e-4)
+    assert (cfg.model.timestep_sampling, cfg.model.shift, cfg.model.min_t) == ("uniform", 3.0, 0.1)
+    assert (cfg.train.max_steps, cfg.run.seed, cfg.run.name, cfg.train.batch_size) == (1000, 42, "mylora", 1)
+    assert (str(cfg.data.path), list(cfg.data.frames), cfg.data.repeats) == ("/data/clips", [1, 25, 45], 2)
+    assert str(cfg.model.high_noise_file) == "/w/high.safetensors"
+    assert main(["convert", str(tmp_path / "args.toml"), "-o", str(out)]) == 2  # never overwritten
+    assert "exists" in capsys.readouterr().err
+
+    (tmp_path / "train.yaml").write_text(AI_TOOLKIT)
+    assert main(["convert", str(tmp_path / "train.yaml"), "-o", str(tmp_path / "from_yaml.toml")]) == 0
+    cfg = load_config(tmp_path / "from_yaml.toml")
+    assert (cfg.run.name, cfg.data.caption_prefix, cfg.lora.rank, cfg.lora.alpha) == ("my_lora", "p3r5on", 32, 32)
+    assert (str(cfg.data.path), cfg.data.tag_shuffles, cfg.train.max_steps, cfg.optimizer.lr) == (
+        "/path/to/clips", 0, 2000, 1e-4)
+    assert (cfg.sample.every, cfg.sample.frames) == (250, 41)

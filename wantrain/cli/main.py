@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("wantrain.cli.replay", "replay a run's event log into observers (regenerate outputs, alpha what-if)"),
     "serve": ("wantrain.cli.serve", "a live page of the runs under an output folder, with save/sample/stop buttons"),
     "ctl": ("wantrain.cli.ctl", "ask a running run to save, sample, validate or stop now"),
+    "convert": ("wantrain.cli.convert", "write a wantrain config from a musubi-tuner or ai-toolkit config"),
 }
 
 
@@ -52,7 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        from wantrain.app.migration import peer_arguments
+
+        hints = peer_arguments(extra)
+        if hints and args.command is not None:  # --network_dim 32: the --set that does it, every one at once
+            print(f"wantrain {args.command}: error: " + "; ".join(hints), file=sys.stderr)
+            return UserError.exit_code
+        parser.parse_args(argv)  # argparse's own message and exit code for anything else
     if args.command is None:
         parser.print_help()
         return 2
