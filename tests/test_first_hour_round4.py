@@ -193,3 +193,33 @@ def test_convert_writes_a_wantrain_config_from_musubi_and_ai_toolkit_naming_each
     assert (str(cfg.data.path), cfg.data.tag_shuffles, cfg.train.max_steps, cfg.optimizer.lr) == (
         "/path/to/clips", 0, 2000, 1e-4)
     assert (cfg.sample.every, cfg.sample.frames) == (250, 41)
+
+
+# -- a LoRA of another trainer ---------------------------------------------------------------------------------------
+def test_inspect_lora_reads_every_format_init_from_reads_and_the_run_logs_what_it_loaded(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "models"))  # its helpers import as the models tests do
+    from tests.models.test_wan22_init_from import write_format
+
+    config = workspace(tmp_path)
+    assert main(["run", str(config), "--max-steps", "2", "--set", "lora.alpha=2"]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    ours = run_dir / "t_low_noise.safetensors"
+    musubi = write_format(ours, tmp_path / "theirs_musubi.safetensors", "musubi")
+    diffusers = write_format(ours, tmp_path / "theirs_diffusers.safetensors", "diffusers")
+    capsys.readouterr()
+    for path, says in ((ours, "format: wantrain / ComfyUI"), (musubi, "format: musubi-tuner (kohya"),
+                       (diffusers, "format: diffusers / peft")):
+        assert main(["inspect-lora", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert says in out and "self_attn: rank 4, alpha 2" in out and "cross_attn: rank 4, alpha 2" in out, out
+
+    assert main(["run", str(config), "--max-steps", "2", "--set", "model.experts='low_noise'",
+                 "--set", f"lora.init_from='{musubi}'", "--set", "lora.rank=4"]) == 0
+    (started,) = [d for d in (tmp_path / "runs").iterdir() if d != run_dir]
+    logged = [json.loads(x) for x in (started / "log.jsonl").read_text().splitlines()]
+    (loaded,) = [x for x in logged if x["event"] == "lora_init_loaded"]
+    assert loaded["format"].startswith("musubi-tuner") and loaded["path"] == str(musubi), loaded
+    assert (loaded["key"], loaded["expert"], loaded["rank"], loaded["alpha"], loaded["modules"]) == (
+        "lora.init_from", "low_noise", 4, [2.0], 20)

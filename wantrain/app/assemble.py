@@ -241,6 +241,8 @@ class PreparedRun:
         data, resume, sync = self.data, self.resume, self.sync
         for note in resume.warnings if resume is not None else ():
             log.warning("resume_note", note=note)
+        for loaded in getattr(self.adapter, "loaded_files", ()):  # lora.init_from*: format, type, rank, alpha
+            log.info("lora_init_loaded", **loaded)
         for note in data.report.warnings if sync.is_main else ():
             log.warning("config_warning", note=note)
         trainer = None
