@@ -57,7 +57,7 @@ def inspect(path: Path) -> list[str]:
     group_alphas: dict[str, set[float]] = defaultdict(set)
     modules: set[str] = set()
     parts: dict[str, set[str]] = defaultdict(set)
-    if not all(WAN_KEY.match(k) for k in keys):  # musubi-tuner's or diffusers' keys: read as lora.init_from reads
+    if not any(WAN_KEY.match(k) for k in keys):  # musubi-tuner's or diffusers' keys: read as lora.init_from reads
         return _other_format(path, metadata)
     for key in sorted(keys):
         match = WAN_KEY.match(key)
@@ -90,9 +90,9 @@ def inspect(path: Path) -> list[str]:
                             f"{TYPE_TITLES.get(kind, 'adapter')} factors; the file is incomplete")
     lines = [
         f"file: {path}",
-        f"format: {FORMAT_TITLES['wan']}",
         f"type: {TYPE_TITLES.get(kind, 'none (alpha only)')}" + (
             " (factors full: alpha does not apply, the scale is in lokr_w1)" if kind == "lokr" and not ranks else ""),
+        f"format: {FORMAT_TITLES['wan']}",
         f"variant: {metadata.get('variant', 'unknown')}",
         f"expert: {metadata.get('expert', 'unknown')}",
         f"step: {metadata.get('step', 'unknown')}",
@@ -123,7 +123,7 @@ def _other_format(path: Path, metadata: dict[str, str]) -> list[str]:
     groups: dict[str, set[float]] = defaultdict(set)
     for module, alpha in lora.alpha.items():
         groups["self_attn" if ".attn1." in module else "cross_attn" if ".attn2." in module else "ffn"].add(alpha)
-    lines = [f"file: {path}", f"format: {found['format']}", f"type: {found['type']}",
+    lines = [f"file: {path}", f"type: {found['type']}", f"format: {found['format']}",
              f"variant: {metadata.get('variant', 'unknown')}", f"expert: {metadata.get('expert', 'unknown')}",
              f"modules: {found['modules']}"]
     for group in ("self_attn", "cross_attn", "ffn"):
