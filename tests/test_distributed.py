@@ -183,7 +183,7 @@ def test_a_stop_on_rank_1_stops_both_and_the_resumed_run_equals_the_uninterrupte
 
 def test_resuming_with_another_number_of_processes_is_refused(workspace, uninterrupted, capsys):
     args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / "full"}"',
-            "--resume", "auto"]
+            "--resume", str(only_run_dir(workspace / "full"))]  # completed: named on purpose
     for item in SETTINGS:
         args += ["--set", item]
     assert main(args) == 2

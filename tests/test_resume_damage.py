@@ -155,7 +155,8 @@ def snapshot(root: Path, skip: Path | None = None) -> dict[str, tuple[int, int]]
 
 
 def resume_copy(finished: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
-    """(a config whose runs go under tmp_path, a copy of the finished run there)."""
+    """(a config whose runs go under tmp_path, a copy of the finished run there as a kill at its end would leave
+    it: unfinished (no ``run_ended`` in its log) and a run of that config file, which ``--resume auto`` continues)."""
     workspace, run_dir = finished
     copy = tmp_path / "runs" / run_dir.name
     shutil.copytree(run_dir, copy, symlinks=True)
@@ -163,6 +164,9 @@ def resume_copy(finished: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path
     config.write_text((workspace / "quickstart.toml").read_text()
                       .replace('output_dir = "runs"', f'output_dir = "{tmp_path / "runs"}"')
                       .replace('path = "demo_data"', f'path = "{workspace / "demo_data"}"'))
+    log = copy / "log.jsonl"
+    log.write_text("".join(x for x in log.read_text().splitlines(keepends=True) if '"run_ended"' not in x))
+    (copy / "config_source.json").write_text(json.dumps({"config_dir": str(tmp_path), "config_file": str(config)}))
     return config, copy
 
 

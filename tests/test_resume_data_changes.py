@@ -112,7 +112,7 @@ def test_allow_data_changes_trains_on_and_records_the_changed_files(copy):
     assert changed[0].changed == (f"{data / 'clip_003.mp4'} (caption)",)
     assert changed[0].checkpoint.endswith("step_000002") and changed[0].step == 2
     # the new checkpoint carries the data as it is now: the next resume has nothing to allow
-    assert main(["run", str(config), "--max-steps", "4", *SETTINGS, "--resume", "auto"]) == 0
+    assert main(["run", str(config), "--max-steps", "4", *SETTINGS, "--resume", str(run_dir)]) == 0  # completed
 
 
 def test_max_steps_below_the_checkpoints_step_is_refused_in_one_line(finished, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Nothing lost, nothing silent, end to end on the tiny real Wan model: one process per run directory, a full disk
-or a read-only run directory as one line (exit code 2) with the last checkpoint intact and resumable, and signals
-during saves. The storage cases run on real small file systems (a tmpfs mounted as root: ``tests/core/small_fs.py``;
-skipped with the reason where mounting is not permitted)."""
+or a read-only run directory as one line (exit code 1: the run failed) with the last checkpoint intact and
+resumable, and signals during saves. The storage cases run on real small file systems (a tmpfs mounted as root:
+``tests/core/small_fs.py``; skipped with the reason where mounting is not permitted)."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_a_full_disk_mid_run_is_one_line_exit_2_with_the_last_checkpoint_intact_
     with small_tmpfs(tmp_path / "disk", "640k") as disk:
         config = config_in(workspace, disk)
         done = subprocess_run(config, 60)
-        assert done.returncode == 2, done.stderr
+        assert done.returncode == 1, done.stderr
         assert_one_line(done.stderr, "No space left on device", "free there", str(disk))
         (run_dir,) = run_dirs(disk)
         assert temporaries(run_dir) == []
@@ -136,13 +136,13 @@ def test_a_resume_on_a_full_disk_keeps_config_toml_so_a_later_resume_finds_the_r
         (run_dir,) = run_dirs(disk)
         before = (run_dir / "config.toml").read_bytes()
         filler = fill(disk)
-        done = subprocess_run(config, 12, "--resume", "auto")  # a changed max_steps: the old config is kept
-        assert done.returncode == 2, done.stderr
+        done = subprocess_run(config, 12, "--resume", str(run_dir))  # a changed max_steps: the old config is kept
+        assert done.returncode == 1, done.stderr
         assert_one_line(done.stderr, "No space left on device")
         assert (run_dir / "config.toml").read_bytes() == before
         assert tomllib.loads(before.decode())["run"]["name"] == "quickstart"
         filler.unlink()
-        resumed = subprocess_run(config, 12, "--resume", "auto")
+        resumed = subprocess_run(config, 12, "--resume", str(run_dir))  # completed: continued on purpose
         assert resumed.returncode == 0, resumed.stderr
         assert (run_dir / "config.until_step_000008.toml").read_bytes() == before
         assert tomllib.loads((run_dir / "config.toml").read_text())["train"]["max_steps"] == 12
@@ -162,7 +162,7 @@ def test_a_run_directory_made_read_only_mid_run_is_one_line_and_resumes_once_wri
             _, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
-    assert proc.returncode == 2, err
+    assert proc.returncode == 1, err
     assert_one_line(err, "Read-only file system", str(run_dir))
     assert latest_complete(run_dir / "checkpoints")[0] is not None
     resumed = subprocess_run(config, 16, "--resume", "auto")
@@ -227,13 +227,14 @@ def test_a_second_ctrl_c_between_the_renames_of_a_checkpoint_leaves_it_complete(
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(checkpoint.os, "replace", replace)
-    assert main(args(config, 8, "--resume", "auto")) == 130  # a completed run resumed at its end saves step 8 again
+    # a completed run resumed at its end (named on purpose) saves step 8 again
+    assert main(args(config, 8, "--resume", str(run_dir))) == 130
     monkeypatch.undo()
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "step_000008" in err and "nothing was saved" not in err
     best, torn = latest_complete(run_dir / "checkpoints")
     assert best is not None and best.path.name == "step_000008" and torn == []
-    assert main(args(config, 10, "--resume", "auto")) == 0
+    assert main(args(config, 10, "--resume", str(run_dir))) == 0
 
 
 def test_a_second_ctrl_c_during_the_stops_checkpoint_says_what_was_saved(workspace, tmp_path, monkeypatch, capsys):

@@ -206,7 +206,7 @@ def test_a_resumed_run_with_validation_ends_bitwise_like_the_uninterrupted_one(r
     config = write_run(tmp_path, WATCHING.split("[sample]")[0])
     first = wantrain.train(config, overrides=["train.max_steps=4"])
     assert first.status == "completed"
-    resumed = wantrain.train(config, resume="auto")
+    resumed = wantrain.train(config, resume=first.run_dir)  # a completed run: continued on purpose
     assert resumed.status == "completed" and resumed.run_dir == first.run_dir
     uninterrupted, lines = runs["watched"]
     final = [p for p in resumed.saved if "_step" not in Path(p).name]

@@ -35,7 +35,14 @@ from wantrain.app.config import to_plain
 from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
-from wantrain.app.preflight import compile_cache_dir, config_warnings, plan_memory, resolve_device, speed_plan
+from wantrain.app.preflight import (
+    compile_cache_dir,
+    config_warnings,
+    data_warnings,
+    plan_memory,
+    resolve_device,
+    speed_plan,
+)
 from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
@@ -187,6 +194,7 @@ class PreparedRun:
     data_changes: tuple[str, ...] = ()  # media changed since the resumed checkpoint (--allow-data-changes)
     lock: RunDirLock | None = None  # the run directory's lock (a resume takes it in prepare(), a fresh run in execute)
     encoded: EncodedFirst | None = None  # one process: the cache filled before the experts loaded (prepare())
+    config_file: Path | None = None  # the config file the run was given (recorded for --resume auto)
 
     def execute(self, options: RunOptions = RunOptions()) -> RunOutcome:
         """Train (see the module docstring) as ``options`` say. The run directory is locked (``core.rundir``)
@@ -233,7 +241,7 @@ class PreparedRun:
             raise
         sync.broadcast_text("path:" + str(run_dir))
         atomic_write(run_dir / "config.toml", tomli_w.dumps(self.plain), what="run file")
-        write_config_source(run_dir, self.config_dir)
+        write_config_source(run_dir, self.config_dir, self.config_file)
         _write_preflight(run_dir, self.data)
         return run_dir, configure_logging(run_dir / "log.jsonl")
 
@@ -242,6 +250,8 @@ class PreparedRun:
         data, resume, sync = self.data, self.resume, self.sync
         for note in resume.warnings if resume is not None else ():
             log.warning("resume_note", note=note)
+        for loaded in getattr(self.adapter, "loaded_files", ()):  # lora.init_from*: format, type, rank, alpha
+            log.info("lora_init_loaded", **loaded)
         for note in data.report.warnings if sync.is_main else ():
             log.warning("config_warning", note=note)
         if data.report.speed and sync.is_main:
@@ -437,9 +447,11 @@ def _check_data(point: ResumePoint, data: Any, allow_changes: bool) -> tuple[str
 
 
 def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None,
-            allow_data_changes: bool = False) -> PreparedRun:
+            allow_data_changes: bool = False, config_file: Path | None = None) -> PreparedRun:
     """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing.
     ``allow_data_changes``: resume on media whose content or caption changed since the checkpoint (``_check_data``).
+    ``config_file``: the file ``cfg`` was loaded from (recorded in the run directory; ``--resume auto`` continues
+    only a run of the same file).
     """
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
@@ -452,13 +464,14 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     topology = detect_topology()
     point, held = None, []
     if resume is not None:
-        point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank))
+        point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank), config_file=config_file)
         refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
         check_resume_world_size(point, topology.world_size)
         if topology.is_main:  # refused here, before the model loads, when another process writes the run
             held.append(lock_run_dir(point.run_dir))
     try:
-        return _prepare_rest(cfg, plain, config_dir, topology, extra_observers, point, held, allow_data_changes)
+        prepared = _prepare_rest(cfg, plain, config_dir, topology, extra_observers, point, held, allow_data_changes)
+        return attrs.evolve(prepared, config_file=config_file)
     except BaseException:
         for lock in held:
             lock.release()
@@ -483,7 +496,8 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     data_changes: tuple[str, ...] = ()
-    data.report.warnings.extend(config_warnings(cfg, given))  # logged once the run's log exists (config_warning)
+    data.report.warnings.extend([*config_warnings(cfg, given), *data_warnings(data)])  # logged once the run's log
+    # exists (config_warning)
     if point is not None:
         if cfg.train.max_steps < point.step:  # it would report "completed" at more than 100 %
             raise UserError(f"train.max_steps = {cfg.train.max_steps} is below the step of checkpoint "

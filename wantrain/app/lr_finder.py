@@ -233,6 +233,7 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
     log.info("lr_finder_then_train", finder_run=str(outcome.run_dir),
              lrs={e or "lora": lrs.get(e, configured_lr(cfg, e)) for e in adapter.experts})
     follow = PreparedRun(new_cfg, to_plain(new_cfg), prepared.config_dir, prepared.device, prepared.data, adapter,
-                         prepared.extra_observers, sync=prepared.sync, validation_data=prepared.validation_data)
+                         prepared.extra_observers, sync=prepared.sync, validation_data=prepared.validation_data,
+                         config_file=prepared.config_file)
     trained = follow.execute(RunOptions(before_run=lambda trainer: load_initial_state(trainer, snapshot["tree"])))
     return attrs.evolve(trained, lr_finder=summary, lr_finder_dir=outcome.run_dir)

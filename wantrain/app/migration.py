@@ -17,6 +17,7 @@ ai-toolkit's ``config/examples/train_lora_wan22_14b_24gb.yaml``).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,21 @@ class PeerKey:
     peer: str  # whose name it is
     wantrain: str  # the wantrain key that does the same (section.key)
     note: str = ""  # how the value changes, when it does
+    # ``wantrain convert``: the value -> {wantrain key: value} (None: copied as it is; a function returning {}:
+    # not converted, the key gets an "unmapped" line with the note)
+    convert: Callable[[Any], dict[str, Any]] | None = None
+
+
+def _to(key: str, fn: Callable[[Any], Any] = lambda v: v) -> Callable[[Any], dict[str, Any]]:
+    return lambda v: {key: fn(v)}
+
+
+def _manual(_: Any) -> dict[str, Any]:
+    return {}
+
+
+_TASKS = {"t2v-A14B": "t2v-a14b", "i2v-A14B": "i2v-a14b", "ti2v-5B": "ti2v-5b"}
+_NETWORKS = {"networks.lora_wan": "lora", "networks.lora": "lora", "lycoris.kohya": "lokr"}
 
 
 PEER_KEYS: dict[str, PeerKey] = {
@@ -37,9 +53,14 @@ PEER_KEYS: dict[str, PeerKey] = {
     "network_dim": PeerKey(MUSUBI, "lora.rank"),
     "network_alpha": PeerKey(MUSUBI, "lora.alpha"),
     "network_weights": PeerKey(MUSUBI, "lora.init_from", "or lora.init_from_high_noise / _low_noise per expert"),
+    "network_module": PeerKey(MUSUBI, "lora.type", '"networks.lora_wan" is "lora"',
+                              _to("lora.type", lambda v: _NETWORKS.get(v, v))),
+    "task": PeerKey(MUSUBI, "model.variant", '"t2v-A14B" is "t2v-a14b", "i2v-A14B" "i2v-a14b", "ti2v-5B" "ti2v-5b"',
+                    _to("model.variant", lambda v: _TASKS.get(v, str(v).lower()))),
     "learning_rate": PeerKey(MUSUBI, "optimizer.lr"),
     "optimizer_type": PeerKey(MUSUBI, "optimizer.type"),
-    "optimizer_args": PeerKey(MUSUBI, "optimizer.weight_decay", "and the other [optimizer] keys, one key each"),
+    "optimizer_args": PeerKey(MUSUBI, "optimizer.weight_decay", "and the other [optimizer] keys, one key each",
+                              _manual),
     "lr_warmup_steps": PeerKey(MUSUBI, "lr_scheduler.warmup_steps"),
     "max_train_steps": PeerKey(MUSUBI, "train.max_steps"),
     "max_train_epochs": PeerKey(MUSUBI, "train.max_epochs"),
@@ -52,16 +73,19 @@ PEER_KEYS: dict[str, PeerKey] = {
     "dit_high_noise": PeerKey(MUSUBI, "model.high_noise_file"),
     "vae": PeerKey(MUSUBI, "model.vae_file"),
     "t5": PeerKey(MUSUBI, "model.text_encoder_file"),
-    "fp8_base": PeerKey(MUSUBI, "model.base_dtype", 'base_dtype = "fp8"'),
-    "fp8_scaled": PeerKey(MUSUBI, "model.base_dtype", 'base_dtype = "fp8_scaled"'),
+    "fp8_base": PeerKey(MUSUBI, "model.base_dtype", 'base_dtype = "fp8"',
+                        lambda v: {"model.base_dtype": "fp8"} if v else {}),
+    "fp8_scaled": PeerKey(MUSUBI, "model.base_dtype", 'base_dtype = "fp8_scaled"',
+                          lambda v: {"model.base_dtype": "fp8_scaled"} if v else {}),
     "discrete_flow_shift": PeerKey(MUSUBI, "model.shift"),
-    "min_timestep": PeerKey(MUSUBI, "model.min_t", "0-1 units: 900 is 0.9"),
-    "max_timestep": PeerKey(MUSUBI, "model.max_t", "0-1 units: 900 is 0.9"),
-    "sample_prompts": PeerKey(MUSUBI, "sample.prompts", "the prompts themselves, not a file"),
+    "min_timestep": PeerKey(MUSUBI, "model.min_t", "0-1 units: 900 is 0.9", _to("model.min_t", lambda v: v / 1000)),
+    "max_timestep": PeerKey(MUSUBI, "model.max_t", "0-1 units: 900 is 0.9", _to("model.max_t", lambda v: v / 1000)),
+    "sample_prompts": PeerKey(MUSUBI, "sample.prompts", "the prompts themselves, not a file", _manual),
     "sample_every_n_steps": PeerKey(MUSUBI, "sample.every"),
     "sample_every_n_epochs": PeerKey(MUSUBI, "sample.every_epochs"),
-    "log_with": PeerKey(MUSUBI, "observers.wandb", "TensorBoard is on by default (observers.tensorboard)"),
-    "dataset_config": PeerKey(MUSUBI, "data.datasets", "the [[datasets]] tables become [[data.datasets]]"),
+    "log_with": PeerKey(MUSUBI, "observers.wandb", "TensorBoard is on by default (observers.tensorboard)",
+                        lambda v: {"observers.wandb": True} if v in ("wandb", "all") else {}),
+    "dataset_config": PeerKey(MUSUBI, "data.datasets", "the [[datasets]] tables become [[data.datasets]]", _manual),
     # musubi-tuner dataset config ([general] and [[datasets]])
     "video_directory": PeerKey(MUSUBI, "data.path", "or data.datasets[].path"),
     "image_directory": PeerKey(MUSUBI, "data.path", "or data.datasets[].path"),
@@ -69,13 +93,15 @@ PEER_KEYS: dict[str, PeerKey] = {
     "image_jsonl_file": PeerKey(MUSUBI, "data.metadata", "read as it is"),
     "cache_directory": PeerKey(MUSUBI, "data.cache_dir"),
     "target_frames": PeerKey(MUSUBI, "data.frames"),
-    "resolution": PeerKey(MUSUBI, "data.resolutions", "one side per bucket size; aspect ratios: data.aspect_ratios"),
+    "resolution": PeerKey(MUSUBI, "data.resolutions", "one side per bucket size; aspect ratios: data.aspect_ratios",
+                          _to("data.resolutions", lambda v: [min(v)] if isinstance(v, list) else [v])),
     "num_repeats": PeerKey(MUSUBI, "data.repeats"),
     "frame_extraction": PeerKey(MUSUBI, "data.clip_mode"),
     "frame_stride": PeerKey(MUSUBI, "data.clip_stride"),
     "frame_sample": PeerKey(MUSUBI, "data.clips_per_video"),
     # sd-scripts' caption keys (musubi-tuner's users bring them too)
-    "shuffle_caption": PeerKey(KOHYA, "data.tag_shuffles", "the number of shuffled orders per caption"),
+    "shuffle_caption": PeerKey(KOHYA, "data.tag_shuffles", "the number of shuffled orders per caption",
+                        _to("data.tag_shuffles", lambda v: int(v))),  # true: one shuffled order
     "keep_tokens": PeerKey(KOHYA, "data.keep_tags"),
     # ai-toolkit (YAML: config.process[0].<table>.<key>)
     "trigger_word": PeerKey(AI_TOOLKIT, "data.caption_prefix", 'the text put in front of every caption: "ohwx, "'),
@@ -84,16 +110,19 @@ PEER_KEYS: dict[str, PeerKey] = {
     "folder_path": PeerKey(AI_TOOLKIT, "data.path"),
     "caption_ext": PeerKey(AI_TOOLKIT, "data.caption_extension", 'with the dot: ".txt"'),
     "caption_dropout_rate": PeerKey(AI_TOOLKIT, "data.caption_dropout"),
-    "shuffle_tokens": PeerKey(AI_TOOLKIT, "data.tag_shuffles", "the number of shuffled orders per caption"),
-    "num_frames": PeerKey(AI_TOOLKIT, "data.frames", "or sample.frames in [sample]"),
+    "shuffle_tokens": PeerKey(AI_TOOLKIT, "data.tag_shuffles", "the number of shuffled orders per caption",
+                        _to("data.tag_shuffles", lambda v: int(v))),  # true: one shuffled order
+    "num_frames": PeerKey(AI_TOOLKIT, "data.frames", "or sample.frames in [sample]", _to("data.frames", lambda v: [v])),
     "steps": PeerKey(AI_TOOLKIT, "train.max_steps", "or sample.steps in [sample]"),
     "gradient_accumulation": PeerKey(AI_TOOLKIT, "train.grad_accum"),
     "switch_boundary_every": PeerKey(AI_TOOLKIT, "model.switch_every"),
-    "train_high_noise": PeerKey(AI_TOOLKIT, "model.experts", '"both", "high_noise" or "low_noise"'),
-    "train_low_noise": PeerKey(AI_TOOLKIT, "model.experts", '"both", "high_noise" or "low_noise"'),
+    "train_high_noise": PeerKey(AI_TOOLKIT, "model.experts", '"both", "high_noise" or "low_noise"', _manual),
+    "train_low_noise": PeerKey(AI_TOOLKIT, "model.experts", '"both", "high_noise" or "low_noise"', _manual),
     "name_or_path": PeerKey(AI_TOOLKIT, "model.path", "a local diffusers folder"),
-    "quantize": PeerKey(AI_TOOLKIT, "model.base_dtype", '"fp8" or "fp8_scaled"'),
-    "timestep_type": PeerKey(AI_TOOLKIT, "model.timestep_sampling"),
+    "quantize": PeerKey(AI_TOOLKIT, "model.base_dtype", '"fp8" or "fp8_scaled"',
+                        lambda v: {"model.base_dtype": "fp8"} if v else {}),
+    "timestep_type": PeerKey(AI_TOOLKIT, "model.timestep_sampling", '"uniform", "logit_normal" or "sigmoid"',
+                             _manual),
     "sample_every": PeerKey(AI_TOOLKIT, "sample.every"),
     "sample_steps": PeerKey(AI_TOOLKIT, "sample.steps"),
     "neg": PeerKey(AI_TOOLKIT, "sample.negative_prompt"),
@@ -103,23 +132,50 @@ PEER_KEYS: dict[str, PeerKey] = {
 wantrain has (``seed``, ``lr``, ``batch_size``, ``blocks_to_swap``) gets the config machinery's own "belongs at"
 hint."""
 
+NOT_NEEDED: dict[str, tuple[str, str]] = {
+    "mixed_precision": (MUSUBI, "wantrain computes in bf16 always; model.base_dtype is the frozen weights' dtype"),
+    "enable_bucket": (MUSUBI, "buckets are always on (data.resolutions, data.aspect_ratios, data.frames)"),
+    "bucket_no_upscale": (MUSUBI, "a clip is never upscaled past its bucket: the nearest bucket is picked"),
+    "sdpa": (MUSUBI, "PyTorch's scaled-dot-product attention is always used"),
+    "persistent_data_loader_workers": (MUSUBI, "training reads the latent cache; there are no loader workers"),
+    "max_data_loader_n_workers": (MUSUBI, "training reads the latent cache; there are no loader workers"),
+    "save_state": (MUSUBI, "every checkpoint is a resumable state (checkpoint.every, --resume auto)"),
+}
+"""Peer keys wantrain needs no key for (what it does instead)."""
+
 DOCS = "docs/config.md, Coming from musubi-tuner or ai-toolkit"
 
 
 def peer_hint(key: str) -> str | None:
     """The hint for an unknown config key that is a peer's name, else ``None``."""
     entry = PEER_KEYS.get(key)
+    if entry is None and key in NOT_NEEDED:
+        peer, why = NOT_NEEDED[key]
+        return f"'{key}' is {peer}'s; wantrain needs no key for it ({why}): remove it"
     if entry is None:
         return None
     note = f" ({entry.note})" if entry.note else ""
     return f"'{key}' is {entry.peer}'s name; wantrain's key for it is '{entry.wantrain}'{note}"
 
 
+def peer_arguments(extra: list[str]) -> list[str]:
+    """For command-line arguments argparse did not know (``--network_dim 32 --learning_rate 1e-4``): the ``--set``
+    each peer argument is in wantrain, one string each; empty when none is a peer's."""
+    out = []
+    for i, arg in enumerate(extra):
+        name, _, inline = arg.lstrip("-").partition("=")
+        entry = PEER_KEYS.get(name.replace("-", "_")) if arg.startswith("--") else None
+        if entry is None:
+            continue
+        value = inline or (extra[i + 1] if i + 1 < len(extra) and not extra[i + 1].startswith("--") else "VALUE")
+        out.append(f"{arg.split('=')[0]} is {entry.peer}'s argument; wantrain's is --set {entry.wantrain}={value}"
+                   + (f" ({entry.note})" if entry.note else ""))
+    return out
+
+
 def _where(keys: list[str]) -> str:
     known = [k for k in keys if k in PEER_KEYS]
-    shown = ", ".join(f"{k} -> {PEER_KEYS[k].wantrain}" for k in known[:6])
-    more = f", and {len(known) - 6} more" if len(known) > 6 else ""
-    return f"{shown}{more}" if known else ""
+    return ", ".join(f"{k} -> {PEER_KEYS[k].wantrain}" for k in known)  # every one: the list a user acts on
 
 
 def _musubi_dataset_line(path: Path, data: dict[str, Any]) -> str:
@@ -179,5 +235,11 @@ def table_markdown() -> str:
         "|---|---|---|---|",
     ]
     for key, e in PEER_KEYS.items():
-        lines.append(f"| `{key}` | {e.peer} | `{e.wantrain}` | {e.note} |")
+        how = "by hand: " if e.convert is _manual else ""
+        lines.append(f"| `{key}` | {e.peer} | `{e.wantrain}` | {how}{e.note} |")
+    for key, (peer, why) in NOT_NEEDED.items():
+        lines.append(f"| `{key}` | {peer} | (none) | {why} |")
+    lines += ["", "`wantrain convert FILE [--dataset DATASET.toml] [-o OUT.toml]` writes a wantrain config from a",
+              "musubi-tuner config (training arguments, its dataset TOML) or an ai-toolkit YAML with this table,",
+              "printing a line for every key it did not map (\"by hand\" above, or unknown)."]
     return "\n".join(lines) + "\n"

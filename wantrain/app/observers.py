@@ -174,16 +174,21 @@ def observer_search_dirs(config_dir: Path | None) -> tuple[Path, ...]:
 
 
 CONFIG_SOURCE = "config_source.json"
-"""Where the run's config file was (``{"config_dir": ...}``): replay looks for users' observers there, as run did."""
+"""Where the run's config file was (``{"config_dir": ..., "config_file": ...}``): replay looks for users' observers
+in the folder, as run did; ``--resume auto`` continues only a run of the same file (``wantrain.app.resume``)."""
 
 
-def write_config_source(run_dir: Path, config_dir: Path | None) -> None:
-    """Record the config's folder in the run directory (nothing when the run was given a loaded config)."""
+def write_config_source(run_dir: Path, config_dir: Path | None, config_file: Path | None = None) -> None:
+    """Record the config's folder (and file, when the run was given one) in the run directory (nothing when the
+    run was given a loaded config)."""
     path = run_dir / CONFIG_SOURCE
     if config_dir is None:
         path.unlink(missing_ok=True)  # a resume from Python: the folder recorded before no longer applies
         return
-    atomic_write(path, json.dumps({"config_dir": str(Path(config_dir).resolve())}) + "\n", what="run file")
+    record = {"config_dir": str(Path(config_dir).resolve())}
+    if config_file is not None:
+        record["config_file"] = str(Path(config_file).resolve())
+    atomic_write(path, json.dumps(record) + "\n", what="run file")
 
 
 def read_config_source(run_dir: Path) -> Path | None:
@@ -193,6 +198,16 @@ def read_config_source(run_dir: Path) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None  # older runs have no record; a damaged one is no reason to refuse a replay
     return Path(recorded) if isinstance(recorded, str) else None
+
+
+def read_config_file(run_dir: Path) -> str | None:
+    """The config file a run recorded (:func:`write_config_source`, resolved), or None (a loaded config, an older
+    run, a damaged record)."""
+    try:
+        recorded = json.loads((Path(run_dir) / CONFIG_SOURCE).read_text(encoding="utf-8")).get("config_file")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, str) else None
 
 
 def resolve_extra_observers(cfg: Any, config_dir: Path | None = None) -> list[type]:

@@ -51,7 +51,9 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     resolve_extra_observers(cfg, config_dir)
     if cfg.observers.wandb:
         require_wandb()
-    check_model_files(cfg.model, sampling=cfg.sample.enabled)
+    missing = missing_model_files(cfg.model)
+    if not missing:  # weights still to download: the plan below is made from the variant's architecture alone
+        check_model_files(cfg.model, sampling=cfg.sample.enabled)
     check_sections(cfg.validation, cfg.sample, variant_spec(cfg.model.variant), cfg.model.trained_experts)
     data = dataset(cfg)
     if verify:
@@ -60,13 +62,52 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
         cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     data.report.warnings.extend(config_warnings(cfg, given))  # an epoch-length run with an idle expert refuses here
+    data.report.warnings.extend(data_warnings(data))
     if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
-    data.report.model_files = model_plan(cfg)
+    data.report.model_files = [f"problem: {line}" for line in missing] if missing else model_plan(cfg)
     speed_plan(cfg, data, resolve_device(cfg.train.device))
-    plan_memory(cfg, data)
+    try:
+        plan_memory(cfg, data)
+    except UserError as exc:
+        if not missing:
+            raise
+        raise MissingModelFiles(data.report, missing, also=str(exc)) from None  # the device plan stays in the report
+    if missing:
+        raise MissingModelFiles(data.report, missing)
     return data.report
+
+
+class MissingModelFiles(UserError):
+    """Model files the config names that are not on disk yet (every one), raised once the report, with the memory
+    and host plans made from the variant's architecture, is complete: ``wantrain check`` prints it, then this."""
+
+    def __init__(self, report: PreflightReport, missing: list[str], *, also: str | None = None) -> None:
+        super().__init__(f"{len(missing)} model file{'s' if len(missing) > 1 else ''} missing: " + "; ".join(missing)
+                         + " (the memory plan above is made from the variant's architecture)"
+                         + (f"; and {also}" if also else ""))
+        self.report = report
+
+
+MODEL_FILE_KEYS = ("path", "high_noise_file", "low_noise_file", "transformer_file", "vae_file", "text_encoder_file",
+                   "tokenizer_path")
+"""The ``[model]`` keys that name weights on disk."""
+
+
+def missing_model_files(model: Any) -> list[str]:
+    """One line per ``[model]`` file key that names something not on disk, and for a real variant without
+    ``model.path`` or any file key, that it is unset: every one at once (``check`` before the download). Empty when
+    nothing is missing (the run's own checks then judge what is there)."""
+    if variant_spec(model.variant).tiny and model.path is None:
+        return []
+    missing = [f"model.{key} '{Path(value).expanduser()}' " + ("is not a directory (expected a diffusers-format "
+               "model folder)" if key == "path" else "does not exist") for key in MODEL_FILE_KEYS
+               if (value := getattr(model, key)) is not None and not Path(value).expanduser().exists()]
+    if model.path is None and not any(getattr(model, key) is not None for key in MODEL_FILE_KEYS):
+        missing.append(f"model.path is required for {model.variant}: its weights as a diffusers-format folder, or "
+                       "each part as a file (docs/models.md)")
+    return missing
 
 
 def config_warnings(cfg: Any, given: Any) -> list[str]:
@@ -79,6 +120,30 @@ def config_warnings(cfg: Any, given: Any) -> list[str]:
 
     found = [check_every_expert_trains(cfg, user_cfg=given), check_rank(cfg.model.variant, cfg.lora.rank)]
     return [line for line in found if line]
+
+
+def data_warnings(data: Any) -> list[str]:
+    """One line when videos train as stills: shorter than every multi-frame bucket of their ``data.frames``, they
+    fall to the 1-frame bucket (musubi's ``frames = [1, 25, 45]`` on clips of 14-22 frames) -- how many, their
+    share of the videos, and the bucket that would keep them moving."""
+    available = {r["path"]: r["frames"] for r in data.report.retimed}
+    stills: dict[str, int] = {}
+    videos = set()
+    for clip in data.clips:
+        if clip.kind != "video":
+            continue
+        videos.add(str(clip.path))
+        if clip.frames == 1 and any(b > 1 for b in clip.frame_buckets):
+            stills[str(clip.path)] = available.get(str(clip.path), clip.source_frames)
+    if not stills:
+        return []
+    buckets = sorted(data.clips[0].frame_buckets)
+    fits = (min(stills.values()) - 1) // 4 * 4 + 1  # Wan's frame counts are 4k + 1
+    return [f"{len(stills)} of {len(videos)} videos ({100 * len(stills) / len(videos):.0f} %) are shorter than every "
+            f"frame bucket above 1 (the shortest is {min(b for b in buckets if b > 1)} frames; they have "
+            f"{min(stills.values())}-{max(stills.values())} after retiming) and train as single frames: add a "
+            + (f"bucket they reach, e.g. data.frames = {sorted({*buckets, fits})}" if fits > 1
+               else "shorter bucket or use longer clips")]
 
 
 def alpha_schedule_lines(cfg: Any) -> list[str]:
@@ -215,7 +280,14 @@ def plan_memory(cfg: Any, data: Any) -> Any:
         model = attrs.evolve(model, vram_budget_gb=None, blocks_to_swap=chosen.settings.blocks_to_swap,
                              offload_activations=chosen.settings.offload_activations,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
+    _record_plan(cfg, data, b, chosen)  # the device plan, should the host plan refuse
     model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto")
+    _record_plan(cfg, data, b, chosen)
+    data.report.host_memory = host
+    return model
+
+
+def _record_plan(cfg: Any, data: Any, b: Any, chosen: Any) -> None:
     lines = chosen.lines()
     if cfg.model.vram_budget_gb is not None:  # the budget is the usable memory the card figure is held against
         budget = cfg.model.vram_budget_gb
@@ -223,8 +295,6 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                      f"{budget - chosen.device_gib:.2f} GiB of it to spare)")
     data.report.memory_plan = {"budget_gib": cfg.model.vram_budget_gb, "bucket": f"{b.width}x{b.height}x{b.frames}",
                                "lines": lines, **chosen.to_json()}
-    data.report.host_memory = host
-    return model
 
 
 def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool) -> tuple[Any, Any, dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from typing import Any
 import attrs
 import structlog
 
+from wantrain.app.observers import read_config_file
 from wantrain.core.atomic import atomic_write, remove_temporaries
 from wantrain.core.checkpoint import (
     CheckpointDamaged,
@@ -59,6 +61,12 @@ RESUME_RULES: dict[str, str] = {
 """Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``
 (silent); every other key (LR, schedule, step budget, model paths, timestep sampling, ...) is allowed with a
 warning. ``faults.*`` is a testing aid and never part of the config hash."""
+
+
+AUTO_MAY_CHANGE = frozenset({"train.max_steps", "train.max_epochs"})
+"""The keys of the ``warn`` class that ``--resume auto`` resumes under a changed value (the step budget: the
+continue line of a stopped run passes ``--max-steps``); another such change needs the run directory given on
+purpose (``--resume RUN_DIR``), so that auto never continues a run as something it was not."""
 
 
 def resume_rule(key: str) -> str:
@@ -124,21 +132,70 @@ class ResumePoint:
     fallbacks: tuple[Path, ...] | None = None
 
 
-def _run_name(run_dir: Path) -> str | None:
+def _run_config(run_dir: Path) -> dict[str, Any]:
     try:
         with (run_dir / "config.toml").open("rb") as fh:
-            return tomllib.load(fh).get("run", {}).get("name")
+            run = tomllib.load(fh).get("run", {})
     except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    return run if isinstance(run, dict) else {}
+
+
+def _is_run_dir_of(name: str, run_id: str | None) -> bool:
+    """Whether ``name`` is a training run directory of ``run_id`` (``core.rundir``: ``<stamp>[__<run_id>][-N]``);
+    the LR finder's ``..__lr_finder`` and replay's ``..__replay_<time>`` are not."""
+    suffix = "" if run_id is None else re.escape(f"__{run_id}")
+    return re.fullmatch(rf"\d{{8}}_\d{{6}}{suffix}(-\d+)?", name) is not None
+
+
+def run_ended_completed(run_dir: Path) -> int | None:
+    """The step a run directory's last session completed at (its log's last ``run_started`` followed by a
+    ``run_ended`` with status ``completed``), or None: unfinished (stopped, failed, killed) or no log."""
+    completed = None
+    try:
+        with (run_dir / "log.jsonl").open(encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if '"run_started"' not in line and '"run_ended"' not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("event") == "run_started":
+                    completed = None
+                elif record.get("event") == "run_ended":
+                    completed = record.get("step") if record.get("status") == "completed" else None
+    except OSError:
         return None
+    return completed if isinstance(completed, int) else None
 
 
-def resume_candidates(spec: str | Path, cfg: Any) -> tuple[list[Path], list[str]]:
+def _same_file(recorded: str | None, config_file: Path | None) -> bool:
+    if recorded is None or config_file is None:
+        return recorded is None and config_file is None
+    return Path(recorded) == Path(config_file).resolve()
+
+
+def auto_run_dirs(cfg: Any, config_file: Path | None) -> list[Path]:
+    """The run directories ``--resume auto`` may continue, newest first: training runs under ``run.output_dir``
+    of the same ``run.name``, ``run.run_id`` and config file (``config_source.json``)."""
+    root = Path(cfg.run.output_dir)
+    runs = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name, reverse=True) \
+        if root.is_dir() else []
+    return [d for d in runs if _is_run_dir_of(d.name, cfg.run.run_id)
+            and _run_config(d).get("name") == cfg.run.name and _run_config(d).get("run_id") == cfg.run.run_id
+            and _same_file(read_config_file(d), config_file)]
+
+
+def resume_candidates(spec: str | Path, cfg: Any, config_file: Path | None = None) -> tuple[list[Path], list[str]]:
     """The checkpoint directories ``--resume`` may mean, in the order to try them, and warnings about torn
     checkpoints passed over.
 
-    ``auto``: the complete checkpoints of the newest run directory under ``run.output_dir`` whose ``run.name``
-    matches and that holds one, newest first, then those of older such runs (a damaged one is passed over, see
-    :func:`load_resume_point`). A path: a checkpoint directory, or a run directory (its latest complete
+    ``auto``: the complete checkpoints of the newest unfinished run (:func:`auto_run_dirs`: same ``run.name``,
+    ``run.run_id`` and config file ``config_file``) that holds one, newest first, then those of older unfinished
+    such runs (a damaged one is passed over, see :func:`load_resume_point`); a completed run ends the search and,
+    when nothing was found before it, is refused naming how to continue it on purpose. The run picked is named in
+    the log before any checkpoint is read. A path: a checkpoint directory, or a run directory (its latest complete
     checkpoint); exactly one candidate.
     """
     warnings: list[str] = []
@@ -148,24 +205,33 @@ def resume_candidates(spec: str | Path, cfg: Any) -> tuple[list[Path], list[str]
 
     if str(spec) == "auto":
         root = Path(cfg.run.output_dir)
-        runs = sorted((d for d in root.iterdir() if d.is_dir()), key=lambda d: d.name, reverse=True) \
-            if root.is_dir() else []
         found: list[Path] = []
-        for run_dir in runs:
-            if _run_name(run_dir) != cfg.run.name:
-                continue
+        for run_dir in auto_run_dirs(cfg, config_file):
+            done = run_ended_completed(run_dir)
+            if done is not None:
+                if found:
+                    break
+                raise UserError(
+                    f"--resume auto: the latest run of this config, '{run_dir}', completed at step {done}; "
+                    f"--resume auto continues only an unfinished run. To train it further on purpose: --resume "
+                    f"'{run_dir}' --max-steps N (N > {done}); to start a new run, leave out --resume"
+                )
             complete = [c.path for c in reversed(list_checkpoints(run_dir / "checkpoints")) if c.complete]
             if not found:
                 best, torn = latest_complete(run_dir / "checkpoints")
                 torn_note(torn)
                 if best is None:
                     warnings.append(f"run '{run_dir.name}' has no complete checkpoint; looked at older runs")
+                else:
+                    log.info("resume_auto_picked", run_dir=str(run_dir), checkpoint=str(best.path))
             found.extend(complete)
         if found:
             return found, warnings
+        who = (f"run id {cfg.run.run_id!r}" if cfg.run.run_id else "no run id") + (
+            f", config file '{config_file}'" if config_file is not None else "")
         raise UserError(
-            f"--resume auto: no complete checkpoint of a run named {cfg.run.name!r} under '{root}'; start without "
-            "--resume, or pass --resume PATH (a run directory or a checkpoint directory)"
+            f"--resume auto: no complete checkpoint of a run named {cfg.run.name!r} ({who}) left unfinished under "
+            f"'{root}'; start without --resume, or pass --resume PATH (a run directory or a checkpoint directory)"
         )
     path = Path(spec).expanduser()
     if not path.exists():
@@ -186,13 +252,15 @@ def resume_candidates(spec: str | Path, cfg: Any) -> tuple[list[Path], list[str]
 
 
 def load_resume_point(spec: str | Path, cfg: Any, plain: dict[str, Any], *,
-                      expect: Callable[[Any], str | None] | None = None) -> ResumePoint:
+                      expect: Callable[[Any], str | None] | None = None,
+                      config_file: Path | None = None) -> ResumePoint:
     """Find, read, verify and check a checkpoint against the config (and, given ``expect``, against the run:
     ``expect(tree)`` returns a problem or None). A damaged checkpoint (``CheckpointDamaged``: checksums, tensor
     references, the state tree's schema, a tensor the run cannot take) is passed over with a warning naming it
     under ``auto`` and refused in one line for a path; a config that differs is refused either way, naming the
-    differing keys."""
-    candidates, warnings = resume_candidates(spec, cfg)
+    differing keys; under ``auto``, so is one that differs in a key that may change only on purpose
+    (:data:`AUTO_MAY_CHANGE`: pass the run directory to resume with the change)."""
+    candidates, warnings = resume_candidates(spec, cfg, config_file)
     return _first_usable(candidates, warnings, plain, expect, auto=str(spec) == "auto")
 
 
@@ -226,6 +294,13 @@ def _first_usable(candidates: list[Path], passed: list[str], plain: dict[str, An
                 raise UserError(
                     f"checkpoint '{path}' was trained with another config; these keys differ and cannot change on "
                     "resume: " + "; ".join(refused) + " (restore them, or start a new run)"
+                )
+            on_purpose = [w for w in warned if w.split(":")[0] not in AUTO_MAY_CHANGE]
+            if auto and on_purpose:
+                raise UserError(
+                    f"--resume auto: run '{path.parent.parent}' was trained with another config: "
+                    + "; ".join(on_purpose) + f"; to resume it with these changes on purpose pass --resume "
+                    f"'{path.parent.parent}', or restore them, or start a new run without --resume"
                 )
             problem = expect(loaded.tree) if expect is not None else None
             if problem is not None:

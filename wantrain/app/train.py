@@ -41,14 +41,17 @@ def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | No
             path = Path(config)
             cfg = load_config(path, list(overrides))
             config_dir = config_dir or path.resolve().parent
+            config_file = path
         else:
             if overrides:
                 raise TypeError("overrides apply to a config file; pass a path, or change the RunConfig yourself")
             cfg = config
+            config_file = None
         if cfg.lr_finder.active:
             check_lr_finder(cfg, resume)  # refusals of the config alone, before anything is prepared
         try:
-            prepared = prepare(cfg, config_dir=config_dir, resume=resume, allow_data_changes=allow_data_changes)
+            prepared = prepare(cfg, config_dir=config_dir, resume=resume, allow_data_changes=allow_data_changes,
+                               config_file=config_file)
         except RunInterrupted as exc:  # a signal while prepare() filled the cache: no run directory exists yet
             return RunOutcome("stopped", f"{exc} before the first step, while the cache filled (before the run "
                               "directory was made; the cache keeps every entry written: run again)", 0,

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wantrain.app.preflight import NoUsableSample, alpha_schedule_lines, preflight_report
+    from wantrain.app.preflight import MissingModelFiles, NoUsableSample, alpha_schedule_lines, preflight_report
     from wantrain.core.errors import UserError
 
     cfg = load_run_config(args)
@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     except NoUsableSample as exc:  # the report is what the user needs: every skipped and ignored file
         _print(exc.report, args.json)
         raise UserError(exc.summary + " (every file is listed above)") from None
+    except MissingModelFiles as exc:  # weights not downloaded yet: the plan is the answer to "will it fit?"
+        _print(exc.report, args.json)
+        raise UserError(str(exc)) from None
     _print(report, args.json)
     for line in alpha_schedule_lines(cfg):
         print(line)

@@ -6,7 +6,9 @@ from the metadata, then rank and alpha per module group (self_attn, cross_attn, 
 ``ffn.{0,2}`` and part ``lora_A.weight``, ``lora_B.weight`` (or ``lora_down``/``lora_up``), ``alpha``,
 ``dora_scale``, ``hada_w{1,2}_{a,b}``, ``lokr_w{1,2}`` or ``lokr_w{1,2}_{a,b}``; N must be below the variant's block
 count when the metadata names the variant; every module must hold the whole set of its type's factors, and all
-modules one type. The first problem stops the check with a ``UserError`` (exit code 2).
+modules one type. The first problem stops the check with a ``UserError`` (exit code 2). A file in another format
+``lora.init_from`` reads (musubi-tuner's ``lora_unet_blocks_N_...``, diffusers' ``transformer.blocks.N...``) is read
+as the run reads it, and the format is named.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def inspect(path: Path) -> list[str]:
 
     from wantrain.models.wan22.adapter_types import TYPE_TITLES, file_type
     from wantrain.models.wan22.export import WAN_KEY
+    from wantrain.models.wan22.lora_files import FORMAT_TITLES
     from wantrain.models.wan22.variants import VARIANTS
 
     path = Path(path)
@@ -54,6 +57,8 @@ def inspect(path: Path) -> list[str]:
     group_alphas: dict[str, set[float]] = defaultdict(set)
     modules: set[str] = set()
     parts: dict[str, set[str]] = defaultdict(set)
+    if not any(WAN_KEY.match(k) for k in keys):  # musubi-tuner's or diffusers' keys: read as lora.init_from reads
+        return _other_format(path, metadata)
     for key in sorted(keys):
         match = WAN_KEY.match(key)
         if match is None:
@@ -87,6 +92,7 @@ def inspect(path: Path) -> list[str]:
         f"file: {path}",
         f"type: {TYPE_TITLES.get(kind, 'none (alpha only)')}" + (
             " (factors full: alpha does not apply, the scale is in lokr_w1)" if kind == "lokr" and not ranks else ""),
+        f"format: {FORMAT_TITLES['wan']}",
         f"variant: {metadata.get('variant', 'unknown')}",
         f"expert: {metadata.get('expert', 'unknown')}",
         f"step: {metadata.get('step', 'unknown')}",
@@ -101,6 +107,30 @@ def inspect(path: Path) -> list[str]:
         if group in ranks or group in group_alphas:
             lines.append(f"{group}: rank {fmt(ranks[group])}, alpha {fmt(group_alphas[group])}")
     lines.append("keys: all valid Wan 2.2 module names")
+    return lines
+
+
+def _other_format(path: Path, metadata: dict[str, str]) -> list[str]:
+    """A file in another key format ``lora.init_from`` reads (musubi-tuner, diffusers): read as the run reads it
+    (``lora_files.read_lora_file``: its refusals, one line), checked against the variant its metadata names, else
+    the A14B's block count."""
+    from wantrain.models.wan22.lora_files import describe, read_lora_file
+    from wantrain.models.wan22.variants import VARIANTS, variant_spec
+
+    variant = metadata.get("variant") if metadata.get("variant") in VARIANTS else None
+    lora = read_lora_file(path, key="inspect-lora", spec=variant_spec(variant or "t2v-a14b"), expert=None)
+    found = describe(lora)
+    groups: dict[str, set[float]] = defaultdict(set)
+    for module, alpha in lora.alpha.items():
+        groups["self_attn" if ".attn1." in module else "cross_attn" if ".attn2." in module else "ffn"].add(alpha)
+    lines = [f"file: {path}", f"type: {found['type']}", f"format: {found['format']}",
+             f"variant: {metadata.get('variant', 'unknown')}", f"expert: {metadata.get('expert', 'unknown')}",
+             f"modules: {found['modules']}"]
+    for group in ("self_attn", "cross_attn", "ffn"):
+        if group in groups:
+            lines.append(f"{group}: rank {lora.rank}, alpha {', '.join(f'{a:g}' for a in sorted(groups[group]))}")
+    lines.append("keys: all valid (read as lora.init_from reads them; wantrain's own files use the original Wan "
+                 "names)")
     return lines
 
 

@@ -1,8 +1,10 @@
 """``wantrain`` command line. Only the chosen subcommand's module is imported (``wantrain check`` stays fast).
 
 A ``UserError`` (bad config key or value, missing file, unreadable media or checkpoint) prints one line and
-exits with code 2, without a traceback. Anything else is a bug and keeps its traceback. Code a config names
-outside wantrain's allowed modules is imported only under ``--allow-code`` (``wantrain.core.trust``).
+exits with code 2, without a traceback; a ``StorageError`` (a disk full or read-only while writing) the same line
+with code 1: the input was fine, the run failed (README, exit codes). Anything else is a bug and keeps its
+traceback. Code a config names outside wantrain's allowed modules is imported only under ``--allow-code``
+(``wantrain.core.trust``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 import os
 import sys
 
+from wantrain.core.atomic import StorageError
 from wantrain.core.errors import UserError
 from wantrain.core.trust import allowing_code
 from wantrain.core.version import __version__
@@ -26,7 +29,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("wantrain.cli.replay", "replay a run's event log into observers (regenerate outputs, alpha what-if)"),
     "serve": ("wantrain.cli.serve", "a live page of the runs under an output folder, with save/sample/stop buttons"),
     "ctl": ("wantrain.cli.ctl", "ask a running run to save, sample, validate or stop now"),
+    "convert": ("wantrain.cli.convert", "write a wantrain config from a musubi-tuner or ai-toolkit config"),
 }
+
+
+FAILED = 1
+"""The exit code of a command that failed for a reason other than its input (README: 0 completed, 1 failed, 2 bad
+input, 3 stopped, 130 aborted)."""
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
@@ -44,7 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        from wantrain.app.migration import peer_arguments
+
+        hints = peer_arguments(extra)
+        if hints and args.command is not None:  # --network_dim 32: the --set that does it, every one at once
+            print(f"wantrain {args.command}: error: " + "; ".join(hints), file=sys.stderr)
+            return UserError.exit_code
+        parser.parse_args(argv)  # argparse's own message and exit code for anything else
     if args.command is None:
         parser.print_help()
         return 2
@@ -61,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, what the shell reports for a tool killed by a closed pipe
     except UserError as exc:
         print(f"wantrain {args.command}: error: {exc}", file=sys.stderr)
-        return UserError.exit_code
+        return FAILED if isinstance(exc, StorageError) else UserError.exit_code
     except KeyboardInterrupt as exc:  # a run's abort says what it saved (wantrain.app.signals.describe_abort)
         print(f"wantrain {args.command}: {exc or 'aborted (Ctrl-C)'}", file=sys.stderr)
         return 130

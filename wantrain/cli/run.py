@@ -24,8 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, help="optimizer steps to train (overrides train.max_steps)")
     parser.add_argument(
         "--resume", metavar="auto|PATH",
-        help="continue from a checkpoint: 'auto' (the latest complete checkpoint of the latest run with the same "
-             "run.name under run.output_dir), a run directory or a checkpoint directory",
+        help="continue from a checkpoint: 'auto' (the latest complete checkpoint of the latest unfinished run of "
+             "this config file, run.name and run id under run.output_dir; a completed run or a changed config is "
+             "refused), a run directory or a checkpoint directory (finished or not)",
     )
     parser.add_argument(
         "--allow-data-changes", dest="allow_data_changes", action="store_true",

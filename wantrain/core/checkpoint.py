@@ -207,10 +207,22 @@ SAVE_HINT = ("free space or fix permissions there (earlier checkpoints and LoRA 
              "--resume auto)")
 
 
-def save_error(what: str, path: Path, exc: BaseException) -> CheckpointWriteError:
+def save_hint(checkpoints: Path | None) -> str:
+    """What a failed save leaves, read from ``checkpoints`` (the run's checkpoint folder): the newest complete
+    checkpoint to resume from, or that there is none yet (a full disk at the first checkpoint)."""
+    best = latest_complete(checkpoints)[0] if checkpoints is not None else None
+    if best is None:
+        return ("free space or fix permissions there (no checkpoint was saved before this one, so there is nothing "
+                "to resume from: run again once there is room)")
+    return (f"free space or fix permissions there (the checkpoint of step {best.step} and the files saved with it "
+            "are intact; resume with --resume auto)")
+
+
+def save_error(what: str, path: Path, exc: BaseException, *, checkpoints: Path | None = None) -> CheckpointWriteError:
     """The one line for a failed save of ``what`` (a checkpoint, a LoRA file) at ``path``: the reason, the free
-    space there, and that what was saved before is intact (``core.atomic.storage_error``)."""
-    found = storage_error(what, path, exc, hint=SAVE_HINT)
+    space there, and what was saved before (:func:`save_hint` of the run's ``checkpoints`` folder;
+    ``core.atomic.storage_error``)."""
+    found = storage_error(what, path, exc, hint=save_hint(checkpoints))
     return CheckpointWriteError(str(found), path=found.path, errno_value=found.errno)
 
 
@@ -267,7 +279,7 @@ def write_checkpoint(
     except Exception as exc:  # OSError; SafetensorError carries the OS error in its text
         _remove_tree(tmp)
         if isinstance(exc, OSError) or is_storage_error(exc):
-            raise save_error("checkpoint", final, exc) from exc
+            raise save_error("checkpoint", final, exc, checkpoints=directory) from exc
         raise
     finally:
         if tmp.exists():

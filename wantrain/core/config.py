@@ -312,6 +312,7 @@ class _Structurer:
     def __init__(self, root: type, hint: typing.Callable[[str], str | None] | None = None) -> None:
         self.root = root
         self.hint = hint  # names from elsewhere (another trainer's keys): asked before the did-you-mean
+        self.errors: list[str] = []  # every problem of the document, in its order (one report: :func:`structure`)
         self.index: dict[str, list[str]] = {}
         self._index(root, "")
 
@@ -377,11 +378,21 @@ class _Structurer:
                 extras[key] = value  # the section validates these itself (e.g. an external class's arguments)
                 continue
             if f is None:
-                raise self.unknown_key(cls, key, path)
+                self.errors.append(str(self.unknown_key(cls, key, path)))
+                continue
             key_path = f"{path}.{key}" if path else key
             if f.name in kwargs:
-                raise ConfigError(f"config key '{key_path}' is given twice (once under another accepted name)")
-            kwargs[f.name] = self.value(hints[f.name], value, key_path, f)
+                self.errors.append(f"config key '{key_path}' is given twice (once under another accepted name)")
+                continue
+            try:
+                kwargs[f.name] = self.value(hints[f.name], value, key_path, f)
+                problem = f.validator.problem(kwargs[f.name]) if isinstance(f.validator, _Checks) else None
+                if problem is not None:  # its range, choices or rule: found here too, beside the other problems
+                    raise InvalidValue(section_key(cls), f.name, *problem).at(key_path)
+            except ConfigError as exc:  # every key is read: the report names each problem at once
+                self.errors.append(str(exc))
+        if self.errors:  # a section is built only from a document without problems (a default in place of a bad
+            return None  # value would make the rules across keys report what is not there)
         if extra_field is not None:
             kwargs[extra_field] = {**kwargs.get(extra_field, {}), **extras}
         try:
@@ -470,14 +481,39 @@ class _Structurer:
 
 def structure(root: type, data: Mapping[str, Any], hint: typing.Callable[[str], str | None] | None = None) -> Any:
     """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line). ``hint``
-    names an unknown key's meaning when it knows it (another trainer's name for a key), before any did-you-mean."""
-    return _Structurer(root, hint).structure(root, data, "")
+    names an unknown key's meaning when it knows it (another trainer's name for a key), before any did-you-mean.
+    Every unknown key, wrong type and out-of-range value of the document is reported at once (one line each,
+    :func:`_collected`); a rule across keys is checked once each key is valid."""
+    walker = _Structurer(root, hint)
+    try:
+        built = walker.structure(root, data, "")
+    except ConfigError as exc:
+        walker.errors.append(str(exc))
+    _collected(walker.errors)
+    return built
+
+
+def key_places(root: type) -> dict[str, list[str]]:
+    """Every key name of the schema under ``root`` (and its accepted other names) -> the full keys it is
+    (``"lr"`` -> ``["optimizer.lr"]``)."""
+    return _Structurer(root).index
+
+
+def _collected(errors: list[str]) -> None:
+    """Raise the problems found: one as its line, several as a count and a line each."""
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} problems in the config, all of them: "
+                          + "; ".join(f"({i}) {e}" for i, e in enumerate(errors, 1)))
 
 
 def check_value(owner: type, name: str, value: Any, path: str) -> Any:
     """Validate one value against the declared key ``owner.name`` (used for ``--set`` and by tests)."""
     f = attrs.fields_dict(owner)[name]
-    value = _Structurer(owner).value(typing.get_type_hints(owner)[name], value, path, f)
+    walker = _Structurer(owner)
+    value = walker.value(typing.get_type_hints(owner)[name], value, path, f)
+    _collected(walker.errors)  # a table's keys (a list of [[data.datasets]]): every problem at once
     if isinstance(f.validator, _Checks):
         problem = f.validator.problem(value)
         if problem is not None:

@@ -22,6 +22,7 @@ from wantrain.core.adapter import ModelAdapter, NullSaver, Saver, check_needs, e
 from wantrain.core.atomic import is_storage_error
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import (
+    latest_complete,
     mark_announced,
     prune,
     save_error,
@@ -504,10 +505,18 @@ class Trainer:
         if values["train/nan_streak_max"] >= s.max_consecutive_nan:
             self._fail(f"non-finite loss or gradients on {int(values['train/nan_streak_max'])} optimizer steps in "
                        f"a row (train.max_consecutive_nan = {s.max_consecutive_nan}); those steps were skipped. "
-                       "Lower the learning rate or check the data; the last good checkpoint is kept")
+                       f"Lower the learning rate or check the data; {self._what_is_kept()}")
         diverged = self._interval.divergence.check(values)  # from logged host values too: replay reproduces it
         if diverged is not None:
-            self._fail(f"the run diverged: {diverged}. Lower the learning rate; the last good checkpoint is kept")
+            self._fail(f"the run diverged: {diverged}. Lower the learning rate; {self._what_is_kept()}")
+
+    def _what_is_kept(self) -> str:
+        """What a failed run leaves to resume from, read from disk (only on the failure path): the last complete
+        checkpoint, or none yet."""
+        best = latest_complete(self.checkpoints.directory)[0] if self.checkpoints is not None else None
+        if best is None:
+            return "no checkpoint was written before it, so there is nothing to resume from: start again"
+        return f"the last good checkpoint is kept (step {best.step}; --resume auto continues from it)"
 
     def _lora_norm(self) -> torch.Tensor:
         """L2 norm of every trainable LoRA tensor, on the training device (log steps only; no sync: a waiting
@@ -571,7 +580,8 @@ class Trainer:
                 if not is_storage_error(exc) and not isinstance(exc, OSError):
                     raise
                 where = getattr(exc, "path", None) or getattr(exc, "filename", None) or self.ctx.run_dir or "."
-                raise save_error("LoRA file", Path(where), exc) from exc
+                raise save_error("LoRA file", Path(where), exc,
+                                 checkpoints=self.checkpoints.directory if self.checkpoints else None) from exc
             self._saved.extend(paths)
             self._saved_at.setdefault(step, set()).add("lora")
         written = None

@@ -31,7 +31,7 @@ from wantrain.models.wan22.compile import check_compiler, compile_blocks
 from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.export import ADAPTER_NAME, Wan22Saver, lora_layers
 from wantrain.models.wan22.loading import WeightSource
-from wantrain.models.wan22.lora_files import LoraFile, check_fits, resolve_init
+from wantrain.models.wan22.lora_files import LoraFile, check_fits, describe, resolve_init
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.placement import ExpertPlacement, pin_budget
 from wantrain.models.wan22.swap import BlockSwap
@@ -112,6 +112,7 @@ class Wan22Adapter:
         self.model_config = model
         # lora.init_from*: rank and alpha come from the files (read and checked before any weight loads)
         self.lora_config, init_files = resolve_init(lora, model)
+        self.loaded_files: list[dict[str, Any]] = []  # lora.init_from*: what each file held (lora_files.describe)
         self.kind: AdapterType = adapter_type(self.lora_config.type)  # the one object that knows the adapter type
         self.device = torch.device(device)
         self.experts: tuple[str | None, ...] = model.trained_experts
@@ -190,6 +191,7 @@ class Wan22Adapter:
         """Copy the adapter of a file into ``expert``'s adapter layers (fp32) with each module's alpha; modules the
         file does not hold keep their fresh start (an update of zero)."""
         layers = dict(lora_layers(self._transformers[expert]))
+        self.loaded_files.append({"key": lora.key, "expert": expert, **describe(lora)})  # the run log names them
         unadapted = sorted(set(lora.modules) - set(layers))
         if unadapted:
             raise UserError(f"{lora.key} '{lora.path}' holds module {unadapted[0]}, which this run does not adapt "

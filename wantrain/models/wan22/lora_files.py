@@ -76,6 +76,18 @@ class LoraFile:
         return sorted(set(self.alpha.values()))
 
 
+FORMAT_TITLES = {"wan": "wantrain / ComfyUI / ai-toolkit (original Wan names)", "diffusers": "diffusers / peft",
+                 "musubi": "musubi-tuner (kohya: lora_unet_blocks_N_...)"}
+"""The key formats :func:`read_lora_file` reads, as ``inspect-lora`` and the run log name them."""
+
+
+def describe(lora: LoraFile) -> dict[str, Any]:
+    """What was read from a file, for ``inspect-lora`` and the run log: format, type, modules, rank, alphas."""
+    return {"path": str(lora.path), "format": FORMAT_TITLES.get(lora.key_format, lora.key_format),
+            "type": TYPE_TITLES.get(lora.adapter_type, lora.adapter_type), "modules": len(lora.modules),
+            "rank": lora.rank, "alpha": lora.alphas}
+
+
 def _module_of(key: str) -> tuple[str, str, str] | None:
     """(format, diffusers module, part) of a key, or None when no format knows it."""
     for name, pattern in (("wan", _WAN), ("diffusers", _DIFFUSERS), ("musubi", _MUSUBI)):
