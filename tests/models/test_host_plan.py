@@ -22,6 +22,7 @@ def _config(tmp_path, keys: str):
 def no_model_files(monkeypatch):
     # The real A14B weights are not on this machine: skip `check`'s model-file check, keep its plans.
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
 
 
 def test_check_for_a_64_gb_machine_prints_a_both_experts_a14b_plan_that_fits(tmp_path, capsys, no_model_files):

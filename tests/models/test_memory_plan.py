@@ -133,6 +133,7 @@ def test_check_on_an_a14b_config_prints_the_plan_part_by_part(tmp_path, capsys, 
 
     # The real A14B weights are not on this machine: skip `check`'s model-file check, keep its memory plan.
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
     assert main(["check", str(a14b_config(tmp_path, 24))]) == 0
     out = capsys.readouterr().out
     assert ("memory plan for 832x464x81, one expert resident, budget 24 GiB: bf16 base, 38 blocks swapped, "
@@ -150,6 +151,8 @@ def test_check_plans_and_prints_each_adapter_type_apart(tmp_path, capsys, monkey
     from wantrain.cli.main import main
 
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
     printed = {}
     for lora_type in ("lora", "loha", "lokr"):
         (tmp_path / lora_type).mkdir()
@@ -178,6 +181,8 @@ def test_check_prints_one_vram_figure_and_it_is_the_planners(tmp_path, capsys, m
     from wantrain.cli.main import main
 
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
     config = a14b_config(tmp_path, None, sample="width = 832\nheight = 480\nframes = 81")
     assert main(["check", str(config), "--json", str(tmp_path / "report.json")]) == 0
     out, host = capsys.readouterr().out.split("host memory (RAM)")  # the host-RAM lines come last (not VRAM)
@@ -207,6 +212,8 @@ def test_a_sample_size_nothing_fits_is_refused_in_one_line(tmp_path, capsys, mon
     from wantrain.cli.main import main
 
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
     config = a14b_config(tmp_path, 24, sample="width = 1440\nheight = 816\nframes = 81")
     assert main(["check", str(config)]) == 2
     err = capsys.readouterr().err.strip()
@@ -332,6 +339,8 @@ def test_check_prints_the_budget_as_the_usable_memory_and_what_is_left_of_it(tmp
     from wantrain.cli.main import main
 
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
     assert main(["check", str(a14b_config(tmp_path, 24))]) == 0
     out = capsys.readouterr().out
     card = float(re.search(r"card needs +([\d.]+) GiB", out).group(1))

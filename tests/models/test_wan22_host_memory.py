@@ -109,6 +109,8 @@ def test_check_prints_the_host_memory_part_by_part(tmp_path, capsys, monkeypatch
     from wantrain.cli.main import main
 
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)  # no A14B weights here
+
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
     config = a14b_config(tmp_path, 24)
     config.write_text(config.read_text().replace("vram_budget_gb = 24", 'base_dtype = "fp8"\nblocks_to_swap = 20'))
     assert main(["check", str(config)]) == 0

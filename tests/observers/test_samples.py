@@ -309,6 +309,7 @@ def test_check_adds_the_sampling_footprint_to_the_memory_plan(tmp_path, capsys, 
 
     # The real A14B weights are not on this machine: skip `check`'s model-file check, keep its estimate.
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
 
     config = copy_examples(tmp_path, validation_and_samples=True)
     assert main(["check", str(config), "--set", "model.variant=t2v-a14b", "--set", "sample.width=832",
