@@ -71,6 +71,7 @@ from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
 from wantrain.observers.evaluation.samples import build_sample_observer
 from wantrain.observers.evaluation.validation import Validation, cached_batches
+from wantrain.observers.evaluation.workflow import ComfyWorkflow, workflow_settings
 from wantrain.observers.event_recorder import EventRecorder
 from wantrain.optimizers import build_optimizer as _build_optimizer
 from wantrain.optimizers import check_optimizer
@@ -296,6 +297,9 @@ class PreparedRun:
         for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain,
                                         writes_files=main, without=options.without):
             bus.attach(observer)
+        if options.saves and main and hasattr(adapter, "sampling_scheduler"):  # a ComfyUI graph beside each save
+            bus.attach(ComfyWorkflow(workflow_settings(cfg, variant_spec(cfg.model.variant),
+                                                       adapter.sampling_scheduler()), adapter.experts))
         for observer in [*options.observers, *watchers]:
             if hasattr(observer, "attach_to"):
                 observer.attach_to(bus)  # it emits events of its own (the finder; validation at step 0)
