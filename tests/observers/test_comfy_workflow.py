@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 from diffusers import UniPCMultistepScheduler
 
 from wantrain.app.config import load_config
 from wantrain.models.wan22.variants import VARIANTS
+from wantrain.observers.evaluation.config import StackedLora
 from wantrain.observers.evaluation.workflow import ComfyWorkflow, workflow_path, workflow_settings
 
 # ComfyUI's built-in nodes the workflow may use: class_type -> (required inputs, output types). An input's type is
@@ -155,6 +157,24 @@ def test_the_configs_single_files_are_named_and_a_diffusers_folder_gets_comfyuis
     assert settings.files["high_noise"] == "my_high.safetensors" and settings.files["vae"] == "my_vae.safetensors"
     assert settings.files["low_noise"] == "wan2.2_t2v_low_noise_14B_fp16.safetensors"
     assert "usual" in settings.file_notes["low_noise"] and settings.file_notes["vae"] == "model.vae_file"
+
+
+def test_the_first_prompts_stacked_loras_come_under_the_trained_one_on_their_expert(tmp_path):
+    fast = tmp_path / "lightx2v_high.safetensors"
+    cfg = config(tmp_path, "tiny-t2v", extra="")
+    cfg = attrs.evolve(cfg, sample=attrs.evolve(cfg.sample, loras=[StackedLora(path=fast, strength=0.8,
+                                                                                  expert="high_noise")]))
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    observer = ComfyWorkflow(workflow_settings(cfg, VARIANTS["tiny-t2v"], scheduler), ("high_noise", "low_noise"))
+    written = observer.write([str(tmp_path / "h_high_noise.safetensors"), str(tmp_path / "h_low_noise.safetensors")])
+    graph = json.loads(written.read_text())
+    check_graph(graph)
+    chain = {}
+    for n in by_class(graph, "LoraLoaderModelOnly"):
+        chain[n["inputs"]["lora_name"]] = (graph[n["inputs"]["model"][0]]["class_type"], n["inputs"]["strength_model"])
+    assert chain == {"lightx2v_high.safetensors": ("UNETLoader", 0.8),
+                     "h_high_noise.safetensors": ("LoraLoaderModelOnly", 1.0),
+                     "h_low_noise.safetensors": ("UNETLoader", 1.0)}
 
 
 def test_workflow_path_drops_the_expert_suffix():

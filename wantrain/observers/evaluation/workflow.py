@@ -8,7 +8,8 @@ index]``), ComfyUI's built-in nodes only:
   (``model.high_noise_file``, ``text_encoder_file``, ...), else the names ComfyUI's folders usually hold
   (Comfy-Org's repackaged Wan 2.2 files; each loader's title says which it is);
 * ``LoraLoaderModelOnly`` per expert at strength 1.0 with this save's file (and ``sample.other_expert_lora`` on
-  the expert the run does not train), then ``ModelSamplingSD3`` with the shift of the sampling scheduler;
+  the expert the run does not train), after the prompt's stacked LoRAs (``loras``) at their strengths, then
+  ``ModelSamplingSD3`` with the shift of the sampling scheduler;
 * ``CLIPTextEncode`` for the prompt and the negative prompt;
 * the latent: ``EmptyHunyuanLatentVideo`` (T2V), ``WanImageToVideo`` with ``LoadImage`` (I2V A14B),
   ``Wan22ImageToVideoLatent`` (TI2V-5B, with ``LoadImage`` when the prompt has an image);
@@ -116,6 +117,10 @@ def build_workflow(s: WorkflowSettings, loras: dict[str | None, str], prefix: st
         label = expert.replace("_", "-")
         model = node("UNETLoader", f"{label} model ({s.file_notes[expert]})", unet_name=s.files[expert],
                      weight_dtype="default")
+        for extra in p.loras:  # the prompt's stacked LoRAs (a speed-up LoRA), under the trained one
+            if extra.expert in ("both", expert):
+                model = node("LoraLoaderModelOnly", f"{label} stacked LoRA (sample.loras)", model=model,
+                             lora_name=Path(extra.path).name, strength_model=float(extra.strength))
         lora = loras.get(None if expert == "single" else expert) or s.other_lora.get(expert)
         if lora is not None:
             model = node("LoraLoaderModelOnly", f"{label} LoRA", model=model, lora_name=lora, strength_model=1.0)
