@@ -80,3 +80,9 @@ def test_the_page_shows_the_same_step_to_keep_as_the_report(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     keep = RunData(tmp_path).details()["keep"]
     assert keep[0] == "keep: step 300" and keep == pick_step(records, tmp_path).lines()
+
+
+def test_a_run_whose_saves_never_meet_a_validation_is_told_how_to_get_a_pick(tmp_path):
+    save_file({"x.lora_A.weight": torch.zeros(1, 1)}, str(tmp_path / "hero_step000250_high_noise.safetensors"))
+    text = summarize([*series({100: 0.1, 200: 0.2}), {"step": 250, "train/loss": 0.5}], tmp_path)
+    assert "keep: no step with saved LoRA files has a validation loss" in text and "save_every" in text

@@ -299,6 +299,11 @@ def summarize(records: Sequence[dict[str, Any]], run_dir: Path | None = None) ->
         lines.append("samples/motion (pixels/frame; ratio to the training clips): " + ", ".join(
             f"step {s} {m:.3g}" + (f" ({q:.2f}x)" if isinstance(q, int | float) else "") for s, m, q in moved))
     pick = pick_step(records, run_dir)
-    lines.extend(pick.lines() if pick is not None else
-                 ["keep: no validation loss or motion ratio to choose a step by ([validation] / [sample])"])
+    if pick is not None:
+        lines.extend(pick.lines())
+    elif moved or any(k.startswith("val/loss") for r in records for k in r):
+        lines.append("keep: no step with saved LoRA files has a validation loss or a motion ratio; save where you "
+                     "validate (train.save_every a multiple of validation.every)")
+    else:
+        lines.append("keep: no validation loss or motion ratio to choose a step by ([validation] / [sample])")
     return "\n".join(lines)
