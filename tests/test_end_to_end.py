@@ -65,11 +65,6 @@ def test_quickstart_run_dir_holds_config_tensorboard_metrics_logs_and_loras(quic
         loras = {n["inputs"]["lora_name"] for n in graph.values() if n["class_type"] == "LoraLoaderModelOnly"}
         assert loras == {f"{stem}_high_noise.safetensors", f"{stem}_low_noise.safetensors"}
     assert json.loads((quickstart_run / "preflight.json").read_text())["steps_per_epoch"] > 0
-    # the samples' motion and its ratio to the training clips' (measured once): in the metrics at each sampling step
-    moved = [r for r in metrics(quickstart_run) if "samples/motion" in r]
-    assert [r["step"] for r in moved] == [0, 160]  # quickstart: every 200 steps, and at the end
-    clips = [r["samples/motion"] / r["samples/motion_ratio"] for r in moved]
-    assert clips[0] > 0.1 and clips[1] == pytest.approx(clips[0])  # the demo clips move; one figure, measured once
 
 
 def test_tiny_model_learns_the_demo_data(quickstart_run):
