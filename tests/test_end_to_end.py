@@ -60,6 +60,10 @@ def test_quickstart_run_dir_holds_config_tensorboard_metrics_logs_and_loras(quic
     for expert in ("high_noise", "low_noise"):
         assert (quickstart_run / f"quickstart_{expert}.safetensors").stat().st_size > 0
         assert (quickstart_run / f"quickstart_step000080_{expert}.safetensors").exists()
+    for stem in ("quickstart", "quickstart_step000080"):  # a ComfyUI graph beside each LoRA set, its files named
+        graph = json.loads((quickstart_run / f"{stem}.workflow.json").read_text())
+        loras = {n["inputs"]["lora_name"] for n in graph.values() if n["class_type"] == "LoraLoaderModelOnly"}
+        assert loras == {f"{stem}_high_noise.safetensors", f"{stem}_low_noise.safetensors"}
     assert json.loads((quickstart_run / "preflight.json").read_text())["steps_per_epoch"] > 0
 
 

@@ -37,6 +37,11 @@ def test_quickstart_run_writes_sample_videos_and_the_val_series(tmp_path):
     val = {x["step"]: x["val/loss"] for x in lines if "val/loss" in x}
     assert sorted(val) == [0, 10] and val[0] != val[10]
     assert {"val/loss/high_noise", "val/loss/low_noise", "val/loss/t_0.5"} <= set(lines[-1])
+    # each round's motion and its ratio to the training clips' (measured once, before training)
+    moved = [x for x in lines if "samples/motion" in x]
+    assert [x["step"] for x in moved] == [0, 10] and all(x["samples/motion/00"] == x["samples/motion"] for x in moved)
+    clips = [x["samples/motion"] / x["samples/motion_ratio"] for x in moved]
+    assert clips[0] > 0.1 and clips[1] == pytest.approx(clips[0])  # the demo clips move; one figure
 
 
 def test_docs_validation_example_is_a_valid_config(tmp_path):

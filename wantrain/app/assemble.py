@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import structlog
 import tomli_w
 import torch
@@ -70,6 +71,7 @@ from wantrain.data import build_dataset, ensure_cache
 from wantrain.data.cache import CacheStats
 from wantrain.data.fingerprints import DataChanged, file_fingerprints, name_some
 from wantrain.data.fingerprints import compare as compare_data
+from wantrain.data.media import decode_video
 from wantrain.data.training import TrainingData
 from wantrain.models.wan22 import build_adapter, build_encoders, check_model_files
 from wantrain.models.wan22.adapter import FP8_DEVICE_TYPES
@@ -80,6 +82,7 @@ from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
 from wantrain.observers.evaluation.samples import build_sample_observer
 from wantrain.observers.evaluation.validation import Validation, cached_batches
+from wantrain.observers.evaluation.workflow import ComfyWorkflow, workflow_settings
 from wantrain.observers.event_recorder import EventRecorder
 from wantrain.optimizers import build_optimizer as _build_optimizer
 from wantrain.optimizers import check_optimizer
@@ -314,6 +317,9 @@ class PreparedRun:
         for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain,
                                         writes_files=main, without=options.without):
             bus.attach(observer)
+        if options.saves and main and hasattr(adapter, "sampling_scheduler"):  # a ComfyUI graph beside each save
+            bus.attach(ComfyWorkflow(workflow_settings(cfg, variant_spec(cfg.model.variant),
+                                                       adapter.sampling_scheduler()), adapter.experts))
         for observer in [*options.observers, *watchers]:
             if hasattr(observer, "attach_to"):
                 observer.attach_to(bus)  # it emits events of its own (the finder; validation at step 0)
@@ -373,9 +379,13 @@ class PreparedRun:
                                   clips_total=len(batches)))
         if cfg.sample.enabled:
             out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir, sync=self.sync,
-                                             clips=self._first_frame_sources(),
+                                             clips=self._first_frame_sources(), clip_videos=self._clip_videos,
                                              prompt_embeds=encoded.prompts if encoded is not None else None))
         return out
+
+    def _clip_videos(self, width: int, height: int) -> Iterator[np.ndarray]:
+        """The training clips' frames at a sample's size, for the motion ratio (:func:`_clip_frames`)."""
+        return _clip_frames(self.data, width, height)
 
     def _first_frame_sources(self) -> list[tuple[Any, int, str]]:
         """Where an I2V prompt without an image takes its first frame: the validation clips in order, else the
@@ -383,6 +393,19 @@ class PreparedRun:
         if self.validation_data is not None and self.validation_data.clips:
             return [(self.validation_data, i, "validation clip") for i in range(len(self.validation_data.clips))]
         return [(self.data, 0, "training clip")] if self.data.clips else []
+
+
+MOTION_CLIPS = 8
+"""At most this many training video clips are measured for ``samples/motion_ratio`` (the first ones)."""
+
+
+def _clip_frames(data: Any, width: int, height: int) -> Iterator[np.ndarray]:
+    """The training frames of ``data``'s first :data:`MOTION_CLIPS` video clips, resized and cropped to
+    ``width`` x ``height`` like training pixels (uint8 ``[F, H, W, 3]``); a clip that cannot be decoded is left out."""
+    for clip in [c for c in data.clips if c.kind == "video"][:MOTION_CLIPS]:
+        decoded = decode_video(clip.path, clip.source_indices(), width, height, clip.rotation)
+        if decoded.frames is not None and len(decoded.frames) > 1:
+            yield decoded.frames
 
 
 def _without_faults(plain: dict[str, Any]) -> dict[str, Any]:

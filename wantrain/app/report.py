@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from wantrain.app.keep import pick_step
 from wantrain.core.errors import UserError
 from wantrain.observers.jsonl_metrics import read_metrics
 from wantrain.observers.progress import format_duration
@@ -178,8 +179,10 @@ def _plot_loss(ax, records) -> None:
 
 
 def is_validation_only(record: dict[str, Any]) -> bool:
-    """A line that holds only ``val/*`` metrics (a validation at step 0 or between log steps, docs/metrics.md)."""
-    return any(k.startswith("val/") for k in record) and not any(k.startswith("train/") for k in record)
+    """A line that holds only evaluation metrics, ``val/*`` or ``samples/*`` (a validation or a sampling round at
+    step 0 or between log steps, docs/metrics.md)."""
+    return (any(k.startswith(("val/", "samples/")) for k in record)
+            and not any(k.startswith("train/") for k in record))
 
 
 def _plot_validation(ax, records) -> None:
@@ -265,8 +268,9 @@ def _shade_phases(ax, spans, label: bool) -> None:
 
 
 # -- text summary --------------------------------------------------------------------------------------------
-def summarize(records: Sequence[dict[str, Any]]) -> str:
-    """A few lines: steps, wall time, best/last loss per expert, skipped steps, peak VRAM when known."""
+def summarize(records: Sequence[dict[str, Any]], run_dir: Path | None = None) -> str:
+    """A few lines: steps, wall time, best/last loss per expert, skipped steps, peak VRAM when known, the samples'
+    motion, and the step to keep (``wantrain.app.keep``; with ``run_dir``, among the steps with LoRA files)."""
     last = records[-1]
     lines = [f"steps: {last['step']} (first logged {records[0]['step']}, {len(records)} log lines)"]
     elapsed = last.get("elapsed_s")
@@ -289,4 +293,17 @@ def summarize(records: Sequence[dict[str, Any]]) -> str:
     peak = [v for v in series(records, "memory/vram_peak_gb")[1] if math.isfinite(v)]
     if peak:
         lines.append(f"peak VRAM: {max(peak):.2f} GiB")
+    moved = [(r["step"], r["samples/motion"], r.get("samples/motion_ratio")) for r in records
+             if isinstance(r.get("samples/motion"), int | float)]
+    if moved:
+        lines.append("samples/motion (pixels/frame; ratio to the training clips): " + ", ".join(
+            f"step {s} {m:.3g}" + (f" ({q:.2f}x)" if isinstance(q, int | float) else "") for s, m, q in moved))
+    pick = pick_step(records, run_dir)
+    if pick is not None:
+        lines.extend(pick.lines())
+    elif moved or any(k.startswith("val/loss") for r in records for k in r):
+        lines.append("keep: no step with saved LoRA files has a validation loss or a motion ratio; save where you "
+                     "validate (train.save_every a multiple of validation.every)")
+    else:
+        lines.append("keep: no validation loss or motion ratio to choose a step by ([validation] / [sample])")
     return "\n".join(lines)

@@ -22,6 +22,6 @@ def run(args: argparse.Namespace) -> int:
     fig = build_report(records, title=str(path.parent))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
-    print(summarize(records))
+    print(summarize(records, path.parent))
     print(f"report: {out}")
     return 0

@@ -123,6 +123,17 @@ class SamplingCapable(Evaluating, Protocol):
 
 
 @runtime_checkable
+class LoraStacking(Protocol):
+    """LoRA files applied under the trained LoRA while sampling (``[sample] loras``): ``stacked_loras(loras)`` is a
+    context manager inside which they act (never trained or saved); ``check_stacked_loras(loras)`` reads them and
+    returns one line per file with keys that match no module."""
+
+    def stacked_loras(self, loras: Any) -> Any: ...
+
+    def check_stacked_loras(self, loras: Any) -> list[str]: ...
+
+
+@runtime_checkable
 class TextEncoding(Protocol):
     """Prompt embeddings (what the sample observer's builder encodes before the encoders are released)."""
 

@@ -37,10 +37,12 @@ from typing import Any
 import numpy as np
 import orjson
 
+from wantrain.app.keep import pick_step
 from wantrain.core.events import ControlRequested
 from wantrain.core.events.log import iter_log_lines
 from wantrain.core.inbox import ACTIONS, post_request
 from wantrain.core.rundir import is_safe_name
+from wantrain.observers.jsonl_metrics import read_metrics
 
 __all__ = ["ACTIONS", "RunData", "RunGone", "ask", "downsample", "list_runs", "resolve_file", "resolve_run"]
 
@@ -489,7 +491,13 @@ class RunData:
         """What the run page shows once: the resolved config, the pre-flight report, the LR finder's sweep."""
         config = _read_text(self.run_dir / "config.toml")
         preflight = _read_json(self.run_dir / "preflight.json")
-        return {"config": config, "preflight": preflight, "lr_finder": self.lr_finder()}
+        return {"config": config, "preflight": preflight, "lr_finder": self.lr_finder(), "keep": self.keep()}
+
+    def keep(self) -> list[str] | None:
+        """The step to keep as ``wantrain report`` prints it (``app.keep``), or None without the evidence."""
+        path = self.run_dir / "metrics.jsonl"
+        pick = pick_step(sorted(read_metrics(path), key=lambda r: r["step"]), self.run_dir) if path.is_file() else None
+        return pick.lines() if pick is not None else None
 
     def lr_finder(self) -> dict[str, Any] | None:
         summary = _read_json(self.run_dir / "lr_finder.json")

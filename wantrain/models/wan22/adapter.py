@@ -160,6 +160,7 @@ class Wan22Adapter:
         self._tokenizer = None
         self._text_encoder = None
         self._next_quantile: float | None = None  # set_timestep_quantile(): for the next loss() only
+        self._stacked: dict[Path, tuple[dict[str, Any], list[str]]] = {}  # stacked_loras(): files read, by path
 
     def _prepare(self, transformer: nn.Module, storage: str, init_seed: int) -> nn.Module:
         if self.kind.reads_base and storage in FP8_DTYPES:  # the config refuses it first; a planner's choice lands here
@@ -431,6 +432,61 @@ class Wan22Adapter:
             self.placement.add_frozen(expert, transformer)
         self.sampling_only = (*self.sampling_only, expert)
         return expert
+
+    def _stacked_targets(self, lora: Any) -> list[str | None]:
+        if self.spec.boundary_ratio is None:
+            return [None]
+        return [e for e in ("high_noise", "low_noise") if lora.expert in ("both", e) and e in self._transformers]
+
+    def _read_stacked(self, path: Path) -> tuple[dict[str, Any], list[str]]:
+        from wantrain.models.wan22.stacked import read_stacked
+
+        path = Path(path)
+        if path not in self._stacked:
+            self._stacked[path] = read_stacked(path, "sample.loras")
+        return self._stacked[path]
+
+    def check_stacked_loras(self, loras: Any) -> list[str]:
+        """Read each file of ``loras`` (``StackedLora`` settings) and say, one line per file that has them, which of
+        its keys match no module of the experts it applies to. Raises ``UserError`` (one line) for a file diffusers
+        cannot read, or one that matches nothing at all."""
+        from wantrain.models.wan22.stacked import attach
+
+        lines = []
+        for lora in loras:
+            modules, strays = self._read_stacked(lora.path)
+            missed: dict[str, list[str]] = {}
+            for expert in self._stacked_targets(lora):
+                handles, unmatched = attach(self._transformers[expert], modules, lora.strength)
+                for handle in handles:
+                    handle.remove()
+                missed[expert or "transformer"] = unmatched
+            if modules and all(len(m) == len(modules) for m in missed.values()):
+                raise UserError(f"config key 'sample.loras' = '{lora.path}': none of its {len(modules)} modules "
+                                f"fits {self.spec.name} (e.g. {sorted(modules)[0]}); is it a LoRA for another model?")
+            names = sorted({*strays, *(n for m in missed.values() for n in m)})
+            if names:
+                lines.append(f"'{lora.path}': {len(names)} of its modules match nothing in {self.spec.name} and are "
+                             f"left out: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
+        return lines
+
+    @contextlib.contextmanager
+    def stacked_loras(self, loras: Any) -> Iterator[None]:
+        """While inside, each LoRA file of ``loras`` (``StackedLora``: path, strength, expert) adds its update under
+        the trained LoRA of the experts it names (``stacked.py``: forward hooks, removed on exit, also on an error;
+        nothing trains, nothing enters a checkpoint or an export)."""
+        from wantrain.models.wan22.stacked import attach
+
+        handles: list[Any] = []
+        try:
+            for lora in loras:
+                modules, _ = self._read_stacked(lora.path)
+                for expert in self._stacked_targets(lora):
+                    handles += attach(self._transformers[expert], modules, lora.strength)[0]
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def sampling_pipeline(self, vae: nn.Module, *, image_to_video: bool):
         """diffusers' own ``WanPipeline`` / ``WanImageToVideoPipeline`` around the training transformers (LoRA

@@ -8,7 +8,7 @@ count, sizes) happen in :func:`check_sections`, which ``wantrain.app.assemble.pr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -54,8 +54,20 @@ class ValidationConfig:
 
 
 PROMPT_KEYS = ("width", "height", "frames", "seed", "steps", "guidance_scale", "guidance_scale_high_noise",
-               "negative_prompt", "image")
+               "negative_prompt", "image", "loras")
 """The options a prompt of ``[sample]`` may set for itself (the section's values are the defaults)."""
+
+
+@section
+class StackedLora:
+    """A LoRA file applied under the trained one while sampling (`sample.loras`, a prompt's `loras`): a speed-up
+    (distillation) LoRA, a style. Never trained, saved or checkpointed."""
+
+    path: Path = setting(doc="A Wan 2.2 LoRA .safetensors in a key format diffusers' Wan loader reads (ComfyUI / "
+                         "original Wan, kijai, lightx2v, musubi-tuner, diffusers).")
+    strength: float = setting(1.0, doc="Its multiplier (ComfyUI's strength_model).")
+    expert: Literal["both", "high_noise", "low_noise"] = setting(
+        "both", doc="The A14B expert(s) it applies to (the 5B: `both`).")
 
 
 @section
@@ -75,6 +87,8 @@ class SamplePrompt:
         None, doc="Guidance of the high-noise expert's steps (A14B).", range=at_least(1.0))
     negative_prompt: str | None = setting(None, doc="Negative prompt.")
     image: Path | None = setting(None, doc="First-frame image (I2V; TI2V: image-to-video).")
+    loras: list[StackedLora] | None = setting(
+        None, doc="LoRA files stacked under the trained one for this prompt (replaces `sample.loras`; `[]`: none).")
 
 
 @attrs.frozen
@@ -92,6 +106,7 @@ class PromptSettings:
     guidance_scale_high_noise: float
     negative_prompt: str
     image: Path | None
+    loras: tuple[StackedLora, ...] = ()
 
     @property
     def guided(self) -> bool:
@@ -130,6 +145,9 @@ class SampleConfig:
                         range=between(0, 2**63 - 1))
     fps: float | None = setting(None, doc="Frame rate written to the mp4 files; unset: the variant's.",
                                 range=at_least(1.0))
+    loras: list[StackedLora] = setting(
+        factory=list, doc="LoRA files stacked under the trained one while sampling every prompt without `loras` of "
+        "its own: tables of `path`, `strength` (1.0) and `expert` (`both`); never trained or saved.")
     other_expert_lora: Path | None = setting(
         None, doc="With one A14B expert trained (`model.experts`), a LoRA file for the other expert, applied while "
         "sampling its timesteps (e.g. a `_high_noise.safetensors` of an earlier run); unset: its base weights.")
@@ -171,6 +189,7 @@ class SampleConfig:
                 seed=pick("seed", self.seed + i), steps=pick("steps", self.steps), guidance_scale=low,
                 guidance_scale_high_noise=high, negative_prompt=pick("negative_prompt", self.negative_prompt),
                 image=pick("image", self.images[i] if i < len(self.images) else None),
+                loras=tuple(pick("loras", self.loras)),
             ))
         return out
 
@@ -225,6 +244,16 @@ def check_sections(validation: ValidationConfig, sample: SampleConfig, spec: Any
     if spec.boundary_ratio is None and sample.guidance_scale_high_noise is not None:
         raise ConfigError(f"config key 'sample.guidance_scale_high_noise' applies to the two-expert A14B variants; "
                           f"{spec.name} has one transformer: use sample.guidance_scale")
+    for p in sample.resolved(spec):
+        for j, lora in enumerate(p.loras):
+            own = sample.prompts[p.index]
+            key = (f"sample.prompts[{p.index}].loras[{j}]" if isinstance(own, SamplePrompt) and own.loras is not None
+                   else f"sample.loras[{j}]")
+            if not Path(lora.path).is_file():
+                raise ConfigError(f"config key '{key}.path' = '{lora.path}' does not exist (a LoRA .safetensors file)")
+            if lora.expert != "both" and spec.boundary_ratio is None:
+                raise ConfigError(f"config key '{key}.expert' = '{lora.expert}': {spec.name} has one transformer; "
+                                  "use 'both'")
     if sample.other_expert_lora is not None:
         if spec.boundary_ratio is None or len(experts) != 1:
             raise ConfigError("config key 'sample.other_expert_lora' is for a run that trains one expert of an A14B "

@@ -34,9 +34,10 @@ group's timeout); each round logs ``samples_written`` with its wall time in the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,11 @@ import numpy as np
 import structlog
 import torch
 
-from wantrain.core.adapter import SamplingCapable, TextEncoding, check_needs, evaluation_session
+from wantrain.core.adapter import LoraStacking, SamplingCapable, TextEncoding, check_needs, evaluation_session
 from wantrain.core.atomic import atomic_write
 from wantrain.core.bus import Observer, Priority, on
-from wantrain.core.events import ControlRequested, OptimizerStepped, RunStarted, SamplesWritten
+from wantrain.core.events import ControlRequested, MetricsLogged, OptimizerStepped, RunStarted, SamplesWritten
+from wantrain.observers.evaluation.motion import clip_motion, motion, motion_metrics
 
 log = structlog.get_logger("wantrain.samples")
 
@@ -77,6 +79,7 @@ class SampleJob:
     guidance_scale_high_noise: float
     image: Any = None
     image_source: str | None = None
+    loras: tuple = ()  # StackedLora settings: files applied under the trained LoRA for this video
 
 
 def sample_path(directory: Path, step: int, index: int) -> Path:
@@ -151,7 +154,8 @@ class SampleVideos(Observer):
     needs = (SamplingCapable,)
 
     def __init__(self, *, out_dir: Path, jobs: Sequence[SampleJob], every: int, fps: float,
-                 tensorboard_dir: Path | None = None, sync: Any = None, note: str | None = None) -> None:
+                 tensorboard_dir: Path | None = None, sync: Any = None, note: str | None = None,
+                 clip_motion: float | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.jobs = list(jobs)
         self.every, self.fps = every, fps
@@ -162,6 +166,10 @@ class SampleVideos(Observer):
         self._bus: Any = None
         self._noted = False  # the note goes with the first round only
         self.seconds = 0.0
+        self.motion_seconds = 0.0  # of self.seconds: measuring the samples' motion
+        self.clip_motion = clip_motion  # the training clips' motion at the sample size (motion.py)
+        self.metrics: dict[str, float] = {}  # the last round's samples/motion* values
+        self._started = time.perf_counter()
 
     @property
     def samples_here(self) -> bool:
@@ -174,6 +182,7 @@ class SampleVideos(Observer):
 
     @on(RunStarted)
     def on_run_started(self, event: RunStarted, ctx) -> None:
+        self._started = time.perf_counter()
         if self.tensorboard_dir is not None and self.samples_here:
             from tensorboardX import SummaryWriter
 
@@ -190,7 +199,7 @@ class SampleVideos(Observer):
             log.info("samples skipped: stopping", step=event.step,
                      reason="a stop saves the LoRA and the checkpoint first")
         if event.step % self.every == 0 or event.step == ctx.state.total_steps:
-            self._round(event.step, ctx, skip=stopping)
+            self._round(event.step, ctx, skip=stopping, log_step=event.is_log_step)
 
     @on(ControlRequested)
     def on_control_requested(self, event: ControlRequested, ctx) -> None:
@@ -198,7 +207,7 @@ class SampleVideos(Observer):
         if event.action == "sample" and event.refused is None:
             self._round(event.step, ctx)
 
-    def _round(self, step: int, ctx, *, skip: bool = False) -> None:
+    def _round(self, step: int, ctx, *, skip: bool = False, log_step: bool = False) -> None:
         """One round of samples: rank 0 samples (unless ``skip``), the others wait. Under torchrun every rank
         reaches it at the same steps, a rule of the step alone: never of a stop request, which one rank may see
         before the others (its waiting barrier would then meet another collective)."""
@@ -214,6 +223,14 @@ class SampleVideos(Observer):
                 self.sync.wait_for_rank0()  # let the waiting ranks go on
         if paths is not None and self._bus is not None:
             self._bus.emit(SamplesWritten(step=step, paths=tuple(str(p) for p in paths)))
+        if paths is not None and self.metrics:  # host floats: on a log step in its line, else a line of their own
+            if log_step:
+                for name, value in self.metrics.items():
+                    ctx.metrics.put(name, value)
+            elif self._bus is not None:
+                self._bus.emit(MetricsLogged(step=step, expert=ctx.state.expert, values=dict(self.metrics),
+                                             elapsed_s=time.perf_counter() - self._started,
+                                             total_steps=ctx.state.total_steps))
 
     def sample(self, step: int, adapter: SamplingCapable, control: Any = None) -> list[Path]:
         """Generate and write every sample of ``step``; returns the mp4 paths. The experts are brought in by the
@@ -222,14 +239,20 @@ class SampleVideos(Observer):
         vae = adapter.load_vae().to(adapter.device).requires_grad_(False)
         paths = []
         pipes: dict[bool, Any] = {}
+        moved: dict[int, float | None] = {}
+        motion_seconds = 0.0
         try:
             with control.evaluation() if control is not None else evaluation_session(adapter) as bring_in:
                 for job in self.jobs:
                     i2v = job.image is not None
                     if i2v not in pipes:
                         pipes[i2v] = adapter.sampling_pipeline(vae, image_to_video=i2v)
-                    video, latents = self._generate(pipes[i2v], adapter, bring_in, job)
+                    with adapter.stacked_loras(job.loras) if job.loras else contextlib.nullcontext():
+                        video, latents = self._generate(pipes[i2v], adapter, bring_in, job)
                     frames = to_uint8(video[0])
+                    measured = time.perf_counter()
+                    moved[job.index] = motion(frames)
+                    motion_seconds += time.perf_counter() - measured
                     path = sample_path(self.out_dir, step, job.index)
                     write_video(path, frames, self.fps)
                     paths.append(path)
@@ -250,10 +273,13 @@ class SampleVideos(Observer):
             self._writer.flush()
         seconds = time.perf_counter() - started
         self.seconds += seconds
+        self.motion_seconds += motion_seconds
+        self.metrics = motion_metrics(moved, self.clip_motion)
         extra = {"note": self.note} if self.note and not self._noted else {}
         self._noted = True
         log.info("samples_written", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),
-                 paths=[str(p) for p in paths], **extra)
+                 motion_seconds=round(motion_seconds, 3), motion=self.metrics.get("samples/motion"),
+                 motion_ratio=self.metrics.get("samples/motion_ratio"), paths=[str(p) for p in paths], **extra)
         return paths
 
     def _generate(self, pipe: Any, adapter: SamplingCapable, bring_in: Any,
@@ -306,12 +332,15 @@ def _write_png(path: Path, picture: np.ndarray) -> None:
 
 def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, sync: Any = None,
                           clips: Sequence[tuple[Any, int, str]] = (),
-                          prompt_embeds: Mapping[str, torch.Tensor] | None = None) -> Any:
+                          prompt_embeds: Mapping[str, torch.Tensor] | None = None,
+                          clip_videos: Callable[[int, int], Iterable[np.ndarray]] | None = None) -> Any:
     """The observer of ``cfg.sample``: encodes each prompt (and negative prompt) now, while the text encoder is
     loaded, keeping the embeddings on the CPU (``prompt_embeds``: embeddings encoded already, by text, before the
     experts loaded: nothing is encoded); reads the first-frame images. An I2V prompt without an image takes the
     first frame of ``clips[index % len(clips)]`` at its sample size (logged as ``sample_first_frame``). torchrun
-    ranks other than 0 encode nothing: they only wait while rank 0 samples."""
+    ranks other than 0 encode nothing: they only wait while rank 0 samples. ``clip_videos(width, height)``: the
+    training clips' frames at that size (uint8 ``[F, H, W, 3]`` each), measured once at the first video prompt's
+    size for ``samples/motion_ratio`` (logged as ``clip_motion``)."""
     from PIL import Image
 
     def embed(text: str) -> torch.Tensor:
@@ -346,8 +375,19 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
             index=p.index, prompt_embeds=embed(p.prompt),
             negative_embeds=negative, width=p.width, height=p.height, frames=p.frames, seed=p.seed, steps=p.steps,
             guidance_scale=p.guidance_scale, guidance_scale_high_noise=p.guidance_scale_high_noise, image=image,
-            image_source=source,
+            image_source=source, loras=p.loras,
         ))
+    stacked = list({(lora.path, lora.strength, lora.expert): lora for job in jobs for lora in job.loras}.values())
+    if stacked:  # read now: a file diffusers cannot read is refused before training; unmatched keys said once
+        check_needs("SampleVideos", adapter, needs=(LoraStacking,))
+        for line in adapter.check_stacked_loras(stacked):
+            log.warning("stacked_lora_unmatched", detail=line)
+    reference = None
+    video = next((j for j in jobs if j.frames > 1), None)
+    if clip_videos is not None and video is not None:
+        reference = clip_motion(clip_videos(video.width, video.height))
+        log.info("clip_motion", motion=reference, width=video.width, height=video.height,
+                 unit="mean optical-flow magnitude, pixels per frame")
     note = None
     if spec.tiny:
         note = (f"{spec.name} is a random toy model: its VAE cannot draw, so the decoded frames look like noise "
@@ -356,4 +396,5 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
     return SampleVideos(
         out_dir=Path(run_dir) / "samples", jobs=jobs, every=s.every, fps=s.fps or spec.target_fps,
         tensorboard_dir=Path(run_dir) / "tensorboard" if cfg.observers.tensorboard else None, sync=sync, note=note,
+        clip_motion=reference,
     )

@@ -394,8 +394,16 @@ function showLrFinder(lr) {
 }
 
 // ---- samples, events, config ---------------------------------------------------------------------------------------
+// the motion of a sample (samples/motion/NN, pixels per frame) and the round's ratio to the training clips
+function motionAt(index, step) {
+  const at = name => { const s = state.series[name]; const i = s ? s.x.indexOf(step) : -1; return i < 0 ? null : s.y[i]; };
+  const m = at(`samples/motion/${String(index).padStart(2, "0")}`), r = at("samples/motion_ratio");
+  return m === null ? "" : `motion ${m.toFixed(3)} px/frame` + (r === null ? "" : `, ${r.toFixed(2)}x the clips`);
+}
+
 function showSamples(samples) {
-  const key = JSON.stringify(samples);
+  const motion = samples.map(s => motionAt(s.index, s.step));
+  const key = JSON.stringify([samples, motion]);
   if (key === state.samplesKey) return;
   state.samplesKey = key;
   const steps = [...new Set(samples.map(s => s.step))].sort((a, b) => a - b);
@@ -413,6 +421,7 @@ function showSamples(samples) {
         cell.append(s.kind === "mp4" ? el("video", {src: file(s.path), controls: "", loop: "", muted: "", preload: "metadata"})
           : el("img", {src: file(s.path), alt: `latents, step ${step}`, title: "denoised latents"}));
       }
+      if (motionAt(p, step)) cell.append(el("div", {class: "motion"}, motionAt(p, step)));
       return cell;
     })));
   }
@@ -472,6 +481,7 @@ function showDetails(info) {
     parts.push(el("details", {}, el("summary", {}, "the whole report (preflight.json)"), el("pre", {}, JSON.stringify(pre, null, 2))));
   }
   $("#preflight").replaceChildren(...(parts.length ? parts : [el("p", {}, "(no preflight.json)")]));
+  $("#keep").textContent = (info.keep || []).join("\n"); $("#keep").hidden = !info.keep;
   showSamples(info.samples); showCheckpoints(info.checkpoints);
   if (info.lr_finder) showLrFinder(info.lr_finder);
 }
