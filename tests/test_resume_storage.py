@@ -276,9 +276,9 @@ def test_one_ctrl_c_while_the_run_directory_is_set_up_stops_with_exit_code_3(wor
 
     original = assemble.write_config_source
 
-    def write_config_source(run_dir, config_dir):
+    def write_config_source(run_dir, *rest):
         os.kill(os.getpid(), signal.SIGINT)
-        return original(run_dir, config_dir)
+        return original(run_dir, *rest)
 
     monkeypatch.setattr(assemble, "write_config_source", write_config_source)
     config = config_in(workspace, tmp_path)

@@ -77,13 +77,15 @@ def lr_finder_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def continue_command(args: argparse.Namespace) -> str:
-    """The command that resumes this run: the config as given, the same overrides (and ``--allow-code``),
+    """The command that resumes this run: the config as given, the same overrides, run id (and ``--allow-code``),
     ``--resume auto``."""
     words = ["wantrain", "run", str(args.config)]
     for item in args.set or []:
         words += ["--set", item]
     if args.max_steps is not None:
         words += ["--max-steps", str(args.max_steps)]
+    if getattr(args, "run_id", None) is not None:  # --resume auto continues only a run of the same run id
+        words += ["--run-id", args.run_id]
     if getattr(args, "allow_code", False):
         words.append("--allow-code")
     if getattr(args, "allow_data_changes", False):

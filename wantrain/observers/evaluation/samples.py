@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from fractions import Fraction
@@ -213,6 +214,8 @@ class SampleVideos(Observer):
         before the others (its waiting barrier would then meet another collective)."""
         if not self.samples_here:
             self.sync.wait_for_rank0()  # rank 0 samples; no collective timeout while it does
+            if not log_step:  # the same line of figures as rank 0's (a log step's travel with its other metrics)
+                self._log_figures(step, ctx, json.loads(self.sync.broadcast_text(None)))
             return
         paths = None
         try:
@@ -223,14 +226,21 @@ class SampleVideos(Observer):
                 self.sync.wait_for_rank0()  # let the waiting ranks go on
         if paths is not None and self._bus is not None:
             self._bus.emit(SamplesWritten(step=step, paths=tuple(str(p) for p in paths)))
-        if paths is not None and self.metrics:  # host floats: on a log step in its line, else a line of their own
-            if log_step:
-                for name, value in self.metrics.items():
-                    ctx.metrics.put(name, value)
-            elif self._bus is not None:
-                self._bus.emit(MetricsLogged(step=step, expert=ctx.state.expert, values=dict(self.metrics),
-                                             elapsed_s=time.perf_counter() - self._started,
-                                             total_steps=ctx.state.total_steps))
+        figures = dict(self.metrics) if paths is not None else {}
+        if log_step:  # host floats: on a log step in its line (reduced over the ranks there)
+            for name, value in figures.items():
+                ctx.metrics.put(name, value)
+            return
+        if self.sync is not None:  # every rank reaches a round at the same steps: the others wait for this text
+            self.sync.broadcast_text(json.dumps(figures))
+        self._log_figures(step, ctx, figures)
+
+    def _log_figures(self, step: int, ctx, figures: dict[str, float]) -> None:
+        """A round's ``samples/motion*`` figures off a log step: a line of their own, on every rank alike."""
+        if figures and self._bus is not None:
+            self._bus.emit(MetricsLogged(step=step, expert=ctx.state.expert, values=figures,
+                                         elapsed_s=time.perf_counter() - self._started,
+                                         total_steps=ctx.state.total_steps))
 
     def sample(self, step: int, adapter: SamplingCapable, control: Any = None) -> list[Path]:
         """Generate and write every sample of ``step``; returns the mp4 paths. The experts are brought in by the
