@@ -3,8 +3,12 @@ is true and says it the same way everywhere."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 
+import wantrain
 from wantrain.observers.lr_finder.math import suggest
 from wantrain.observers.lr_finder.observer import LrFinderResult, summary_lines
 
@@ -32,3 +36,25 @@ def test_the_minimum_suggestion_is_named_a_tenth_of_the_lowest_loss_lr_as_on_the
     lines = summary_lines({None: result})
     assert lines[0] == "lr_finder [lora]: suggested LR 1 (minimum / 10)", lines
     assert "  minimum / 10 1  <- default" in lines and not any(x.startswith("  minimum  ") for x in lines), lines
+
+
+def test_the_page_memory_plan_box_shows_the_plans_lines_as_text_and_no_frame_statistics(tmp_path):
+    """Finding 7: the box's filter `/memory|vram|ram|plan/` matched "frames_left_over" and showed the plan as a
+    JSON array of lines; it now shows the lines `check` prints, read from the report's own keys."""
+    from tests.serve.test_server import client_of, make_run
+    from wantrain.app.serve.server import Site
+
+    root = tmp_path / "runs"
+    run = make_run(root)
+    plan = {"budget_gib": None, "bucket": "256x256x17", "lines": ["  base weights  9.50 GiB", "  total  12.00 GiB"],
+            "settings": {"base_dtype": "bf16", "blocks_to_swap": 0, "offload_activations": False}}
+    host = {"lines": ["  pinned staging  2.00 GiB"]}
+    (run / "preflight.json").write_text(json.dumps({"frames_left_over_pct": 93.7, "source_frames_total": 320,
+                                                    "memory_plan": plan, "host_memory": host}), encoding="utf-8")
+    memory = client_of(Site(root, token="t")).get(f"/api/runs/{run.name}").json()["memory"]
+    assert memory.splitlines() == [
+        "memory plan for 256x256x17, one expert resident (settings as given): bf16 base, 0 blocks swapped, "
+        "activation offload off (docs/models.md, Memory):", "  base weights  9.50 GiB", "  total  12.00 GiB", "",
+        "host memory (RAM), part by part (docs/models.md, Host memory):", "  pinned staging  2.00 GiB"], memory
+    script = (Path(wantrain.__file__).parent / "app" / "serve" / "static" / "app.js").read_text(encoding="utf-8")
+    assert "/memory|vram|ram|plan/" not in script and 'el("pre", {}, info.memory)' in script

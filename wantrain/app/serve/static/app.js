@@ -476,8 +476,7 @@ function showDetails(info) {
   if (pre && pre.skipped) parts.push(el("h3", {}, `Skipped files (${pre.skipped.length})`),
     el("ul", {}, ...pre.skipped.map(s => el("li", {}, typeof s === "object" ? `${s.path || ""}: ${s.reason || JSON.stringify(s)}` : String(s)))));
   if (pre) {
-    const memory = Object.fromEntries(Object.entries(pre).filter(([k]) => /memory|vram|ram|plan/i.test(k)));
-    if (Object.keys(memory).length) parts.push(el("h3", {}, "Memory plan"), el("pre", {}, JSON.stringify(memory, null, 2)));
+    if (info.memory) parts.push(el("h3", {}, "Memory plan"), el("pre", {}, info.memory));  // the lines `check` prints
     parts.push(el("details", {}, el("summary", {}, "the whole report (preflight.json)"), el("pre", {}, JSON.stringify(pre, null, 2))));
   }
   $("#preflight").replaceChildren(...(parts.length ? parts : [el("p", {}, "(no preflight.json)")]));
