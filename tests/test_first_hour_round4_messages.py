@@ -58,3 +58,28 @@ def test_the_page_memory_plan_box_shows_the_plans_lines_as_text_and_no_frame_sta
         "host memory (RAM), part by part (docs/models.md, Host memory):", "  pinned staging  2.00 GiB"], memory
     script = (Path(wantrain.__file__).parent / "app" / "serve" / "static" / "app.js").read_text(encoding="utf-8")
     assert "/memory|vram|ram|plan/" not in script and 'el("pre", {}, info.memory)' in script
+
+
+def test_check_does_not_ask_for_the_presets_min_steps_in_the_last_phase_which_never_ends():
+    """Finding 7: a quickstart experiment (window 40, short phases) reached every phase in 200 steps, yet `check`
+    said "the schedule needs 4160 -- raise train.max_steps": the last phase's min_steps, unset, counted the video
+    preset's 4000."""
+    from wantrain.observers.alpha.config import AlphaPhase, AlphaScheduleConfig
+    from wantrain.observers.alpha.report import resolution_lines
+
+    def schedule(last_min_steps):
+        phases = [AlphaPhase(name="foundation", alpha=4, min_steps=20),
+                  AlphaPhase(name="balance", alpha=7, min_steps=20),
+                  AlphaPhase(name="emphasis", alpha=10, min_steps=last_min_steps)]
+        return AlphaScheduleConfig(enabled=True, window=40, min_samples=20, phases=phases)
+
+    lines = resolution_lines(schedule(None), experts=2, max_steps=400)
+    assert lines[-2].endswith("entered by expert step 160 on a flat loss (every phase before it ending by its second "
+                              "look), then the rest of the run"), lines
+    assert lines[-1] == "  the run gives each expert 200 steps; the schedule needs 160", lines
+    short = resolution_lines(schedule(100), experts=2, max_steps=400)[-1]  # a min_steps set on the last phase counts
+    assert short == "  the run gives each expert 200 steps; the schedule needs 260 -- every phase is reached; the " \
+                    "last gets 40 of its min_steps 100", short
+    unreached = resolution_lines(schedule(None), experts=2, max_steps=200)[-1]
+    assert unreached.endswith("the schedule needs 160 -- raise train.max_steps or lower min_steps/window to reach "
+                              "every phase"), unreached
