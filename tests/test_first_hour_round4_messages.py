@@ -83,3 +83,13 @@ def test_check_does_not_ask_for_the_presets_min_steps_in_the_last_phase_which_ne
     unreached = resolution_lines(schedule(None), experts=2, max_steps=200)[-1]
     assert unreached.endswith("the schedule needs 160 -- raise train.max_steps or lower min_steps/window to reach "
                               "every phase"), unreached
+
+
+def test_the_page_names_units_and_suggestions_as_the_report_and_the_console_do():
+    """Findings 7 and 8: the page's LR suggestions said `minimum 1` (the console and chart: "minimum / 10"), and its
+    memory chart said GB where the memory metrics and the report are GiB (2**30 bytes)."""
+    from wantrain.observers.lr_finder.math import LABELS
+
+    script = (Path(wantrain.__file__).parent / "app" / "serve" / "static" / "app.js").read_text(encoding="utf-8")
+    assert f'const LR_LABELS = {{minimum: "{LABELS["minimum"]}"}};' in script
+    assert script.count("LR_LABELS[n") == 2 and '"Memory (GiB): RAM and VRAM"' in script and "(GB)" not in script
