@@ -93,3 +93,22 @@ def test_the_page_names_units_and_suggestions_as_the_report_and_the_console_do()
     script = (Path(wantrain.__file__).parent / "app" / "serve" / "static" / "app.js").read_text(encoding="utf-8")
     assert f'const LR_LABELS = {{minimum: "{LABELS["minimum"]}"}};' in script
     assert script.count("LR_LABELS[n") == 2 and '"Memory (GiB): RAM and VRAM"' in script and "(GB)" not in script
+
+
+def test_serve_on_a_taken_port_names_the_option_that_picks_another(tmp_path, capsys):
+    """Finding 8: `wantrain run --serve` on a taken port said only "Address already in use"; the page's child
+    process now names `--serve PORT` (a direct `wantrain serve`: `--port PORT`)."""
+    import socket
+
+    from wantrain.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tmp_path), "--port", str(port), "--exit-with-parent"]) == 2
+        from_run = capsys.readouterr().err
+        assert main(["serve", str(tmp_path), "--port", str(port)]) == 2
+        direct = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in from_run and "--serve PORT" in from_run and "Traceback" not in from_run, from_run
+    assert "--port PORT" in direct and "--serve" not in direct, direct
