@@ -112,3 +112,17 @@ def test_serve_on_a_taken_port_names_the_option_that_picks_another(tmp_path, cap
         direct = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in from_run and "--serve PORT" in from_run and "Traceback" not in from_run, from_run
     assert "--port PORT" in direct and "--serve" not in direct, direct
+
+
+def test_every_route_of_the_page_server_is_documented_with_its_method():
+    """Finding 8: `POST /api/runs/<id>/control` (what a script posts to) was in no document."""
+    from wantrain.app.serve.server import Site, build_app
+
+    doc = (Path(wantrain.__file__).parents[1] / "docs" / "serve.md").read_text(encoding="utf-8")
+    routes = [r for r in build_app(Site(Path("."), token="t" * 16)).app.routes if getattr(r, "methods", None)]
+    assert any("POST" in r.methods for r in routes)
+    for route in routes:  # the Mount of /static has no methods: the page's code, nothing to call
+        path = route.path.replace("{run}", "RUN").replace("{path:path}", "PATH")
+        if path.startswith("/api") or path.startswith("/files"):
+            for method in sorted(route.methods - {"HEAD"}):
+                assert f"`{method} {path}" in doc, f"{method} {path} is not in docs/serve.md"
