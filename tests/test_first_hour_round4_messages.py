@@ -126,3 +126,22 @@ def test_every_route_of_the_page_server_is_documented_with_its_method():
         if path.startswith("/api") or path.startswith("/files"):
             for method in sorted(route.methods - {"HEAD"}):
                 assert f"`{method} {path}" in doc, f"{method} {path} is not in docs/serve.md"
+
+
+def test_a_loss_is_written_with_four_significant_digits_everywhere_and_the_console_says_it_is_the_ema():
+    """Finding 8: "last loss" read 1.21 (console), 1.180 (page) and 1.1802 (`wantrain report`); the console's is
+    the EMA, the others the last logged loss."""
+    import io
+
+    from wantrain.app.report import summarize
+    from wantrain.core.events import MetricsLogged
+    from wantrain.observers.progress import ProgressLine
+
+    summary = summarize([{"step": 5, "elapsed_s": 1.0, "train/loss": 1.18024}])
+    assert "loss all: best 1.18 at step 5, last 1.18 at step 5" in summary, summary
+    line = ProgressLine(stream=io.StringIO())
+    line.on_metrics_logged(MetricsLogged(step=5, expert=None, values={"train/loss": 1.18024}, elapsed_s=1.0,
+                                         total_steps=10), None)
+    assert "loss 1.18 (EMA)" in line.render(), line.render()
+    script = (Path(wantrain.__file__).parent / "app" / "serve" / "static" / "app.js").read_text(encoding="utf-8")
+    assert "String(Number(v.toPrecision(digits)))" in script  # the page's fmt(): "{:.4g}", no trailing zeros

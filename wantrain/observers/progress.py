@@ -189,7 +189,7 @@ class ProgressLine(Observer):
             parts.append(f"{rate:.2f} it/s" if rate >= 1 else f"{1 / rate:.2f} s/it")
             parts.append(f"ETA {format_duration(max(total - self.step, 0) / rate) if total else '?'}")
         loss = self.loss_ema.get(self.expert, self.loss_ema.get(None))
-        parts.append(f"loss {loss:.4g}" if loss is not None else "loss ?")
+        parts.append(f"loss {loss:.4g} (EMA)" if loss is not None else "loss ?")  # not the last logged loss
         parts.append(f"lr {self.lr:.3g}" if self.lr is not None else "lr ?")
         if self.effective_lr is not None:  # Prodigy: lr is a multiplier; this is the step size it takes
             parts[-1] += f" (effective {self.effective_lr:.3g})"

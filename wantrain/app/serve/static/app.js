@@ -44,7 +44,8 @@ function fmt(v, digits = 4) {
   if (v === null || v === undefined) return "–";
   if (typeof v !== "number") return String(v);
   const a = Math.abs(v);
-  return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(2) : v.toPrecision(digits);
+  // as Python's "{:.4g}" (the console and `wantrain report`): no trailing zeros
+  return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(2) : String(Number(v.toPrecision(digits)));
 }
 function duration(s) {
   if (s === null || s === undefined) return "–";
