@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import wantrain
 from wantrain.observers.lr_finder.math import suggest
 from wantrain.observers.lr_finder.observer import LrFinderResult, summary_lines
+from wantrain.observers.progress import format_duration
 
 
 def grid(n: int = 61) -> list[float]:
@@ -145,3 +147,38 @@ def test_a_loss_is_written_with_four_significant_digits_everywhere_and_the_conso
     assert "loss 1.18 (EMA)" in line.render(), line.render()
     script = (Path(wantrain.__file__).parent / "app" / "serve" / "static" / "app.js").read_text(encoding="utf-8")
     assert "String(Number(v.toPrecision(digits)))" in script  # the page's fmt(): "{:.4g}", no trailing zeros
+
+
+def test_the_console_eta_counts_the_pauses_that_recur_as_the_run_page_does(tmp_path):
+    """Finding 8: the console said ETA 1:12 (the last 50 steps' pace) while the page said 4 min (the pace since the
+    first logged step, every sample round included); both now use the page's rule."""
+    import io
+
+    from tests.serve.test_server import make_run
+    from wantrain.app.serve.rundata import RunData
+    from wantrain.core.events import MetricsLogged, OptimizerStepped, RunStarted
+    from wantrain.observers.progress import ProgressLine
+
+    now = [0.0]
+    line = ProgressLine(stream=io.StringIO(), clock=lambda: now[0])
+    line.on_run_started(RunStarted(step=0, run_dir="", total_steps=100, grad_accum=1, experts=(None,),
+                                   log_every=10), None)
+    rows = []
+    for step in range(1, 91):
+        now[0] += 1.0 + (100.0 if step % 40 == 0 else 0.0)  # 1 s a step, a 100 s sample round every 40 steps
+        line.on_optimizer_stepped(OptimizerStepped(step=step, expert=None, skipped=False, skip_reason=None,
+                                                   lrs=(1e-4,), group_names=("lora",), is_log_step=step % 10 == 0),
+                                  None)
+        if step % 10 == 0:
+            rows.append({"step": step, "time": now[0], "elapsed_s": now[0], "expert": None, "train/loss": 1.0})
+            line.on_metrics_logged(MetricsLogged(step=step, expert=None, values={"train/loss": 1.0},
+                                                 elapsed_s=now[0], total_steps=100), None)
+    rendered = line.render()
+    run = make_run(tmp_path / "runs", steps=())
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    data = RunData(run)
+    data.refresh()
+    page_eta = data.summary()["eta_s"]
+    # 80 steps in 280 s since the first log step (step 10): the 10 left take 35 s; the last 50 steps' pace said 30
+    assert page_eta == pytest.approx(10 * 280 / 80)
+    assert f"ETA {format_duration(page_eta)}" in rendered, rendered
