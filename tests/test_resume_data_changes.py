@@ -81,7 +81,9 @@ def test_a_changed_file_is_refused_naming_it_and_touches_nothing(copy, capsys, c
     capsys.readouterr()
     assert resume(config) == 2
     err = refusal(capsys)
-    assert f"{data / 'clip_003.mp4'} ({change})" in err and "1 file(s) changed" in err
+    named = f"{data / 'clip_003.txt'} (caption of clip_003.mp4)" if change == "caption" else \
+        f"{data / 'clip_003.mp4'} (content)"  # the file that changed: the caption's own, for a caption (issue 49)
+    assert named in err and "1 file(s) changed" in err
     assert "--allow-data-changes" in err
     assert files(run_dir) == before
 
@@ -109,7 +111,7 @@ def test_allow_data_changes_trains_on_and_records_the_changed_files(copy):
     assert resume(config, "--allow-data-changes") == 0
     changed = [e for e in read(run_dir) if isinstance(e, DataChanged)]
     assert len(changed) == 1
-    assert changed[0].changed == (f"{data / 'clip_003.mp4'} (caption)",)
+    assert changed[0].changed == (f"{data / 'clip_003.txt'} (caption of clip_003.mp4)",)
     assert changed[0].checkpoint.endswith("step_000002") and changed[0].step == 2
     # the new checkpoint carries the data as it is now: the next resume has nothing to allow
     assert main(["run", str(config), "--max-steps", "4", *SETTINGS, "--resume", str(run_dir)]) == 0  # completed

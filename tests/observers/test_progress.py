@@ -52,7 +52,7 @@ def test_progress_line_shows_step_rate_eta_loss_ema_lr_expert_and_alpha_phase():
     drive(progress, clock)
     line = progress.render()
     ema = 0.9 * 0.55 + 0.1 * 0.60  # EMA of the low_noise losses logged at steps 5 and 10
-    assert line == (f"step 10/100 (10%) | 2.00 it/s | ETA 0:00:45 | loss {ema:.4g} | lr 0.0002 | "
+    assert line == (f"step 10/100 (10%) | 2.00 it/s | ETA 0:00:45 | loss {ema:.4g} (EMA) | lr 0.0002 | "
                     "expert low_noise | alpha phase 1")
 
 

@@ -81,7 +81,7 @@ def test_report_summary_names_steps_time_best_and_last_loss_per_expert_and_skipp
     assert "steps: 300 (first logged 10, 30 log lines)" in out
     assert "time: 0:10:00 (600.0 s)" in out
     assert "loss high_noise: best 0.24 at step 250, last 0.24 at step 250" in out
-    assert "loss low_noise: best 0.033333 at step 300, last 0.033333 at step 300" in out
+    assert "loss low_noise: best 0.03333 at step 300, last 0.03333 at step 300" in out
     assert "skipped steps: 1" in out
     assert (tmp_path / "elsewhere" / "r.png").is_file()
 

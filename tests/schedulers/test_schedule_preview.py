@@ -35,9 +35,10 @@ def test_schedule_command_writes_a_png_and_prints_the_key_points(tmp_path, capsy
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     rows = {line.split()[0]: line for line in text.splitlines()[2:] if line.strip()[:1].isdigit()}
-    assert "end of warmup" in rows["12"] and "2.0000e-04" in rows["12"]
-    assert "restart 1" in rows["42"] and "1.0000e-04" in rows["42"]
-    assert "restart 2" in rows["72"] and "restart 3" in rows["102"] and "last step" in rows["119"]
+    # numbered from 1, as the progress line and metrics.jsonl number the steps (issue 49)
+    assert "first step" in rows["1"] and "end of warmup" in rows["13"] and "2.0000e-04" in rows["13"]
+    assert "restart 1" in rows["43"] and "1.0000e-04" in rows["43"]
+    assert "restart 2" in rows["73"] and "restart 3" in rows["103"] and "last step" in rows["120"]
     assert "groups: high_noise, low_noise" in text
 
 

@@ -69,7 +69,7 @@ from wantrain.core.state import TrainState
 from wantrain.core.state_check import check_state_tree
 from wantrain.data import build_dataset, ensure_cache
 from wantrain.data.cache import CacheStats
-from wantrain.data.fingerprints import DataChanged, file_fingerprints, name_some
+from wantrain.data.fingerprints import DataChanged, caption_files, file_fingerprints, name_some
 from wantrain.data.fingerprints import compare as compare_data
 from wantrain.data.media import decode_video
 from wantrain.data.training import TrainingData
@@ -452,7 +452,7 @@ def _check_data(point: ResumePoint, data: Any, allow_changes: bool) -> tuple[str
             raise UserError(f"{where} (files were added, removed or renamed in the dataset folders since); restore "
                             "the data or start a new run")
         return ()
-    diff = compare_data(saved_files, file_fingerprints(data.clips))
+    diff = compare_data(saved_files, file_fingerprints(data.clips), caption_files(data.clips))
     if diff.added or diff.removed or list_changed:
         parts = [f"{kind}: {name_some(files)}" for kind, files in
                  (("added", diff.added), ("removed", diff.removed), ("changed", diff.changed)) if files]

@@ -284,10 +284,11 @@ def summarize(records: Sequence[dict[str, Any]], run_dir: Path | None = None) ->
             lines.append(f"loss {name}: no finite values")
             continue
         best, best_step = min(finite)
-        lines.append(f"loss {name}: best {best:.5g} at step {best_step}, last {values[-1]:.5g} at step {steps[-1]}")
+        # 4 significant digits, as the progress line and the run page write a loss
+        lines.append(f"loss {name}: best {best:.4g} at step {best_step}, last {values[-1]:.4g} at step {steps[-1]}")
     val_steps, val = series(records, "val/loss")
     if val_steps:
-        lines.append(f"val/loss: {val[0]:.5g} at step {val_steps[0]}, last {val[-1]:.5g} at step {val_steps[-1]}")
+        lines.append(f"val/loss: {val[0]:.4g} at step {val_steps[0]}, last {val[-1]:.4g} at step {val_steps[-1]}")
     skipped = [v for v in series(records, "train/skipped_steps")[1] if math.isfinite(v)]
     lines.append(f"skipped steps: {int(skipped[-1]) if skipped else 0}")
     peak = [v for v in series(records, "memory/vram_peak_gb")[1] if math.isfinite(v)]

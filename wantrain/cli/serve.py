@@ -5,6 +5,7 @@ its data and its controls need the token in the URL it prints (``$WANTRAIN_SERVE
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import threading
 import time
@@ -42,7 +43,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = PageServer(args.output_dir, host=args.host, port=args.port, read_only=args.read_only)
     except OSError as exc:
-        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:  # started by `wantrain run --serve`: the port is the run's option
+            hint = ("; another process listens there: give `wantrain run` another port, --serve PORT (0: any free one)"
+                    if args.exit_with_parent else "; another process listens there: use --port PORT (0: any free one)")
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}{hint}") from None
     print(f"wantrain serve: {args.output_dir.resolve()}")
     print(f"  open {server.token_url}")
     where = "" if is_loopback(args.host) else " from the network"

@@ -62,6 +62,7 @@ class Clip:
     # samples trained with the empty prompt instead
     texts: tuple[str, ...] = ()
     caption_dropout: float = 0.0
+    caption_file: str = ""  # the caption's own file (a sidecar), named when it changes; "" for a metadata line or none
 
     def __attrs_post_init__(self) -> None:
         if not self.texts:

@@ -209,6 +209,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
             else:
                 length, starts = 1, [0]
             texts = caption_texts(variants, r.captions, seed=seed, path=str(path))
+            caption_file = str(caption_source) if isinstance(caption_source, Path) and caption_source.is_file() else ""
             for side in sides:
                 sb = nearest_bucket(info.width, info.height, sizes[side])
                 for start in starts:
@@ -218,7 +219,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
                         source_frames=frames_real, source_width=info.width, source_height=info.height,
                         fingerprint=content, cache_dir=cache_dir, repeats=repeats,
                         frame_buckets=tuple(frame_buckets), rotation=info.rotation, texts=texts,
-                        caption_dropout=r.captions.dropout,
+                        caption_dropout=r.captions.dropout, caption_file=caption_file,
                     ))
                     cropped.append(cropped_fraction(info.width, info.height, sb.width, sb.height))
         n_clips = len(clips) - clips_before

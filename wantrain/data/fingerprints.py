@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -31,9 +32,10 @@ NAMED = 8
 @attrs.frozen(slots=True, kw_only=True)
 class DataChanged(Event):
     """A resumed run continues on media whose content or caption changed since its checkpoint, as
-    ``--allow-data-changes`` allowed. ``changed``: ``"<path> (content)"`` / ``"<path> (caption)"`` for every such
-    medium; ``checkpoint``: the checkpoint resumed from. Emitted once, right after ``RunStarted``; nobody needs to
-    act on it (it is on record for whoever reads the log)."""
+    ``--allow-data-changes`` allowed. ``changed``: ``"<path> (content)"`` / ``"<caption file> (caption of <name>)"``
+    (``"<path> (caption)"`` for a caption from a metadata file) for every such change; ``checkpoint``: the
+    checkpoint resumed from. Emitted once, right after ``RunStarted``; nobody needs to act on it (it is on record
+    for whoever reads the log)."""
 
     changed: tuple[str, ...]
     checkpoint: str
@@ -50,10 +52,16 @@ def file_fingerprints(clips: Iterable[Any]) -> dict[str, list[str]]:
     return out
 
 
+def caption_files(clips: Iterable[Any]) -> dict[str, str]:
+    """``{path: caption file}`` for each medium of ``clips`` whose caption is a file of its own (a sidecar)."""
+    return {str(clip.path): clip.caption_file for clip in clips if clip.caption_file}
+
+
 @attrs.frozen
 class DataDifference:
     """What differs between a checkpoint's fingerprints and the data now: ``changed`` as ``"<path> (content)"``
-    or ``"<path> (caption)"`` (or both), ``added`` and ``removed`` as paths."""
+    and/or ``"<caption file> (caption of <name>)"`` (the file a user edits; ``"<path> (caption)"`` when the
+    caption has no file of its own), ``added`` and ``removed`` as paths."""
 
     changed: tuple[str, ...]
     added: tuple[str, ...]
@@ -63,16 +71,18 @@ class DataDifference:
         return bool(self.changed or self.added or self.removed)
 
 
-def compare(saved: Mapping[str, Any], current: Mapping[str, list[str]]) -> DataDifference:
+def compare(saved: Mapping[str, Any], current: Mapping[str, list[str]],
+            captions: Mapping[str, str] | None = None) -> DataDifference:
     """The difference between ``saved`` (a checkpoint's ``data_files``) and ``current`` (:func:`file_fingerprints`
-    of the data now), in path order."""
+    of the data now), in path order; ``captions`` (:func:`caption_files`) names a changed caption by its file."""
     changed = []
     for path in sorted(set(saved) & set(current)):
         (old_content, old_caption), (content, caption) = saved[path], current[path]
-        what = [w for w, differs in (("content", old_content != content), ("caption", old_caption != caption))
-                if differs]
-        if what:
-            changed.append(f"{path} ({' and '.join(what)})")
+        if old_content != content:
+            changed.append(f"{path} (content)")
+        if old_caption != caption:
+            own = (captions or {}).get(path)
+            changed.append(f"{own} (caption of {Path(path).name})" if own else f"{path} (caption)")
     return DataDifference(tuple(changed), tuple(sorted(set(current) - set(saved))),
                           tuple(sorted(set(saved) - set(current))))
 

@@ -166,20 +166,28 @@ class PreflightReport:
         if self.speed:
             lines.append("speed (docs/models.md, Speed):")
             lines.extend(f"  {line}" for line in self.speed["lines"])
-        if self.memory_plan:
-            plan = self.memory_plan
-            chosen = plan["settings"]
-            head = f"memory plan for {plan['bucket']}, one expert resident"
-            head += f", budget {plan['budget_gib']:g} GiB" if plan["budget_gib"] is not None else " (settings as given)"
-            lines.append("")
-            lines.append(f"{head}: {chosen['base_dtype']} base, {chosen['blocks_to_swap']} blocks swapped, activation "
-                         f"offload {'on' if chosen['offload_activations'] else 'off'} (docs/models.md, Memory):")
-            lines.extend(plan["lines"])
-        if self.host_memory:
-            lines.append("")
-            lines.append("host memory (RAM), part by part (docs/models.md, Host memory):")
-            lines.extend(self.host_memory["lines"])
+        lines.extend(memory_lines(self.memory_plan, self.host_memory))
         if self.warnings:
             lines.append("")
             lines.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(lines)
+
+
+def memory_lines(memory_plan: dict[str, Any], host_memory: dict[str, Any]) -> list[str]:
+    """The VRAM plan and the host-memory plan as text, each after an empty line (what ``check`` prints and the run
+    page's "Memory plan" box shows, from a report or its ``preflight.json``); empty when neither was planned."""
+    lines: list[str] = []
+    if memory_plan:
+        chosen = memory_plan["settings"]
+        head = f"memory plan for {memory_plan['bucket']}, one expert resident"
+        head += (f", budget {memory_plan['budget_gib']:g} GiB" if memory_plan["budget_gib"] is not None
+                 else " (settings as given)")
+        lines.append("")
+        lines.append(f"{head}: {chosen['base_dtype']} base, {chosen['blocks_to_swap']} blocks swapped, activation "
+                     f"offload {'on' if chosen['offload_activations'] else 'off'} (docs/models.md, Memory):")
+        lines.extend(memory_plan["lines"])
+    if host_memory:
+        lines.append("")
+        lines.append("host memory (RAM), part by part (docs/models.md, Host memory):")
+        lines.extend(host_memory["lines"])
+    return lines

@@ -11,7 +11,8 @@ line is printed per log step (the last one with the run's status), so logs stay 
 
 * it/s: optimizer steps per second over about the last ``window`` steps (a moving window, so it follows
   slowdowns), from the clock read at each redraw (terminal) or log step (otherwise).
-* ETA: remaining steps / it/s.
+* ETA: remaining steps at the average pace since the first logged loss (sample rounds, validations and saves
+  included, as they recur; the run page's ETA is the same rule), remaining steps / it/s before that.
 * loss: exponential moving average (``beta`` 0.9) of the logged interval means, per expert (``train/loss/<expert>``)
   when the model has experts, else of ``train/loss``; the active expert's is shown.
 * LR: the LR the step used, of the parameter group named after the active expert if there is one, else the first.
@@ -69,6 +70,7 @@ class ProgressLine(Observer):
         self._clock = clock
         self.window = max(2, window)
         self._times: deque[tuple[float, int]] = deque(maxlen=self.window)  # (clock, step) samples
+        self._since: tuple[float, int] | None = None  # (clock, step) of the first logged loss: the ETA's start
         self.total_steps = 0
         self.step = 0
         self.expert: str | None = None
@@ -91,6 +93,7 @@ class ProgressLine(Observer):
         self._stepped = None
         self._times.clear()
         self._times.append((self._clock(), event.step))
+        self._since = None
         self._first_step_pending = self.compiling
         if self.compiling:
             line = f"{self.render()} | compiling the transformer blocks (model.compile): the first step is slow"
@@ -130,6 +133,8 @@ class ProgressLine(Observer):
     def on_metrics_logged(self, event: MetricsLogged, ctx) -> None:
         self._take_step()
         values = event.values
+        if self._since is None and self._times and any(k.startswith("train/loss") for k in values):
+            self._since = self._times[-1]
         self.total_steps = event.total_steps or self.total_steps
         keyed = {k.removeprefix("train/loss/"): v for k, v in values.items() if k.startswith("train/loss/")}
         if not keyed and "train/loss" in values:
@@ -177,6 +182,19 @@ class ProgressLine(Observer):
             return None
         return (s1 - s0) / (t1 - t0)
 
+    def eta_seconds(self, rate: float) -> float | None:
+        """Seconds left: the remaining steps at the average pace since the first logged loss -- sample rounds,
+        validations and saves included, as they recur -- which is how the run page computes it (``rate``, the
+        recent window's, until a second log step); None without a total."""
+        if not self.total_steps:
+            return None
+        left = max(self.total_steps - self.step, 0)
+        if self._since is not None and self._times:
+            (t0, s0), (t1, s1) = self._since, self._times[-1]
+            if s1 > s0 and t1 > t0:
+                return left * (t1 - t0) / (s1 - s0)
+        return left / rate
+
     def render(self) -> str:
         """The progress line as text (no carriage return)."""
         total = self.total_steps
@@ -187,9 +205,10 @@ class ProgressLine(Observer):
             parts += ["? it/s", "ETA ?"]
         else:
             parts.append(f"{rate:.2f} it/s" if rate >= 1 else f"{1 / rate:.2f} s/it")
-            parts.append(f"ETA {format_duration(max(total - self.step, 0) / rate) if total else '?'}")
+            eta = self.eta_seconds(rate)
+            parts.append(f"ETA {format_duration(eta) if eta is not None else '?'}")
         loss = self.loss_ema.get(self.expert, self.loss_ema.get(None))
-        parts.append(f"loss {loss:.4g}" if loss is not None else "loss ?")
+        parts.append(f"loss {loss:.4g} (EMA)" if loss is not None else "loss ?")  # not the last logged loss
         parts.append(f"lr {self.lr:.3g}" if self.lr is not None else "lr ?")
         if self.effective_lr is not None:  # Prodigy: lr is a multiplier; this is the step size it takes
             parts[-1] += f" (effective {self.effective_lr:.3g})"

@@ -60,6 +60,8 @@ def key_points(cfg: SchedulerConfig, lrs: dict[str, list[float]], total_steps: i
 
 def format_table(cfg: SchedulerConfig, lrs: dict[str, list[float]], points: list[tuple[int, str]],
                  total_steps: int, *, max_rows: int = 40) -> str:
+    """The key points as a table, each step numbered as the progress line, ``metrics.jsonl`` and the checkpoints
+    number it: the first optimizer step is step 1 (``points`` and ``lrs`` count from 0, the steps taken before)."""
     names = list(lrs)
     lines = [f"lr_scheduler: {describe(cfg)} over {total_steps} optimizer steps; groups: {', '.join(names)}"]
     lines.append(f"{'step':>8}  " + "  ".join(f"{n:>12}" for n in names) + "  point")
@@ -67,7 +69,7 @@ def format_table(cfg: SchedulerConfig, lrs: dict[str, list[float]], points: list
     for i, (step, label) in enumerate(shown):
         if len(points) > max_rows and i == max_rows - 1:
             lines.append(f"{'...':>8}  ({len(points) - max_rows} more points)")
-        lines.append(f"{step:>8}  " + "  ".join(f"{lrs[n][step]:>12.4e}" for n in names) + f"  {label}")
+        lines.append(f"{step + 1:>8}  " + "  ".join(f"{lrs[n][step]:>12.4e}" for n in names) + f"  {label}")
     return "\n".join(lines)
 
 
@@ -90,21 +92,21 @@ def plot(cfg: SchedulerConfig, lrs: dict[str, list[float]], total_steps: int, ou
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=100)
-    steps = range(total_steps)
+    steps = range(1, total_steps + 1)  # numbered as training numbers them (format_table)
     styles = ("-", "--", "-.", ":")  # equal curves (same base LR) stay visible on top of each other
     for i, (name, series) in enumerate(lrs.items()):
         ax.plot(steps, series, label=name, linewidth=1.4, linestyle=styles[i % len(styles)], drawstyle="steps-post")
     if cfg.type != "external":
         warmup = warmup_steps_for(cfg, total_steps)
         if warmup:
-            ax.axvspan(0, warmup, color="tab:orange", alpha=0.12, label=f"warmup ({warmup} steps)")
+            ax.axvspan(1, warmup + 1, color="tab:orange", alpha=0.12, label=f"warmup ({warmup} steps)")
         restarts = restart_steps(cfg, total_steps)
         if restarts and len(restarts) <= _MAX_MARKED_RESTARTS:
             for i, (step, _) in enumerate(restarts):
-                ax.axvline(step, color="grey", linestyle=":", linewidth=0.8, label="restart" if i == 0 else None)
+                ax.axvline(step + 1, color="grey", linestyle=":", linewidth=0.8, label="restart" if i == 0 else None)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("learning rate")
-    ax.set_xlim(0, max(1, total_steps - 1))
+    ax.set_xlim(1, max(2, total_steps))
     ax.set_ylim(bottom=0)
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.grid(alpha=0.3)

@@ -42,6 +42,7 @@ from wantrain.core.events import ControlRequested
 from wantrain.core.events.log import iter_log_lines
 from wantrain.core.inbox import ACTIONS, post_request
 from wantrain.core.rundir import is_safe_name
+from wantrain.data.report import memory_lines
 from wantrain.observers.jsonl_metrics import read_metrics
 
 __all__ = ["ACTIONS", "RunData", "RunGone", "ask", "downsample", "list_runs", "resolve_file", "resolve_run"]
@@ -488,10 +489,17 @@ class RunData:
         return out + [{"name": name, "complete": True, "lora": True} for name in loras]
 
     def details(self) -> dict[str, Any]:
-        """What the run page shows once: the resolved config, the pre-flight report, the LR finder's sweep."""
+        """What the run page shows once: the resolved config, the pre-flight report (``memory``: its VRAM and host
+        plans as the text ``check`` prints), the LR finder's sweep."""
         config = _read_text(self.run_dir / "config.toml")
         preflight = _read_json(self.run_dir / "preflight.json")
-        return {"config": config, "preflight": preflight, "lr_finder": self.lr_finder(), "keep": self.keep()}
+        memory = None
+        if isinstance(preflight, dict):
+            with contextlib.suppress(KeyError, TypeError, ValueError):  # a report of another version: the raw JSON
+                memory = "\n".join(memory_lines(preflight.get("memory_plan") or {},
+                                                preflight.get("host_memory") or {})).strip("\n") or None
+        return {"config": config, "preflight": preflight, "memory": memory, "lr_finder": self.lr_finder(),
+                "keep": self.keep()}
 
     def keep(self) -> list[str] | None:
         """The step to keep as ``wantrain report`` prints it (``app.keep``), or None without the evidence."""

@@ -92,17 +92,20 @@ def resolution_lines(schedule: Any, experts: int, max_steps: int) -> list[str]:
     phase) and the smallest slope its window resolves at per-step CV 0.3 and 0.5 with AR(1) correlation
     :data:`AUTOCORRELATION` between steps (:func:`smallest_resolvable_rate`),
     and whether a flat loss reaches the last phase within ``max_steps`` (each of ``experts`` experts trains
-    ``max_steps / experts`` of them) -- each phase ending by its second look."""
+    ``max_steps / experts`` of them) -- each phase ending by its second look. The last phase never ends, so the
+    preset's min_steps does not apply to it; a min_steps set on it is asked for as steps in it (short of them is
+    said, not "raise train.max_steps")."""
     window = schedule.resolved("window")
     lines = [f"alpha schedule: window {window} expert steps; a flat loss ends a phase within its first two looks "
              "(95 %) when the phase's delta is at least the smallest resolvable slope"]
-    reach = 0
+    reach = entered = 0
     for i, phase in enumerate(schedule.phases):
         min_steps = int(phase.criterion("min_steps", schedule.preset))
-        if i == len(schedule.phases) - 1:
+        if i == len(schedule.phases) - 1:  # it never ends: only a min_steps set on it asks for steps in it
+            stay = f"then {phase.min_steps} steps in it" if phase.min_steps else "then the rest of the run"
             lines.append(f"  {phase.name}: the last phase, entered by expert step {reach} on a flat loss (every "
-                         f"phase before it ending by its second look), then {min_steps} steps in it")
-            reach += min_steps
+                         f"phase before it ending by its second look), {stay}")
+            entered, reach = reach, reach + (phase.min_steps or 0)
             break
         first = max(min_steps, window)
         delta = phase.criterion("loss_improvement_rate_below", schedule.preset)
@@ -115,6 +118,8 @@ def resolution_lines(schedule: Any, experts: int, max_steps: int) -> list[str]:
                      f"steps at per-step CV 0.3 / 0.5 (AR(1) rho {AUTOCORRELATION:g}){verdict}")
         reach += first + window
     per_expert = max_steps // max(experts, 1)
-    ok = "" if reach <= per_expert else " -- raise train.max_steps or lower min_steps/window to reach every phase"
+    ok = "" if reach <= per_expert else \
+        " -- raise train.max_steps or lower min_steps/window to reach every phase" if entered > per_expert else \
+        f" -- every phase is reached; the last gets {per_expert - entered} of its min_steps {reach - entered}"
     lines.append(f"  the run gives each expert {per_expert} steps; the schedule needs {reach}{ok}")
     return lines

@@ -12,7 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-LABELS = {"valley": "valley", "steepest": "steepest", "minimum": "minimum / 10"}
+from wantrain.observers.lr_finder.math import LABELS
+
 MARKERS = {"valley": ("o", "tab:green"), "steepest": ("s", "tab:red"), "minimum": ("^", "tab:purple")}
 
 

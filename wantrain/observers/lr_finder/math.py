@@ -285,13 +285,19 @@ def suggestion_curve(losses: Sequence[float], *, beta: float, stopped_early: boo
     clipped = [float(v) for v in np.minimum(raw, CLIP_FACTOR * best)]
     return used, clipped, [float(v) for v in running_median(clipped)]
 
+# How each method's LR is named wherever it is shown (console, log, chart): ``minimum`` is a tenth of the LR at the
+# lowest loss, so it is never printed beside that LR as if it were it.
+LABELS = {"valley": "valley", "steepest": "steepest", "minimum": "minimum / 10"}
+
 
 def suggest(lrs: Sequence[float], losses: Sequence[float], *, beta: float, default: str = "valley",
-            stopped_early: bool = False, band: bool = True) -> Suggestion:
+            stopped_early: bool = False, band: bool = True, probe: bool = False) -> Suggestion:
     """Suggestions from the rungs' raw ``losses`` at ``lrs`` (a diverged sweep's last, non-finite rung may be
     included). ``stopped_early``: the divergence rule ended the sweep (its tail is trimmed, and a minimum at the last
     rung is not "the end LR is too low"). ``band=False`` leaves out the bootstrap band and its check (the costly
-    part: a suggestion trusted without it may still be refused by it; one not trusted without it never is)."""
+    part: a suggestion trusted without it may still be refused by it; one not trusted without it never is).
+    ``probe``: the sweep already measured on the fixed probe (``lr_finder.noise = "probe"``), so the warnings do not
+    suggest it."""
     if len(lrs) != len(losses):
         raise ValueError(f"{len(lrs)} learning rates but {len(losses)} losses")
     methods = ("valley", "steepest", "minimum")
@@ -318,14 +324,14 @@ def suggest(lrs: Sequence[float], losses: Sequence[float], *, beta: float, defau
         b_lo, b_hi = bootstrap_band(clipped, curve, log_x, skip, default)
         scale = 0.1 if default == "minimum" else 1.0
         interval = (x[b_lo] * scale, x[b_hi] * scale)
+    quieter = "more lr_finder.steps_per_lr" if probe else "lr_finder.noise = 'probe' or more lr_finder.steps_per_lr"
     warnings = []
     if stopped_early and math.isfinite(losses[-1]) and all(v > 0 for v in losses):
         rise, sigma = stop_rise(losses, len(used))
         if not rise > RISE_NOISE * sigma:
             warnings.append(f"the sweep stopped on a rise within the noise: its level rose {math.exp(rise):.3g}x, "
                             f"{rise / sigma:.2g} standard deviations of the log losses' noise per LR (a "
-                            f"divergence needs {RISE_NOISE:g}); the curve may never have diverged: use lr_finder.noise"
-                            " = 'probe' or more lr_finder.steps_per_lr")
+                            f"divergence needs {RISE_NOISE:g}); the curve may never have diverged: use {quieter}")
     if i_min <= skip:
         warnings.append(f"the lowest loss is at the start of the sweep (LR {x[i_min]:.3g}): the curve never "
                         "descends; lower lr_finder.start_lr")
@@ -335,12 +341,11 @@ def suggest(lrs: Sequence[float], losses: Sequence[float], *, beta: float, defau
     if drop <= FLAT_RELATIVE_DROP * abs(top) or drop < FLAT_NOISE_RATIO * noise:
         warnings.append(f"the curve is too flat to trust: the smoothed loss falls by {drop:.3g} "
                         f"({100 * drop / abs(top):.2g} %) before its minimum, against a noise of {noise:.3g} per LR; "
-                        "use lr_finder.noise = 'probe', more lr_finder.steps_per_lr, or a wider range")
+                        f"use {quieter.replace(' or ', ', ')}, or a wider range")
     if interval is not None and interval[1] > BAND_FACTOR * interval[0]:
         lo, hi = interval
         warnings.append(f"the suggestion is uncertain: its {BAND_LEVEL:.0%} band {lo:.3g}-{hi:.3g} is "
-                        f"{hi / lo:.3g}x wide (more than {BAND_FACTOR:g}x); use lr_finder.noise = 'probe' "
-                        "or more lr_finder.steps_per_lr")
+                        f"{hi / lo:.3g}x wide (more than {BAND_FACTOR:g}x); use {quieter}")
     invalid = list(warnings)  # every warning questions the suggestion
     by_rung: list[float | None] = [None] * len(losses)
     for i, value in zip(used, curve, strict=True):

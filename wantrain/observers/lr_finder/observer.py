@@ -70,7 +70,7 @@ from wantrain.core.events import (
     register_event_type,
 )
 from wantrain.observers.lr_finder.config import LrFinderConfig
-from wantrain.observers.lr_finder.math import Smoother, Suggestion, diverged, level, suggest, sweep_lrs
+from wantrain.observers.lr_finder.math import LABELS, Smoother, Suggestion, diverged, level, suggest, sweep_lrs
 
 log = structlog.get_logger("wantrain.lr_finder")
 
@@ -318,7 +318,7 @@ class LrFinder(Observer):
         lrs = [r["lr"] for r in sweep.rows]
         losses = [r["raw_loss"] for r in sweep.rows]
         sweep.result = suggest(lrs, losses, beta=self.cfg.smoothing, default=self.cfg.suggestion,
-                               stopped_early=sweep.stop_reason is not None)
+                               stopped_early=sweep.stop_reason is not None, probe=self.cfg.noise == "probe")
         result = LrFinderResult(
             step=step, expert=sweep.expert, suggestions=dict(sweep.result.lrs), default=sweep.result.default,
             suggested_lr=sweep.result.lr, stop_reason=sweep.stop_reason, warnings=sweep.result.warnings,
@@ -375,14 +375,15 @@ def summary_lines(results: dict[str | None, LrFinderResult]) -> list[str]:
     lines = []
     for expert, r in results.items():
         name = expert or "lora"
-        head = f"lr_finder [{name}]: suggested LR {r.suggested_lr:.3g} ({r.default})" if r.suggested_lr else \
+        head = f"lr_finder [{name}]: suggested LR {r.suggested_lr:.3g} ({LABELS.get(r.default, r.default)})" \
+            if r.suggested_lr else \
             f"lr_finder [{name}]: no suggestion"
         lines.append(head)
         for method, lr in r.suggestions.items():
             mark = "  <- default" if method == r.default else ""
-            lines.append(f"  {method:<9} {'-' if lr is None else format(lr, '.3g')}{mark}")
+            lines.append(f"  {LABELS.get(method, method):<12} {'-' if lr is None else format(lr, '.3g')}{mark}")
         if r.band is not None:
-            lines.append(f"  band      {r.band[0]:.3g}-{r.band[1]:.3g} (90 %, bootstrap over the LRs)")
+            lines.append(f"  band         {r.band[0]:.3g}-{r.band[1]:.3g} (90 %, bootstrap over the LRs)")
         if r.stop_reason:
             lines.append(f"  {r.stop_reason}")
         lines.extend(f"  warning: {w}" for w in r.warnings)

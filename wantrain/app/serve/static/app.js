@@ -6,6 +6,8 @@ const READ_ONLY = ((document.querySelector('meta[name="wantrain-read-only"]') ||
 const POLL_MS = 500;       // live: new points, samples and events within one poll of being written
 const MAX_POINTS = 2000;   // per metric on load (the server downsamples); reloaded past twice that
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"];
+// the LR finder's suggestion names as the console and the chart write them (wantrain.observers.lr_finder.math.LABELS)
+const LR_LABELS = {minimum: "minimum / 10"};
 const $ = (sel) => document.querySelector(sel);
 
 // Chart groups: which metrics each chart shows. `match` returns a label for a metric of the group, or null.
@@ -20,7 +22,7 @@ const GROUPS = [
     match: (k) => /^train\/(grad_norm|param_norm|total_param_norm)/.test(k) ? k.replace(/^train\//, "") : null},
   {id: "val", title: "Validation loss (per timestep and expert)",
     match: (k) => k.startsWith("val/") ? k.replace(/^val\//, "") : null},
-  {id: "memory", title: "Memory (GB): RAM and VRAM",
+  {id: "memory", title: "Memory (GiB): RAM and VRAM",
     match: (k) => k.startsWith("memory/") ? k.replace(/^memory\//, "") : null},
   {id: "time", title: "Seconds per optimizer step",
     match: (k) => k === "train/step_time_s" ? "step time" : null},
@@ -42,7 +44,8 @@ function fmt(v, digits = 4) {
   if (v === null || v === undefined) return "–";
   if (typeof v !== "number") return String(v);
   const a = Math.abs(v);
-  return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(2) : v.toPrecision(digits);
+  // as Python's "{:.4g}" (the console and `wantrain report`): no trailing zeros
+  return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(2) : String(Number(v.toPrecision(digits)));
 }
 function duration(s) {
   if (s === null || s === undefined) return "–";
@@ -373,10 +376,11 @@ function showLrFinder(lr) {
   list.replaceChildren();
   for (const [expert, s] of Object.entries((lr.summary || {}).experts || {})) {
     for (const [name, value] of Object.entries(s.suggestions || {})) {
-      if (value) suggestions.push([value, experts.length > 1 ? `${name} (${expert})` : name, expert]);
+      const label = LR_LABELS[name] || name;
+      if (value) suggestions.push([value, experts.length > 1 ? `${label} (${expert})` : label, expert]);
     }
     list.append(el("li", {}, `${expert}: suggested LR ${fmt(s.suggested_lr, 3)} (${s.default})`,
-      ...Object.entries(s.suggestions || {}).map(([n, v]) => ` · ${n} ${fmt(v, 3)}`),
+      ...Object.entries(s.suggestions || {}).map(([n, v]) => ` · ${LR_LABELS[n] || n} ${fmt(v, 3)}`),
       ...(s.warnings || []).map(w => el("div", {class: "warning"}, "⚠ " + w))));
   }
   const draw = u => {
@@ -476,8 +480,7 @@ function showDetails(info) {
   if (pre && pre.skipped) parts.push(el("h3", {}, `Skipped files (${pre.skipped.length})`),
     el("ul", {}, ...pre.skipped.map(s => el("li", {}, typeof s === "object" ? `${s.path || ""}: ${s.reason || JSON.stringify(s)}` : String(s)))));
   if (pre) {
-    const memory = Object.fromEntries(Object.entries(pre).filter(([k]) => /memory|vram|ram|plan/i.test(k)));
-    if (Object.keys(memory).length) parts.push(el("h3", {}, "Memory plan"), el("pre", {}, JSON.stringify(memory, null, 2)));
+    if (info.memory) parts.push(el("h3", {}, "Memory plan"), el("pre", {}, info.memory));  // the lines `check` prints
     parts.push(el("details", {}, el("summary", {}, "the whole report (preflight.json)"), el("pre", {}, JSON.stringify(pre, null, 2))));
   }
   $("#preflight").replaceChildren(...(parts.length ? parts : [el("p", {}, "(no preflight.json)")]));
