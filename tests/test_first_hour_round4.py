@@ -179,7 +179,8 @@ def test_convert_writes_a_wantrain_config_from_musubi_and_ai_toolkit_naming_each
     assert "lora.rank" not in err and "dataset_config" not in err  # mapped, and the dataset read
     cfg = load_config(out)
     assert (cfg.model.variant, cfg.lora.rank, cfg.lora.alpha, cfg.optimizer.lr) == ("t2v-a14b", 32, 16, 2e-4)
-    assert (cfg.model.timestep_sampling, cfg.model.shift, cfg.model.min_t) == ("uniform", 3.0, 0.1)
+    # musubi-tuner's "shift" draws sigmoid(N(0, sigmoid_scale)) and shifts it by discrete_flow_shift
+    assert (cfg.model.timestep_sampling, cfg.model.shift, cfg.model.min_t) == ("sigmoid", 3.0, 0.1)
     assert (cfg.train.max_steps, cfg.run.seed, cfg.run.name, cfg.train.batch_size) == (1000, 42, "mylora", 1)
     assert (str(cfg.data.path), list(cfg.data.frames), cfg.data.repeats) == ("/data/clips", [1, 25, 45], 2)
     assert str(cfg.model.high_noise_file) == "/w/high.safetensors"

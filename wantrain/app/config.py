@@ -266,7 +266,7 @@ def _peer_keys_in_argument_tables(data: dict[str, Any]) -> None:
         if not isinstance(table, dict) or "class" in table or "class_path" in table:
             continue
         for key in table:
-            hint = peer_hint(key)
+            hint = peer_hint(key, table[key])
             if hint:
                 raise ConfigError(f"unknown config key '{name}.{key}': {hint}")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from wantrain.app.config import RunConfig
-from wantrain.app.migration import NOT_NEEDED, PEER_KEYS, _to
+from wantrain.app.migration import NOT_NEEDED, PEER_KEYS, PEER_VALUES, _assignments, _to
 from wantrain.core.config import key_places
 from wantrain.core.errors import UserError
 
@@ -18,15 +18,18 @@ _YAML_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 _SAME_NAME = {"batch_size": "train.batch_size", "seed": "run.seed", "lr": "optimizer.lr"}
 """Peer keys named as a wantrain key of several tables: the one a peer's training config means."""
 
-_SAME_NAME_VALUES = {"timestep_sampling": lambda v: "uniform" if v == "shift" else v}
-"""Peer keys named as wantrain's whose values differ: musubi-tuner's ``"shift"`` is ``"uniform"`` with
-``model.shift`` (its ``discrete_flow_shift``)."""
 
 
 def _convert_key(key: str, value: Any, out: dict[str, Any], unmapped: list[str], places: dict[str, list[str]],
                  where: str) -> None:
     entry = PEER_KEYS.get(key)
-    if entry is not None:
+    spelled = PEER_VALUES.get(key, {}).get(value) if isinstance(value, str) else None
+    if spelled is not None:  # timestep_sampling = "shift": "sigmoid" (its shift is discrete_flow_shift's key)
+        out.update(spelled.becomes)
+        if not spelled.exact:
+            unmapped.append(f"{where}{key} = {value!r}: converted to {_assignments(spelled.becomes)}; set "
+                            f"{spelled.also}")
+    elif entry is not None:
         found = (entry.convert or _to(entry.wantrain))(value)
         if not found:
             unmapped.append(f"{where}{key} = {value!r}: not converted; set {entry.wantrain} by hand"
@@ -35,7 +38,7 @@ def _convert_key(key: str, value: Any, out: dict[str, Any], unmapped: list[str],
     elif key in NOT_NEEDED:
         unmapped.append(f"{where}{key}: left out ({NOT_NEEDED[key][1]})")
     elif key in _SAME_NAME or len(places.get(key, [])) == 1:  # a wantrain key name (seed, lr): where it belongs
-        out[_SAME_NAME.get(key) or places[key][0]] = _SAME_NAME_VALUES.get(key, lambda v: v)(value)
+        out[_SAME_NAME.get(key) or places[key][0]] = value
     else:
         unmapped.append(f"{where}{key} = {value!r}: no wantrain key known for it")
 
@@ -129,8 +132,6 @@ def convert(path: Path, dataset: Path | None = None) -> tuple[dict[str, Any], li
                     dataset = None
     if dataset is not None:
         tables = _dataset_tables(tomllib.loads(Path(dataset).read_text(encoding="utf-8")), flat, unmapped, places)
-    if flat.get("model.timestep_sampling") == "uniform" and "model.shift" not in flat:  # from musubi's "shift"
-        unmapped.append('timestep_sampling = "shift": set model.shift (musubi-tuner\'s discrete_flow_shift)')
     for key in ("lora.init_from", "data.path", "data.metadata", "data.repeats"):
         if len(tables) > 1 or key.startswith("lora"):
             continue

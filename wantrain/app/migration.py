@@ -16,6 +16,7 @@ ai-toolkit's ``config/examples/train_lora_wan22_14b_24gb.yaml``).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -143,11 +144,59 @@ NOT_NEEDED: dict[str, tuple[str, str]] = {
 }
 """Peer keys wantrain needs no key for (what it does instead)."""
 
+
+@attrs.frozen
+class PeerValue:
+    peer: str
+    becomes: dict[str, Any]  # the wantrain keys and values that do the same (the converter writes them)
+    also: str = ""  # what else to set, which the value alone does not tell
+    exact: bool = True  # False: no exact equivalent; ``wantrain convert`` names it among the keys to set by hand
+
+
+_SHIFT_ALSO = "model.shift = musubi-tuner's discrete_flow_shift (its default 1.0)"
+PEER_VALUES: dict[str, dict[Any, PeerValue]] = {
+    # musubi-tuner's --timestep_sampling (hv_train_network.py): "shift" draws sigmoid(sigmoid_scale * N(0, 1)) and
+    # shifts it by discrete_flow_shift -- wantrain's "sigmoid" with model.shift, not a uniform draw
+    "timestep_sampling": {
+        "shift": PeerValue(MUSUBI, {"model.timestep_sampling": "sigmoid"},
+                           f"model.sigmoid_scale = its sigmoid_scale (default 1.0) and {_SHIFT_ALSO}"),
+        "sigma": PeerValue(MUSUBI, {"model.timestep_sampling": "uniform"}, _SHIFT_ALSO),
+        "flux_shift": PeerValue(MUSUBI, {"model.timestep_sampling": "sigmoid"},
+                                "model.shift = a fixed shift (wantrain has no resolution-dependent one; 3.0 is "
+                                "common for Wan)", exact=False),
+        "qwen_shift": PeerValue(MUSUBI, {"model.timestep_sampling": "sigmoid"},
+                                "model.shift = a fixed shift (wantrain has no resolution-dependent one; 3.0 is "
+                                "common for Wan)", exact=False),
+    },
+}
+"""A wantrain key name whose value a peer spells differently (``timestep_sampling = "shift"``): the peer's
+value -> what it is in wantrain. :func:`peer_value_line` says it for a config, ``wantrain convert`` writes it,
+``docs/config.md`` lists it."""
+
+
+def _assignments(values: dict[str, Any]) -> str:
+    return " and ".join(f"{k} = {json.dumps(v)}" for k, v in values.items())
+
+
+def peer_value_line(key: str, value: Any) -> str | None:
+    """The line for a value of ``key`` that is a peer's spelling (musubi-tuner's ``timestep_sampling = "shift"``):
+    the wantrain keys and values that do the same, and what else to set; ``None`` when it is not one."""
+    entry = PEER_VALUES.get(key, {}).get(value) if isinstance(value, str | int | float) else None
+    if entry is None:
+        return None
+    also = f", with {entry.also}" if entry.also else ""
+    return f"{key} = {json.dumps(value)} is {entry.peer}'s; in wantrain it is {_assignments(entry.becomes)}{also}"
+
+
 DOCS = "docs/config.md, Coming from musubi-tuner or ai-toolkit"
 
 
-def peer_hint(key: str) -> str | None:
-    """The hint for an unknown config key that is a peer's name, else ``None``."""
+def peer_hint(key: str, value: Any = None) -> str | None:
+    """The hint for an unknown config key that is a peer's name, or for a key whose ``value`` is a peer's
+    spelling (:data:`PEER_VALUES`), else ``None``."""
+    line = peer_value_line(key, value)
+    if line is not None:
+        return line
     entry = PEER_KEYS.get(key)
     if entry is None and key in NOT_NEEDED:
         peer, why = NOT_NEEDED[key]
@@ -165,9 +214,15 @@ def peer_arguments(extra: list[str]) -> list[str]:
     for i, arg in enumerate(extra):
         name, _, inline = arg.lstrip("-").partition("=")
         entry = PEER_KEYS.get(name.replace("-", "_")) if arg.startswith("--") else None
+        value = inline or (extra[i + 1] if i + 1 < len(extra) and not extra[i + 1].startswith("--") else "VALUE")
+        spelled = PEER_VALUES.get(name.replace("-", "_"), {}).get(value) if arg.startswith("--") else None
+        if spelled is not None:  # --timestep_sampling shift: the --set of each key it is
+            sets = " ".join(f"--set {k}={json.dumps(v)}" for k, v in spelled.becomes.items())
+            out.append(f"{arg.split('=')[0]} {value} is {spelled.peer}'s; wantrain's is {sets}"
+                       + (f", with {spelled.also}" if spelled.also else ""))
+            continue
         if entry is None:
             continue
-        value = inline or (extra[i + 1] if i + 1 < len(extra) and not extra[i + 1].startswith("--") else "VALUE")
         out.append(f"{arg.split('=')[0]} is {entry.peer}'s argument; wantrain's is --set {entry.wantrain}={value}"
                    + (f" ({entry.note})" if entry.note else ""))
     return out
@@ -239,6 +294,12 @@ def table_markdown() -> str:
         lines.append(f"| `{key}` | {e.peer} | `{e.wantrain}` | {how}{e.note} |")
     for key, (peer, why) in NOT_NEEDED.items():
         lines.append(f"| `{key}` | {peer} | (none) | {why} |")
+    lines += ["", "Values a peer spells differently, for a key wantrain has too:", "",
+              "| their value | from | wantrain | also set |", "|---|---|---|---|"]
+    for key, values in PEER_VALUES.items():
+        for value, v in values.items():
+            how = "" if v.exact else "by hand: "
+            lines.append(f"| `{key} = {json.dumps(value)}` | {v.peer} | `{_assignments(v.becomes)}` | {how}{v.also} |")
     lines += ["", "`wantrain convert FILE [--dataset DATASET.toml] [-o OUT.toml]` writes a wantrain config from a",
               "musubi-tuner config (training arguments, its dataset TOML) or an ai-toolkit YAML with this table,",
               "printing a line for every key it did not map (\"by hand\" above, or unknown)."]

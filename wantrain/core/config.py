@@ -309,9 +309,11 @@ def _fmt(value: Any) -> str:
 class _Structurer:
     """Walks a TOML document along a root section type. Holds the schema index for misplaced-key hints."""
 
-    def __init__(self, root: type, hint: typing.Callable[[str], str | None] | None = None) -> None:
+    def __init__(self, root: type, hint: typing.Callable[[str, Any], str | None] | None = None) -> None:
         self.root = root
-        self.hint = hint  # names from elsewhere (another trainer's keys): asked before the did-you-mean
+        # names and values from elsewhere (another trainer's keys, its spelling of a value): hint(key, value),
+        # asked before the did-you-mean
+        self.hint = hint
         self.errors: list[str] = []  # every problem of the document, in its order (one report: :func:`structure`)
         self.index: dict[str, list[str]] = {}
         self._index(root, "")
@@ -341,13 +343,13 @@ class _Structurer:
                     return a
         return None
 
-    def unknown_key(self, cls: type, key: str, path: str) -> ConfigError:
+    def unknown_key(self, cls: type, key: str, path: str, value: Any = None) -> ConfigError:
         known = []
         for f in attrs.fields(cls):
             known.extend((f.name, *f.metadata.get(_ALIASES, ())))
         full = f"{path}.{key}" if path else key
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        named = self.hint(key) if self.hint is not None else None
+        named = self.hint(key, value) if self.hint is not None else None
         if named:
             hint = named
         elif close:
@@ -378,7 +380,7 @@ class _Structurer:
                 extras[key] = value  # the section validates these itself (e.g. an external class's arguments)
                 continue
             if f is None:
-                self.errors.append(str(self.unknown_key(cls, key, path)))
+                self.errors.append(str(self.unknown_key(cls, key, path, value)))
                 continue
             key_path = f"{path}.{key}" if path else key
             if f.name in kwargs:
@@ -441,6 +443,8 @@ class _Structurer:
             if value not in args:
                 close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
+                named = self.hint(path.rsplit(".", 1)[-1], value) if self.hint is not None else None
+                hint = f"; {named}" if named else hint  # another trainer's spelling: what it is here
                 raise ConfigError(
                     f"config key '{path}' = {_fmt(value)} is not valid; expected one of "
                     f"{', '.join(repr(a) for a in args)}{hint}"
@@ -479,9 +483,11 @@ class _Structurer:
         raise TypeError(f"unsupported config type {tp!r} at {path}")  # a schema bug, not a user error
 
 
-def structure(root: type, data: Mapping[str, Any], hint: typing.Callable[[str], str | None] | None = None) -> Any:
-    """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line). ``hint``
-    names an unknown key's meaning when it knows it (another trainer's name for a key), before any did-you-mean.
+def structure(root: type, data: Mapping[str, Any],
+              hint: typing.Callable[[str, Any], str | None] | None = None) -> Any:
+    """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line).
+    ``hint(key, value)`` names an unknown key's meaning when it knows it (another trainer's name for a key), before
+    any did-you-mean, and a choice's value that another trainer spells so (``timestep_sampling = "shift"``).
     Every unknown key, wrong type and out-of-range value of the document is reported at once (one line each,
     :func:`_collected`); a rule across keys is checked once each key is valid."""
     walker = _Structurer(root, hint)
