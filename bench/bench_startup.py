@@ -1,4 +1,6 @@
-"""Start-up: wall time of ``wantrain --help`` and ``wantrain check examples/quickstart.toml`` (fresh processes).
+"""Start-up: wall time of ``wantrain --help`` and ``wantrain check examples/quickstart.toml`` (fresh processes),
+and the seconds a fresh ``wantrain run examples/quickstart.toml`` takes to print its first line on stdout or stderr
+(the process is killed then, before it reads the config).
 
 Not a test. Each command runs ``--repeats`` times as ``python -m wantrain.cli.main ...`` from the repository root;
 the median and the range are printed as JSON, with the heavy libraries each command imported (``-X importtime``
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -42,8 +45,24 @@ def main(argv: list[str] | None = None) -> int:
         top = {line.rsplit("|", 1)[-1].strip() for line in imported.splitlines() if "|" in line}
         out[label] = {"median_s": round(statistics.median(times), 3), "min_s": round(min(times), 3),
                       "max_s": round(max(times), 3), "heavy_imports": [m for m in HEAVY if m in top]}
+    first = [first_output_s([sys.executable, "-m", "wantrain.cli.main", "run", "examples/quickstart.toml"], env)
+             for _ in range(args.repeats)]
+    out["wantrain run: first line"] = {"median_s": round(statistics.median(first), 3), "min_s": round(min(first), 3),
+                                       "max_s": round(max(first), 3)}
     print(json.dumps(out, indent=1))
     return 0
+
+
+def first_output_s(cmd: list[str], env: dict[str, str]) -> float:
+    """Seconds from the start of ``cmd`` to its first byte on stdout or stderr; the process is killed then."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([proc.stdout, proc.stderr], [], [], 300)
+        return time.perf_counter() - start if ready else float("inf")
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":

@@ -48,3 +48,63 @@ def test_every_peer_value_becomes_a_valid_wantrain_setting_and_is_in_config_md()
                 section, name = wkey.split(".")
                 check_value(type(getattr(RunConfig(), section)), name, wvalue, wkey)  # a value the key accepts
             assert f'| `{key} = "{value}"` | {spelled.peer} |' in table_markdown()
+
+
+STUB_TRAIN = """
+import sys, types
+stub = types.ModuleType("wantrain.app.train")
+def train(*args, **kwargs):  # what `wantrain run` imports first that is heavy: was torch already loaded?
+    print("torch imported before train:", "torch" in sys.modules, flush=True)
+    raise SystemExit(0)
+stub.train = train
+sys.modules["wantrain.app.train"] = stub
+from wantrain.cli.main import main
+main(["run", "examples/quickstart.toml"])
+"""
+
+
+def test_wantrain_run_prints_its_first_line_before_torch_is_imported():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", STUB_TRAIN], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert done.stdout.splitlines() == [
+        "wantrain run: examples/quickstart.toml: loading torch and diffusers, then the model and the data ...",
+        "torch imported before train: False"], done.stderr
+
+
+def test_console_lines_show_paths_under_the_working_directory_relative_and_floats_with_four_digits(
+        tmp_path, monkeypatch, capsys):
+    import json
+    import logging
+    from argparse import Namespace
+
+    import structlog
+
+    from wantrain.app.assemble import RunOutcome
+    from wantrain.app.logs import close_log_file, configure_logging
+    from wantrain.cli.run import summary
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "runs" / "20260101_120000"
+    handler = configure_logging(tmp_path / "log.jsonl")
+    try:
+        structlog.get_logger("wantrain.run").info("validation", loss=1.6088588058948516, run_dir=str(run_dir),
+                                                  outside="/elsewhere/x", seconds=[8.774123, 0.5])
+    finally:
+        close_log_file(handler)
+        logging.getLogger("wantrain").handlers.clear()
+    err = capsys.readouterr().err
+    assert "loss=1.609" in err and "run_dir=runs/20260101_120000" in err and "outside=/elsewhere/x" in err, err
+    assert "1.6088588058948516" not in err and str(tmp_path) not in err
+    kept = json.loads((tmp_path / "log.jsonl").read_text())
+    assert (kept["loss"], kept["run_dir"]) == (1.6088588058948516, str(run_dir))  # the file keeps them whole
+    outcome = RunOutcome("completed", None, 4, run_dir, (str(run_dir / "lora.safetensors"),),
+                         str(run_dir / "checkpoints" / "step_000004"))
+    _, lines = summary(outcome, Namespace(config="c.toml"))
+    assert lines == ["wantrain: run completed after 4 steps; run directory: runs/20260101_120000",
+                     "  runs/20260101_120000/lora.safetensors",
+                     "  checkpoint: runs/20260101_120000/checkpoints/step_000004"]

@@ -10,10 +10,12 @@ import contextlib
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from wantrain.core.atomic import is_storage_error, storage_error
+from wantrain.core.readable import shown
 from wantrain.core.rundir import open_append
 
 _SHARED = [
@@ -31,6 +33,12 @@ FILE_ONLY = frozenset({"expert_switched"})
 def _not_file_only(record: logging.LogRecord) -> bool:
     event = record.msg.get("event") if isinstance(record.msg, dict) else None
     return event not in FILE_ONLY
+
+
+def _readable(_logger: object, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """The console's values as a person reads them (``wantrain.core.readable``): ``run_dir=runs/2026...``,
+    ``loss=1.609``; the JSON file keeps them whole."""
+    return {k: v if k in ("event", "timestamp", "level", "logger") else shown(v) for k, v in event_dict.items()}
 
 
 def configure_logging(log_file: Path | None = None, *, level: int = logging.INFO) -> logging.Handler | None:
@@ -56,6 +64,7 @@ def configure_logging(log_file: Path | None = None, *, level: int = logging.INFO
         foreign_pre_chain=_SHARED,
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            _readable,
             structlog.dev.ConsoleRenderer(
                 colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback
             ),

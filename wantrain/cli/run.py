@@ -93,7 +93,16 @@ def continue_command(args: argparse.Namespace) -> str:
     return shlex.join([*words, "--resume", "auto"])
 
 
+def first_line(args: argparse.Namespace) -> None:
+    """The run's first console line, printed before the heavy imports (torch and diffusers take seconds to import:
+    without it a fresh ``wantrain run`` says nothing for that long). Rank 0 only; this path imports nothing heavy
+    (a test checks it)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"wantrain run: {args.config}: loading torch and diffusers, then the model and the data ...", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    first_line(args)
     from wantrain.app.train import train
 
     overrides = list(args.set or [])
@@ -141,16 +150,19 @@ def summary(outcome, args: argparse.Namespace) -> tuple[list[str], list[str]]:
     log."""
     if outcome.rank != 0:
         return [], []
+    from wantrain.core.readable import shown_path
+
     out = list(outcome.lr_finder)
     if outcome.lr_finder_dir is not None:
         where = outcome.lr_finder_dir
-        out.append(f"lr_finder: chart {where / 'lr_finder.png'}, sweep {where / 'lr_finder.csv'}")
-    err = [f"wantrain: run {outcome.status} after {outcome.steps} steps; run directory: {outcome.run_dir}"]
+        out.append(f"lr_finder: chart {shown_path(where / 'lr_finder.png')}, "
+                   f"sweep {shown_path(where / 'lr_finder.csv')}")
+    err = [f"wantrain: run {outcome.status} after {outcome.steps} steps; run directory: {shown_path(outcome.run_dir)}"]
     if outcome.status != "completed" and outcome.reason:
         err.append(f"  reason: {outcome.reason}")
-    err.extend(f"  {path}" for path in outcome.saved)
+    err.extend(f"  {shown_path(path)}" for path in outcome.saved)
     if outcome.checkpoint:
-        err.append(f"  checkpoint: {outcome.checkpoint}")
+        err.append(f"  checkpoint: {shown_path(outcome.checkpoint)}")
     if outcome.status == "stopped" and outcome.checkpoint:
         err.append(f"  continue with: {continue_command(args)}")
     return out, err
