@@ -108,3 +108,42 @@ def test_console_lines_show_paths_under_the_working_directory_relative_and_float
     assert lines == ["wantrain: run completed after 4 steps; run directory: runs/20260101_120000",
                      "  runs/20260101_120000/lora.safetensors",
                      "  checkpoint: runs/20260101_120000/checkpoints/step_000004"]
+
+
+MUSUBI_PROMPTS = """# prompt 1: a cat
+A cat walks on the grass, realistic style. --w 832 --h 480 --f 81 --d 42 --s 20 --l 6.0 --n blurry, low quality --g 6.0
+
+A dog runs on the beach. --w 480 --h 832 --f 30 --fs 5.0 --i first.png
+"""
+
+
+def test_convert_turns_a_musubi_prompt_file_into_sample_prompts_naming_each_option_it_could_not_map(tmp_path, capsys):
+    import tomllib
+
+    from wantrain.app.config import load_config
+
+    (tmp_path / "prompts.txt").write_text(MUSUBI_PROMPTS)
+    assert main(["convert", str(tmp_path / "prompts.txt"), "-o", str(tmp_path / "sample.toml")]) == 0
+    err = capsys.readouterr().err
+    for line in ("prompts.txt line 2: --g 6.0: left out (embedded guidance, which Wan ignores; its CFG scale is --l)",
+                 "prompts.txt line 4: --f 30: frames = 29 (wantrain samples 4k+1 frames)",
+                 "prompts.txt line 4: --fs 5.0: left out (wantrain samples with the variant's flow shift"):
+        assert f"wantrain convert: not mapped: {line}" in err, err
+    config = workspace(tmp_path)  # pasted into a run config, as its first line says: every value valid
+    assert "[sample]" not in config.read_text()
+    config.write_text(config.read_text() + "\n" + (tmp_path / "sample.toml").read_text())
+    cfg = load_config(config)
+    first, second = cfg.sample.prompts
+    assert (first.prompt, first.width, first.height, first.frames, first.seed, first.steps, first.guidance_scale,
+            first.negative_prompt) == ("A cat walks on the grass, realistic style.", 832, 480, 81, 42, 20, 6.0,
+                                       "blurry, low quality")
+    assert (second.prompt, second.frames, second.steps, second.image.name) == ("A dog runs on the beach.", 29, None,
+                                                                               "first.png")
+    assert (cfg.sample.enabled, cfg.sample.steps) == (True, 20)  # musubi-tuner's default for the line without --s
+
+    (tmp_path / "args.toml").write_text('network_dim = 16\nsample_prompts = "prompts.txt"\n')
+    assert main(["convert", str(tmp_path / "args.toml")]) == 0
+    out = tomllib.loads(capsys.readouterr().out)
+    assert [p["prompt"] for p in out["sample"]["prompts"]] == ["A cat walks on the grass, realistic style.",
+                                                              "A dog runs on the beach."]
+

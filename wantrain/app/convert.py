@@ -66,6 +66,63 @@ def _dataset_tables(data: dict[str, Any], out: dict[str, Any], unmapped: list[st
     return tables
 
 
+_PROMPT_OPTIONS: dict[str, tuple[str, Any]] = {
+    "w": ("width", int), "h": ("height", int), "f": ("frames", int), "d": ("seed", int), "s": ("steps", int),
+    "l": ("guidance_scale", float), "n": ("negative_prompt", str), "i": ("image", str),
+}
+"""musubi-tuner's prompt-file options (its ``sampling_during_training.md``) -> the ``[[sample.prompts]]`` key."""
+
+_PROMPT_NOT_MAPPED = {
+    "g": "embedded guidance, which Wan ignores; its CFG scale is --l",
+    "fs": "wantrain samples with the variant's flow shift (Wan 2.1 VAE 3.0, TI2V-5B 5.0)",
+    "cn": "control videos (Wan-Fun-Control) are not trained by wantrain",
+    "ci": "control images are not trained by wantrain",
+}
+
+MUSUBI_PROMPT_DEFAULTS = {"width": 256, "height": 256, "frames": 1, "steps": 20}
+"""What musubi-tuner samples with when a prompt line omits an option (wantrain's defaults are the variant's and
+30 steps): written to ``[sample]`` so that the converted prompts sample as musubi-tuner did."""
+
+
+def prompt_file(path: Path, unmapped: list[str]) -> dict[str, Any]:
+    """musubi-tuner's ``--sample_prompts`` text file (one prompt a line, ``--w 832 --h 480 --f 81 --s 20 --d 42
+    --n negative`` options after it, ``#`` comments) as wantrain's ``[sample]`` table (``sample.prompts`` tables,
+    nested form); an option it cannot map gets a line in ``unmapped``. A frame count not of the form 4k+1 is rounded
+    down to one, as musubi-tuner does."""
+    prompts: list[dict[str, Any]] = []
+    for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        text, *options = line.split(" --")
+        prompt: dict[str, Any] = {"prompt": text.strip()}
+        for option in options:
+            name, _, value = option.strip().partition(" ")
+            value = value.strip()
+            where = f"{Path(path).name} line {number}: --{name} {value}".rstrip()
+            if name in _PROMPT_OPTIONS:
+                key, kind = _PROMPT_OPTIONS[name]
+                try:
+                    prompt[key] = kind(value)
+                except ValueError:
+                    unmapped.append(f"{where}: not a {kind.__name__}; left out")
+                    continue
+                if key == "frames" and (prompt[key] - 1) % 4:
+                    prompt[key] = max(1, (prompt[key] - 1) // 4 * 4 + 1)
+                    unmapped.append(f"{where}: frames = {prompt[key]} (wantrain samples 4k+1 frames)")
+            elif name:
+                why = _PROMPT_NOT_MAPPED.get(name, "no wantrain option known for it")
+                unmapped.append(f"{where}: left out ({why})")
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f"'{path}' holds no prompt (one a line; '#' starts a comment); give musubi-tuner's "
+                        "--sample_prompts file")
+    section: dict[str, Any] = {"enabled": True}
+    section.update({k: v for k, v in MUSUBI_PROMPT_DEFAULTS.items() if any(k not in p for p in prompts)})
+    section["prompts"] = prompts
+    return section
+
+
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in flat.items():
@@ -85,6 +142,8 @@ def convert(path: Path, dataset: Path | None = None) -> tuple[dict[str, Any], li
     flat: dict[str, Any] = {}
     unmapped: list[str] = []
     tables: list[dict[str, Any]] = []
+    if Path(path).suffix == ".txt":  # musubi-tuner's --sample_prompts file
+        return {"sample": prompt_file(path, unmapped)}, unmapped
     text = Path(path).read_text(encoding="utf-8")
     if Path(path).suffix in (".yaml", ".yml"):
         import yaml
@@ -123,8 +182,15 @@ def convert(path: Path, dataset: Path | None = None) -> tuple[dict[str, Any], li
             tables = _dataset_tables(data, flat, unmapped, places)
         else:
             for key, value in data.items():
-                if key != "dataset_config" or not isinstance(value, str):  # read below
+                if key not in ("dataset_config", "sample_prompts") or not isinstance(value, str):  # read below
                     _convert_key(key, value, flat, unmapped, places, "")
+            named = data.get("sample_prompts")
+            prompts = Path(path).parent / named if isinstance(named, str) else None
+            if prompts is not None and prompts.is_file():
+                flat.update({f"sample.{k}": v for k, v in prompt_file(prompts, unmapped).items()})
+            elif prompts is not None:
+                unmapped.append(f"sample_prompts '{named}': not found; convert it with "
+                                "wantrain convert PROMPTS.txt")
             if isinstance(data.get("dataset_config"), str) and dataset is None:
                 dataset = Path(path).parent / data["dataset_config"]
                 if not dataset.is_file():

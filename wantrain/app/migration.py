@@ -81,7 +81,8 @@ PEER_KEYS: dict[str, PeerKey] = {
     "discrete_flow_shift": PeerKey(MUSUBI, "model.shift"),
     "min_timestep": PeerKey(MUSUBI, "model.min_t", "0-1 units: 900 is 0.9", _to("model.min_t", lambda v: v / 1000)),
     "max_timestep": PeerKey(MUSUBI, "model.max_t", "0-1 units: 900 is 0.9", _to("model.max_t", lambda v: v / 1000)),
-    "sample_prompts": PeerKey(MUSUBI, "sample.prompts", "the prompts themselves, not a file", _manual),
+    "sample_prompts": PeerKey(MUSUBI, "sample.prompts", "the prompts themselves, not a file: `wantrain convert "
+                              "PROMPTS.txt` writes them from its prompt file", _manual),
     "sample_every_n_steps": PeerKey(MUSUBI, "sample.every"),
     "sample_every_n_epochs": PeerKey(MUSUBI, "sample.every_epochs"),
     "log_with": PeerKey(MUSUBI, "observers.wandb", "TensorBoard is on by default (observers.tensorboard)",
@@ -302,5 +303,16 @@ def table_markdown() -> str:
             lines.append(f"| `{key} = {json.dumps(value)}` | {v.peer} | `{_assignments(v.becomes)}` | {how}{v.also} |")
     lines += ["", "`wantrain convert FILE [--dataset DATASET.toml] [-o OUT.toml]` writes a wantrain config from a",
               "musubi-tuner config (training arguments, its dataset TOML) or an ai-toolkit YAML with this table,",
-              "printing a line for every key it did not map (\"by hand\" above, or unknown)."]
+              "printing a line for every key it did not map (\"by hand\" above, or unknown).", "",
+              "`wantrain convert PROMPTS.txt` turns musubi-tuner's `--sample_prompts` file (one prompt a line, `#`",
+              "comments) into the `[sample]` table to paste into a run config, one `[[sample.prompts]]` table per",
+              "line; a training-arguments TOML whose `sample_prompts` names the file gets them too. Its options:", "",
+              "| musubi-tuner | wantrain (`[[sample.prompts]]`) |", "|---|---|"]
+    from wantrain.app.convert import _PROMPT_NOT_MAPPED, _PROMPT_OPTIONS, MUSUBI_PROMPT_DEFAULTS
+
+    lines += [f"| `--{o}` | `{key}` |" for o, (key, _) in _PROMPT_OPTIONS.items()]
+    lines += [f"| `--{o}` | not mapped: {why} |" for o, why in _PROMPT_NOT_MAPPED.items()]
+    lines += ["", "A frame count not of the form 4k+1 is rounded down to one (as musubi-tuner does); an option a line",
+              "omits takes musubi-tuner's default, written to `[sample]`: "
+              + ", ".join(f"`{k} = {v}`" for k, v in MUSUBI_PROMPT_DEFAULTS.items()) + "."]
     return "\n".join(lines) + "\n"
