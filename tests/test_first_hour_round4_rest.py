@@ -147,3 +147,24 @@ def test_convert_turns_a_musubi_prompt_file_into_sample_prompts_naming_each_opti
     assert [p["prompt"] for p in out["sample"]["prompts"]] == ["A cat walks on the grass, realistic style.",
                                                               "A dog runs on the beach."]
 
+
+
+def test_a_replay_beside_the_run_does_not_join_the_runs_list_of_the_page(tmp_path, monkeypatch, capsys):
+    """Finding 8's "replay directories join the runs list" did not reproduce on the code this was written for (the
+    replay folder holds replay_config.toml, no config.toml or events.jsonl): this keeps it so."""
+    from tests.test_replay_log import _events, _record
+    from wantrain.app.serve.rundata import list_runs
+    from wantrain.core.events.log import event_log_path
+
+    runs = tmp_path / "runs"
+    run = runs / "20260101_120000"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text("[observers]\ntensorboard = false\n")
+    _record(event_log_path(run), _events(4))
+    monkeypatch.chdir(tmp_path)
+    assert main(["replay", "runs/20260101_120000", "--observers", "jsonl"]) == 0  # the default place: beside it
+    err = capsys.readouterr().err
+    (replayed,) = [p for p in runs.iterdir() if p != run]
+    assert f"into runs/{replayed.name}\n" in err, err  # the console's path: relative to the working directory
+    assert (replayed / "metrics.jsonl").is_file()
+    assert [r.run_dir for r in list_runs(runs)] == [run]  # the page's and `wantrain serve`'s runs list

@@ -32,13 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from wantrain.app.logs import configure_logging
     from wantrain.app.replay import alpha_whatif, replay
+    from wantrain.core.readable import shown_path
 
     configure_logging(None)
     observers = [n.strip() for n in args.observers.split(",") if n.strip()] if args.observers else None
     result = replay(args.run_dir, observers=observers, overrides=args.set, until=args.until, out=args.out,
                     allow_code=args.allow_code)
-    print(f"wantrain: replayed {result.events} events through step {result.last_step} into {result.out_dir}",
-          file=sys.stderr)
+    print(f"wantrain: replayed {result.events} events through step {result.last_step} into "
+          f"{shown_path(result.out_dir)}", file=sys.stderr)
     print(f"  observers: {', '.join(result.observers)}", file=sys.stderr)
     for note in (*result.skipped, *result.notes):
         print(f"  note: {note}", file=sys.stderr)
