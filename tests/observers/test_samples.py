@@ -207,6 +207,18 @@ def test_one_trained_expert_and_a_prompts_own_options_sample_what_diffusers_make
     log = [json.loads(x) for x in (outcome.run_dir / "log.jsonl").read_text().splitlines()]
     notes = {x.get("note") for x in log if x["event"] == "samples_written"}
     assert any(n and "random toy model" in n for n in notes)
+    # and beside step 0's, with their difference and how far it moved: what the LoRA changed (issue 49)
+    from wantrain.observers.evaluation.latents_change import CHANGE_GAIN, GAP, latents_change
+
+    change = np.asarray(Image.open(outcome.run_dir / "samples" / "step_000004_00_change.png"), dtype=int)
+    width = before.shape[1]
+    assert change.shape == (before.shape[0], 3 * width + 2 * GAP, 3)
+    assert (change[:, :width] == before).all() and (change[:, width + GAP:2 * width + GAP] == after).all()
+    assert (change[:, -width:] == np.clip(128 + CHANGE_GAIN * (after - before), 0, 255)).all()
+    assert not (outcome.run_dir / "samples" / "step_000000_00_change.png").exists()  # nothing to compare at 0
+    figures = [x["latents_change"] for x in log if x["event"] == "samples_written" and "latents_change" in x]
+    assert len(figures) == 1 and len(figures[0]) == 2 and min(figures[0]) > 0.01
+    assert figures[0][0] == pytest.approx(latents_change(before, after, samples_module.LATENT_RANGE), abs=1e-4)
 
 
 def test_a_lora_file_of_the_trained_expert_given_for_the_other_one_is_refused(tmp_path):

@@ -9,7 +9,10 @@ prompt's own options over the section's, ``SampleConfig.resolved``):
 * ``samples/step_000200_00.mp4`` (H.264 via PyAV, ``sample.fps`` or the variant's frame rate),
 * ``samples/step_000200_00_latents.png``: the denoised latents of the last step (latent channels 0-2 as RGB, one
   tile per latent frame, a fixed value range so that rounds compare), which show what the LoRA changes even where
-  the decoded frames cannot (the tiny twins' random VAE decodes everything to noise), and
+  the decoded frames cannot (the tiny twins' random VAE decodes everything to noise),
+* ``samples/step_000200_00_change.png``: step 0's latents picture, this step's and their difference side by side,
+  with ``latents_change`` (RMS of the difference / RMS of step 0's) in the ``samples_written`` line
+  (``latents_change.py``), and
 * in TensorBoard (event files in ``<run_dir>/tensorboard`` with the suffix ``.samples``) the image ``samples/00``:
   the first frame the video was conditioned on (I2V, TI2V with an image), then up to 8 evenly spaced frames side
   by side; and ``samples/00/latents``, the latents image.
@@ -52,6 +55,7 @@ from wantrain.core.adapter import LoraStacking, SamplingCapable, TextEncoding, c
 from wantrain.core.atomic import atomic_write
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import ControlRequested, MetricsLogged, OptimizerStepped, RunStarted, SamplesWritten
+from wantrain.observers.evaluation.latents_change import change_path, change_picture, latents_change
 from wantrain.observers.evaluation.motion import clip_motion, motion, motion_metrics
 
 log = structlog.get_logger("wantrain.samples")
@@ -251,6 +255,7 @@ class SampleVideos(Observer):
         pipes: dict[bool, Any] = {}
         moved: dict[int, float | None] = {}
         motion_seconds = 0.0
+        changed: dict[int, float] = {}
         try:
             with control.evaluation() if control is not None else evaluation_session(adapter) as bring_in:
                 for job in self.jobs:
@@ -268,6 +273,10 @@ class SampleVideos(Observer):
                     paths.append(path)
                     picture = latents_image(latents, job.height)
                     _write_png(latents_path(self.out_dir, step, job.index), picture)
+                    first = _read_png(latents_path(self.out_dir, 0, job.index)) if step > 0 else None
+                    if first is not None and first.shape == picture.shape:  # what the LoRA changed since step 0
+                        changed[job.index] = round(latents_change(first, picture, LATENT_RANGE), 4)
+                        _write_png(change_path(self.out_dir, step, job.index), change_picture(first, picture))
                     if self._writer is not None:
                         strip = frame_strip(frames)
                         if job.image is not None:
@@ -286,6 +295,8 @@ class SampleVideos(Observer):
         self.motion_seconds += motion_seconds
         self.metrics = motion_metrics(moved, self.clip_motion)
         extra = {"note": self.note} if self.note and not self._noted else {}
+        if changed:  # per prompt, in latent units relative to step 0's sample (latents_change.py)
+            extra["latents_change"] = [changed.get(job.index) for job in self.jobs]
         self._noted = True
         log.info("samples_written", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),
                  motion_seconds=round(motion_seconds, 3), motion=self.metrics.get("samples/motion"),
@@ -331,6 +342,17 @@ class SampleVideos(Observer):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _read_png(path: Path) -> np.ndarray | None:
+    """An RGB picture this observer wrote (step 0's latents), or ``None`` when it is not there."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except (OSError, ValueError):
+        return None
 
 
 def _write_png(path: Path, picture: np.ndarray) -> None:
@@ -402,7 +424,8 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
     if spec.tiny:
         note = (f"{spec.name} is a random toy model: its VAE cannot draw, so the decoded frames look like noise "
                 "at every step; the *_latents.png beside each video (and samples/NN/latents in TensorBoard) show "
-                "what the LoRA changes")
+                "its latents, and from the second round on *_change.png puts them beside step 0's with their "
+                "difference: what the LoRA changed")
     return SampleVideos(
         out_dir=Path(run_dir) / "samples", jobs=jobs, every=s.every, fps=s.fps or spec.target_fps,
         tensorboard_dir=Path(run_dir) / "tensorboard" if cfg.observers.tensorboard else None, sync=sync, note=note,
