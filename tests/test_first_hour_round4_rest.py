@@ -108,6 +108,9 @@ def test_console_lines_show_paths_under_the_working_directory_relative_and_float
     assert lines == ["wantrain: run completed after 4 steps; run directory: runs/20260101_120000",
                      "  runs/20260101_120000/lora.safetensors",
                      "  checkpoint: runs/20260101_120000/checkpoints/step_000004"]
+    from wantrain.data.report import display_path
+
+    assert display_path(tmp_path / "clips" / "a.mp4") == "clips/a.mp4"  # `check`'s dataset and file lines
 
 
 MUSUBI_PROMPTS = """# prompt 1: a cat

@@ -12,11 +12,14 @@ from typing import Any
 
 import attrs
 
+from wantrain.core.readable import shown_path
+
 
 def display_path(path: str | Path) -> str:
-    """``path`` for one report line: as it is, or quoted with escapes (``'a\\nb.mp4'``) when it holds a character
-    that is not printable (a newline would split the line)."""
-    text = str(path)
+    """``path`` for one report line: relative to the working directory when under it (``core.readable``), and
+    quoted with escapes (``'a\\nb.mp4'``) when it holds a character that is not printable (a newline would split
+    the line)."""
+    text = shown_path(path)
     return text if text.isprintable() else repr(text)
 
 
@@ -102,8 +105,8 @@ class PreflightReport:
         lines.append(f"wantrain data check: variant {self.variant}, clips retimed to {fps} ({self.retime}), "
                      f"clip mode {'/'.join(self.clip_modes) or '-'}")
         for ds in self.datasets:
-            lines.append(f"  dataset {ds['path']}: {ds['videos']} videos, {ds['images']} images, {ds['clips']} clips, "
-                         f"repeats {ds['repeats']}, {ds['skipped']} skipped")
+            lines.append(f"  dataset {display_path(ds['path'])}: {ds['videos']} videos, {ds['images']} images, "
+                         f"{ds['clips']} clips, repeats {ds['repeats']}, {ds['skipped']} skipped")
         lines.append("")
         lines.append(f"buckets (width x height x frames), batch size {self.batch_size}, "
                      f"remainder {self.remainder_policy}:")
