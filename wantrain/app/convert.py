@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from wantrain.app.config import RunConfig
-from wantrain.app.migration import NOT_NEEDED, PEER_KEYS, PEER_VALUES, _assignments, _to
+from wantrain.app.migration import (
+    MUSUBI_PROMPT_DEFAULTS,
+    NOT_NEEDED,
+    PEER_KEYS,
+    PEER_VALUES,
+    PROMPT_NOT_MAPPED,
+    PROMPT_OPTIONS,
+    _assignments,
+    _to,
+)
 from wantrain.core.config import key_places
 from wantrain.core.errors import UserError
 
@@ -66,24 +75,6 @@ def _dataset_tables(data: dict[str, Any], out: dict[str, Any], unmapped: list[st
     return tables
 
 
-_PROMPT_OPTIONS: dict[str, tuple[str, Any]] = {
-    "w": ("width", int), "h": ("height", int), "f": ("frames", int), "d": ("seed", int), "s": ("steps", int),
-    "l": ("guidance_scale", float), "n": ("negative_prompt", str), "i": ("image", str),
-}
-"""musubi-tuner's prompt-file options (its ``sampling_during_training.md``) -> the ``[[sample.prompts]]`` key."""
-
-_PROMPT_NOT_MAPPED = {
-    "g": "embedded guidance, which Wan ignores; its CFG scale is --l",
-    "fs": "wantrain samples with the variant's flow shift (Wan 2.1 VAE 3.0, TI2V-5B 5.0)",
-    "cn": "control videos (Wan-Fun-Control) are not trained by wantrain",
-    "ci": "control images are not trained by wantrain",
-}
-
-MUSUBI_PROMPT_DEFAULTS = {"width": 256, "height": 256, "frames": 1, "steps": 20}
-"""What musubi-tuner samples with when a prompt line omits an option (wantrain's defaults are the variant's and
-30 steps): written to ``[sample]`` so that the converted prompts sample as musubi-tuner did."""
-
-
 def prompt_file(path: Path, unmapped: list[str]) -> dict[str, Any]:
     """musubi-tuner's ``--sample_prompts`` text file (one prompt a line, ``--w 832 --h 480 --f 81 --s 20 --d 42
     --n negative`` options after it, ``#`` comments) as wantrain's ``[sample]`` table (``sample.prompts`` tables,
@@ -100,8 +91,8 @@ def prompt_file(path: Path, unmapped: list[str]) -> dict[str, Any]:
             name, _, value = option.strip().partition(" ")
             value = value.strip()
             where = f"{Path(path).name} line {number}: --{name} {value}".rstrip()
-            if name in _PROMPT_OPTIONS:
-                key, kind = _PROMPT_OPTIONS[name]
+            if name in PROMPT_OPTIONS:
+                key, kind = PROMPT_OPTIONS[name]
                 try:
                     prompt[key] = kind(value)
                 except ValueError:
@@ -111,7 +102,7 @@ def prompt_file(path: Path, unmapped: list[str]) -> dict[str, Any]:
                     prompt[key] = max(1, (prompt[key] - 1) // 4 * 4 + 1)
                     unmapped.append(f"{where}: frames = {prompt[key]} (wantrain samples 4k+1 frames)")
             elif name:
-                why = _PROMPT_NOT_MAPPED.get(name, "no wantrain option known for it")
+                why = PROMPT_NOT_MAPPED.get(name, "no wantrain option known for it")
                 unmapped.append(f"{where}: left out ({why})")
         prompts.append(prompt)
     if not prompts:

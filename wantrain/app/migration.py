@@ -189,6 +189,24 @@ def peer_value_line(key: str, value: Any) -> str | None:
     return f"{key} = {json.dumps(value)} is {entry.peer}'s; in wantrain it is {_assignments(entry.becomes)}{also}"
 
 
+PROMPT_OPTIONS: dict[str, tuple[str, Any]] = {
+    "w": ("width", int), "h": ("height", int), "f": ("frames", int), "d": ("seed", int), "s": ("steps", int),
+    "l": ("guidance_scale", float), "n": ("negative_prompt", str), "i": ("image", str),
+}
+"""musubi-tuner's prompt-file options (its ``sampling_during_training.md``) -> the ``[[sample.prompts]]`` key."""
+
+PROMPT_NOT_MAPPED = {
+    "g": "embedded guidance, which Wan ignores; its CFG scale is --l",
+    "fs": "wantrain samples with the variant's flow shift (Wan 2.1 VAE 3.0, TI2V-5B 5.0)",
+    "cn": "control videos (Wan-Fun-Control) are not trained by wantrain",
+    "ci": "control images are not trained by wantrain",
+}
+
+MUSUBI_PROMPT_DEFAULTS = {"width": 256, "height": 256, "frames": 1, "steps": 20}
+"""What musubi-tuner samples with when a prompt line omits an option (wantrain's defaults are the variant's and
+30 steps): written to ``[sample]`` so that the converted prompts sample as musubi-tuner did."""
+
+
 DOCS = "docs/config.md, Coming from musubi-tuner or ai-toolkit"
 
 
@@ -308,10 +326,8 @@ def table_markdown() -> str:
               "comments) into the `[sample]` table to paste into a run config, one `[[sample.prompts]]` table per",
               "line; a training-arguments TOML whose `sample_prompts` names the file gets them too. Its options:", "",
               "| musubi-tuner | wantrain (`[[sample.prompts]]`) |", "|---|---|"]
-    from wantrain.app.convert import _PROMPT_NOT_MAPPED, _PROMPT_OPTIONS, MUSUBI_PROMPT_DEFAULTS
-
-    lines += [f"| `--{o}` | `{key}` |" for o, (key, _) in _PROMPT_OPTIONS.items()]
-    lines += [f"| `--{o}` | not mapped: {why} |" for o, why in _PROMPT_NOT_MAPPED.items()]
+    lines += [f"| `--{o}` | `{key}` |" for o, (key, _) in PROMPT_OPTIONS.items()]
+    lines += [f"| `--{o}` | not mapped: {why} |" for o, why in PROMPT_NOT_MAPPED.items()]
     lines += ["", "A frame count not of the form 4k+1 is rounded down to one (as musubi-tuner does); an option a line",
               "omits takes musubi-tuner's default, written to `[sample]`: "
               + ", ".join(f"`{k} = {v}`" for k, v in MUSUBI_PROMPT_DEFAULTS.items()) + "."]
