@@ -171,3 +171,12 @@ def test_a_replay_beside_the_run_does_not_join_the_runs_list_of_the_page(tmp_pat
     assert f"into runs/{replayed.name}\n" in err, err  # the console's path: relative to the working directory
     assert (replayed / "metrics.jsonl").is_file()
     assert [r.run_dir for r in list_runs(runs)] == [run]  # the page's and `wantrain serve`'s runs list
+
+
+def test_a_musubi_prompt_file_given_as_sample_prompts_is_refused_with_the_command_that_converts_it(tmp_path, capsys):
+    config = workspace(tmp_path)
+    config.write_text(config.read_text() + '\n[sample]\nenabled = true\nprompts = "prompts.txt"\n')
+    assert main(["check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert ("config key 'sample.prompts' = 'prompts.txt' has the wrong type; expected a list; a musubi-tuner prompt "
+            "file? `wantrain convert prompts.txt` writes its prompts as the [sample] table to paste here") in err, err

@@ -181,7 +181,11 @@ def _assignments(values: dict[str, Any]) -> str:
 
 def peer_value_line(key: str, value: Any) -> str | None:
     """The line for a value of ``key`` that is a peer's spelling (musubi-tuner's ``timestep_sampling = "shift"``):
-    the wantrain keys and values that do the same, and what else to set; ``None`` when it is not one."""
+    the wantrain keys and values that do the same, and what else to set; or for musubi-tuner's prompt file given
+    as ``sample.prompts``: how to convert it. ``None`` when it is neither."""
+    if key == "prompts" and isinstance(value, str) and value.endswith(".txt"):
+        return (f"a musubi-tuner prompt file? `wantrain convert {value}` writes its prompts as the [sample] table "
+                f"to paste here ({DOCS})")
     entry = PEER_VALUES.get(key, {}).get(value) if isinstance(value, str | int | float) else None
     if entry is None:
         return None

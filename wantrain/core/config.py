@@ -429,7 +429,9 @@ class _Structurer:
             return self.structure(tp, value, path)
         if origin in (list, tuple):
             if not isinstance(value, list | tuple):
-                raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a list")
+                named = self.hint(path.rsplit(".", 1)[-1], value) if self.hint is not None else None
+                raise ConfigError(f"config key '{path}' = {_fmt(value)} has the wrong type; expected a list"
+                                  + (f"; {named}" if named else ""))  # a peer's file where a list goes
             item_tp = args[0] if args else Any
             items = [self.value(item_tp, v, f"{path}[{i}]", f) for i, v in enumerate(value)]
             return tuple(items) if origin is tuple else items
