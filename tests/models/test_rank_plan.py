@@ -24,29 +24,35 @@ the blocks add nothing new to check; 40 blocks at N = 8 was traced once, see doc
 RANK = 32
 
 
-def tracked_bytes(shard_degree: int) -> float:
-    """Sharded parameters + gradients + optimizer state on rank 0 of ``shard_degree``, by FSDPMemTracker."""
+def expert_on_meta(layers: int) -> torch.nn.Module:
+    """T2V-A14B's real width with ``layers`` blocks on ``meta``: bf16 frozen base, a trainable fp32 rank-32 LoRA."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig, inject_adapter_in_model
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
     from wantrain.models.wan22.export import LORA_TARGET_REGEX
     from wantrain.models.wan22.variants import VARIANTS
 
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**dict(transformer_kwargs(VARIANTS["t2v-a14b"]), num_layers=layers))
+        cast_keeping_fp32_modules(model, torch.bfloat16)
+        model.requires_grad_(False)
+        inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=LORA_TARGET_REGEX), model)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    return model
+
+
+def tracked_bytes(shard_degree: int) -> float:
+    """Sharded parameters + gradients + optimizer state on rank 0 of ``shard_degree``, by FSDPMemTracker."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=shard_degree)
     try:
-        kwargs = dict(transformer_kwargs(VARIANTS["t2v-a14b"]), num_layers=LAYERS)
-        with torch.device("meta"):
-            model = WanTransformer3DModel(**kwargs)
-            cast_keeping_fp32_modules(model, torch.bfloat16)
-            model.requires_grad_(False)
-            inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=LORA_TARGET_REGEX), model)
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.float()
+        model = expert_on_meta(LAYERS)
         shard_per_block(model, model.blocks)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -80,26 +86,14 @@ def traced_block_bytes(sequence_degree: int) -> float:
     """Bytes autograd saves for the backward in the first block of the real-width T2V-A14B expert (one block, rank-32
     LoRA, bf16 base) on rank 0 of ``sequence_degree`` Ulysses ranks (diffusers' context parallelism on a fake
     process group, everything under fake tensors) at 832x480x81: each saved storage once, parameters not."""
-    from diffusers import WanTransformer3DModel
-    from peft import LoraConfig, inject_adapter_in_model
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
-    from wantrain.models.wan22.export import LORA_TARGET_REGEX
     from wantrain.models.wan22.sequence import enable_ulysses
-    from wantrain.models.wan22.variants import VARIANTS
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sequence_degree)
     try:
-        with torch.device("meta"):
-            model = WanTransformer3DModel(**dict(transformer_kwargs(VARIANTS["t2v-a14b"]), num_layers=1))
-            cast_keeping_fp32_modules(model, torch.bfloat16)
-            model.requires_grad_(False)
-            inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=LORA_TARGET_REGEX), model)
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.float()
+        model = expert_on_meta(1)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
             model.to_empty(device="cpu")
