@@ -78,3 +78,21 @@ def test_a_launch_that_cannot_split_into_the_expert_groups_is_refused_in_one_lin
     assert "model.expert_groups = 2 needs a torchrun launch of a multiple of 2 processes" in text and words in text
     assert "\n" not in text
     assert expert_groups_of(1, Topology(rank=0, world_size=world)) is None
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    ([], "does not run with sample.enabled yet"),
+    (["sample.enabled=false"], "does not run with validation.enabled yet"),
+    (['model.variant="tiny-ti2v"'], "tiny-ti2v has one transformer; set model.expert_groups = 1"),
+    (['model.experts="low_noise"'], "model.experts = 'low_noise' trains one; set model.expert_groups = 1 or"),
+])
+def test_what_expert_groups_cannot_run_is_refused_when_the_config_is_read(overrides, words):
+    from pathlib import Path
+
+    from wantrain.app.config import load_config
+    from wantrain.core.config import ConfigError
+
+    quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml"  # [sample], [validation] on
+    with pytest.raises(ConfigError) as refused:
+        load_config(quickstart, ["model.expert_groups=2", *overrides])
+    assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
