@@ -62,7 +62,8 @@ def workspace(tmp_path_factory) -> Path:
     return tmp
 
 
-def torchrun(workspace: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def torchrun(workspace: Path, name: str, *extra: str, env: dict[str, str] | None = None,
+             settings: list[str] = SETTINGS) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node 2 -m wantrain run`` on 127.0.0.1, runs under ``workspace/name``: torchrun and its
     ranks forked from the prewarmed server (``tests/prewarmed.py``, ``tests/prewarmed_relay.py``; the quickstart and
     two-node tests below launch ``torchrun -m wantrain`` itself)."""
@@ -71,7 +72,7 @@ def torchrun(workspace: Path, name: str, *extra: str, env: dict[str, str] | None
             "-m", "wantrain", "run", str(workspace / "quickstart.toml"),
             "--set", f'run.output_dir="{workspace / name}"', "--set", "faults.oom_ranks=[1]",
             "--set", 'observers.extra=["distributed_probe:RankProbe"]', "--allow-code"]
-    for item in SETTINGS:
+    for item in settings:
         args += ["--set", item]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "WANTRAIN_PROBE_DIR": str(workspace / f"{name}_probe"),
                "WANTRAIN_PROBE_WATCH": str(workspace / name), "PREWARMED_SERVER": prewarmed.server(), **(env or {})}
@@ -268,3 +269,63 @@ def test_two_torchrun_launchers_meet_through_a_c10d_rendezvous_as_two_nodes(tmp_
     assert sorted(exported) == ["quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"]
     for tensors in exported.values():
         assert any(k.endswith(".dora_scale") for k in tensors), sorted(tensors)[:4]
+
+
+# -- one expert per GPU (model.expert_groups = 2) ----------------------------------------------------------------------
+GROUP_SETTINGS = ["train.max_steps=6", "train.log_every=2", "checkpoint.every=4", "observers.progress=false"]
+"""The expert-group run and its two one-expert references: the same seed, data and schedule. Rank 0 (group 0)
+draws as a one-process run of the high-noise expert and rank 1 (group 1) as one of the low-noise expert (the run
+seed, the whole data stream: ``core.expert_groups``), so the LoRA files are compared byte for byte (tolerance 0)."""
+
+
+def one_expert_run(workspace: Path, expert: str) -> Path:
+    args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / expert}"',
+            "--set", f'model.experts="{expert}"']
+    for item in GROUP_SETTINGS:
+        args += ["--set", item]
+    assert main(args) == 0
+    return only_run_dir(workspace / expert)
+
+
+def test_one_expert_per_gpu_stops_resumes_and_equals_two_one_expert_runs(workspace):
+    """Two ranks, one expert each: rank 1 (the low-noise group) asks to stop after step 4, both stop with a
+    checkpoint; the resumed run's files equal those of two one-process runs of one expert each, bytes and losses."""
+    settings = [*GROUP_SETTINGS, "model.expert_groups=2"]
+    stopped = torchrun(workspace, "groups", settings=settings,
+                       env={"WANTRAIN_PROBE_STOP_AT": "4", "WANTRAIN_PROBE_STOP_RANK": "1"})
+    assert stopped.returncode == 1 and "run stopped after 4 steps" in stopped.stderr, stopped.stderr[-3000:]
+    run_dir = only_run_dir(workspace / "groups")
+    assert (run_dir / "checkpoints" / "step_000004" / "complete.json").exists()
+    resumed = torchrun(workspace, "groups", "--resume", "auto", settings=settings,
+                       env={"WANTRAIN_PROBE_DIR": str(workspace / "groups_probe2")})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for folder in ("groups_probe", "groups_probe2"):  # rank 1's expert reached rank 0, which wrote its file
+        assert json.loads((workspace / folder / "rank1.json").read_text())["writes"] == []
+    got = {p.name: p.read_bytes() for p in run_dir.glob("*.safetensors")}
+    assert sorted(got) == ["quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"]
+    lines = metrics(run_dir)
+    for expert in ("high_noise", "low_noise"):
+        reference = one_expert_run(workspace, expert)
+        name = f"quickstart_{expert}.safetensors"
+        assert got[name] == (reference / name).read_bytes(), expert
+        # each group's logged loss is its one-expert run's, step for step
+        assert [(r["step"], r[f"train/loss/{expert}"]) for r in lines] == \
+            [(r["step"], r["train/loss"]) for r in metrics(reference)]
+    started = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines() if '"run_started"' in x]
+    assert started and all(x["experts"] == ["high_noise", "low_noise"] for x in started)
+
+
+def test_expert_groups_in_one_process_are_refused_before_the_run_directory_exists(workspace, capsys):
+    args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / "alone"}"',
+            "--set", "model.expert_groups=2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "model.expert_groups = 2 needs a torchrun launch of a multiple of 2 processes" in err, err
+    assert "Traceback" not in err and not (workspace / "alone").exists()
+
+
+def test_check_prints_which_ranks_train_which_expert(workspace, capsys):
+    assert main(["check", str(workspace / "quickstart.toml"), "--set", "model.expert_groups=2", "--gpus", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "high_noise: ranks 0..1 (group 0, 2 GPUs)" in out and "low_noise: ranks 2..3 (group 1, 2 GPUs)" in out
+    assert "one expert per group of 2" in out  # the plan per GPU of that layout

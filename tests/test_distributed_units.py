@@ -158,7 +158,8 @@ def test_the_initial_lora_broadcast_sends_only_tensors_on_the_groups_device(monk
     from wantrain.core.distributed import ProcessGroupSync, Topology
 
     sent = []
-    monkeypatch.setattr(dist, "broadcast", lambda tensor, src: sent.append((tensor.device, tensor.numel())))
+    monkeypatch.setattr(dist, "broadcast",
+                        lambda tensor, src, group=None: sent.append((tensor.device, tensor.numel())))
     with MetaAsDevice():
         active = [torch.nn.Parameter(torch.zeros(3, 2, device=DEVICE))]
         offloaded = [torch.nn.Parameter(torch.ones(4, 2)), torch.nn.Parameter(torch.ones(5)),

@@ -62,6 +62,7 @@ from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_to
 from wantrain.core.errors import UserError
 from wantrain.core.events import RunStarted
 from wantrain.core.events.log import event_log_path
+from wantrain.core.expert_groups import ExpertGroupSync, GroupSaver, expert_groups_of
 from wantrain.core.faults import inject_faults
 from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
 from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
@@ -78,6 +79,7 @@ from wantrain.models.wan22.adapter import FP8_DEVICE_TYPES
 from wantrain.models.wan22.attention import kernel_in_use
 from wantrain.models.wan22.compile import use_cache_dir
 from wantrain.models.wan22.config import FP8_DTYPES
+from wantrain.models.wan22.placement import expert_group_config
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
 from wantrain.observers.evaluation.samples import build_sample_observer
@@ -319,7 +321,7 @@ class PreparedRun:
             bus.attach(observer)
         if options.saves and main and hasattr(adapter, "sampling_scheduler"):  # a ComfyUI graph beside each save
             bus.attach(ComfyWorkflow(workflow_settings(cfg, variant_spec(cfg.model.variant),
-                                                       adapter.sampling_scheduler()), adapter.experts))
+                                                       adapter.sampling_scheduler()), _run_experts(sync, adapter)))
         for observer in [*options.observers, *watchers]:
             if hasattr(observer, "attach_to"):
                 observer.attach_to(bus)  # it emits events of its own (the finder; validation at step 0)
@@ -344,9 +346,9 @@ class PreparedRun:
             adapter=inject_faults(model, optimizer, cfg.faults, state, rank, checkpoints=policy),
             batches=data.stream(adapter, pin_memory=self.device.type == "cuda"), optimizer=optimizer,
             scheduler=scheduler,
-            saver=adapter.saver(run_dir, cfg.run.name) if options.saves and main else NullSaver(),
+            saver=self._saver(run_dir) if options.saves else NullSaver(),
             settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir,
-            seed=rank_seed(cfg.run.seed, rank), state=state, checkpoints=policy, sync=sync,
+            seed=rank_seed(cfg.run.seed, _stream_rank(sync)), state=state, checkpoints=policy, sync=sync,
         )
         if resume is not None:
             source = resume.checkpoint
@@ -361,6 +363,14 @@ class PreparedRun:
         sync.broadcast_parameters(adapter.trainable_parameters())  # every rank starts from rank 0's LoRA
         control_ref.append(trainer.control)
         return trainer
+
+    def _saver(self, run_dir: Path) -> Any:
+        """The LoRA files' writer: rank 0's (the other ranks write nothing); with expert groups every rank's
+        ``GroupSaver``, through which the group leaders' files reach rank 0 (``core.expert_groups``)."""
+        sync, saver = self.sync, self.adapter.saver(run_dir, self.cfg.run.name)
+        if isinstance(sync, ExpertGroupSync):
+            return GroupSaver(sync, saver.files, saver.write if sync.is_main else None)
+        return saver if sync.is_main else NullSaver()
 
     def _validation_observers(self, run_dir: Path) -> list[Any]:
         """The [validation] and [sample] observers, built while the encoders are still loaded."""
@@ -406,6 +416,17 @@ def _clip_frames(data: Any, width: int, height: int) -> Iterator[np.ndarray]:
         decoded = decode_video(clip.path, clip.source_indices(), width, height, clip.rotation)
         if decoded.frames is not None and len(decoded.frames) > 1:
             yield decoded.frames
+
+
+def _stream_rank(sync: Any) -> int:
+    """The rank whose random streams this rank draws (``core.distributed.rank_seed``): its own, or with expert
+    groups its place in its group, so each group draws what a one-process run of its expert draws."""
+    return sync.groups.rank_in_group if isinstance(sync, ExpertGroupSync) else sync.topology.rank
+
+
+def _run_experts(sync: Any, adapter: Any) -> tuple[str | None, ...]:
+    """The experts the run trains: this rank's adapter's, or with expert groups every group's, in group order."""
+    return sync.experts if isinstance(sync, ExpertGroupSync) else tuple(adapter.experts)
 
 
 def _without_faults(plain: dict[str, Any]) -> dict[str, Any]:
@@ -510,10 +531,14 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         torch.cuda.set_device(device)
     check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
     spec = variant_spec(cfg.model.variant)
+    groups = expert_groups_of(cfg.model.expert_groups, topology)  # a launch that cannot split: refused here
+    if groups is not None:  # this rank trains its group's expert alone, as a one-expert run of it would
+        model_cfg, lora_cfg = expert_group_config(cfg.model, cfg.lora, groups.group)
+        cfg = attrs.evolve(cfg, model=model_cfg, lora=lora_cfg)
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
     check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
-    data.shard(topology.rank, topology.world_size)
+    data.shard(*((groups.rank_in_group, groups.size) if groups else (topology.rank, topology.world_size)))
     given = cfg
     if uses_epochs(cfg):
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
@@ -557,7 +582,10 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
                                                   alpha=adapter.lora_config.alpha))
     if cfg.sample.enabled and topology.is_main:  # one trained expert: the other one's weights, for sampling only
         adapter.add_sampling_expert(cfg.sample.other_expert_lora)
-    sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
+    if groups is not None:
+        sync = ExpertGroupSync.start(topology, device, groups=groups, experts=spec.experts)
+    else:
+        sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync, data_changes=data_changes,
                        lock=held[-1] if held else None, encoded=encoded)

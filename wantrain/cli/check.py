@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode every clip to verify frame counts (slow on large datasets)")
     layout = parser.add_argument_group("plan per GPU of a multi-GPU layout (docs/distributed.md)")
     layout.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs in all")
-    layout.add_argument("--expert-groups", type=int, default=1, metavar="E",
-                        help="2: one A14B expert per group of GPUs")
+    layout.add_argument("--expert-groups", type=int, default=None, metavar="E",
+                        help="2: one A14B expert per group of GPUs (default: the config's model.expert_groups)")
     layout.add_argument("--shard-degree", type=int, default=1, metavar="S", help="FSDP over S GPUs of a group")
     layout.add_argument("--sequence-degree", type=int, default=1, metavar="Q",
                         help="Ulysses over Q GPUs of a group (must divide the attention heads)")
@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus is not None:  # refused first, before the data is probed
         from wantrain.app.preflight import planned_layout
 
-        layout = planned_layout(cfg, gpus=args.gpus, expert_groups=args.expert_groups,
+        groups = args.expert_groups if args.expert_groups is not None else cfg.model.expert_groups
+        layout = planned_layout(cfg, gpus=args.gpus, expert_groups=groups,
                                 shard_degree=args.shard_degree, sequence_degree=args.sequence_degree)
     try:
         report = preflight_report(cfg, verify=args.verify, config_dir=Path(args.config).parent)
@@ -49,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     _print(report, args.json)
     for line in alpha_schedule_lines(cfg):
+        print(line)
+    from wantrain.models.wan22.placement import expert_group_lines
+
+    for line in expert_group_lines(cfg.model, args.gpus):  # model.expert_groups: which ranks train which expert
         print(line)
     if layout is not None:
         from wantrain.app.preflight import layout_lines

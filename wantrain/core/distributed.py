@@ -52,6 +52,12 @@ counter, pending metric sums and the log interval's losses); everything else (Lo
 observers) is identical on every rank and saved once."""
 
 
+LEADER_KEY = "expert_group_leader"
+"""In a checkpoint written by expert groups (``core.expert_groups``), the per-rank entry of a rank that is not its
+group's leader holds only its own :data:`PER_RANK_STATE` and this key: the rank of the leader whose LoRA, optimizer
+and scheduler it shares (:func:`rank_view` reads it)."""
+
+
 @attrs.frozen
 class Topology:
     """Where this process stands: ``rank`` of ``world_size``, ``local_rank`` on its machine."""
@@ -92,7 +98,11 @@ def rank_view(tree: Mapping[str, Any], rank: int) -> dict[str, Any]:
     out = {k: v for k, v in tree.items() if k != "ranks"}
     ranks = tree.get("ranks")
     if ranks:
-        out.update(ranks[rank])
+        own = dict(ranks[rank])
+        leader = own.pop(LEADER_KEY, None)  # core.expert_groups: the group leader's LoRA, optimizer, scheduler
+        if leader is not None:
+            out.update(ranks[leader])
+        out.update(own)
     return out
 
 
@@ -160,6 +170,11 @@ class ProcessGroupSync:
         self.is_main = topology.is_main
         self.device = device
         self._stop_agreed = False
+        # whom the gradients are averaged over and the LoRA's start comes from: every rank, from rank 0 (an
+        # ExpertGroupSync narrows them to its expert's group and that group's leader)
+        self._grads_group: Any = None
+        self._grads_world = topology.world_size
+        self._grads_source = 0
         self._patient = patient  # a gloo group with a long timeout, for wait_for_rank0 (created lazily if None)
 
     @classmethod
@@ -227,7 +242,7 @@ class ProcessGroupSync:
         """
         import torch.distributed as dist
 
-        world = self.topology.world_size
+        world, pg = self._grads_world, self._grads_group
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -239,7 +254,7 @@ class ProcessGroupSync:
             if carries_flag:
                 parts.append(bad.to(dtype))
             flat = torch.cat(parts)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
             if carries_flag:
                 bad, flat = flat[-1:], flat[:-1]
             flat.div_(world)
@@ -250,7 +265,7 @@ class ProcessGroupSync:
                 p.grad = g
                 offset += n
         if not any(dtype == torch.float32 for dtype in by_dtype):
-            dist.all_reduce(bad, op=dist.ReduceOp.SUM)
+            dist.all_reduce(bad, op=dist.ReduceOp.SUM, group=pg)
         nonfinite.copy_((bad > 0).reshape(()))
 
     def broadcast_parameters(self, params: Sequence[torch.Tensor]) -> None:
@@ -261,16 +276,17 @@ class ProcessGroupSync:
         copied back."""
         import torch.distributed as dist
 
+        src, pg = self._grads_source, self._grads_group
         with torch.no_grad():
             away: dict[torch.dtype, list[torch.Tensor]] = {}
             for p in params:
                 if _same_device(p.device, self.device):
-                    dist.broadcast(p.data, src=0)
+                    dist.broadcast(p.data, src=src, group=pg)
                 else:
                     away.setdefault(p.dtype, []).append(p)
             for group in away.values():
                 flat = torch.cat([p.data.reshape(-1).to(self.device) for p in group])
-                dist.broadcast(flat, src=0)
+                dist.broadcast(flat, src=src, group=pg)
                 offset = 0
                 for p in group:
                     n = p.numel()

@@ -204,7 +204,9 @@ class Trainer:
         try:
             self.bus.emit(RunStarted(
                 step=state.step, run_dir=str(self.ctx.run_dir or ""), total_steps=s.max_steps,
-                grad_accum=s.grad_accum, experts=tuple(self.adapter.experts), log_every=s.log_every,
+                grad_accum=s.grad_accum, log_every=s.log_every,
+                # the run's experts: this process's, or every expert group's (core.expert_groups)
+                experts=tuple(getattr(self.sync, "experts", None) or self.adapter.experts),
                 resumed_from=self._resumed_from,
             ))
             if self._undelivered is not None:  # resumed from a checkpoint whose CheckpointSaved a kill cut off

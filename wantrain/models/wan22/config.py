@@ -62,6 +62,12 @@ class ModelConfig:
         10, doc="With `experts = \"both\"`, the trained expert alternates every N optimizer steps.",
         range=at_least(1),
     )
+    expert_groups: int = setting(
+        1, doc="Under torchrun with `experts = \"both\"` (A14B): 2 splits the ranks into one group per expert (ranks "
+        "0..W/2-1 train the high-noise expert, the rest the low-noise one; data parallel inside a group), each "
+        "holding only its expert on its GPU and training it every step; 1 alternates the experts on every rank "
+        "(docs/distributed.md, One expert per GPU).", range=between(1, 2),
+    )
     lr_high_noise: float | None = setting(
         None, doc="Learning rate of the high-noise LoRA; unset uses `optimizer.lr`.", range=above(0.0)
     )
@@ -207,6 +213,13 @@ class ModelConfig:
             raise ConfigError(
                 f"model.transformer_file is for ti2v variants; for {self.variant} use model.high_noise_file / "
                 "model.low_noise_file"
+            )
+        if self.expert_groups > 1 and (spec.boundary_ratio is None or self.experts != "both"):
+            raise ConfigError(
+                f"model.expert_groups = {self.expert_groups} gives each of the two A14B experts its own GPUs: "
+                + (f"{self.variant} has one transformer" if spec.boundary_ratio is None
+                   else f"model.experts = {self.experts!r} trains one") + "; set model.expert_groups = 1"
+                + ("" if spec.boundary_ratio is None else " or model.experts = 'both'")
             )
         if self.min_t is not None and self.max_t is not None and self.min_t >= self.max_t:
             raise ConfigError(f"model.min_t = {self.min_t:g} must be below model.max_t = {self.max_t:g}")

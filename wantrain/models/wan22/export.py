@@ -125,9 +125,13 @@ class Wan22Saver:
         return f"{stem}.safetensors" if expert is None else f"{stem}_{expert}.safetensors"
 
     def save(self, step: int, final: bool) -> list[str]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return [self.write(*f) for f in self.files(step, final)]
+
+    def files(self, step: int, final: bool) -> list[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
+        """Each trained expert's file as (name in ``run_dir``, tensors, metadata), written by :meth:`write` (with
+        ``model.expert_groups`` a group leader's travel to rank 0 first: ``core.expert_groups.GroupSaver``)."""
         dtype = torch.float32 if self.adapter.lora_config.save_dtype == "fp32" else torch.bfloat16
-        written = []
+        out = []
         for expert in self.adapter.experts:
             tensors = self.adapter.adapter_tensors(expert, dtype)
             alphas = sorted({self.adapter.kind.alpha(layer) for _, layer in lora_layers(self.adapter.transformer_for(
@@ -143,7 +147,12 @@ class Wan22Saver:
                 "step": str(step),
                 "boundary_ratio": str(self.adapter.spec.boundary_ratio),
             }
-            path = self.run_dir / self.file_name(expert, step, final)
-            atomic_save(tensors, path, metadata)
-            written.append(str(path))
-        return written
+            out.append((self.file_name(expert, step, final), tensors, metadata))
+        return out
+
+    def write(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+        """Write one file of :meth:`files` into ``run_dir`` (atomically) and return its path."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / name
+        atomic_save(tensors, path, metadata)
+        return str(path)

@@ -263,3 +263,47 @@ class ExpertPlacement:
         if optimizer is not None and remap:
             for group in optimizer.param_groups:
                 group["params"] = [remap.get(id(p), p) for p in group["params"]]
+
+
+# -- one expert per group of GPUs (model.expert_groups; core.expert_groups) ------------------------------------------
+def expert_group_config(model: Any, lora: Any, group: int) -> tuple[Any, Any]:
+    """The ``[model]`` and ``[lora]`` sections expert group ``group`` trains with ``model.expert_groups = 2``: the
+    ``group``-th expert alone, exactly as a one-expert run of it (``experts = 'high_noise'`` / ``'low_noise'``), so
+    its device holds that expert only and nothing ever swaps. Its band is the one it has with both experts: a
+    ``min_t`` (which bounds the low-noise band) goes to the low-noise group only, a ``max_t`` to the high-noise
+    one; the other expert's ``lora.init_from_*`` file is the other group's."""
+    import attrs
+
+    from wantrain.models.wan22.variants import VARIANTS
+
+    expert = VARIANTS[model.variant].experts[group]
+    other = "low_noise" if expert == "high_noise" else "high_noise"
+    bounds = {"min_t": None} if expert == "high_noise" else {"max_t": None}
+    mine = attrs.evolve(model, experts=expert, expert_groups=1, **bounds)
+    return mine, attrs.evolve(lora, **{f"init_from_{other}": None})
+
+
+def expert_group_lines(model: Any, gpus: int | None) -> list[str]:
+    """``wantrain check``: where each expert trains with ``model.expert_groups`` > 1 (``[]`` otherwise), for a
+    launch of ``gpus`` ranks (None: any multiple of the groups)."""
+    count = model.expert_groups
+    if count <= 1:
+        return []
+    from wantrain.models.wan22.variants import VARIANTS
+
+    experts = VARIANTS[model.variant].experts
+    lines = [f"placement: one expert per group of GPUs (model.expert_groups = {count}); each GPU holds only its "
+             "group's expert and trains it every step, data parallel inside the group:"]
+    if gpus is None or gpus % count:
+        def at(g: int) -> str:
+            return "0" if g == 0 else "W" if g == count else f"{g}W/{count}" if g > 1 else f"W/{count}"
+
+        lines += [f"  {e}: group {g}, ranks {at(g)} .. {at(g + 1)} - 1 of a torchrun launch of W processes (W a "
+                  f"multiple of {count}; check --gpus W names them)" for g, e in enumerate(experts)]
+        return lines
+    size = gpus // count
+    for g, e in enumerate(experts):
+        first, last = g * size, (g + 1) * size - 1
+        lines.append(f"  {e}: rank{'s' if size > 1 else ''} {first}" + (f"..{last}" if size > 1 else "")
+                     + f" (group {g}, {size} GPU{'s' if size > 1 else ''})")
+    return lines
