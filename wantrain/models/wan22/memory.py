@@ -68,13 +68,19 @@ ADAPTER_TRANSIENT = {"lora": (0.0, 0.0, 0.0), "loha": (4.0, 0.0, 0.0), "lokr": (
 # ... and per text token per unit of width (bench/measure_block_activations.py, saved_tensors_hooks on one block).
 C_TEXT = 17.0
 # The lean recompute (``model.recompute = "lean"``, recompute.py): what one block's recompute and the backward of
-# its largest part hold at once, per token per unit of width, plus the FFN's part over one chunk of
-# ``FFN_CHUNK_TOKENS`` tokens per unit of FFN width (bench/trace_memory.py --recompute lean, docs/benchmarks.md) ...
-LEAN_C_WIDTH = 24.0
-LEAN_C_FFN_CHUNK = 12.0
+# its largest part (the self-attention's) hold at once, per token per unit of width; the FFN's wide intermediate
+# lives for one token chunk only and adds nothing at the peak (bench/trace_memory.py --recompute lean: A14B at
+# 32760 and 75600 tokens, 35.0 and 35.6; docs/benchmarks.md).
+LEAN_C_WIDTH = 35.3
+# In the lean recompute LoHa's and LoKr's float32 delta weights live longer (the FFN's are built again for every
+# token chunk, and the block's recompute and its parts' overlap): this many more float32 copies of the FFN's weight
+# than ADAPTER_TRANSIENT's, and fp8's bf16 copies of the Linears live one part at a time: this fraction of the
+# block's (bench/trace_memory.py --recompute lean --lora-type loha/lokr, --dtype fp8; docs/benchmarks.md).
+LEAN_DELTA_COPIES = 4.4
+LEAN_FP8_COPIES = 0.2
 # ... and the FLOPs it adds: every part's forward runs once more per step, as a fraction of the whole-block
 # recompute's step (bench/trace_memory.py --recompute all --flops).
-LEAN_EXTRA_FLOPS = 0.25
+LEAN_EXTRA_FLOPS = 0.26
 RECOMPUTE_PATHS = ("block", "lean")  # the planner's order: the whole-block recompute first (fewer FLOPs)
 RECOMPUTE_WORDS = {
     "block": "block (each checkpointed block recomputed whole in the backward pass; the step's FLOPs as they are)",
@@ -362,12 +368,9 @@ REAL_VAE: dict[str, dict[str, Any]] = {
 def recompute_block_bytes(tokens: float, width: float, ffn: float, text_tokens: float, path: str = "block") -> float:
     """What one checkpointed block's recompute saves and its backward needs at once (bf16 base, fp32 LoRA): per
     video token, per text token (the cross-attention's keys and values, their LoRA inputs); ``path``: the
-    recompute (``model.recompute``), whose ``lean`` form holds the FFN's wide intermediate for one chunk only."""
+    recompute (``model.recompute``), whose ``lean`` form has no FFN term (its FFN runs over token chunks)."""
     if path == "lean":
-        from wantrain.models.wan22.recompute import FFN_CHUNK_TOKENS
-
-        chunk = min(tokens, FFN_CHUNK_TOKENS)
-        return tokens * LEAN_C_WIDTH * width + chunk * LEAN_C_FFN_CHUNK * ffn + text_tokens * C_TEXT * width
+        return tokens * LEAN_C_WIDTH * width + text_tokens * C_TEXT * width
     return tokens * (C_WIDTH * width + C_FFN * ffn) + text_tokens * C_TEXT * width
 
 
@@ -460,10 +463,10 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     params = lora_params(variant, rank, layers, adapter)
     tokens = tokens_of(spec, width, height, frames, batch)
     hidden = tokens * d * 2.0
-    per_block = recompute_block_bytes(tokens, d, f, batch * spec.text_len,
-                                      settings.recompute if gradient_checkpointing else "block")
+    lean = gradient_checkpointing and settings.recompute == "lean"
+    per_block = recompute_block_bytes(tokens, d, f, batch * spec.text_len, "lean" if lean else "block")
     if settings.base_dtype in ("fp8", "fp8_scaled"):  # both compute from bf16 copies of the block's Linears
-        per_block += _linear_bytes_bf16(variant, layers)
+        per_block += _linear_bytes_bf16(variant, layers) * (LEAN_FP8_COPIES if lean else 1.0)
     if not gradient_checkpointing:
         inputs, per_block = 0.0, per_block * n
     elif settings.offload_activations:
@@ -475,6 +478,8 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     parts = {"weights resident": resident, "swap buffers": ring, "LoRA + optimizer": params * LORA_BYTES_PER_PARAM,
              "checkpointed inputs": inputs, "one recomputed block": per_block}
     transient = adapter_transient_bytes(variant, adapter, tokens)
+    if lean and ADAPTER_TRANSIENT[adapter.type][0]:
+        transient += LEAN_DELTA_COPIES * 4.0 * d * f
     if transient:  # without checkpointing every block keeps its own
         parts[ADAPTER_PART] = transient * (1 if gradient_checkpointing else n)
     parts["workspace"] = workspace
