@@ -122,8 +122,9 @@ class ModelConfig:
     vram_budget_gb: float | None = setting(
         None, doc="Usable device memory to plan for, in GiB (what the card has free, not its label: less on a card "
         "that drives a display): picks `blocks_to_swap`, `offload_activations`, (with `recompute = \"auto\"`) the "
-        "whole-block or the lean recompute and (with `base_dtype = \"auto\"`) bf16 or fp8 so that the largest bucket fits with attention's backward buffer, a fragmentation margin and "
-        "the CUDA context (docs/models.md, Memory); a budget nothing fits is refused before the run starts. Leave "
+        "whole-block or the lean recompute and (with `base_dtype = \"auto\"`) bf16 or fp8 so that the largest "
+        "bucket fits with attention's backward buffer, a fragmentation margin and the CUDA context (docs/models.md, "
+        "Memory); a budget nothing fits is refused before the run starts. Leave "
         "`blocks_to_swap` and `offload_activations` unset with it.", range=above(0.0),
     )
 
