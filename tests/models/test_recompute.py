@@ -46,16 +46,18 @@ def test_lean_recompute_gives_the_whole_block_recomputes_gradients_for_every_ada
     assert any(g.abs().sum() > 0 for g in lean)
 
 
-def test_lean_recompute_in_bf16_keeps_the_lora_input_in_bf16_and_the_gradients_within_bf16_rounding(batch):
+def test_lean_recompute_in_bf16_keeps_the_lora_input_in_bf16_and_the_same_gradients(batch, monkeypatch):
+    monkeypatch.setattr(recompute, "FFN_CHUNK_TOKENS", 7)
     adapter = make_adapter(experts="high_noise", base_dtype="bf16", recompute="lean")
     transformer = adapter.transformer_for("high_noise")
     to_q = transformer.blocks[0].attn1.to_q
     assert isinstance(transformer.blocks[0], LeanWanTransformerBlock) and to_q.cast_input_dtype_enabled is False
     lean = _gradients(adapter, batch)
     whole = _gradients(make_adapter(experts="high_noise", base_dtype="bf16", recompute="block"), batch)
-    for a, b in zip(lean, whole, strict=True):
-        # float32 gradients of bf16 activations: the same products summed in another order at most
-        assert torch.allclose(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item()), (a - b).abs().max()
+    # bf16 activations, fp32 LoRA: the LoRA input cast again in the backward gives the products peft's float32
+    # copy gave, and the FFN chunks' matmuls sum in the same order on this CPU (a GPU's GEMM may pick another
+    # kernel for the chunk's shape: within bf16 rounding there)
+    assert all(torch.equal(a, b) for a, b in zip(lean, whole, strict=True))
 
 
 def test_lean_recompute_without_gradient_checkpointing_is_a_one_line_config_error():

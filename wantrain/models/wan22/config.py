@@ -97,7 +97,7 @@ class ModelConfig:
         "docs/models.md, Memory): `block` recomputes the whole block and keeps everything its backward needs at "
         "once; `lean` recomputes the self-attention, the cross-attention and the FFN (over token chunks) each in "
         "its own backward, keeping bf16 inputs instead of float32 copies: about 2.5x less memory for one block, "
-        "about a quarter more FLOPs per step. `auto`: with `vram_budget_gb` the planner takes `lean` only where "
+        "about 26 % more FLOPs per step. `auto`: with `vram_budget_gb` the planner takes `lean` only where "
         "`block` does not fit; without a budget, `block`.",
     )
     base_dtype: Literal["auto", "fp32", "bf16", "fp8", "fp8_scaled"] = setting(

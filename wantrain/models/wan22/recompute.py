@@ -16,22 +16,27 @@ parts, each its own non-reentrant checkpoint nested inside the block's:
 * feed-forward: ``norm3``, the modulation, ``ffn`` and the gated residual, over chunks of
   :data:`FFN_CHUNK_TOKENS` tokens, each chunk its own checkpoint (all of it is per token: chunks are independent).
 
+Inside the parts, two float32 copies go: the norms with their modulation (``norm1``, ``norm2``) are a checkpoint
+of their own (only their bf16 output is kept), and each plain LoRA layer keeps its bf16 input for ``lora_A``'s
+backward instead of peft's float32 copy of it (:func:`lean_lora_inputs`; q, k and v each made one).
+
 So the block's recompute keeps only the parts' bf16 inputs (three hidden states), and each part is recomputed
 again in its own backward, its intermediates alive only while that backward runs; the FFN's wide intermediate
 exists for one chunk at a time. The modulation (``scale_shift_table + temb``) is computed inside each part, so no
 float32 [6, width] per token (TI2V-5B's per-token modulation) outlives it.
 
-What it costs: every part's forward runs once more (three times per step instead of twice): about a quarter more
-FLOPs per step (``bench/trace_memory.py --recompute lean --flops``, docs/benchmarks.md). The planner
+What it costs: every part's forward runs once more (three times per step instead of twice): 26 % more FLOPs per
+step at 832x480x81 on A14B (``bench/trace_memory.py --recompute lean --flops``, docs/benchmarks.md). The planner
 (``memory.py``) takes it only where the whole-block recompute does not fit.
 
-Gradients: the same arithmetic on the same values, so bitwise equal to the whole-block recompute's for the
-attention parts; the FFN over token chunks multiplies smaller matrices, whose kernels may sum in another order
-(within bf16 rounding; ``tests/models/test_recompute.py`` states the tolerance). LoRA dropout draws its masks per
-chunk (the same distribution, other draws). Traceable (no host syncs, no data-dependent branches: the chunk count
-depends on the shape only): ``model.compile`` compiles this forward as it does diffusers' (``compile.py`` compiles
-``type(block).forward``), and block swap's pre-hook (``swap.py``) loads the block before its recompute, which the
-parts' recomputes follow inside the block's backward, while the block is still in the ring.
+Gradients: the same arithmetic on the same values, so equal to the whole-block recompute's (bitwise on the tiny
+twin on a CPU, fp32 and bf16: ``tests/models/test_recompute.py``); the FFN over token chunks multiplies smaller
+matrices, for which a GPU's GEMM may pick kernels that sum in another order (within bf16 rounding). LoRA dropout
+draws its masks per chunk (the same distribution, other draws). Traceable (no host syncs, no data-dependent
+branches: the chunk count depends on the shape only): ``model.compile`` compiles this forward as it does
+diffusers' (``compile.py`` compiles ``type(block).forward``), and block swap's pre-hook (``swap.py``) loads the
+block before its recompute, which the parts' recomputes follow inside the block's backward, while the block is
+still in the ring.
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-RECOMPUTE_MODES = ("auto", "block", "lean")
 # Tokens per FFN chunk: the FFN's intermediate [chunk, ffn_width] in bf16 and its LoRA and GELU companions stay
 # under ~0.6 GiB at A14B (13 824 wide) while each chunk's matmuls stay large (4096 rows keep a GPU's GEMMs busy).
 FFN_CHUNK_TOKENS = 4096
