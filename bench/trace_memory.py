@@ -30,6 +30,8 @@ Choices that differ from a GPU:
     python bench/trace_memory.py --json out.json
     python bench/trace_memory.py --lora-type all --layers 2 --dtype bf16 --swap 0 --offload --size 832x480x81
                                                            # a row per adapter type (lora.type)
+    python bench/trace_memory.py --recompute all --layers 2 --dtype bf16 --swap 0 --offload --flops
+                                                           # a row per recompute path (model.recompute)
     python bench/trace_memory.py --sampling                # the sampling table (a no-grad denoising step with
                                                            # guidance, then the VAE decode)
 """
@@ -54,6 +56,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from wantrain.models.wan22.architecture import transformer_kwargs
 from wantrain.models.wan22.export import ADAPTER_NAME
 from wantrain.models.wan22.offload import ActivationOffload
+from wantrain.models.wan22.recompute import use_recompute
 from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.variants import VARIANTS
 
@@ -149,9 +152,10 @@ def parse_size(text: str) -> tuple[int, int, int]:
 
 
 def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode, layers: int | None = None,
-                      lora_type: str = "lora"):
+                      lora_type: str = "lora", recompute: str = "block"):
     """The expert as a run holds it, with fake tensors on :data:`DEVICE` (``layers``: fewer blocks), its adapter of
-    ``lora_type`` built by peft as a run builds it (``adapter_types.py``, the config's defaults otherwise)."""
+    ``lora_type`` built by peft as a run builds it (``adapter_types.py``, the config's defaults otherwise), its
+    blocks recomputed as ``recompute`` says (``model.recompute``: ``recompute.py``)."""
     from diffusers import WanTransformer3DModel
 
     from wantrain.models.wan22.adapter_types import adapter_type, candidate_modules
@@ -171,6 +175,7 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
         targets = candidate_modules(len(model.blocks))
         model.add_adapter(adapter_type(lora_type).peft_config(LoraConfig(type=lora_type, rank=rank), targets),
                           adapter_name=ADAPTER_NAME)
+        use_recompute(model, recompute)
     keep = set(model._keep_in_fp32_modules or ())
     with fake:
         for name, module in model.named_modules():
@@ -196,7 +201,8 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
 
 def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload: bool = False,
           size: tuple[int, int, int] = (832, 480, 81), rank: int = 32, batch: int = 1,
-          layers: int | None = None, lora_type: str = "lora", count_flops: bool = False) -> dict:
+          layers: int | None = None, lora_type: str = "lora", count_flops: bool = False,
+          recompute: str = "block") -> dict:
     """Peak live device bytes of one training step of ``variant`` (one expert), in GiB, with the parts at rest;
     with ``count_flops`` its FLOPs instead (``tflops``; the bytes of that trace are not the step's)."""
     spec = VARIANTS[variant]
@@ -204,7 +210,7 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     start = time.perf_counter()
     with fake_layerwise_casting():  # the hooks keep the methods they find when registered
-        model = build_fake_expert(variant, dtype, rank, fake, layers, lora_type)
+        model = build_fake_expert(variant, dtype, rank, fake, layers, lora_type, recompute)
     blocks = model.blocks
     copies: list[int] = []
     with fake:
@@ -253,7 +259,8 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
     tokens = batch * frames_latent * (height // spec.spatial_multiple) * (width // spec.spatial_multiple)
     return {"variant": variant, "dtype": dtype, "swap": swap, "offload": offload,
             "size": f"{width}x{height}x{frames}", "rank": rank, "lora_type": lora_type, "batch": batch,
-            "layers": len(blocks), "tokens": tokens, "adapter_params": sum(p.numel() for p in lora),
+            "recompute": recompute, "layers": len(blocks), "tokens": tokens,
+            "adapter_params": sum(p.numel() for p in lora),
             "at_rest_gib": at_rest / 2**30, "peak_gib": counter.peak / 2**30,
             "tflops": flops.get_total_flops() / 1e12 if flops else None,
             "seconds": round(time.perf_counter() - start, 1), "block_copies": len(copies),
@@ -359,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--lora-type", choices=("lora", "loha", "lokr", "dora", "all"), default="lora",
                         help="the adapter type (lora.type; 'all': one row per type)")
+    parser.add_argument("--recompute", choices=("block", "lean", "all"), default="block",
+                        help="model.recompute ('all': a row per path)")
     parser.add_argument("--layers", type=int, help="fewer blocks than the variant has (a quick check)")
     parser.add_argument("--flops", action="store_true", help="also count the step's FLOPs (a second trace)")
     parser.add_argument("--json", type=Path)
@@ -380,13 +389,16 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(rows, indent=1))
         return 0
     types = ["lora", "loha", "lokr", "dora"] if args.lora_type == "all" else [args.lora_type]
-    for size, dtype, swap, offload, lora_type in itertools.product(sizes, dtypes, swaps, offloads, types):
+    paths = ["block", "lean"] if args.recompute == "all" else [args.recompute]
+    for size, dtype, swap, offload, lora_type, path in itertools.product(sizes, dtypes, swaps, offloads, types,
+                                                                         paths):
         if lora_type == "dora" and dtype == "fp8":
             continue  # refused by the config: peft's DoRA reads the base weights outside their forward
-        row = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers, lora_type=lora_type)
+        row = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers, lora_type=lora_type,
+                    recompute=path)
         if args.flops:
             row["tflops"] = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers,
-                                  lora_type=lora_type, count_flops=True)["tflops"]
+                                  lora_type=lora_type, count_flops=True, recompute=path)["tflops"]
         row.update(compare(row))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -401,7 +413,8 @@ def compare(row: dict) -> dict:
     from wantrain.models.wan22.memory import GIB, AdapterSpec, MemorySettings, estimate
 
     width, height, frames = parse_size(row["size"])
-    est = estimate(row["variant"], MemorySettings(row["dtype"], row["swap"], row["offload"]), width=width,
+    est = estimate(row["variant"], MemorySettings(row["dtype"], row["swap"], row["offload"], row["recompute"]),
+                   width=width,
                    height=height, frames=frames, rank=row["rank"], batch=row["batch"],
                    layers=row["layers"] if row["layers"] != VARIANTS[row["variant"]].num_layers else None,
                    adapter=AdapterSpec(row["lora_type"]))
@@ -431,12 +444,13 @@ def markdown_sampling(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| size | adapter | base | swapped | offload | traced peak GiB | estimate GiB | error | TFLOP | trace s |",
-             "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| size | adapter | base | swapped | offload | recompute | traced peak GiB | estimate GiB | error | TFLOP "
+             "| trace s |",
+             "|---|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['size']} | {r['lora_type']} | {r['dtype']} | {r['swap']} | "
-                     f"{'on' if r['offload'] else 'off'} | {r['peak_gib']:.2f} | {r['estimate_gib']:.2f} | "
-                     f"{r['error_pct']:+.1f} % | {r['tflops'] or 0:.1f} | {r['seconds']} |")
+                     f"{'on' if r['offload'] else 'off'} | {r['recompute']} | {r['peak_gib']:.2f} | "
+                     f"{r['estimate_gib']:.2f} | {r['error_pct']:+.1f} % | {r['tflops'] or 0:.1f} | {r['seconds']} |")
     return "\n".join(lines)
 
 

@@ -255,8 +255,11 @@ def plan_memory(cfg: Any, data: Any) -> Any:
     dtype = model.base_dtype
     if dtype == "auto" and spec.tiny:
         dtype = "fp32"
+    # model.recompute 'auto' without a budget is the whole block (recompute.py); with one the planner chooses
+    recompute = "lean" if model.recompute == "lean" and model.gradient_checkpointing else "block"
     if model.vram_budget_gb is None:
-        settings = MemorySettings("bf16" if dtype == "auto" else dtype, model.blocks_to_swap, model.offload_activations)
+        settings = MemorySettings("bf16" if dtype == "auto" else dtype, model.blocks_to_swap, model.offload_activations,
+                                  recompute)
         chosen = estimate(model.variant, settings, **size, attention=model.attention,
                           gradient_checkpointing=model.gradient_checkpointing)
         if chosen.device_gib > LARGEST_DEVICE_GIB and plan(model.variant, LARGEST_DEVICE_GIB, base_dtype=dtype,
@@ -270,7 +273,8 @@ def plan_memory(cfg: Any, data: Any) -> Any:
             )
     else:
         chosen, smallest = plan(model.variant, model.vram_budget_gb, base_dtype=dtype, **size,
-                                attention=model.attention)
+                                attention=model.attention,
+                                recompute=model.recompute if model.gradient_checkpointing else "block")
         if chosen is None:
             raise UserError(
                 f"model.vram_budget_gb = {model.vram_budget_gb:g}: nothing fits the largest bucket "
@@ -279,6 +283,7 @@ def plan_memory(cfg: Any, data: Any) -> Any:
             )
         model = attrs.evolve(model, vram_budget_gb=None, blocks_to_swap=chosen.settings.blocks_to_swap,
                              offload_activations=chosen.settings.offload_activations,
+                             recompute=chosen.settings.recompute if model.gradient_checkpointing else model.recompute,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
     _record_plan(cfg, data, b, chosen)  # the device plan, should the host plan refuse
     model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto")
@@ -315,13 +320,14 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
         if auto_dtype and chosen.settings.base_dtype == "bf16" and model.gradient_checkpointing:
             if cfg.model.vram_budget_gb is not None:
                 fp8_est, _ = plan(model.variant, cfg.model.vram_budget_gb, base_dtype="fp8", **size,
-                                  attention=chosen.attention_kernel)
+                                  attention=chosen.attention_kernel, recompute=cfg.model.recompute)
             else:
                 fp8_est = estimate(model.variant, attrs.evolve(chosen.settings, base_dtype="fp8"), **size,
                                    attention=chosen.attention_kernel)
             if fp8_est is not None:
                 yield attrs.evolve(model, base_dtype="fp8", blocks_to_swap=fp8_est.settings.blocks_to_swap,
-                                   offload_activations=fp8_est.settings.offload_activations), fp8_est
+                                   offload_activations=fp8_est.settings.offload_activations,
+                                   recompute=fp8_est.settings.recompute), fp8_est
 
     tried = []
     for option, device_est in options():

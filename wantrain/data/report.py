@@ -186,8 +186,10 @@ def memory_lines(memory_plan: dict[str, Any], host_memory: dict[str, Any]) -> li
         head += (f", budget {memory_plan['budget_gib']:g} GiB" if memory_plan["budget_gib"] is not None
                  else " (settings as given)")
         lines.append("")
+        recompute = f", {chosen['recompute']} recompute" if chosen.get("recompute") else ""  # older reports: none
         lines.append(f"{head}: {chosen['base_dtype']} base, {chosen['blocks_to_swap']} blocks swapped, activation "
-                     f"offload {'on' if chosen['offload_activations'] else 'off'} (docs/models.md, Memory):")
+                     f"offload {'on' if chosen['offload_activations'] else 'off'}{recompute} (docs/models.md, "
+                     "Memory):")
         lines.extend(memory_plan["lines"])
     if host_memory:
         lines.append("")

@@ -34,6 +34,7 @@ from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.lora_files import LoraFile, check_fits, describe, resolve_init
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.placement import ExpertPlacement, pin_budget
+from wantrain.models.wan22.recompute import use_recompute
 from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
@@ -179,6 +180,8 @@ class Wan22Adapter:
                 param.data = param.data.float()  # adapter weights train in fp32 whatever the base dtype
                 param.requires_grad_(True)
         init_adapter_in_fp32(transformer, init_seed, self.kind)
+        if self.model_config.gradient_checkpointing:  # 'auto' left unresolved (no planner ran): the whole block
+            use_recompute(transformer, "lean" if self.model_config.recompute == "lean" else "block")
         self._speed_up(transformer)
         return transformer.train()
 

@@ -67,6 +67,26 @@ ADAPTER_TRANSIENT = {"lora": (0.0, 0.0, 0.0), "loha": (4.0, 0.0, 0.0), "lokr": (
                      "dora": (0.0, 1.79, 62.4)}
 # ... and per text token per unit of width (bench/measure_block_activations.py, saved_tensors_hooks on one block).
 C_TEXT = 17.0
+# The lean recompute (``model.recompute = "lean"``, recompute.py): what one block's recompute and the backward of
+# its largest part (the self-attention's) hold at once, per token per unit of width; the FFN's wide intermediate
+# lives for one token chunk only and adds nothing at the peak (bench/trace_memory.py --recompute lean: A14B at
+# 32760 and 75600 tokens, 35.0 and 35.6; docs/benchmarks.md).
+LEAN_C_WIDTH = 35.3
+# In the lean recompute LoHa's and LoKr's float32 delta weights live longer (the FFN's are built again for every
+# token chunk, and the block's recompute and its parts' overlap): this many more float32 copies of the FFN's weight
+# than ADAPTER_TRANSIENT's, and fp8's bf16 copies of the Linears live one part at a time: this fraction of the
+# block's (bench/trace_memory.py --recompute lean --lora-type loha/lokr, --dtype fp8; docs/benchmarks.md).
+LEAN_DELTA_COPIES = 4.4
+LEAN_FP8_COPIES = 0.2
+# ... and the FLOPs it adds: every part's forward runs once more per step, as a fraction of the whole-block
+# recompute's step (bench/trace_memory.py --recompute all --flops).
+LEAN_EXTRA_FLOPS = 0.26
+RECOMPUTE_PATHS = ("block", "lean")  # the planner's order: the whole-block recompute first (fewer FLOPs)
+RECOMPUTE_WORDS = {
+    "block": "block (each checkpointed block recomputed whole in the backward pass; the step's FLOPs as they are)",
+    "lean": f"lean (self-attention, cross-attention and FFN token chunks recomputed each in its own backward; "
+            f"+{100 * LEAN_EXTRA_FLOPS:.0f} % FLOPs per step)",
+}
 # With activation offload, the block inputs still on the device: this many blocks' worth plus a fixed part (the
 # block recomputing and the next one's inputs, prefetched while it does: bench/trace_memory.py).
 OFFLOAD_BLOCKS = 2.03
@@ -107,12 +127,19 @@ class MemorySettings:
     base_dtype: str  # "fp32", "bf16", "fp8" or "fp8_scaled"
     blocks_to_swap: int = 0
     offload_activations: bool = False
+    recompute: str = "block"  # model.recompute: "block" or "lean" (recompute.py)
 
     def describe(self) -> str:
         parts = [f"{self.base_dtype} base"]
         parts.append(f"{self.blocks_to_swap} blocks swapped" if self.blocks_to_swap else "no block swap")
         parts.append("activations offloaded" if self.offload_activations else "activations on the device")
+        parts.append(f"{self.recompute} recompute")
         return ", ".join(parts)
+
+    @property
+    def extra_flops(self) -> float:
+        """FLOPs per step beyond the whole-block recompute's, as a fraction of them (``LEAN_EXTRA_FLOPS``)."""
+        return LEAN_EXTRA_FLOPS if self.recompute == "lean" else 0.0
 
 
 @attrs.frozen
@@ -211,6 +238,7 @@ class MemoryEstimate:
 
     def lines(self) -> list[str]:
         out = [f"  adapter: {self.adapter}"] if self.adapter else []
+        out.append(f"  recompute: {RECOMPUTE_WORDS[self.settings.recompute]}")
         out.append("  training step:")
         out += [f"    {name:<26} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
         out.append(f"    {'tensors at the peak':<26} {self.allocated / GIB:7.2f} GiB")
@@ -337,9 +365,12 @@ REAL_VAE: dict[str, dict[str, Any]] = {
 }
 
 
-def recompute_block_bytes(tokens: float, width: float, ffn: float, text_tokens: float) -> float:
+def recompute_block_bytes(tokens: float, width: float, ffn: float, text_tokens: float, path: str = "block") -> float:
     """What one checkpointed block's recompute saves and its backward needs at once (bf16 base, fp32 LoRA): per
-    video token, per text token (the cross-attention's keys and values, their LoRA inputs)."""
+    video token, per text token (the cross-attention's keys and values, their LoRA inputs); ``path``: the
+    recompute (``model.recompute``), whose ``lean`` form has no FFN term (its FFN runs over token chunks)."""
+    if path == "lean":
+        return tokens * LEAN_C_WIDTH * width + text_tokens * C_TEXT * width
     return tokens * (C_WIDTH * width + C_FFN * ffn) + text_tokens * C_TEXT * width
 
 
@@ -432,9 +463,10 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     params = lora_params(variant, rank, layers, adapter)
     tokens = tokens_of(spec, width, height, frames, batch)
     hidden = tokens * d * 2.0
-    per_block = recompute_block_bytes(tokens, d, f, batch * spec.text_len)
+    lean = gradient_checkpointing and settings.recompute == "lean"
+    per_block = recompute_block_bytes(tokens, d, f, batch * spec.text_len, "lean" if lean else "block")
     if settings.base_dtype in ("fp8", "fp8_scaled"):  # both compute from bf16 copies of the block's Linears
-        per_block += _linear_bytes_bf16(variant, layers)
+        per_block += _linear_bytes_bf16(variant, layers) * (LEAN_FP8_COPIES if lean else 1.0)
     if not gradient_checkpointing:
         inputs, per_block = 0.0, per_block * n
     elif settings.offload_activations:
@@ -446,6 +478,8 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     parts = {"weights resident": resident, "swap buffers": ring, "LoRA + optimizer": params * LORA_BYTES_PER_PARAM,
              "checkpointed inputs": inputs, "one recomputed block": per_block}
     transient = adapter_transient_bytes(variant, adapter, tokens)
+    if lean and ADAPTER_TRANSIENT[adapter.type][0]:
+        transient += LEAN_DELTA_COPIES * 4.0 * d * f
     if transient:  # without checkpointing every block keeps its own
         parts[ADAPTER_PART] = transient * (1 if gradient_checkpointing else n)
     parts["workspace"] = workspace
@@ -459,40 +493,44 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
                           f"{adapter.describe(rank)}: {params / 1e6:.1f} M parameters per expert")
 
 
-def candidates(base_dtype: str, blocks: int) -> list[MemorySettings]:
-    """Settings the planner may choose, cheapest first by bytes over the host link per step (ties: fewer swapped
-    blocks first). ``base_dtype`` ``auto`` lets it try bf16 before fp8."""
+def candidates(base_dtype: str, blocks: int, recompute: str = "auto") -> list[MemorySettings]:
+    """Settings the planner may choose, in its order of preference: by dtype (``base_dtype`` ``auto`` tries bf16
+    before fp8), then by recompute path (``recompute`` ``auto``: the whole block before the lean one, which costs
+    FLOPs), then cheapest first by bytes over the host link per step (ties: fewer swapped blocks first)."""
     dtypes = ["bf16", "fp8"] if base_dtype == "auto" else [base_dtype]
+    paths = RECOMPUTE_PATHS if recompute == "auto" else (recompute,)
     out = []
     for dtype in dtypes:
-        for offload in (False, True):
-            for swap in range(blocks + 1):
-                out.append(MemorySettings(dtype, swap, offload))
+        for path in paths:
+            for offload in (False, True):
+                for swap in range(blocks + 1):
+                    out.append(MemorySettings(dtype, swap, offload, path))
     return out
 
 
 def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height: int, frames: int, rank: int,
          batch: int = 1, sample: SampleSize | None = None, attention: str = "sdpa",
-         adapter: AdapterSpec = LORA) -> tuple[MemoryEstimate | None, MemoryEstimate]:
+         adapter: AdapterSpec = LORA, recompute: str = "auto") -> tuple[MemoryEstimate | None, MemoryEstimate]:
     """(the chosen estimate or None, the smallest one). The choice: the first dtype of :func:`candidates` that
-    fits (training and, with ``sample``, sampling), and within it the fitting setting moving the fewest bytes over
-    the host link per step."""
+    fits (training and, with ``sample``, sampling), within it the first recompute path that fits (``recompute``
+    ``auto``: the whole block, else the lean one), and within those the fitting setting moving the fewest bytes
+    over the host link per step."""
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
     n = spec.num_layers
     best: MemoryEstimate | None = None
     smallest: MemoryEstimate | None = None
-    chosen_dtype = None
-    for settings in candidates(base_dtype, n):
-        if chosen_dtype is not None and settings.base_dtype != chosen_dtype:
+    chosen = None  # (dtype, recompute path) of the first fit
+    for settings in candidates(base_dtype, n, recompute):
+        if chosen is not None and (settings.base_dtype, settings.recompute) != chosen:
             break
         est = estimate(variant, settings, width=width, height=height, frames=frames, rank=rank, batch=batch,
                        sample=sample, attention=attention, adapter=adapter)
         if smallest is None or est.device_gib < smallest.device_gib:
             smallest = est
         if est.device_gib <= budget_gib:
-            chosen_dtype = settings.base_dtype
+            chosen = settings.base_dtype, settings.recompute
             if best is None or est.link_bytes < best.link_bytes:
                 best = est
     assert smallest is not None
