@@ -15,6 +15,8 @@ from pathlib import Path
 
 import prewarmed
 import pytest
+import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from test_end_to_end import copy_examples
 
@@ -268,3 +270,99 @@ def test_two_torchrun_launchers_meet_through_a_c10d_rendezvous_as_two_nodes(tmp_
     assert sorted(exported) == ["quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"]
     for tensors in exported.values():
         assert any(k.endswith(".dora_scale") for k in tensors), sorted(tensors)[:4]
+
+
+# -- sharded base weights: model.parallel = "fsdp" (docs/distributed.md, issue 46) ------------------------------------
+FSDP = ["--max-steps", "4", "--set", 'model.experts="high_noise"', "--set", "checkpoint.every=2",
+        "--set", "faults.oom_at_steps=[]", "--set", 'lora.save_dtype="fp32"']
+SHARDED = ["--set", 'model.parallel="fsdp"']
+FSDP_TOLERANCE = 1e-6
+"""Of each exported LoRA tensor, max |a - b| / max |b| (fp32) between the sharded and the data-parallel run with the
+same draws: the gradients are reduce-scattered instead of all-reduced, the sums may come out in another order
+(measured: 0.0 on the tiny model)."""
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(workspace: Path) -> dict[str, Path]:
+    """Four launches of the same 4 steps on 2 ranks: data parallel (the reference), FSDP, and FSDP stopped by rank 1
+    after step 2 (a copy of that run directory is kept for the one-process resume) and resumed."""
+    runs = {}
+    for name, extra in (("dp", []), ("fsdp", SHARDED)):
+        done = torchrun(workspace, name, *FSDP, *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = only_run_dir(workspace / name)
+    stopped = torchrun(workspace, "fsdp_resumed", *FSDP, *SHARDED,
+                       env={"WANTRAIN_PROBE_STOP_AT": "2", "WANTRAIN_PROBE_STOP_RANK": "1"})
+    assert stopped.returncode == 1 and "exitcode  : 3" in stopped.stderr, stopped.stderr[-3000:]
+    run_dir = only_run_dir(workspace / "fsdp_resumed")
+    runs["stopped_copy"] = workspace / "fsdp_one" / run_dir.name
+    shutil.copytree(run_dir, runs["stopped_copy"])
+    resumed = torchrun(workspace, "fsdp_resumed", *FSDP, *SHARDED, "--resume", "auto",
+                       env={"WANTRAIN_PROBE_DIR": str(workspace / "fsdp_resumed_probe2")})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    runs["resumed"] = run_dir
+    return runs
+
+
+def worst_relative(got: dict, expected: dict) -> float:
+    """max over the tensors of max |got - expected| / max |expected| (the same names on both sides)."""
+    assert sorted(got) == sorted(expected) and expected
+    return max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected)
+
+
+def test_an_fsdp_run_equals_the_data_parallel_run_with_the_same_draws_and_each_rank_holds_half(workspace,
+                                                                                               fsdp_runs):
+    sharded, reference = loras(fsdp_runs["fsdp"]), loras(fsdp_runs["dp"])
+    assert sorted(sharded) == sorted(reference) == ["quickstart_high_noise.safetensors"]
+    final = sharded["quickstart_high_noise.safetensors"]
+    assert any(".lora_B." in k and final[k].abs().max() > 0 for k in final)  # it trained (B starts at zero)
+    assert worst_relative(final, reference["quickstart_high_noise.safetensors"]) <= FSDP_TOLERANCE
+    assert [r["train/loss"] for r in metrics(fsdp_runs["fsdp"])] == pytest.approx(
+        [r["train/loss"] for r in metrics(fsdp_runs["dp"])], rel=FSDP_TOLERANCE)
+    # the same file as data parallel's export (names, dtypes, metadata): what ComfyUI loads from either
+    name = "quickstart_high_noise.safetensors"
+    with safe_open(str(fsdp_runs["fsdp"] / name), "pt") as a, safe_open(str(fsdp_runs["dp"] / name), "pt") as b:
+        assert a.metadata() == b.metadata()
+    assert all(v.dtype == torch.float32 for v in final.values())
+    # each rank held its own rows of every LoRA tensor, half of the bytes, and rank 1 wrote nothing
+    shards = [probe(workspace, "fsdp", r)[1] for r in (0, 1)]
+    whole = probe(workspace, "dp", 0)[1]  # data parallel: each rank's whole final LoRA
+    assert sorted(shards[0]) == sorted(whole)
+    for key, value in whole.items():
+        assert torch.cat([shards[0][key], shards[1][key]]).equal(value), key
+    held = [sum(t.numel() for t in s.values()) for s in shards]
+    assert abs(held[0] - held[1]) <= 0.05 * sum(held), held
+    assert probe(workspace, "fsdp", 1)[0]["writes"] == []
+
+
+def test_an_fsdp_run_stopped_on_rank_1_resumes_bitwise(fsdp_runs):
+    expected, got = loras(fsdp_runs["fsdp"]), loras(fsdp_runs["resumed"])
+    assert sorted(expected) == sorted(got)
+    for name, tensors in expected.items():
+        for key, value in tensors.items():
+            assert value.equal(got[name][key]), (name, key)
+    assert metrics(fsdp_runs["resumed"]) and [r["train/loss"] for r in metrics(fsdp_runs["resumed"])] == [
+        r["train/loss"] for r in metrics(fsdp_runs["fsdp"])]
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_in_one_process_with_the_same_state(workspace, fsdp_runs, capsys):
+    """One process resumes the 2-rank checkpoint of step 2 (the stop's) and ends at once (max_steps = 2): the
+    LoRA, AdamW's moments and the counters it saves again are the ones the two ranks wrote, and the LoRA file it
+    writes is theirs."""
+    run_dir = fsdp_runs["stopped_copy"]
+    before = load_file(str(run_dir / "checkpoints" / "step_000002" / "tensors.safetensors"))
+    stopped_lora = load_file(str(run_dir / "quickstart_high_noise.safetensors"))  # the stop's save, at step 2
+    args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{run_dir.parent}"']
+    for item in [*SETTINGS, "faults.oom_at_steps=[]"]:
+        args += ["--set", item]
+    assert main([*args, *FSDP, *SHARDED, "--max-steps", "2", "--resume", str(run_dir)]) == 0
+    assert "resumes on fewer ranks" not in capsys.readouterr().err
+    notes = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert any("written by 2 processes" in n.get("note", "") for n in notes if n["event"] == "config_warning")
+    after = load_file(str(run_dir / "checkpoints" / "step_000002" / "tensors.safetensors"))
+    shared = [k for k in before if not k.startswith("ranks")]
+    assert any("exp_avg" in k for k in shared) and any("lora_B" in k for k in shared)
+    for key in shared:
+        assert before[key].equal(after[key]), key
+    final = load_file(str(run_dir / "quickstart_high_noise.safetensors"))  # written again, by one process
+    assert sorted(final) == sorted(stopped_lora) and all(final[k].equal(v) for k, v in stopped_lora.items())

@@ -455,8 +455,8 @@ def planned_layout(cfg: Any, **degrees: int) -> Any:
 
 def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
-    bucket of ``report`` (a ``preflight_report``), part by part. Planned only: ``wantrain run`` trains data parallel
-    under torchrun (docs/distributed.md)."""
+    bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel and the
+    FSDP layouts (``model.parallel``); the others are planned only (docs/distributed.md)."""
     from wantrain.models.wan22.rank_plan import rank_estimate
 
     bucket = (report.memory_plan or {}).get("bucket")
@@ -465,5 +465,7 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     width, height, frames = (int(x) for x in bucket.split("x"))
     estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
                              rank=_lora_rank(cfg), batch=cfg.train.batch_size)
-    return [f"plan per GPU at {bucket} (bf16 base, no block swap; planned, not yet trainable: "
-            "docs/distributed.md):", *("  " + line for line in estimate.lines())]
+    trainable = layout.expert_groups == 1 and layout.sequence_degree == 1  # model.parallel = "dp" / "fsdp"
+    status = "model.parallel" if trainable else "planned, not yet trainable"
+    return [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
+            *("  " + line for line in estimate.lines())]
