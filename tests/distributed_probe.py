@@ -1,9 +1,9 @@
 """A test observer for the torchrun tests (``[observers] extra = ["distributed_probe:RankProbe"]``), attached on
 every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory, what its rank saw:
 ``rank<R>.json`` (each optimizer step's skip decision, each log step's loss, the metric names of every
-``MetricsLogged``, the run's status) and
-``rank<R>.safetensors`` (the rank's final LoRA weights). On ranks other than 0 it records, through an audit hook,
-every write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
+``MetricsLogged``, the run's status) and ``rank<R>.safetensors`` (the rank's final LoRA weights; under
+``model.parallel = "fsdp"`` its shard of them). On ranks other than 0 it records, through an audit hook, every
+write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
 ``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only."""
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class RankProbe(Observer):
         self.record["status"] = event.status
         weights = ctx.adapter.state_dict()["weights"]
         self.directory.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()},
+        # model.parallel = "fsdp": the rank's own shard of each tensor (its rows)
+        save_file({k: getattr(v, "to_local", lambda v=v: v)().detach().cpu().contiguous() for k, v in weights.items()},
                   str(self.directory / f"rank{self.rank}.safetensors"))
         (self.directory / f"rank{self.rank}.json").write_text(json.dumps(self.record))

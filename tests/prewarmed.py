@@ -49,6 +49,7 @@ PRELOAD = (
     "diffusers.models.autoencoders.autoencoder_kl_wan", "diffusers.models.transformers.transformer_wan",
     "diffusers.pipelines.wan", "transformers.models.umt5.modeling_umt5", "transformers.models.auto.tokenization_auto",
     "peft", "tensorboardX", "safetensors.torch", "av",
+    "torch.distributed.fsdp", "torch.distributed.checkpoint",  # ~1.3 s of CPU in each rank of an FSDP launch
 )
 _HEADER = struct.Struct("!I")
 

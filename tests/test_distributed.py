@@ -15,6 +15,8 @@ from pathlib import Path
 
 import prewarmed
 import pytest
+import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from test_end_to_end import copy_examples
 
@@ -329,3 +331,105 @@ def test_check_prints_which_ranks_train_which_expert(workspace, capsys):
     out = capsys.readouterr().out
     assert "high_noise: ranks 0..1 (group 0, 2 GPUs)" in out and "low_noise: ranks 2..3 (group 1, 2 GPUs)" in out
     assert "one expert per group of 2" in out  # the plan per GPU of that layout
+
+
+# -- sharded base weights: model.parallel = "fsdp" (docs/distributed.md, issue 46) ------------------------------------
+FSDP = ["--max-steps", "4", "--set", 'model.experts="high_noise"', "--set", "checkpoint.every=2",
+        "--set", "faults.oom_at_steps=[]", "--set", 'lora.save_dtype="fp32"']
+SHARDED = ["--set", 'model.parallel="fsdp"']
+FSDP_TOLERANCE = 1e-6
+"""Of each exported LoRA tensor, max |a - b| / max |b| (fp32) between the sharded and the data-parallel run with the
+same draws: the gradients are reduce-scattered instead of all-reduced, and the norms summed from shards (measured:
+0.0 on the tiny model, 2 ranks)."""
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(workspace: Path) -> dict[str, Path]:
+    """Three launches of the same 4 steps on 2 ranks: data parallel (the reference), and FSDP stopped by rank 1
+    after step 2 (a copy of that run directory is kept for the one-process resume) and resumed."""
+    done = torchrun(workspace, "dp", *FSDP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stopped = torchrun(workspace, "fsdp", *FSDP, *SHARDED,
+                       env={"WANTRAIN_PROBE_STOP_AT": "2", "WANTRAIN_PROBE_STOP_RANK": "1"})
+    assert stopped.returncode == 1 and "exitcode  : 3" in stopped.stderr, stopped.stderr[-3000:]
+    run_dir = only_run_dir(workspace / "fsdp")
+    copy = workspace / "fsdp_one" / run_dir.name
+    shutil.copytree(run_dir, copy)
+    resumed = torchrun(workspace, "fsdp", *FSDP, *SHARDED, "--resume", "auto",
+                       env={"WANTRAIN_PROBE_DIR": str(workspace / "fsdp_resumed_probe")})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return {"dp": only_run_dir(workspace / "dp"), "fsdp": run_dir, "stopped_copy": copy}
+
+
+def worst_relative(got: dict, expected: dict) -> float:
+    """max over the tensors of max |got - expected| / max |expected| (the same names on both sides)."""
+    assert sorted(got) == sorted(expected) and expected
+    return max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected)
+
+
+def test_an_fsdp_run_equals_the_data_parallel_run_with_the_same_draws_and_each_rank_holds_half(workspace,
+                                                                                               fsdp_runs):
+    sharded, reference = loras(fsdp_runs["fsdp"]), loras(fsdp_runs["dp"])
+    assert sorted(sharded) == sorted(reference) == ["quickstart_high_noise.safetensors"]
+    final = sharded["quickstart_high_noise.safetensors"]
+    assert any(".lora_B." in k and final[k].abs().max() > 0 for k in final)  # it trained (B starts at zero)
+    assert worst_relative(final, reference["quickstart_high_noise.safetensors"]) <= FSDP_TOLERANCE
+    assert [r["train/loss"] for r in metrics(fsdp_runs["fsdp"])] == pytest.approx(
+        [r["train/loss"] for r in metrics(fsdp_runs["dp"])], rel=FSDP_TOLERANCE)
+    # the same file as data parallel's export (names, dtypes, metadata): what ComfyUI loads from either
+    name = "quickstart_high_noise.safetensors"
+    with safe_open(str(fsdp_runs["fsdp"] / name), "pt") as a, safe_open(str(fsdp_runs["dp"] / name), "pt") as b:
+        assert a.metadata() == b.metadata()
+    assert all(v.dtype == torch.float32 for v in final.values())
+    # each rank held its own rows of every LoRA tensor, half of the bytes, and rank 1 wrote nothing
+    shards = [load_file(str(workspace / "fsdp_resumed_probe" / f"rank{r}.safetensors")) for r in (0, 1)]
+    whole = probe(workspace, "dp", 0)[1]  # data parallel: each rank's whole final LoRA
+    assert sorted(shards[0]) == sorted(whole)
+    for key, value in whole.items():
+        assert torch.cat([shards[0][key], shards[1][key]]).equal(value), key
+    held = [sum(t.numel() for t in s.values()) for s in shards]
+    assert abs(held[0] - held[1]) <= 0.05 * sum(held), held
+    assert probe(workspace, "fsdp", 1)[0]["writes"] == []
+
+
+def test_an_fsdp_run_stopped_on_rank_1_resumes_bitwise(workspace, fsdp_runs):
+    """The reference is the uninterrupted data-parallel run: on 2 ranks FSDP's reduce-scatter averages the two
+    gradients exactly as the all-reduce does ((a + b) / 2, no other order), so the stopped and resumed sharded run
+    must give its checkpoint and its LoRA bit for bit; any state the stop or the resume lost would show."""
+    record0, _ = probe(workspace, "fsdp", 0)
+    assert record0["status"] == "stopped" and record0["steps"][-1][0] == 2  # rank 0 stopped with rank 1
+    step2 = [load_file(str(fsdp_runs[name] / "checkpoints" / "step_000002" / "tensors.safetensors"))
+             for name in ("stopped_copy", "dp")]
+    shared = [k for k in step2[1] if not k.startswith("ranks")]
+    assert any("exp_avg" in k for k in shared) and sorted(shared) == sorted(
+        k for k in step2[0] if not k.startswith("ranks"))
+    for key in shared:
+        assert step2[0][key].equal(step2[1][key]), key
+    expected, got = loras(fsdp_runs["dp"]), loras(fsdp_runs["fsdp"])
+    for name, tensors in expected.items():
+        for key, value in tensors.items():
+            assert value.equal(got[name][key]), (name, key)
+    assert [r["train/loss"] for r in metrics(fsdp_runs["fsdp"])] == [r["train/loss"] for r in metrics(fsdp_runs["dp"])]
+
+
+def test_a_two_rank_fsdp_checkpoint_resumes_in_one_process_with_the_same_state(workspace, fsdp_runs, capsys):
+    """One process resumes the 2-rank checkpoint of step 2 (the stop's) and ends at once (max_steps = 2): the
+    LoRA, AdamW's moments and the counters it saves again are the ones the two ranks wrote, and the LoRA file it
+    writes is theirs."""
+    run_dir = fsdp_runs["stopped_copy"]
+    before = load_file(str(run_dir / "checkpoints" / "step_000002" / "tensors.safetensors"))
+    stopped_lora = load_file(str(run_dir / "quickstart_high_noise.safetensors"))  # the stop's save, at step 2
+    args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{run_dir.parent}"']
+    for item in [*SETTINGS, "faults.oom_at_steps=[]"]:
+        args += ["--set", item]
+    assert main([*args, *FSDP, *SHARDED, "--max-steps", "2", "--resume", str(run_dir)]) == 0
+    assert "resumes on fewer ranks" not in capsys.readouterr().err
+    notes = [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert any("written by 2 processes" in n.get("note", "") for n in notes if n["event"] == "config_warning")
+    after = load_file(str(run_dir / "checkpoints" / "step_000002" / "tensors.safetensors"))
+    shared = [k for k in before if not k.startswith("ranks")]
+    assert any("exp_avg" in k for k in shared) and any("lora_B" in k for k in shared)
+    for key in shared:
+        assert before[key].equal(after[key]), key
+    final = load_file(str(run_dir / "quickstart_high_noise.safetensors"))  # written again, by one process
+    assert sorted(final) == sorted(stopped_lora) and all(final[k].equal(v) for k, v in stopped_lora.items())

@@ -12,7 +12,7 @@ import fsdp_twin
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import torchrun_script
+from test_distributed import torchrun_script, worst_relative
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,6 @@ def two_ranks(tmp_path_factory) -> Path:
 def one_process() -> dict[str, torch.Tensor]:
     _, lora = fsdp_twin.train(0, 1)
     return lora
-
-
-def worst_relative(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    assert sorted(got) == sorted(expected) and expected
-    return max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected)
 
 
 def test_fsdp_lora_equals_the_one_process_run_with_the_same_global_batch(two_ranks, one_process):

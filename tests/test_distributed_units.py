@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_end_to_end import copy_examples
 
+from wantrain.app.config import RunConfig
+from wantrain.app.preflight import check_parallel
 from wantrain.app.resume import ResumePoint, check_resume_world_size
+from wantrain.cli.main import main
+from wantrain.core.config import structure
 from wantrain.core.distributed import (
     PER_RANK_STATE,
     SingleProcess,
@@ -17,7 +22,7 @@ from wantrain.core.distributed import (
     rank_seed,
     rank_view,
 )
-from wantrain.core.errors import UserError
+from wantrain.core.errors import ConfigError, UserError
 
 
 def test_topology_comes_from_torchruns_environment():
@@ -252,3 +257,65 @@ def test_check_prints_the_plan_per_gpu_of_a_layout_and_refuses_a_sequence_degree
     assert main(["check", str(config), "--gpus", "4", "--sequence-degree", "4"]) == 2  # the tiny twin has 2 heads
     err = capsys.readouterr().err
     assert "sequence degree 4 does not divide the 2 attention heads of tiny-t2v" in err and "Traceback" not in err
+    fsdp = ["--set", 'model.experts="high_noise"', "--set", 'model.parallel="fsdp"']
+    assert main(["check", str(config), "--gpus", "4", *fsdp]) == 0  # the config's layout: FSDP over every GPU
+    assert "4 GPUs, FSDP over 4" in capsys.readouterr().out
+    assert main(["check", str(config), "--gpus", "4", *fsdp, "--set", "model.shard_degree=3"]) == 2
+    assert "model.shard_degree = 3 does not divide the 4 ranks" in capsys.readouterr().err
+
+
+# -- model.parallel = "fsdp": what is refused, and when -------------------------------------------------------------
+TI2V = {"variant": "tiny-ti2v", "parallel": "fsdp"}
+
+
+@pytest.mark.parametrize(("keys", "says"), [
+    ({"model": {**TI2V, "blocks_to_swap": 2}}, "does not work with model.blocks_to_swap = 2 yet; set blocks_to_swap"),
+    ({"model": {**TI2V, "base_dtype": "fp8_scaled"}}, "base_dtype = 'fp8_scaled' (fp8 layerwise storage)"),
+    ({"model": {**TI2V, "vram_budget_gb": 20.0}}, "vram_budget_gb = 20 (it picks block swap and fp8 storage)"),
+    ({"model": {**TI2V, "compile": "default"}}, "model.compile = 'default'"),
+    ({"model": {"variant": "tiny-t2v", "parallel": "fsdp"}}, "model.experts = 'both'"),
+    ({"model": {"variant": "tiny-ti2v", "shard_degree": 2}}, "model.shard_degree applies to model.parallel = 'fsdp'"),
+    ({"model": TI2V, "lora": {"type": "dora"}}, "lora.type = 'dora' reads the base weights"),
+])
+def test_fsdp_refuses_what_it_cannot_shard_yet_when_the_config_is_read(keys, says):
+    with pytest.raises(ConfigError) as refused:
+        structure(RunConfig, keys)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+    assert structure(RunConfig, {"model": {**TI2V, "shard_degree": 2}}).model.shard_degree == 2  # alone: fine
+
+
+def test_fsdp_against_the_launch_one_process_trains_unsharded_and_a_degree_must_divide_the_ranks():
+    cfg = structure(RunConfig, {"model": TI2V})
+    assert "trains unsharded" in check_parallel(cfg, 1)[0]
+    assert check_parallel(cfg, 4) == []
+    assert check_parallel(structure(RunConfig, {"model": {**TI2V, "shard_degree": 2}}), 4) == []  # HSDP: 2 x 2
+    with pytest.raises(UserError, match=r"^model.shard_degree = 3 does not divide the 4 ranks of this launch; use "
+                                        r"one of 1, 2, 4 \(unset: all 4\)$"):
+        check_parallel(structure(RunConfig, {"model": {**TI2V, "shard_degree": 3}}), 4)
+    with pytest.raises(UserError, match=r"^\[validation\] does not run with model.parallel = 'fsdp' under torchrun"):
+        check_parallel(structure(RunConfig, {"model": TI2V, "validation": {"enabled": True, "from_training": 2}}), 2)
+    assert check_parallel(structure(RunConfig, {"model": {"variant": "tiny-t2v"}}), 3) == []  # dp: nothing to check
+
+
+def test_a_shard_degree_not_dividing_the_ranks_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    config = copy_examples(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    code = main(["run", str(config), "--set", 'model.experts="high_noise"', "--set", 'model.parallel="fsdp"',
+                 "--set", "model.shard_degree=3"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "shard_degree = 3 does not divide the 4 ranks" in err, err
+    assert not (tmp_path / "runs").exists()
+    assert not list((tmp_path / "demo_data").rglob("*.safetensors"))
+
+
+def test_a_sharded_run_resumes_on_fewer_ranks_not_on_more(tmp_path):
+    point = ResumePoint(tmp_path / "step_000004", tmp_path, 4, {"ranks": [{}, {}, {}, {}]}, {})
+    assert "this run has 2: the LoRA, optimizer, schedule and counters continue exactly; the random streams of " \
+           "ranks 2..3 end" in check_resume_world_size(point, 2, sharded=True)
+    two = ResumePoint(tmp_path, tmp_path, 4, {"ranks": [{}, {}]}, {})
+    assert "random streams of rank 1 end" in check_resume_world_size(two, 1, sharded=True)
+    with pytest.raises(UserError, match=r"resume with 4 processes .* \(model.parallel = 'fsdp' resumes on fewer"):
+        check_resume_world_size(point, 2)  # data parallel: refused as before
+    with pytest.raises(UserError, match=r"\(no layout resumes on more ranks yet\)"):
+        check_resume_world_size(point, 8, sharded=True)

@@ -37,6 +37,7 @@ from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
 from wantrain.app.preflight import (
+    check_parallel,
     compile_cache_dir,
     config_warnings,
     data_warnings,
@@ -366,8 +367,12 @@ class PreparedRun:
 
     def _saver(self, run_dir: Path) -> Any:
         """The LoRA files' writer: rank 0's (the other ranks write nothing); with expert groups every rank's
-        ``GroupSaver``, through which the group leaders' files reach rank 0 (``core.expert_groups``)."""
-        sync, saver = self.sync, self.adapter.saver(run_dir, self.cfg.run.name)
+        ``GroupSaver``, through which the group leaders' files reach rank 0 (``core.expert_groups``); sharded
+        (fsdp), every rank's saver, which gathers the whole LoRA, rank 0's alone writing."""
+        sync = self.sync
+        if sync.sharded:  # fsdp: every rank gathers the LoRA for rank 0's files
+            return self.adapter.saver(run_dir, self.cfg.run.name, writes=sync.is_main)
+        saver = self.adapter.saver(run_dir, self.cfg.run.name)
         if isinstance(sync, ExpertGroupSync):
             return GroupSaver(sync, saver.files, saver.write if sync.is_main else None)
         return saver if sync.is_main else NullSaver()
@@ -510,7 +515,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if resume is not None:
         point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank), config_file=config_file)
         refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
-        check_resume_world_size(point, topology.world_size)
+        check_resume_world_size(point, topology.world_size, sharded=cfg.model.parallel == "fsdp")
         if topology.is_main:  # refused here, before the model loads, when another process writes the run
             held.append(lock_run_dir(point.run_dir))
     try:
@@ -525,6 +530,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
 def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topology: Any,
                   extra_observers: list[type], point: ResumePoint | None, held: list[RunDirLock],
                   allow_data_changes: bool) -> PreparedRun:
+    parallel_notes = check_parallel(cfg, topology.world_size)  # a shard degree the launch cannot split: refused
     device = resolve_device(cfg.train.device)
     if topology.distributed and device.type == "cuda":
         device = torch.device("cuda", topology.local_rank)  # one GPU per rank
@@ -544,8 +550,8 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     data_changes: tuple[str, ...] = ()
-    data.report.warnings.extend([*config_warnings(cfg, given), *data_warnings(data)])  # logged once the run's log
-    # exists (config_warning)
+    # logged once the run's log exists (config_warning)
+    data.report.warnings.extend([*config_warnings(cfg, given), *parallel_notes, *data_warnings(data)])
     if point is not None:
         if cfg.train.max_steps < point.step:  # it would report "completed" at more than 100 %
             raise UserError(f"train.max_steps = {cfg.train.max_steps} is below the step of checkpoint "
@@ -575,8 +581,10 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
             if held and held[-1].run_dir != point.run_dir:  # an older run's checkpoint: lock that run instead
                 held[-1].release()
                 held.append(lock_run_dir(point.run_dir))
-            check_resume_world_size(point, topology.world_size)
             data_changes = _check_data(point, data, allow_data_changes)
+    if point is not None:
+        regrouped = check_resume_world_size(point, topology.world_size, sharded=cfg.model.parallel == "fsdp")
+        data.report.warnings.extend([regrouped] if regrouped else [])
     if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
         cfg = attrs.evolve(cfg, lora=attrs.evolve(cfg.lora, rank=adapter.lora_config.rank,
                                                   alpha=adapter.lora_config.alpha))
@@ -586,9 +594,26 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         sync = ExpertGroupSync.start(topology, device, groups=groups, experts=spec.experts)
     else:
         sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
+    if cfg.model.parallel == "fsdp" and topology.distributed:  # refused with expert groups (both experts)
+        shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree)
+        sync.shard()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync, data_changes=data_changes,
                        lock=held[-1] if held else None, encoded=encoded)
+
+
+def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_degree: int | None) -> None:
+    """model.parallel = "fsdp" under torchrun: ``fully_shard`` every block of each trained expert, then the
+    expert's root (``core.sharding.shard_per_block``), on the mesh of ``shard_degree`` ranks per copy (HSDP across
+    the groups). After the LoRA is injected and before the optimizer is built: it is built over the ``DTensor``
+    parameters that replace the originals."""
+    from wantrain.core import sharding
+
+    mesh = sharding.shard_mesh(device.type, world_size, shard_degree)
+    for expert in adapter.experts:
+        transformer = adapter.transformer_for(expert)
+        sharding.shard_per_block(transformer, transformer.blocks, mesh=mesh,
+                                 param_dtype=sharding.compute_dtype(transformer), reduce_dtype=torch.float32)
 
 
 def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:

@@ -98,6 +98,9 @@ class RunConfig:
                 f"dequantize (model.base_dtype = '{self.model.base_dtype}'"
                 + (", which a VRAM budget may turn into fp8" if self.model.base_dtype == "auto" else "")
                 + "); set model.base_dtype = 'bf16' or use another lora.type")
+        if self.model.parallel == "fsdp" and self.lora.type == "dora":
+            raise ConfigError("lora.type = 'dora' reads the base weights outside their forward pass, which "
+                              "model.parallel = 'fsdp' holds sharded there; use another lora.type or parallel = 'dp'")
         if self.lora.include or self.lora.exclude:  # against the variant's module names, before anything is written
             try:
                 select_modules(candidate_modules(VARIANTS[self.model.variant].num_layers), self.lora.include,

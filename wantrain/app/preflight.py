@@ -122,6 +122,31 @@ def config_warnings(cfg: Any, given: Any) -> list[str]:
     return [line for line in found if line]
 
 
+def check_parallel(cfg: Any, world_size: int) -> list[str]:
+    """``model.parallel`` against this launch's ``world_size`` (``WORLD_SIZE``; 1 without torchrun): refused in one
+    line before anything is written, or the warnings a run logs. ``fsdp`` in one process trains unsharded (the
+    same arithmetic: a checkpoint of either resumes in the other); under torchrun the shard degree must divide the
+    ranks, and [validation] and [sample] are refused (each rank evaluates its own clips, rank 0 alone samples: a
+    sharded forward needs every rank in step)."""
+    model = cfg.model
+    if model.parallel != "fsdp":
+        return []
+    if world_size == 1:
+        return ["model.parallel = 'fsdp' in one process: nothing to shard, the run trains unsharded (launch it "
+                "with torchrun --nproc_per_node N to shard the weights over N GPUs)"]
+    degree = model.shard_degree or world_size
+    if world_size % degree:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise UserError(f"model.shard_degree = {degree} does not divide the {world_size} ranks of this launch; use "
+                        f"one of {', '.join(map(str, divisors))} (unset: all {world_size})")
+    for section in ("validation", "sample"):
+        if getattr(cfg, section).enabled:
+            raise UserError(f"[{section}] does not run with model.parallel = 'fsdp' under torchrun yet (a sharded "
+                            f"forward needs every rank in step); set {section}.enabled = false, or evaluate the "
+                            "saved LoRA in a one-process run")
+    return []
+
+
 def data_warnings(data: Any) -> list[str]:
     """One line when videos train as stills: shorter than every multi-frame bucket of their ``data.frames``, they
     fall to the 1-frame bucket (musubi's ``frames = [1, 25, 45]`` on clips of 14-22 frames) -- how many, their
@@ -436,8 +461,9 @@ def planned_layout(cfg: Any, **degrees: int) -> Any:
 
 def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
-    bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel and
-    expert-group layouts under torchrun; sharding and sequence degrees are planned only (docs/distributed.md)."""
+    bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel, the
+    FSDP (``model.parallel``) and the expert-group (``model.expert_groups``) layouts under torchrun, each alone;
+    sequence degrees, and sharding inside expert groups, are planned only (docs/distributed.md)."""
     from wantrain.models.wan22.rank_plan import rank_estimate
 
     bucket = (report.memory_plan or {}).get("bucket")
@@ -446,7 +472,8 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     width, height, frames = (int(x) for x in bucket.split("x"))
     estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
                              rank=_lora_rank(cfg), batch=cfg.train.batch_size)
-    runs = layout.shard_degree == layout.sequence_degree == 1  # data parallel, expert groups: wantrain run trains it
+    # wantrain run trains data parallel, fsdp (model.parallel) and expert groups, not both of the last two at once
+    runs = layout.sequence_degree == 1 and (layout.expert_groups == 1 or layout.shard_degree == 1)
     status = "trainable under torchrun" if runs else "planned, not yet trainable"
     return [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
             *("  " + line for line in estimate.lines())]

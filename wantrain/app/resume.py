@@ -58,6 +58,8 @@ RESUME_RULES: dict[str, str] = {
     "lora.init_from": "free", "lora.init_from_high_noise": "free", "lora.init_from_low_noise": "free",  # the
     # checkpoint's LoRA replaces the one a run starts from
     "validation.": "free", "sample.": "free",
+    "model.parallel": "free", "model.shard_degree": "free",  # how the weights are placed; checkpoints hold whole
+    # tensors in both layouts
 }
 """Config keys by what resuming under a changed value does: ``refuse`` (the differing keys are listed), ``free``
 (silent); every other key (LR, schedule, step budget, model paths, timestep sampling, ...) is allowed with a
@@ -334,17 +336,30 @@ def _blame_config(path: Path, saved_config: Any, plain: dict[str, Any], problem:
                         + "; ".join(changed) + " (resume with the settings the run was started with)")
 
 
-def check_resume_world_size(point: ResumePoint, world_size: int) -> None:
+def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: bool = False) -> str | None:
     """Refuse a checkpoint written by another number of ranks: each rank's data position and random streams are
-    its own, so they cannot be split or merged exactly."""
+    its own, so they cannot be split or merged exactly. With ``model.parallel = "fsdp"`` (``sharded``) a run may
+    resume on fewer ranks (down to one process): its checkpoint holds the whole LoRA and optimizer state, which
+    the new layout reshards; rank ``r`` continues rank ``r``'s streams and the data position (in entries of the
+    global batch plan, now ``train.batch_size`` x the new world size). Returns that note, for the log."""
     saved = checkpoint_world_size(point.tree)
-    if saved != world_size:
-        def launch(n: int) -> str:
-            return "one process (wantrain run)" if n == 1 else f"{n} processes (torchrun, {n} ranks in all)"
-        raise UserError(
-            f"checkpoint '{point.checkpoint}' was written by {launch(saved)} and this run has {world_size}; resume "
-            f"with {launch(saved)}, or start a new run"
-        )
+    if saved == world_size:
+        return None
+
+    def launch(n: int) -> str:
+        return "one process (wantrain run)" if n == 1 else f"{n} processes (torchrun, {n} ranks in all)"
+    if sharded and world_size < saved:
+        ended = f"rank {world_size}" if saved - world_size == 1 else f"ranks {world_size}..{saved - 1}"
+        return (f"checkpoint '{point.checkpoint}' was written by {launch(saved)}, this run has {world_size}: the "
+                f"LoRA, optimizer, schedule and counters continue exactly; the random streams of "
+                f"{ended} end, and the data continues from the same entry of a plan of "
+                f"{world_size}/{saved} the global batch")
+    hint = (" (model.parallel = 'fsdp' resumes on fewer ranks)" if world_size < saved
+            else " (no layout resumes on more ranks yet)")
+    raise UserError(
+        f"checkpoint '{point.checkpoint}' was written by {launch(saved)} and this run has {world_size}; resume "
+        f"with {launch(saved)}, or start a new run{hint}"
+    )
 
 
 # -- the run directory on resume -----------------------------------------------------------------------------------

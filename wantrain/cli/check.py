@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs in all")
     layout.add_argument("--expert-groups", type=int, default=None, metavar="E",
                         help="2: one A14B expert per group of GPUs (default: the config's model.expert_groups)")
-    layout.add_argument("--shard-degree", type=int, default=1, metavar="S", help="FSDP over S GPUs of a group")
+    layout.add_argument("--shard-degree", type=int, default=1, metavar="S",
+                        help="FSDP over S GPUs of a group (default: the config's model.parallel/shard_degree)")
     layout.add_argument("--sequence-degree", type=int, default=1, metavar="Q",
                         help="Ulysses over Q GPUs of a group (must divide the attention heads)")
 
@@ -35,11 +36,16 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args)
     layout = None
     if args.gpus is not None:  # refused first, before the data is probed
-        from wantrain.app.preflight import planned_layout
+        from wantrain.app.preflight import check_parallel, planned_layout
 
+        for line in check_parallel(cfg, args.gpus):  # model.parallel against N ranks, as `wantrain run` would
+            print(f"warning: {line}")
         groups = args.expert_groups if args.expert_groups is not None else cfg.model.expert_groups
+        shard_degree = args.shard_degree
+        if cfg.model.parallel == "fsdp" and shard_degree == 1 and args.gpus > 1:  # the config's layout
+            shard_degree = cfg.model.shard_degree or args.gpus
         layout = planned_layout(cfg, gpus=args.gpus, expert_groups=groups,
-                                shard_degree=args.shard_degree, sequence_degree=args.sequence_degree)
+                                shard_degree=shard_degree, sequence_degree=args.sequence_degree)
     try:
         report = preflight_report(cfg, verify=args.verify, config_dir=Path(args.config).parent)
     except NoUsableSample as exc:  # the report is what the user needs: every skipped and ignored file

@@ -117,6 +117,7 @@ class SingleProcess:
     topology = Topology()
     is_main = True
     exchanges_gradients = False  # the trainer skips average_gradients (and its flag bookkeeping) altogether
+    sharded = False  # no FSDP2 in one process
 
     def agree_step(self, ended: str | None, control: Any) -> str | None:
         return ended
@@ -176,6 +177,13 @@ class ProcessGroupSync:
         self._grads_world = topology.world_size
         self._grads_source = 0
         self._patient = patient  # a gloo group with a long timeout, for wait_for_rank0 (created lazily if None)
+        self.sharded = False  # model.parallel = "fsdp": FSDP2 reduces the gradients and each rank holds its shard
+
+    def shard(self) -> None:
+        """The model is sharded with FSDP2 (``core.sharding``): :meth:`average_gradients` then exchanges only the
+        non-finite flag (FSDP2 has reduce-scattered the gradients in the backward pass) and
+        :meth:`broadcast_parameters` nothing (each rank's shard is its own, cut from the same seeded LoRA)."""
+        self.sharded = True
 
     @classmethod
     def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0,
@@ -242,6 +250,11 @@ class ProcessGroupSync:
         """
         import torch.distributed as dist
 
+        if self.sharded:
+            bad = nonfinite.to(torch.float32).reshape(1)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            nonfinite.copy_(bad.reshape(()))
+            return
         world, pg = self._grads_world, self._grads_group
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
@@ -276,6 +289,8 @@ class ProcessGroupSync:
         copied back."""
         import torch.distributed as dist
 
+        if self.sharded:
+            return
         src, pg = self._grads_source, self._grads_group
         with torch.no_grad():
             away: dict[torch.dtype, list[torch.Tensor]] = {}

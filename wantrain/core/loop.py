@@ -48,6 +48,7 @@ from wantrain.core.events import (
 )
 from wantrain.core.inbox import Inbox
 from wantrain.core.interval import LORA_NORM, LORA_NORM_START, LogInterval
+from wantrain.core.sharding import whole
 from wantrain.core.state import RunParts, TrainState, capture, restore
 
 
@@ -408,7 +409,8 @@ class Trainer:
             self._step_losses = []
             self.sync.average_gradients(expert_params, self._agreed_flag)
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = whole(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))  # fsdp: a DTensor's
+        # partial norms summed over the ranks (a device-side all-reduce, no sync)
         self.ctx.live.grad_norm = norm
         return params, norm
 
@@ -525,7 +527,7 @@ class Trainer:
         expert's tensors on another device are reduced there and their one number copied over)."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for p in self.adapter.trainable_parameters():
-            by_device.setdefault(p.device, []).append(p.detach())
+            by_device.setdefault(p.device, []).append(whole(p.detach()))
         squares = [torch.stack(torch._foreach_norm(ps)).float().square().sum().to(self._interval.device)
                    for ps in by_device.values()]
         return torch.stack(squares).sum().sqrt()

@@ -150,3 +150,55 @@ def local_bytes(module: nn.Module) -> int:
         local = p.to_local() if hasattr(p, "to_local") else p
         total += local.numel() * local.element_size()
     return total
+
+
+# -- what ``wantrain run`` needs around a sharded model (model.parallel = "fsdp") -----------------------------------
+def is_sharded(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (a parameter, gradient or optimizer state of a sharded module)."""
+    return hasattr(tensor, "device_mesh") and hasattr(tensor, "full_tensor")
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or the whole tensor of a ``DTensor`` (an all-gather: every rank calls it, in the same
+    order)."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def like(value: torch.Tensor, target: Any) -> torch.Tensor:
+    """``value`` (a whole tensor every rank holds alike: read from a checkpoint) laid out as ``target``: this
+    rank's shard of it when ``target`` is a ``DTensor`` (sliced locally, nothing travels), else ``value``."""
+    if not is_sharded(target) or is_sharded(value) or value.shape != target.shape:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+
+
+def shard_mesh(device_type: str, world_size: int, shard_degree: int | None = None) -> Any:
+    """The device mesh of ``world_size`` ranks: one dimension (``shard``) when every rank shares one copy of the
+    weights, else HSDP's two, ``(replicate, shard)``: groups of ``shard_degree`` consecutive ranks (a node) each
+    hold one copy, sharded inside the group; the groups replicate it (FSDP2 all-reduces their gradients)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    degree = shard_degree or world_size
+    if degree == world_size:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=("replicate", "shard"))
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype | None:
+    """The ``param_dtype`` for :func:`shard_per_block`: None when every parameter of ``module`` has one dtype
+    (each is gathered as it is: fp32 twins stay exact), else bfloat16 (a bf16 base with an fp32 LoRA: FSDP2
+    all-gathers one dtype per block)."""
+    dtypes = {p.dtype for p in module.parameters()}
+    return None if len(dtypes) == 1 else torch.bfloat16
+
+
+def summed_over_shards(value: torch.Tensor, sharded: Any) -> torch.Tensor:
+    """``value`` (a 0-dim partial result over this rank's shards, such as a sum of squares) summed over the ranks
+    that shard ``sharded`` (a ``DTensor``): over the mesh dimensions it is sharded on, not over HSDP's replicas.
+    A device-side all-reduce, no host sync; every rank calls it."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    placements = [Partial() if p.is_shard() else Replicate() for p in sharded.placements]
+    return DTensor.from_local(value, sharded.device_mesh, placements, run_check=False).full_tensor()

@@ -17,6 +17,8 @@ import attrs
 import numpy as np
 import torch
 
+from wantrain.core.sharding import is_sharded, like, whole
+
 
 @attrs.define
 class TrainState:
@@ -57,8 +59,8 @@ def capture(parts: RunParts) -> dict[str, Any]:
         "train_state": attrs.asdict(parts.state),
         "generator": parts.generator.get_state(),
         "rng": capture_rng(parts.generator.device),
-        "model": model,
-        "optimizer": parts.optimizer.state_dict(),
+        "model": _whole_tree(model),
+        "optimizer": _whole_tree(parts.optimizer.state_dict()),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "data": batches.state_dict() if callable(getattr(batches, "state_dict", None)) else None,
         "metrics": parts.metrics.state_dict(),
@@ -115,12 +117,29 @@ def _restore_model(adapter: Any, model: Mapping[str, Any]) -> None:
                 p.copy_(model[f"{e}/{i}"])
 
 
+def _whole_tree(tree: Any) -> Any:
+    """``tree`` with every ``DTensor`` (model.parallel = "fsdp") replaced by its whole tensor: a checkpoint holds
+    whole tensors in every layout, so one written by N ranks resumes at another world size or without sharding.
+    Every rank calls it at a save, in the same order (an all-gather per tensor; the LoRA and its optimizer state
+    are small). No sharded tensor: ``tree`` itself."""
+    if isinstance(tree, Mapping):
+        return {k: _whole_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_whole_tree(v) for v in tree]
+    return whole(tree) if is_sharded(tree) else tree
+
+
 def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
     # Group keys an optimizer names in ``group_state_keys`` are its state (Prodigy's d, schedule-free's k), not
     # hyperparameters: they keep their saved values.
     evolving = {"params", *getattr(optimizer, "group_state_keys", ())}
     fresh = [{k: v for k, v in g.items() if k not in evolving} for g in optimizer.param_groups]
     optimizer.load_state_dict(saved)
+    for param, entries in optimizer.state.items():  # fsdp: each rank keeps its shard of the whole tensors saved
+        if is_sharded(param):
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    entries[key] = like(value, param)
     for group, hyper in zip(optimizer.param_groups, fresh, strict=True):
         group.update(hyper)  # the config's hyperparameters win (a changed LR is allowed on resume)
 

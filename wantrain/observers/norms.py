@@ -33,6 +33,7 @@ import torch
 
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import ExpertSwitched, GradsReady, OptimizerStepped, RunStarted
+from wantrain.core.sharding import is_sharded, summed_over_shards
 
 
 def sum_of_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
@@ -44,7 +45,21 @@ def sum_of_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
     seven ops, 3x cheaper for the tiny model's 40 tensors. Partial sums from other devices are added as 0-dim CPU
     scalars (host values, no transfer) or moved non-blocking.
     """
-    return sum_of_squares_grouped(group_tensors(tensors))
+    tensors = list(tensors)
+    return _over_shards(sum_of_squares_grouped(group_tensors(local_parts(tensors))), tensors)
+
+
+def local_parts(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor, or this rank's shard of a ``DTensor`` (model.parallel = "fsdp"): the norms are taken of the
+    shards and their squares summed over the ranks (:func:`_over_shards`), never of gathered whole tensors."""
+    return [t.to_local() if is_sharded(t) else t for t in tensors]
+
+
+def _over_shards(sq: torch.Tensor | None, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``sq`` (a sum of squares over this rank's shards) summed over the ranks that shard ``tensors`` (a
+    device-side all-reduce), or ``sq`` itself when nothing is sharded."""
+    first = next((t for t in tensors if is_sharded(t)), None)
+    return sq if sq is None or first is None else summed_over_shards(sq, first)
 
 
 def group_tensors(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[tuple[int | None, list[torch.Tensor]]]]:
@@ -127,8 +142,8 @@ class Norms(Observer):
         device = params[0].device  # an expert moves as a whole (activate): regroup when it moved
         cached = self._grouped.get(expert)
         if cached is None or cached[0] != device:
-            cached = self._grouped[expert] = (device, group_tensors(params))
-        return sum_of_squares_grouped(cached[1])
+            cached = self._grouped[expert] = (device, group_tensors(local_parts(params)))
+        return _over_shards(sum_of_squares_grouped(cached[1]), params)
 
     @on(RunStarted)
     def on_run_started(self, event: RunStarted, ctx) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from wantrain.core.errors import UserError
 from wantrain.core.optim_state import check_rescalable, rescale_state, state_kind
+from wantrain.core.sharding import like
 from wantrain.models.wan22 import architecture, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.attention import check_kernel, use_kernel
@@ -627,8 +628,8 @@ class Wan22Adapter:
         finally:
             swap.release()
 
-    def saver(self, run_dir: Path, name: str) -> Wan22Saver:
-        return Wan22Saver(self, run_dir, name)
+    def saver(self, run_dir: Path, name: str, *, writes: bool = True) -> Wan22Saver:
+        return Wan22Saver(self, run_dir, name, writes=writes)
 
     # -- checkpoint state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -659,6 +660,6 @@ class Wan22Adapter:
                     raise UserError(f"the checkpoint's LoRA tensor {key!r} has shape {tuple(value.shape)}, this model "
                                     f"has {tuple(param.shape)}; the checkpoint is damaged or from other LoRA "
                                     "settings (core.state_check names which before a resume)")
-                param.copy_(value)
+                param.copy_(like(value, param))  # fsdp: this rank's shard of the saved whole tensor
         for e in self.experts:
             self.set_lora_alpha(float(state["alpha"][e or "single"]), e)

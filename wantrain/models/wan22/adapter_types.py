@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
+from wantrain.core.sharding import whole
 
 ADAPTER_NAME = "wantrain"
 ADAPTER_TYPES = ("lora", "lokr", "loha", "dora")
@@ -117,7 +118,7 @@ class AdapterType:
     @torch.no_grad()
     def export(self, layer: nn.Module) -> dict[str, torch.Tensor]:
         """The module's tensors as ComfyUI reads them, float32 on the CPU (see the module docstring)."""
-        out = {self.file_part(p): t.detach().to("cpu", torch.float32) for p, t in self.present(layer)}
+        out = {self.file_part(p): whole(t.detach()).to("cpu", torch.float32) for p, t in self.present(layer)}
         out["alpha"] = torch.tensor(self.alpha(layer), dtype=torch.float32)
         return out
 

@@ -167,8 +167,21 @@ class ModelConfig:
         "pass: the LoRA on the attention's projections would get no gradient).",
     )
 
+    parallel: Literal["dp", "fsdp"] = setting(
+        "dp", doc="Under torchrun: `dp` keeps a whole expert on every GPU and averages the LoRA gradients (data "
+        "parallel); `fsdp` shards each block's frozen weights and the LoRA over the GPUs with FSDP2 (`fully_shard` "
+        "per block), so an expert that does not fit one card fits a few (docs/distributed.md). In one process "
+        "`fsdp` trains unsharded, with a warning.",
+    )
+    shard_degree: int | None = setting(
+        None, doc="With `parallel = \"fsdp\"`: how many GPUs share one copy of the weights (unset: all of them). "
+        "Fewer than the world size is HSDP: shard inside a group of `shard_degree` ranks (a node), replicate "
+        "across groups; it must divide the number of ranks.", range=at_least(1),
+    )
+
     def __attrs_post_init__(self) -> None:
         spec = VARIANTS[self.variant]
+        _check_parallel(self)
         try:
             offload = torch.device(self.offload_device)
         except (RuntimeError, ValueError):
@@ -271,6 +284,33 @@ class ModelConfig:
         """The A14B expert this config does not train (``()`` with both trained or one transformer): with
         ``[sample]`` on, it is loaded frozen to sample its timesteps (``Wan22Adapter.add_sampling_expert``)."""
         return tuple(e for e in VARIANTS[self.variant].experts if e is not None and e not in self.trained_experts)
+
+
+def _check_parallel(model: ModelConfig) -> None:
+    """``model.parallel = "fsdp"`` against the keys it cannot work with yet (read time, before anything exists)."""
+    if model.parallel != "fsdp":
+        if model.shard_degree is not None:
+            raise ConfigError("model.shard_degree applies to model.parallel = 'fsdp'; set parallel = 'fsdp' or "
+                              "remove model.shard_degree")
+        return
+    clash = None
+    if model.blocks_to_swap:
+        clash = (f"model.blocks_to_swap = {model.blocks_to_swap}", "set blocks_to_swap = 0 (sharding is what "
+                 "makes the blocks fit) or parallel = 'dp'")
+    elif model.vram_budget_gb is not None:
+        clash = (f"model.vram_budget_gb = {model.vram_budget_gb:g} (it picks block swap and fp8 storage)",
+                 "remove vram_budget_gb or set parallel = 'dp'")
+    elif model.base_dtype in FP8_DTYPES:
+        clash = (f"model.base_dtype = '{model.base_dtype}' (fp8 layerwise storage)",
+                 "set base_dtype = 'bf16' or parallel = 'dp'")
+    elif model.compile != "off":
+        clash = (f"model.compile = '{model.compile}'", "set compile = 'off' or parallel = 'dp'")
+    elif model.trained_experts == ("high_noise", "low_noise"):
+        clash = ("model.experts = 'both' (the trained expert alternates by moving between the GPU and the host, "
+                 "which a sharded expert does not)", "train one expert per run (experts = 'high_noise' or "
+                 "'low_noise') or set parallel = 'dp'")
+    if clash is not None:
+        raise ConfigError(f"model.parallel = 'fsdp' does not work with {clash[0]} yet; {clash[1]}")
 
 
 def _trained_range(boundary: float | None, experts: str) -> tuple[float, float]:

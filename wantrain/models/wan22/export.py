@@ -113,12 +113,16 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
 
 
 class Wan22Saver:
-    """Writes one file per trained expert into ``run_dir``. Called by the core on the training thread."""
+    """Writes one file per trained expert into ``run_dir``. Called by the core on the training thread.
 
-    def __init__(self, adapter, run_dir: Path, name: str) -> None:
+    ``writes=False``: a rank other than 0 of a sharded run (model.parallel = "fsdp"): it takes part in gathering
+    the whole LoRA (every rank must, in the same order) and writes nothing."""
+
+    def __init__(self, adapter, run_dir: Path, name: str, *, writes: bool = True) -> None:
         self.adapter = adapter
         self.run_dir = Path(run_dir)
         self.name = name
+        self.writes = writes
 
     def file_name(self, expert: str | None, step: int, final: bool) -> str:
         stem = self.name if final else f"{self.name}_step{step:06d}"
@@ -129,11 +133,14 @@ class Wan22Saver:
 
     def files(self, step: int, final: bool) -> list[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
         """Each trained expert's file as (name in ``run_dir``, tensors, metadata), written by :meth:`write` (with
-        ``model.expert_groups`` a group leader's travel to rank 0 first: ``core.expert_groups.GroupSaver``)."""
+        ``model.expert_groups`` a group leader's travel to rank 0 first: ``core.expert_groups.GroupSaver``). A rank
+        that does not write (``writes=False``) still gathers every expert's tensors and returns no file."""
         dtype = torch.float32 if self.adapter.lora_config.save_dtype == "fp32" else torch.bfloat16
         out = []
         for expert in self.adapter.experts:
             tensors = self.adapter.adapter_tensors(expert, dtype)
+            if not self.writes:
+                continue
             alphas = sorted({self.adapter.kind.alpha(layer) for _, layer in lora_layers(self.adapter.transformer_for(
                 expert))})
             metadata = {
