@@ -459,6 +459,13 @@ def planned_layout(cfg: Any, **degrees: int) -> Any:
     return layout
 
 
+def expert_group_lines(cfg: Any, gpus: int | None) -> list[str]:
+    """``wantrain check``: with ``model.expert_groups``, which ranks train which expert (``models.wan22.placement``)."""
+    from wantrain.models.wan22.placement import expert_group_lines as lines
+
+    return lines(cfg.model, gpus)
+
+
 def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
     bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel, the

@@ -57,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
     _print(report, args.json)
     for line in alpha_schedule_lines(cfg):
         print(line)
-    from wantrain.models.wan22.placement import expert_group_lines
+    from wantrain.app.preflight import expert_group_lines
 
-    for line in expert_group_lines(cfg.model, args.gpus):  # model.expert_groups: which ranks train which expert
+    for line in expert_group_lines(cfg, args.gpus):  # model.expert_groups: which ranks train which expert
         print(line)
     if layout is not None:
         from wantrain.app.preflight import layout_lines
