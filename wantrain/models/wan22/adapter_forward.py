@@ -58,15 +58,14 @@ class KroneckerDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w1, w2 = ctx.saved_tensors
-        X = _flat(x, w1.dtype).view(-1, w1.shape[1], w2.shape[1])
-        G = grad.reshape(-1, w1.shape[0], w2.shape[0]).to(w1.dtype)
-        grad_x = grad_w1 = grad_w2 = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (w1.T @ G @ w2).reshape(x.shape).to(x.dtype)
-        if ctx.needs_input_grad[1]:  # sum over tokens of G_n (X_n w2^T)^T
-            grad_w1 = torch.einsum("nik,njk->ij", G, X @ w2.T)
-        if ctx.needs_input_grad[2]:  # sum over tokens of G_n^T (w1 X_n)
-            grad_w2 = torch.einsum("nik,nil->kl", G, w1 @ X)
+        (a_out, a_in), (b_out, b_in) = w1.shape, w2.shape
+        G = grad.reshape(-1, a_out, b_out).to(w1.dtype)
+        H = w1.T @ G  # [n, a_in, b_out]: the input's gradient before w2, and w2's gradient's left factor
+        grad_x = (H @ w2).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        X = _flat(x, w1.dtype).view(-1, a_in, b_in)  # after grad_x: the float32 copies live one at a time
+        grad_w2 = torch.einsum("njk,njl->kl", H, X)  # sum over tokens of (w1^T G_n)^T X_n
+        del H
+        grad_w1 = torch.einsum("nik,njk->ij", G, X @ w2.T)  # sum over tokens of G_n (X_n w2^T)^T
         return grad_x, grad_w1, grad_w2
 
 
