@@ -151,3 +151,22 @@ def test_a_training_step_of_the_tiny_twin_has_pefts_loss_and_gradients(case):
     assert relative(got, want) < 1e-6 and set(got_grads) == set(want_grads) and len(want_grads) >= 20
     for name, grad in want_grads.items():
         assert relative(got_grads[name], grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("case", ["lokr", "loha", "dora"])
+def test_each_lean_forward_compiles_into_one_graph_and_trains_as_eager(case):
+    """``fullgraph=True``: any graph break fails; the scale a tensor input and LyCORIS' module-dropout draw gone, as
+    compiled blocks have them (``compile.py``)."""
+    from wantrain.models.wan22.compile import _without_module_dropout, tensor_scaling
+
+    eager, lean = peft_and_lean(case, 96, 160, torch.float32)
+    tensor_scaling(lean)
+    if case != "dora":
+        lean[0].forward = _without_module_dropout(lean[0])
+    compiled = torch.compile(lean, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(2))
+    (want, want_grads), (got, got_grads) = step(eager, x), step(compiled, x)
+    assert relative(got, want) < 1e-6
+    for name, grad in want_grads.items():
+        assert relative(got_grads[name.replace("_orig_mod.", "")] if name in got_grads else
+                        got_grads[f"_orig_mod.{name}"], grad) < 1e-5, name
