@@ -9,9 +9,9 @@ What peft does and what replaces it (``install``, called on a transformer once i
   Kronecker identity: with the input seen as ``X [tokens, a_in, b_in]``, ``(w1 ⊗ w2) x = w1 X w2^T`` (two thin
   contractions, a few per cent of the Linear's FLOPs); :class:`KroneckerDelta` keeps only the input in its own
   dtype and the factors, and recomputes the contractions in backward.
-* LoHa: the delta ``s * (w1_a w1_b) ⊙ (w2_a w2_b)`` has rank up to r^2 and no cheap product form (the rank-r^2
-  form keeps ``[tokens, r^2]`` per Linear: more than the matrix above ~5000 tokens, and as many FLOPs). So the
-  matrix is still built, but only for the moment it is used: :class:`HadamardDelta` keeps the input in its own
+* LoHa: the delta ``s * (w1_a w1_b) ⊙ (w2_a w2_b)`` has rank up to r^2 (its product form, through autograd, would
+  keep ``[tokens, r^2]`` float32 per Linear: more than the matrix above ~5000 tokens). So the matrix is still
+  built, but only for the moment it is used: :class:`HadamardDelta` keeps the input in its own
   dtype and the four factors, and rebuilds the matrix in backward (one more build of it per step: 2r/tokens of the
   Linear's FLOPs). At most three float32 ``[out, in]`` temporaries live, in one Linear's backward at a time.
 * DoRA: peft gets the LoRA's delta weight by running an identity ``eye(in)`` through the LoRA (a float32
