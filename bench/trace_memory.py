@@ -152,10 +152,11 @@ def parse_size(text: str) -> tuple[int, int, int]:
 
 
 def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode, layers: int | None = None,
-                      lora_type: str = "lora", recompute: str = "block"):
+                      lora_type: str = "lora", recompute: str = "block", peft_forward: bool = False):
     """The expert as a run holds it, with fake tensors on :data:`DEVICE` (``layers``: fewer blocks), its adapter of
-    ``lora_type`` built by peft as a run builds it (``adapter_types.py``, the config's defaults otherwise), its
-    blocks recomputed as ``recompute`` says (``model.recompute``: ``recompute.py``)."""
+    ``lora_type`` built by peft as a run builds it (``adapter_types.py``, the config's defaults otherwise) with the
+    run's forwards (``adapter_forward.py``), or with peft's own when ``peft_forward``, its blocks recomputed as
+    ``recompute`` says (``model.recompute``: ``recompute.py``)."""
     from diffusers import WanTransformer3DModel
 
     from wantrain.models.wan22.adapter_types import adapter_type, candidate_modules
@@ -196,13 +197,17 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
     for module in model.modules():  # LoHa / LoKr draw ``torch.rand(1) > module_dropout`` per forward in training
         if isinstance(module, LycorisLayer):  # mode, which a fake tensor cannot answer; with dropout 0 the same
             module.training = False  # path runs in eval mode
+    if not peft_forward:
+        from wantrain.models.wan22 import adapter_forward
+
+        adapter_forward.install(model)
     return model
 
 
 def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload: bool = False,
           size: tuple[int, int, int] = (832, 480, 81), rank: int = 32, batch: int = 1,
           layers: int | None = None, lora_type: str = "lora", count_flops: bool = False,
-          recompute: str = "block") -> dict:
+          recompute: str = "block", peft_forward: bool = False) -> dict:
     """Peak live device bytes of one training step of ``variant`` (one expert), in GiB, with the parts at rest;
     with ``count_flops`` its FLOPs instead (``tflops``; the bytes of that trace are not the step's)."""
     spec = VARIANTS[variant]
@@ -210,7 +215,7 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     start = time.perf_counter()
     with fake_layerwise_casting():  # the hooks keep the methods they find when registered
-        model = build_fake_expert(variant, dtype, rank, fake, layers, lora_type, recompute)
+        model = build_fake_expert(variant, dtype, rank, fake, layers, lora_type, recompute, peft_forward)
     blocks = model.blocks
     copies: list[int] = []
     with fake:
@@ -369,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute", choices=("block", "lean", "all"), default="block",
                         help="model.recompute ('all': a row per path)")
     parser.add_argument("--layers", type=int, help="fewer blocks than the variant has (a quick check)")
+    parser.add_argument("--peft-forward", action="store_true",
+                        help="peft's own LoKr/LoHa/DoRA forwards instead of the run's (adapter_forward.py)")
     parser.add_argument("--flops", action="store_true", help="also count the step's FLOPs (a second trace)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--sampling", action="store_true", help="trace sampling instead of a training step")
@@ -395,10 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         if lora_type == "dora" and dtype == "fp8":
             continue  # refused by the config: peft's DoRA reads the base weights outside their forward
         row = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers, lora_type=lora_type,
-                    recompute=path)
+                    recompute=path, peft_forward=args.peft_forward)
         if args.flops:
             row["tflops"] = trace(args.variant, dtype, swap, offload, size, args.rank, layers=args.layers,
-                                  lora_type=lora_type, count_flops=True, recompute=path)["tflops"]
+                                  lora_type=lora_type, count_flops=True, recompute=path,
+                                  peft_forward=args.peft_forward)["tflops"]
         row.update(compare(row))
         rows.append(row)
         print(json.dumps(row), flush=True)

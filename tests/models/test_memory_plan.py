@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from wantrain.models.wan22.memory import (
+    ADAPTER_PART,
     GIB,
     AdapterSpec,
     MemorySettings,
@@ -47,9 +48,10 @@ def test_the_estimate_is_within_ten_percent_of_a_traced_step_at_real_width(setti
 
 @pytest.mark.parametrize("lora_type", ["loha", "lokr", "dora"])
 def test_the_estimate_of_each_adapter_type_is_within_five_percent_of_a_traced_step(lora_type):
-    # Two real-width A14B blocks at 832x480x33 (14040 tokens), each type built by peft as a run builds it: its
-    # parameters, gradients and moments, and what its layers build on every forward (LoHa / LoKr: float32 delta
-    # weights; DoRA: an identity of the input width and float32 products of the output width per token).
+    # Two real-width A14B blocks at 832x480x33 (14040 tokens), each type built by peft with the run's forwards
+    # (adapter_forward.py): its parameters, gradients and moments, and what its layers hold beyond LoRA's (LoHa:
+    # its delta weight rebuilt in the backward; LoHa / LoKr: their inputs in bf16, not float32; DoRA: the base
+    # output per token).
     traced = trace_module().trace("t2v-a14b", "bf16", 0, False, (832, 480, 33), rank=32, layers=2,
                                   lora_type=lora_type)
     est = estimate("t2v-a14b", MemorySettings("bf16"), width=832, height=480, frames=33, rank=32, layers=2,
@@ -57,7 +59,7 @@ def test_the_estimate_of_each_adapter_type_is_within_five_percent_of_a_traced_st
     assert traced["adapter_params"] == lora_params("t2v-a14b", 32, 2, AdapterSpec(lora_type))
     assert abs(est.allocated / GIB / traced["peak_gib"] - 1) < 0.05, (est.parts, traced)
     lora = estimate("t2v-a14b", MemorySettings("bf16"), width=832, height=480, frames=33, rank=32, layers=2)
-    assert est.allocated > lora.allocated + 0.5 * GIB  # a plan that ignored the type would be short by this
+    assert abs(est.allocated - lora.allocated) > 0.3 * GIB  # a plan that ignored the type would be off by this
 
 
 def test_adapter_parameters_are_counted_per_type_as_peft_builds_them():
@@ -167,7 +169,7 @@ def test_check_plans_and_prints_each_adapter_type_apart(tmp_path, capsys, monkey
         assert re.findall(r"card needs +([\d.]+) GiB", out) == [f"{chosen.device_gib:.2f}"]
         adapter = re.search(r"adapter: (\w+), rank 32: ([\d.]+) M parameters", out)
         assert adapter.group(2) == f"{lora_params('t2v-a14b', 32, adapter=AdapterSpec(lora_type)) / 1e6:.1f}"
-        assert ("adapter's own transients" in out) == (lora_type != "lora")
+        assert (ADAPTER_PART in out) == (lora_type != "lora")
         printed[lora_type] = (adapter.group(1), re.search(r"LoRA \+ optimizer +([\d.]+) GiB", out).group(1),
                               re.search(r"card needs +([\d.]+) GiB", out).group(1))
     assert [p[0] for p in printed.values()] == ["LoRA", "LoHa", "LoKr"]
@@ -297,8 +299,8 @@ def test_the_readme_sentence_on_adapter_types_is_the_planners():
     import re
 
     text = (ROOT / "README.md").read_text(encoding="utf-8").split("## What fits where")[1].split("\n## ")[0]
-    said = re.search(r"fits 81 frames with LoKr \(([\d.]+) GiB at\s+best\), (\d+) with LoHa \(its 81 frames need "
-                     r"([\d.]+) GiB at best\) and (\d+) with DoRA \(([\d.]+) GiB at best\)", text).groups()
+    said = re.search(r"fits 81 frames with LoKr \(([\d.]+) GiB at\s+best\) and with LoHa \(([\d.]+) GiB at\s+best\), "
+                     r"and (\d+) with DoRA \(([\d.]+) GiB at\s+best\)", text).groups()
     size = dict(width=832, height=480, rank=32)
 
     def frames_that_fit(adapter, dtype):
@@ -310,8 +312,8 @@ def test_the_readme_sentence_on_adapter_types_is_the_planners():
 
     lokr, loha, dora = AdapterSpec("lokr"), AdapterSpec("loha"), AdapterSpec("dora")
     assert frames_that_fit(lokr, "auto") == 81 and said[0] == smallest(lokr, "auto")
-    assert said[1:3] == (str(frames_that_fit(loha, "auto")), smallest(loha, "auto"))
-    assert said[3:] == (str(frames_that_fit(dora, "bf16")), smallest(dora, "bf16"))
+    assert frames_that_fit(loha, "auto") == 81 and said[1] == smallest(loha, "auto")
+    assert said[2:] == (str(frames_that_fit(dora, "bf16")), smallest(dora, "bf16"))
 
 
 def test_the_card_figure_reserves_flash_attentions_float32_backward_buffer_beside_the_tensors():

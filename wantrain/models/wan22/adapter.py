@@ -25,7 +25,7 @@ from torch import nn
 from wantrain.core.errors import UserError
 from wantrain.core.optim_state import check_rescalable, rescale_state, state_kind
 from wantrain.core.sharding import like
-from wantrain.models.wan22 import architecture, fp8
+from wantrain.models.wan22 import adapter_forward, architecture, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.attention import check_kernel, use_kernel
 from wantrain.models.wan22.compile import check_compiler, compile_blocks
@@ -181,6 +181,7 @@ class Wan22Adapter:
                 param.data = param.data.float()  # adapter weights train in fp32 whatever the base dtype
                 param.requires_grad_(True)
         init_adapter_in_fp32(transformer, init_seed, self.kind)
+        adapter_forward.install(transformer)  # LoKr/LoHa/DoRA without peft's full-size temporaries
         if self.model_config.gradient_checkpointing:  # 'auto' left unresolved (no planner ran): the whole block
             use_recompute(transformer, "lean" if self.model_config.recompute == "lean" else "block")
         self._speed_up(transformer)

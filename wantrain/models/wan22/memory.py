@@ -16,8 +16,8 @@ docs/benchmarks.md has its table and the estimate's error on every row). Parts (
 * ``one recomputed block``: what one block's recompute saves and its backward needs at once, per token
   ``C_WIDTH x width + C_FFN x ffn_width`` bytes and per text token ``C_TEXT x width`` (fp8: plus the bf16 copies
   of the block's Linears);
-* ``adapter's own transients`` (LoHa, LoKr, DoRA): what the type's peft layers build on every forward beyond a
-  LoRA's, at the recompute's peak (``ADAPTER_TRANSIENT``);
+* ``adapter vs LoRA`` (LoHa, LoKr, DoRA): what the type's layers hold at the recompute's peak beyond a LoRA's
+  (negative: less), with the run's forwards (``adapter_forward.py``; ``ADAPTER_TRANSIENT``);
 * ``workspace``: the layers outside the blocks, the loss, and a fixed allowance.
 
 Sampling (``[sample]``: diffusers' Wan pipeline around the training expert, no autograd), at the sample size:
@@ -55,16 +55,17 @@ GIB = 2**30
 # resolutions each, bf16 base, fp32 rank-32 LoRA).
 C_WIDTH = 75.8
 C_FFN = 10.0
-# What each adapter type's layers build in one block's recompute beyond LoRA's (bench/trace_memory.py --lora-type,
-# docs/benchmarks.md): (float32 copies of the block's largest adapted weight [out, in], float32 copies of the
-# identity [in, in] of its widest input, bytes per video token per unit of width). peft's LoHa and LoKr build the
-# full float32 delta weight of every Linear on every forward and keep it for backward, and their backward adds the
-# delta's gradient and the factors' products; at the step's peak (in the FFN's backward) that is about four copies
-# of the FFN's weight. peft's DoRA multiplies the LoRA by an identity of the input width on every call (the FFN's
-# down projection: 13824 x 13824 at A14B) and keeps float32 products of the output width per token. Fitted to
-# A14B and TI2V-5B traces of 7920 to 32760 tokens (below ~5000 tokens LoHa and LoKr hold up to 1.5x this).
-ADAPTER_TRANSIENT = {"lora": (0.0, 0.0, 0.0), "loha": (4.0, 0.0, 0.0), "lokr": (4.0, 0.0, 0.0),
-                     "dora": (0.0, 1.79, 62.4)}
+# What each adapter type's layers hold in one block's recompute beyond LoRA's (bench/trace_memory.py --lora-type,
+# docs/benchmarks.md): (float32 copies of the block's FFN weight [ffn, width], bytes per video token per unit of
+# width, and per unit of FFN width; negative: less than LoRA's). The run's forwards (adapter_forward.py) keep each
+# adapted Linear's input in its own dtype (bf16) where peft's LoRA keeps a float32 copy per Linear, so LoHa and
+# LoKr save per unit of width; their backwards build float32 copies of the FFN's wide input per token (LoKr's
+# Kronecker contractions, LoHa's delta gradient); LoHa builds its float32 delta weight in the forward and the
+# backward of each Linear (never kept: about 2.9 copies of the FFN's weight at the peak); DoRA keeps the base output
+# of every adapted Linear. Least squares over T2V-A14B (4590 to 32760 tokens) and TI2V-5B (3510, 7920) traces of two
+# blocks, bf16 base: every row within 0.1 GiB.
+ADAPTER_TRANSIENT = {"lora": (0.0, 0.0, 0.0), "loha": (2.86, -32.1, 0.43), "lokr": (0.0, -29.0, 8.95),
+                     "dora": (0.0, -8.1, 12.9)}
 # ... and per text token per unit of width (bench/measure_block_activations.py, saved_tensors_hooks on one block).
 C_TEXT = 17.0
 # The lean recompute (``model.recompute = "lean"``, recompute.py): what one block's recompute and the backward of
@@ -176,7 +177,7 @@ class AdapterSpec:
 
 
 LORA = AdapterSpec()
-ADAPTER_PART = "adapter's own transients"  # the part ADAPTER_TRANSIENT counts (absent for LoRA)
+ADAPTER_PART = "adapter vs LoRA"  # the part ADAPTER_TRANSIENT counts (absent for LoRA; negative: less than LoRA's)
 
 
 # The sampling parts that are alternatives (the pipeline decodes after the last denoising step): the peak has the
@@ -381,8 +382,8 @@ def adapter_transient_bytes(variant: str, adapter: AdapterSpec, tokens: float) -
 
     kwargs = transformer_kwargs(VARIANTS[variant])
     d, f = kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"]
-    weights, identity, per_token = ADAPTER_TRANSIENT[adapter.type]
-    return 4.0 * (weights * d * f + identity * max(d, f) ** 2) + per_token * tokens * d
+    weights, per_width, per_ffn = ADAPTER_TRANSIENT[adapter.type]
+    return 4.0 * weights * d * f + tokens * (per_width * d + per_ffn * f)
 
 
 def _shapes_and_weights(variant: str, settings: MemorySettings, layers: int | None):
