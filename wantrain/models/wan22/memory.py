@@ -73,11 +73,14 @@ C_TEXT = 17.0
 # lives for one token chunk only and adds nothing at the peak (bench/trace_memory.py --recompute lean: A14B at
 # 32760 and 75600 tokens, 35.0 and 35.6; docs/benchmarks.md).
 LEAN_C_WIDTH = 35.3
-# In the lean recompute LoHa's and LoKr's float32 delta weights live longer (the FFN's are built again for every
-# token chunk, and the block's recompute and its parts' overlap): this many more float32 copies of the FFN's weight
-# than ADAPTER_TRANSIENT's, and fp8's bf16 copies of the Linears live one part at a time: this fraction of the
-# block's (bench/trace_memory.py --recompute lean --lora-type loha/lokr, --dtype fp8; docs/benchmarks.md).
-LEAN_DELTA_COPIES = 4.4
+# In the lean recompute plain LoRA keeps its inputs in bf16 as the run's LoHa, LoKr and DoRA forwards do
+# (recompute.py's ``lean_lora_inputs``), and the FFN runs over token chunks: what each type holds beyond LoRA's
+# there, in ADAPTER_TRANSIENT's form. LoHa holds what LoRA does; LoKr's backward and DoRA's kept base outputs add
+# per token of the FFN's width. Least squares through zero over T2V-A14B traces of two blocks, bf16, offload, at
+# 14040, 32760 and 75600 tokens (bench/trace_memory.py --recompute lean --lora-type all): every row within 3.0 %
+# (docs/benchmarks.md). fp8's bf16 copies of the Linears live one part at a time: this fraction of the block's.
+LEAN_ADAPTER_TRANSIENT = {"lora": (0.0, 0.0, 0.0), "loha": (0.0, 0.0, 0.0), "lokr": (0.0, 0.0, 3.03),
+                          "dora": (0.0, 0.0, 8.97)}
 LEAN_FP8_COPIES = 0.2
 # ... and the FLOPs it adds: every part's forward runs once more per step, as a fraction of the whole-block
 # recompute's step (bench/trace_memory.py --recompute all --flops).
@@ -375,14 +378,16 @@ def recompute_block_bytes(tokens: float, width: float, ffn: float, text_tokens: 
     return tokens * (C_WIDTH * width + C_FFN * ffn) + text_tokens * C_TEXT * width
 
 
-def adapter_transient_bytes(variant: str, adapter: AdapterSpec, tokens: float) -> float:
-    """What one block's recompute holds beyond LoRA's for ``adapter``'s type (``ADAPTER_TRANSIENT``), bytes."""
+def adapter_transient_bytes(variant: str, adapter: AdapterSpec, tokens: float, path: str = "block") -> float:
+    """What one block's recompute holds beyond LoRA's for ``adapter``'s type, bytes: ``ADAPTER_TRANSIENT``, or
+    ``LEAN_ADAPTER_TRANSIENT`` on the lean recompute (``path``)."""
     from wantrain.models.wan22.architecture import transformer_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     kwargs = transformer_kwargs(VARIANTS[variant])
     d, f = kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"]
-    weights, per_width, per_ffn = ADAPTER_TRANSIENT[adapter.type]
+    table = LEAN_ADAPTER_TRANSIENT if path == "lean" else ADAPTER_TRANSIENT
+    weights, per_width, per_ffn = table[adapter.type]
     return 4.0 * weights * d * f + tokens * (per_width * d + per_ffn * f)
 
 
@@ -478,9 +483,7 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     workspace = WORKSPACE_FIXED + text + tokens * 64 * 4 * 4  # latents, prediction, target, loss terms (fp32)
     parts = {"weights resident": resident, "swap buffers": ring, "LoRA + optimizer": params * LORA_BYTES_PER_PARAM,
              "checkpointed inputs": inputs, "one recomputed block": per_block}
-    transient = adapter_transient_bytes(variant, adapter, tokens)
-    if lean and ADAPTER_TRANSIENT[adapter.type][0]:
-        transient += LEAN_DELTA_COPIES * 4.0 * d * f
+    transient = adapter_transient_bytes(variant, adapter, tokens, "lean" if lean else "block")
     if transient:  # without checkpointing every block keeps its own
         parts[ADAPTER_PART] = transient * (1 if gradient_checkpointing else n)
     parts["workspace"] = workspace
