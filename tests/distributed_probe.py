@@ -4,7 +4,10 @@ every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory
 ``MetricsLogged``, the run's status) and ``rank<R>.safetensors`` (the rank's final LoRA weights; under
 ``model.parallel = "fsdp"`` its shard of them). On ranks other than 0 it records, through an audit hook, every
 write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
-``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only."""
+``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only.
+``WANTRAIN_PROBE_COMPILE_BACKEND``: the backend ``model.compile`` uses in this process (``aot_eager``: the cheap one
+the tests use), set when this module is imported (before the adapter compiles its blocks); the record then holds
+dynamo's counts (``compile``)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,11 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded
+from wantrain.models.wan22 import compile as wan_compile
 from wantrain.observers import Observer, on
+
+if os.environ.get("WANTRAIN_PROBE_COMPILE_BACKEND"):
+    wan_compile.BACKEND = os.environ["WANTRAIN_PROBE_COMPILE_BACKEND"]
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
@@ -69,6 +76,7 @@ class RankProbe(Observer):
         if self.directory is None:
             return
         self.record["status"] = event.status
+        self.record["compile"] = wan_compile.compile_counts()
         weights = ctx.adapter.state_dict()["weights"]
         self.directory.mkdir(parents=True, exist_ok=True)
         # model.parallel = "fsdp": the rank's own shard of each tensor (its rows)

@@ -184,6 +184,22 @@ def test_a_stop_on_rank_1_stops_both_and_the_resumed_run_equals_the_uninterrupte
     assert losses == {r["step"]: r["train/loss"] for r in metrics(uninterrupted)}
 
 
+def test_a_compiled_two_rank_run_equals_the_eager_one(workspace, uninterrupted):
+    """``model.compile`` under torchrun (the ``aot_eager`` backend in each rank, tests/distributed_probe.py): the
+    same losses and final LoRA weights as the eager two-rank run, the skipped step included, and 0 graph breaks."""
+    done = torchrun(workspace, "compiled", "--set", 'model.compile="default"',
+                    env={"WANTRAIN_PROBE_COMPILE_BACKEND": "aot_eager"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        (record, weights), (eager, eager_weights) = probe(workspace, "compiled", rank), probe(workspace, "full", rank)
+        assert record["compile"]["graph_breaks"] == 0 and record["compile"]["graphs"] >= 2, record["compile"]
+        assert record["steps"] == eager["steps"] and record["losses"].keys() == eager["losses"].keys()
+        for step, loss in eager["losses"].items():
+            assert record["losses"][step] == pytest.approx(loss, rel=1e-5), step
+        for key, value in eager_weights.items():
+            assert torch.allclose(weights[key], value, rtol=1e-5, atol=1e-7), key
+
+
 def test_resuming_with_another_number_of_processes_is_refused(workspace, uninterrupted, capsys):
     args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / "full"}"',
             "--resume", str(only_run_dir(workspace / "full"))]  # completed: named on purpose

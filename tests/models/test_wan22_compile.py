@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
+import prewarmed
 import pytest
 import torch
 import torch._dynamo
@@ -32,9 +31,10 @@ def aot_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-def _losses(adapter, batches, *, alpha_after: int | None = None) -> list[float]:
+def _losses(adapter, batches, *, alpha_after: int | None = None, graphs: list[int] | None = None) -> list[float]:
     """One AdamW step per batch on the adapter's first expert; with ``alpha_after`` = k, alpha goes from the rank to
-    twice it (output preserved, optimizer state rescaled) after step k, as the alpha controller does."""
+    twice it (output preserved, optimizer state rescaled) after step k, as the alpha controller does. ``graphs``:
+    dynamo's graph count is appended after each step."""
     expert = adapter.experts[0]
     optimizer = torch.optim.AdamW(adapter.param_groups(), lr=1e-2, weight_decay=0.0)
     adapter.activate(expert, optimizer)
@@ -48,6 +48,8 @@ def _losses(adapter, batches, *, alpha_after: int | None = None) -> list[float]:
         out.append(loss.item())
         if step == alpha_after:
             adapter.change_lora_alpha(2.0 * adapter.lora_alpha(expert), expert, optimizer)
+        if graphs is not None:
+            graphs.append(compile_counts()["graphs"])
     return out
 
 
@@ -64,31 +66,36 @@ def test_compiled_blocks_train_as_eager_with_block_swap_offload_and_an_alpha_cha
     compiled = make_adapter(**memory, compile="default")
     blocks = compiled.transformer_for("high_noise").blocks
     assert all(is_compiled(b) for b in blocks) and not is_compiled(compiled.transformer_for("high_noise"))
-    before = compile_counts()
-    first = _losses(compiled, batches[:2])
-    after_two = compile_counts()
-    compiled.change_lora_alpha(2.0 * compiled.lora_alpha("high_noise"), "high_noise")
-    assert compile_counts()["graphs"] == after_two["graphs"]
-    # the full comparison: the same three steps, alpha changed after the second, in a fresh compiled adapter
-    again = make_adapter(**memory, compile="default")
-    got = _losses(again, batches, alpha_after=2)
+    before, graphs = compile_counts(), []
+    got = _losses(compiled, batches, alpha_after=2, graphs=graphs)
     end = compile_counts()
-    assert got == pytest.approx(expected, rel=1e-5) and first == pytest.approx(expected[:2], rel=1e-5)
+    assert got == pytest.approx(expected, rel=1e-5)
     assert end["graph_breaks"] == before["graph_breaks"]  # 0 graph breaks inside a block
-    # one graph for block 0 (its input needs no grad) and one shared by the others; the alpha change and the
-    # second adapter's fresh (swapped) parameters add none
-    assert after_two["graphs"] - before["graphs"] <= 2 and end["graphs"] == after_two["graphs"]
-    assert float(again.transformer_for("high_noise").blocks[0].attn1.to_q.scaling["wantrain"]) == 2.0
+    # one graph for block 0 (its input needs no grad) and one shared by the others; the second step (the swapped
+    # block's fresh parameters) and the third (after the alpha change) add none
+    assert 1 <= graphs[0] - before["graphs"] <= 2 and graphs[2] == graphs[1] == graphs[0]
+    assert float(blocks[0].attn1.to_q.scaling["wantrain"]) == 2.0
+
+
+# (lora.type, model.base_dtype): every type and every fp8 storage, paired to keep it cheap (DoRA cannot train on fp8
+# storage). Measured: the compiled losses equal eager's bit for bit in all three; 1e-5 relative leaves rounding room.
+TYPES_AND_STORAGE = [("dora", "auto"), ("lokr", "fp8"), ("loha", "fp8_scaled")]
 
 
 @pytest.mark.slow  # compiles
-@pytest.mark.parametrize("kind", ["dora", "lokr"])  # loha: the same LyCORIS forward as lokr
-def test_every_adapter_type_compiles_without_graph_breaks_and_trains_as_eager(aot_eager, kind):
-    eager = make_adapter(lora={"type": kind})
+@pytest.mark.parametrize(("kind", "storage"), TYPES_AND_STORAGE)
+def test_every_adapter_type_and_fp8_storage_compile_without_graph_breaks_and_train_as_eager(
+        aot_eager, monkeypatch, kind, storage):
+    """fp8 (diffusers' layerwise casting) failed before its Linears cast in the graph (``compile._cast_in_graph``):
+    gradient checkpointing's recompute saved float8 weights where the forward had saved bf16 ones."""
+    from wantrain.models.wan22 import adapter as adapter_module
+
+    monkeypatch.setattr(adapter_module, "FP8_DEVICE_TYPES", ("cuda", "cpu"))  # fp8 storage works on a CPU too
+    eager = make_adapter(lora={"type": kind}, base_dtype=storage)
     batches = _encoded(eager, sizes=(32, 32))
     expected = _losses(eager, batches, alpha_after=1)
     before = compile_counts()
-    got = _losses(make_adapter(lora={"type": kind}, compile="default"), batches, alpha_after=1)
+    got = _losses(make_adapter(lora={"type": kind}, base_dtype=storage, compile="default"), batches, alpha_after=1)
     after = compile_counts()
     assert got == pytest.approx(expected, rel=1e-5)
     assert after["graph_breaks"] == before["graph_breaks"] and 1 <= after["graphs"] - before["graphs"] <= 2
@@ -161,8 +168,8 @@ def test_a_second_process_of_the_same_shapes_compiles_from_the_cache(tmp_path):
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TRITON_"))}
 
-    def run() -> dict:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    def run() -> dict:  # a fork of the prewarmed server (tests/prewarmed.py): no import of the stack per process
+        done = prewarmed.run(["-c", script], capture_output=True, text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -142,6 +142,24 @@ def _traceable_peft() -> None:
     original._wantrain_traceable = True
 
 
+def _cast_in_graph(layer: nn.Linear, dtype: torch.dtype):
+    """The forward of a Linear that ``model.base_dtype = "fp8"`` stores in float8 (diffusers' layerwise casting),
+    for a compiled block: the same computation -- weight and bias cast to the compute dtype, then ``F.linear`` --
+    with the casts in the graph. Layerwise casting's hooks instead convert the module's parameters in place before
+    and after each call (``module.to``), a mutation of module state that the compiled graph does not replay: the
+    gradient checkpointing recompute then saves the float8 weight where the forward saved its bf16 copy, and the
+    backward fails. The stored parameters stay float8 either way."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        bias = None if layer.bias is None else layer.bias.to(dtype)
+        return torch.nn.functional.linear(x, layer.weight.to(dtype), bias)
+    return forward
+
+
+def _layerwise_casting(module: nn.Module):
+    registry = getattr(module, "_diffusers_hook", None)
+    return None if registry is None else registry.get_hook("layerwise_casting")
+
+
 def compile_blocks(transformer: nn.Module, mode: str, dynamic: bool | None) -> int:
     """Compile the ``forward`` of each of ``transformer.blocks`` (one compiled function shared by all blocks);
     returns how many. Compilation itself happens on the first call; a compiler failure then is a ``UserError``
@@ -160,6 +178,13 @@ def compile_blocks(transformer: nn.Module, mode: str, dynamic: bool | None) -> i
                 raise UserError("model.compile cannot trace LyCORIS module dropout (a random branch per call); "
                                 "remove it or set model.compile = 'off'")
             module.forward = _without_module_dropout(module)
+        casting = _layerwise_casting(module)
+        if casting is not None:  # model.base_dtype = "fp8": only the blocks' Linears are cast (ModelMixin's rule)
+            if type(module) is not nn.Linear:
+                raise UserError(f"model.compile cannot trace diffusers' layerwise casting of a "
+                                f"{type(module).__name__} (model.base_dtype = 'fp8'); use model.base_dtype = "
+                                "'fp8_scaled' or model.compile = 'off'")
+            module.forward = _cast_in_graph(module, casting.compute_dtype)
     blocks = list(transformer.blocks)
     if not blocks:
         return 0
