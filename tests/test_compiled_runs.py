@@ -6,8 +6,8 @@ inductor test):
 * ``--lr-finder-then-train`` with validation and samples, eager and compiled: the finder's sweep (its losses and
   suggestion), the restore before training (``lr_finder_state_restored``), the training losses, the validation
   losses and the sample videos of the compiled run equal the eager run's; dynamo reports 0 graph breaks.
-* resume: the compiled run's own ``config.toml`` (the suggested LR, the finder off) run again, stopped after step 3
-  and resumed, ends with the LoRA files of the uninterrupted compiled run, byte for byte.
+* resume: the compiled run's own ``config.toml`` (the suggested LR, the finder off; validation and samples off) run
+  again, stopped after step 3 and resumed, ends with the LoRA files of the uninterrupted compiled run, byte for byte.
 
 torchrun (two gloo ranks, compiled): tests/test_distributed.py."""
 
@@ -40,6 +40,9 @@ REL = 1e-5
 """Relative tolerance of every compiled figure against eager's. Measured: equal bit for bit (aot_eager runs the same
 aten ops on the CPU); the room is for a float rounding a future torch may move."""
 PROBE = ["--set", 'observers.extra=["distributed_probe:RankProbe"]', "--allow-code"]
+QUIET = ["--set", "validation.enabled=false", "--set", "sample.enabled=false"]
+"""The resumed runs without validation and samples (each a compile of its own; validation does not change training,
+tests/observers/test_validation.py): their LoRA still equals the uninterrupted compiled run's, which had both."""
 
 
 def run(config: Path, out: Path, *extra: str) -> None:
@@ -76,10 +79,11 @@ def runs(tmp_path_factory) -> dict:
         shutil.copy(ROOT / "tests" / "distributed_probe.py", resume / "distributed_probe.py")
         patch.setenv("WANTRAIN_PROBE_STOP_AT", "3")
         patch.setenv("WANTRAIN_PROBE_STOP_RANK", "0")
-        stopped = wantrain("run", str(resume / "config.toml"), "--set", f'run.output_dir="{resume / "runs"}"', *PROBE)
+        stopped = wantrain("run", str(resume / "config.toml"), "--set", f'run.output_dir="{resume / "runs"}"', *PROBE,
+                           *QUIET)
         patch.delenv("WANTRAIN_PROBE_STOP_AT")
         resumed = wantrain("run", str(resume / "config.toml"), "--set", f'run.output_dir="{resume / "runs"}"',
-                           *PROBE, "--resume", "auto")
+                           *PROBE, *QUIET, "--resume", "auto")
     torch._dynamo.reset()
     return {"tmp": tmp, "counts": {k: after[k] - before[k] for k in after}, "stopped": stopped, "resumed": resumed}
 

@@ -68,9 +68,9 @@ def _report(width: int, height: int, frames: int) -> SimpleNamespace:
 
 def test_a_plan_no_device_holds_is_refused_naming_the_bucket():
     cfg = structure(RunConfig, {"model": {"variant": "t2v-a14b"}, "sample": {"enabled": False}})
-    with pytest.raises(UserError, match=rf"1920x1088x481 needs [0-9,]+ GiB .*the largest hold about "
+    with pytest.raises(UserError, match=rf"1920x1088x721 needs [0-9,]+ GiB .*the largest hold about "
                                         rf"{LARGEST_DEVICE_GIB:g} GiB"):
-        plan_memory(cfg, _report(1920, 1088, 481))
+        plan_memory(cfg, _report(1920, 1088, 721))
     data = _report(832, 480, 81)
     plan_memory(cfg, data)  # the usual size: planned as before
     assert data.report.memory_plan["device_gib"] < LARGEST_DEVICE_GIB
