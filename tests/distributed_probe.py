@@ -5,9 +5,9 @@ every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory
 ``model.parallel = "fsdp"`` its shard of them). On ranks other than 0 it records, through an audit hook, every
 write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
 ``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only.
-``WANTRAIN_PROBE_COMPILE_BACKEND``: the backend ``model.compile`` uses in this process (``aot_eager`` or ``eager``:
-the cheap ones the tests use), set when this module is imported (before the adapter compiles its blocks); the record then holds
-dynamo's counts (``compile``)."""
+``WANTRAIN_PROBE_COMPILE_BACKEND``: the backend ``model.compile`` uses in this process (``aot_eager`` or
+``eager``: the cheap ones the tests use), set when this module is imported (before the adapter compiles its
+blocks); the record then holds dynamo's counts (``compile``)."""
 
 from __future__ import annotations
 
