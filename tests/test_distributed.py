@@ -353,7 +353,8 @@ def test_check_prints_which_ranks_train_which_expert(workspace, capsys):
 
 # -- sharded base weights: model.parallel = "fsdp" (docs/distributed.md, issue 46) ------------------------------------
 FSDP = ["--max-steps", "4", "--set", 'model.experts="high_noise"', "--set", "checkpoint.every=2",
-        "--set", "faults.oom_at_steps=[]", "--set", 'lora.save_dtype="fp32"']
+        "--set", "faults.oom_at_steps=[]", "--set", 'lora.save_dtype="fp32"',
+        "--set", "train.divergence_factor=100"]  # the guard on (it never trips here): train/lora_norm is logged
 SHARDED = ["--set", 'model.parallel="fsdp"']
 FSDP_TOLERANCE = 1e-6
 """Of each exported LoRA tensor, max |a - b| / max |b| (fp32) between the sharded and the data-parallel run with the
@@ -394,6 +395,9 @@ def test_an_fsdp_run_equals_the_data_parallel_run_with_the_same_draws_and_each_r
     assert worst_relative(final, reference["quickstart_high_noise.safetensors"]) <= FSDP_TOLERANCE
     assert [r["train/loss"] for r in metrics(fsdp_runs["fsdp"])] == pytest.approx(
         [r["train/loss"] for r in metrics(fsdp_runs["dp"])], rel=FSDP_TOLERANCE)
+    # the LoRA norm of a sharded run: its shards' norms reduced over the ranks, the whole LoRA's norm
+    norms = [[r["train/lora_norm"] for r in metrics(fsdp_runs[k]) if "train/lora_norm" in r] for k in ("fsdp", "dp")]
+    assert norms[0] and norms[0] == pytest.approx(norms[1], rel=FSDP_TOLERANCE)
     # the same file as data parallel's export (names, dtypes, metadata): what ComfyUI loads from either
     name = "quickstart_high_noise.safetensors"
     with safe_open(str(fsdp_runs["fsdp"] / name), "pt") as a, safe_open(str(fsdp_runs["dp"] / name), "pt") as b:

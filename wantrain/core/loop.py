@@ -48,7 +48,7 @@ from wantrain.core.events import (
 )
 from wantrain.core.inbox import Inbox
 from wantrain.core.interval import LORA_NORM, LORA_NORM_START, LogInterval
-from wantrain.core.sharding import whole
+from wantrain.core.sharding import is_sharded, whole
 from wantrain.core.state import RunParts, TrainState, capture, restore
 
 
@@ -524,12 +524,18 @@ class Trainer:
 
     def _lora_norm(self) -> torch.Tensor:
         """L2 norm of every trainable LoRA tensor, on the training device (log steps only; no sync: a waiting
-        expert's tensors on another device are reduced there and their one number copied over)."""
+        expert's tensors on another device are reduced there and their one number copied over). Sharded (fsdp):
+        each rank's shards' norms, then one scalar all-reduce, as the gradient norm (not the whole LoRA gathered)."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for p in self.adapter.trainable_parameters():
-            by_device.setdefault(p.device, []).append(whole(p.detach()))
-        squares = [torch.stack(torch._foreach_norm(ps)).float().square().sum().to(self._interval.device)
-                   for ps in by_device.values()]
+            by_device.setdefault(p.device, []).append(p.detach())
+        squares = []
+        for ps in by_device.values():
+            if is_sharded(ps[0]):
+                square = whole(torch.nn.utils.get_total_norm(ps, foreach=True)).float().square()
+            else:
+                square = torch.stack(torch._foreach_norm(ps)).float().square().sum()
+            squares.append(square.to(self._interval.device))
         return torch.stack(squares).sum().sqrt()
 
     # -- saving: on request or schedule, the emergency checkpoint, the final save -----------------------------
