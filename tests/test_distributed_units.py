@@ -91,6 +91,14 @@ def test_resuming_with_another_number_of_ranks_is_refused(tmp_path):
         check_resume_world_size(ResumePoint(tmp_path, tmp_path, 4, {"model": {}}, {}), 4)
 
 
+def two_forked_ranks(worker, tmp_path) -> None:
+    """Run ``worker(rank, store, out)`` on two gloo ranks forked from this test process, which has imported torch
+    and wantrain already: a spawned rank pays ~15 s of imports on the 2-core machine, a fork nothing."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, start_method="fork")
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     import json
 
@@ -127,9 +135,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 def test_two_ranks_agree_on_metrics_gradients_and_decisions(tmp_path):
     import json
 
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    two_forked_ranks(_worker, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
     assert r0["reduced"] == r1["reduced"] == {"train/loss": 1.5, "memory/ram_gb": 5.0, "train/loss/high_noise": 3.0}
     assert r0["grad"] == r1["grad"] == [1.5, 1.5, 1.5]
@@ -196,9 +202,7 @@ def _cache_worker(rank: int, store: str, out: str) -> None:
 
 
 def test_the_other_ranks_wait_for_rank0_filling_the_cache_past_the_collective_timeout(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_cache_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    two_forked_ranks(_cache_worker, tmp_path)
     assert [(tmp_path / f"out.{r}").read_text() for r in (0, 1)] == ["waited", "waited"]
 
 
@@ -234,9 +238,7 @@ def _waiting_worker(rank: int, store: str, out: str) -> None:
 def test_other_ranks_wait_for_rank_0s_samples_past_the_process_groups_timeout(tmp_path):
     import json
 
-    import torch.multiprocessing as mp
-
-    mp.spawn(_waiting_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2)
+    two_forked_ranks(_waiting_worker, tmp_path)
     r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
     assert r0["sums"] == r1["sums"] == [1.5, 2.0]
     assert r1["waited"] >= BUSY_S - 1.0 > GROUP_TIMEOUT_S  # rank 1 waited the whole time, without timing out
