@@ -19,9 +19,10 @@ the stack once and then waits, single-threaded, for requests on a Unix socket.
   :mod:`subprocess`); its pid is the one the test signals.
 - What differs from a fresh process: every module of :data:`PRELOAD` is imported before the command runs. A command
   that patches the stack must patch the name where it is looked up (``from x import y`` bindings are made), and
-  warnings those imports print went to the server's log. The tests that check what a fresh process prints (no
-  warning, no traceback: tests/test_newcomer_path.py, tests/data/test_media_accounting.py, the import checks) and
-  the torchrun launches keep :mod:`subprocess`."""
+  warnings those imports print went to the server's log (:func:`server_log`). The tests that check what a fresh
+  process prints (no warning, no traceback: tests/test_newcomer_path.py's first run, tests/data/
+  test_media_accounting.py, the import checks) and the torchrun launches keep :mod:`subprocess`;
+  tests/test_newcomer_path.py's later commands fork here and check the server's log too."""
 
 from __future__ import annotations
 
@@ -187,6 +188,7 @@ class _Server:
 
     _lock = threading.Lock()
     _path: str | None = os.environ.get("PREWARMED_SERVER")  # a relay's: its test process's server
+    _log: Path | None = None
 
     @classmethod
     def path(cls) -> str:
@@ -202,7 +204,7 @@ class _Server:
                 assert ready == b"ready\n", f"the prewarmed server did not start:\n{log.read_text()}"
                 server.wait()  # the launcher that forked the server away
                 atexit.register(cls._stop, server.stdin, folder)
-                cls._path = path
+                cls._path, cls._log = path, log
             return cls._path
 
     @staticmethod
@@ -214,6 +216,13 @@ class _Server:
 def server() -> str:
     """The socket of this test process's server (started if need be), for a relay's ``PREWARMED_SERVER``."""
     return _Server.path()
+
+
+def server_log() -> str:
+    """What the server printed while importing :data:`PRELOAD` (the warnings a fresh process would print at those
+    imports), for the tests that check a command prints none; empty before the server started."""
+    log = _Server._log
+    return log.read_text(errors="replace") if log is not None and log.exists() else ""
 
 
 class Popen:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import prewarmed
 from tests.observers.test_lr_finder_doc import doc_output, summary_of
 from tests.test_end_to_end import copy_examples
 
@@ -28,9 +29,11 @@ NOISE = re.compile(r"Traceback|Warning|\[warning|\bwarn\b", re.I)
 
 
 def wantrain(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m wantrain ARGS`` forked from the prewarmed server: the imports a fresh process would print
+    warnings at are checked once, in the first run (a fresh process) and in :func:`prewarmed.server_log`."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "wantrain", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return prewarmed.run(["-m", "wantrain", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                         timeout=timeout)
 
 
 # about the user's input: the LR finder's advice names the lr_finder key to change (a short sweep here)
@@ -44,8 +47,9 @@ def noise(text: str) -> list[str]:
 
 def test_the_newcomer_path_prints_no_traceback_and_no_warning(tmp_path):
     """One shared run (the quickstart as shipped, shortened with --max-steps) carries the whole path: Ctrl-C at
-    its first log step, the printed `--resume auto` to the end (end-of-run validation and samples), then `check`,
-    `report` and `replay` of that run, and a short LR-finder sweep."""
+    its first log step (a fresh process, as the user's shell starts it), the printed `--resume auto` to the end
+    (end-of-run validation and samples), then `check`, `report` and `replay` of that run, and a short LR-finder
+    sweep (these forked from the prewarmed server, whose import log is checked as well)."""
     config = copy_examples(tmp_path, validation_and_samples=True)  # the quickstart as shipped
     outputs = []
 
@@ -88,5 +92,6 @@ def test_the_newcomer_path_prints_no_traceback_and_no_warning(tmp_path):
     finder = ok("run", config.name, *finder_args)
     assert summary_of(finder.stdout) == documented, finder.stdout[-3000:]
 
+    outputs.append((("prewarmed server's imports",), prewarmed.server_log()))
     found = [(args, line) for args, out in outputs for line in noise(out)]
     assert not found, found
