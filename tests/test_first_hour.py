@@ -125,9 +125,8 @@ def test_a_second_ctrl_c_aborts_with_code_130_logged_as_aborted(tmp_path, capsys
 
 def test_inspect_lora_into_a_closed_pipe_stops_without_a_traceback(tmp_path):
     import os
-    import subprocess
-    import sys
 
+    import prewarmed
     import torch
     from safetensors.torch import save_file
 
@@ -135,8 +134,8 @@ def test_inspect_lora_into_a_closed_pipe_stops_without_a_traceback(tmp_path):
     save_file({f"diffusion_model.blocks.{i}.self_attn.q.{part}.weight": torch.zeros(4, 4)
                for i in range(40) for part in ("lora_A", "lora_B")}, str(path))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "wantrain", "inspect-lora", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+    proc = prewarmed.Popen(["-m", "wantrain", "inspect-lora", str(path)], stdout=prewarmed.PIPE,
+                           stderr=prewarmed.PIPE, env=env)
     proc.stdout.close()  # `| head` that has already gone: every write meets a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 from wantrain.cli.main import main
@@ -93,14 +92,17 @@ def test_an_offline_wandb_run_of_the_quickstart_holds_the_metrics_history_sample
 
 
 def observers_built(config: Path, *overrides: str) -> str:
-    """In a fresh interpreter: the observers a config builds, and whether wandb got imported."""
+    """In a process forked from the prewarmed server (which imports no wandb): the observers a config builds, and
+    whether wandb got imported."""
     code = ("import sys; from wantrain.app.config import load_config; "
             "from wantrain.app.observers import build_observers; "
             f"cfg = load_config({str(config)!r}, {list(overrides)!r}); "
             f"from pathlib import Path; obs = build_observers(cfg, Path({str(config.parent)!r}), writes_files=True); "
             "print(sorted(type(o).__name__ for o in obs), 'wandb' in sys.modules)")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.strip()
+    done = prewarmed.run(["-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
 
 
 def test_nothing_imports_wandb_when_the_observer_is_off(tmp_path):
