@@ -274,12 +274,14 @@ def test_two_torchrun_launchers_meet_through_a_c10d_rendezvous_as_two_nodes(tmp_
     vectors are trained and exported like the LoRA matrices)."""
     copy_examples(tmp_path)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = launcher(tmp_path, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-                       "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "wantrain-test")
-    command += ["--max-steps", "2", "--set", 'lora.type="dora"']
-    nodes = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
+    # the launchers and their workers fork from the prewarmed server (the rendezvous is what this test is about)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREWARMED_SERVER": prewarmed.server()}
+    command = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "wantrain-test",
+               str(ROOT / "tests" / "prewarmed_relay.py"), "-m", "wantrain", "run", str(tmp_path / "quickstart.toml"),
+               "--set", "observers.progress=false", "--max-steps", "2", "--set", 'lora.type="dora"']
+    nodes = [prewarmed.Popen(command, cwd=tmp_path, env=env, stdout=prewarmed.PIPE, stderr=prewarmed.PIPE,
+                             text=True) for _ in range(2)]
     results = [node.communicate(timeout=600) for node in nodes]
     for node, (_, err) in zip(nodes, results, strict=True):
         assert node.returncode == 0, err[-3000:]

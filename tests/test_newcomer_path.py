@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 
-import prewarmed
 from tests.observers.test_lr_finder_doc import doc_output, summary_of
 from tests.test_end_to_end import copy_examples
 
