@@ -570,7 +570,9 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     refused = model_cfg.base_dtype in FP8_DTYPES and device.type not in FP8_DEVICE_TYPES
     encoded = None if topology.distributed or refused else encode_before_the_experts(
         cfg, model_cfg, data, validation_data, device, extra_observers)
-    adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
+    sharded = cfg.model.parallel == "fsdp" and topology.distributed  # refused with expert groups (both experts)
+    adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr,
+                            shard_load=("rank0" if topology.is_main else "meta") if sharded else None)
     for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
     if point is not None:  # the tensors against the model: one that does not fit is damage (auto: an older one)
@@ -594,7 +596,7 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         sync = ExpertGroupSync.start(topology, device, groups=groups, experts=spec.experts)
     else:
         sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
-    if cfg.model.parallel == "fsdp" and topology.distributed:  # refused with expert groups (both experts)
+    if sharded:
         shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree)
         sync.shard()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
@@ -606,7 +608,9 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
     """model.parallel = "fsdp" under torchrun: ``fully_shard`` every block of each trained expert, then the
     expert's root (``core.sharding.shard_per_block``), on the mesh of ``shard_degree`` ranks per copy (HSDP across
     the groups). After the LoRA is injected and before the optimizer is built: it is built over the ``DTensor``
-    parameters that replace the originals."""
+    parameters that replace the originals. The transformers were built on ``meta`` (``build_adapter(shard_load=)``):
+    each rank then allocates its shards only and fills them from rank 0's host copy, which is dropped after
+    (``core.sharding.load_from_rank0``)."""
     from wantrain.core import sharding
 
     mesh = sharding.shard_mesh(device.type, world_size, shard_degree)
@@ -614,6 +618,7 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
         transformer = adapter.transformer_for(expert)
         sharding.shard_per_block(transformer, transformer.blocks, mesh=mesh,
                                  param_dtype=sharding.compute_dtype(transformer), reduce_dtype=torch.float32)
+        sharding.load_from_rank0(transformer, adapter.host_sources.pop(expert, None), device)
 
 
 def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:

@@ -12,6 +12,9 @@ Model-free: the caller names the blocks (for a Wan transformer, ``transformer.bl
 - :func:`save_trainable` / :func:`load_trainable` write and read the trainable parameters and the optimizer state by
   their global names and shapes (DCP: one safetensors file per rank), so a checkpoint written by ``N`` ranks is
   read by ``M`` (one process included, without a process group): the resharding is DCP's.
+- :func:`load_from_rank0` fills a model sharded on ``meta`` from rank 0's whole state on the host: each rank
+  allocates its shards only, and each tensor travels whole from rank 0 one at a time (then sliced), so no rank but
+  0 ever holds the whole model, and rank 0 holds it on the host only.
 - :func:`full_trainable` gathers the trainable parameters as whole tensors on rank 0 (every rank calls it; an
   all-gather per parameter), for the LoRA files rank 0 exports.
 
@@ -50,6 +53,32 @@ def shard_per_block(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Any
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
     return module
+
+
+def load_from_rank0(module: nn.Module, source: nn.Module | None, device: torch.device) -> None:
+    """Fill ``module`` -- built on ``meta`` and sharded (:func:`shard_per_block`) on every rank -- with the values
+    of ``source``, the same model whole on rank 0's host (None on the other ranks). Every rank calls it.
+
+    ``module.to_empty`` allocates this rank's shards on ``device`` (uninitialised); then
+    ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` sends rank 0's tensors one at a time:
+    each arrives whole on every rank's ``device`` and is sliced into the shards, so a rank's peak at load is its
+    shards plus the largest tensor whole. The non-persistent buffers (a state dict has none: the RoPE tables) are
+    broadcast after it, each whole (they are never sharded). Parameters, buffers and their dtypes must match
+    ``source``'s (the same build, prepared alike)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    module.to_empty(device=device)
+    full = get_model_state_dict(source) if source is not None else {}  # plain tensors, names without wrappers
+    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    persistent = set(module.state_dict())
+    held = dict(source.named_buffers()) if source is not None else {}
+    for name, buffer in module.named_buffers():  # every rank, in the same module order
+        if name in persistent:
+            continue
+        if source is not None:
+            buffer.copy_(held[name])
+        dist.broadcast(buffer, src=0)
 
 
 def _options(**kwargs: Any) -> Any:

@@ -157,6 +157,75 @@ def lora_shard_params(variant: str, rank: int, shard_degree: int, layers: int | 
     return float(n * sum(rows(rank) * i + rows(o) * rank for i, o in linears))
 
 
+@functools.lru_cache(maxsize=32)
+def _expert_tensors(variant: str, dtype_name: str, layers: int | None) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """(shape, element size) of every parameter and buffer of one expert as it loads (``dtype_name``: "bf16" or
+    "fp32"; fp32 for ``_keep_in_fp32_modules``), counted on a ``meta`` build; buffers flagged by a negative size."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    if layers is not None:
+        kwargs["num_layers"] = layers
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**kwargs)
+    cast_keeping_fp32_modules(model, torch.float32 if dtype_name == "fp32" else torch.bfloat16)
+    return (*((tuple(p.shape), p.element_size()) for p in model.parameters()),
+            *((tuple(b.shape), -b.element_size()) for b in model.buffers()))
+
+
+@attrs.frozen
+class LoadPeak:
+    """The load of one expert under ``model.parallel = "fsdp"`` (``core.sharding.load_from_rank0``), in bytes."""
+
+    per_gpu: float  # each GPU: its shards of the weights and the LoRA, the buffers, and one tensor whole
+    rank0_host: float  # rank 0's host: the whole expert and its LoRA (fp32), the source of every shard
+    whole_expert: float  # what each GPU held at load before: the whole expert and its LoRA
+
+    def line(self, shard_degree: int) -> str:
+        return (f"load (FSDP over {shard_degree}, from rank 0): {self.per_gpu / GIB:.2f} GiB per GPU at its peak "
+                f"(a whole expert: {self.whole_expert / GIB:.2f} GiB), rank 0's host {self.rank0_host / GIB:.2f} GiB")
+
+
+def load_peak(variant: str, shard_degree: int, rank: int, *, dtype_name: str = "bf16",
+              layers: int | None = None) -> LoadPeak:
+    """The peak of loading one expert sharded over ``shard_degree`` GPUs from rank 0 (``core.sharding``,
+    ``load_from_rank0``): every GPU allocates its shards (dim 0 rounded up to a multiple of the degree, FSDP2's
+    padding) of the frozen weights and of the fp32 LoRA, the buffers whole, and receives each tensor whole, one at a
+    time, before slicing it: its peak is the shards, the buffers and the largest tensor. Rank 0's host holds the
+    expert as loaded and its LoRA whole (the source). No optimizer state yet (AdamW makes it at the first step)."""
+    s = shard_degree
+    shard = whole = largest = buffers = 0.0
+    for shape, size in _expert_tensors(variant, dtype_name, layers):
+        numel = math.prod(shape)
+        if size < 0:
+            buffers += numel * -size
+            continue
+        whole += numel * size
+        largest = max(largest, float(numel * size))
+        rows = shape[0] if shape else 1
+        shard += math.ceil(rows / s) * (numel // max(rows, 1)) * size if shape else size
+    lora_shard = lora_shard_params(variant, rank, s, layers) * 4.0
+    lora_whole = lora_shard_params(variant, rank, 1, layers) * 4.0
+    largest = max(largest, max(_lora_sizes(variant, rank)) * 4.0)  # a LoRA matrix (fp32) may be the largest
+    return LoadPeak(per_gpu=shard + buffers + lora_shard + largest, rank0_host=whole + buffers + lora_whole,
+                    whole_expert=whole + buffers + lora_whole)
+
+
+def _lora_sizes(variant: str, rank: int) -> list[int]:
+    """The element counts of one block's LoRA matrices (A [rank, in], B [out, rank])."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
+    f = kwargs["ffn_dim"]
+    return [rank * i for i, _ in [(d, d), (d, f), (f, d)]] + [o * rank for _, o in [(d, d), (d, f), (f, d)]]
+
+
 @attrs.frozen
 class RankEstimate:
     layout: Layout
