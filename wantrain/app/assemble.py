@@ -59,7 +59,14 @@ from wantrain.core.adapter import NullSaver, check_needs
 from wantrain.core.atomic import atomic_write, critical_section, is_storage_error, storage_error
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import latest_complete, step_dir_name
-from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology, rank_seed, rank_view
+from wantrain.core.distributed import (
+    ProcessGroupSync,
+    SingleProcess,
+    checkpoint_world_size,
+    detect_topology,
+    rank_seed,
+    rank_view,
+)
 from wantrain.core.errors import UserError
 from wantrain.core.events import RunStarted
 from wantrain.core.events.log import event_log_path
@@ -67,7 +74,7 @@ from wantrain.core.expert_groups import ExpertGroupSync, GroupSaver, expert_grou
 from wantrain.core.faults import inject_faults
 from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
 from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
-from wantrain.core.state import TrainState
+from wantrain.core.state import TrainState, fresh_streams
 from wantrain.core.state_check import check_state_tree
 from wantrain.data import build_dataset, ensure_cache
 from wantrain.data.cache import CacheStats
@@ -357,8 +364,11 @@ class PreparedRun:
                 tidy_for_resume(run_dir, resume.step)
                 if not source.exists():  # read under its rotation name (a kill mid-save), now back under step_*
                     source = source.parent / step_dir_name(resume.step)
-            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(source),
-                                                meta=resume.meta if main else None):
+            notes = trainer.load_state_dict(rank_view(resume.tree, rank), source=str(source),
+                                            meta=resume.meta if main else None)
+            if rank >= checkpoint_world_size(resume.tree):  # fsdp resumed on more ranks: a rank it never had
+                notes.append(fresh_streams(trainer.generator, rank_seed(cfg.run.seed, _stream_rank(sync))))
+            for note in notes:
                 log.warning("resume_note", note=note)
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
         sync.broadcast_parameters(adapter.trainable_parameters())  # every rank starts from rank 0's LoRA
