@@ -61,6 +61,7 @@ def two_ranks(tmp_path_factory) -> Path:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("fsdp_load")
+    _build(None, 1)  # diffusers and peft imported once, before the fork, not in every rank
     mp.start_processes(_rank, args=(2, str(out / "store"), str(out)), nprocs=2, start_method="fork")
     return out
 
