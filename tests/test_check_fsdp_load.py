@@ -24,3 +24,8 @@ def test_check_prints_the_load_peak_per_gpu_and_rank_0s_host_under_fsdp(tmp_path
     data_parallel = [arg for item in A14B_FSDP if "parallel" not in item for arg in ("--set", item)]
     assert main(["check", str(config), "--gpus", "8", *data_parallel]) == 2  # nothing sharded, no load line
     assert "load (FSDP" not in capsys.readouterr().out
+    # planned: FSDP inside expert groups, each group loading its expert from its first rank
+    assert main(["check", str(config), "--gpus", "8", "--expert-groups", "2", "--shard-degree", "4",
+                 *data_parallel]) == 2
+    assert ("load (FSDP over 4, from each group's first rank): 7.11 GiB per GPU at its peak (a whole expert: "
+            "27.24 GiB), each group leader's host 27.24 GiB") in capsys.readouterr().out

@@ -488,5 +488,5 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
         from wantrain.models.wan22.rank_plan import load_peak
 
         lines.append("  " + load_peak(cfg.model.variant, layout.shard_degree, _lora_rank(cfg)).line(
-            layout.shard_degree))
+            layout.shard_degree, layout.expert_groups))
     return lines

@@ -81,6 +81,43 @@ def load_from_rank0(module: nn.Module, source: nn.Module | None, device: torch.d
         dist.broadcast(buffer, src=0)
 
 
+def load_from_leader(module: nn.Module, source: nn.Module | None, device: torch.device, mesh: Any) -> None:
+    """:func:`load_from_rank0` inside a group of ranks: ``module`` is sharded on ``mesh`` (one expert group's
+    ranks, :func:`group_shard_mesh`), ``source`` is the model whole on the group's first rank (its leader; None on
+    the others). Each tensor travels whole from the leader to the group only (a broadcast on the mesh's group) and
+    each rank keeps its rows (sliced locally), so groups load their experts side by side and a rank's peak is its
+    shards, the buffers and one tensor whole. Every rank of the group calls it, in the same order."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    module.to_empty(device=device)
+    group = mesh.get_group()
+    leader = dist.get_global_rank(group, 0)
+    held = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            if source is not None:
+                full.copy_(held[name])
+            dist.broadcast(full, src=leader, group=group)
+            if is_sharded(tensor):
+                mine = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(mine.to_local())
+            else:
+                tensor.copy_(full)
+            del full
+
+
+def group_shard_mesh(device_type: str, world_size: int, groups: int) -> Any:
+    """This rank's shard mesh when ``world_size`` ranks split into ``groups`` groups of consecutive ranks, each
+    sharding its own model (``model.expert_groups`` with ``model.parallel = "fsdp"``: one expert per group): the
+    ``shard`` dimension of the 2-D mesh ``(expert, shard)``, whose group is this rank's expert group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (groups, world_size // groups), mesh_dim_names=("expert", "shard"))
+    return mesh["shard"]
+
+
 def _options(**kwargs: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

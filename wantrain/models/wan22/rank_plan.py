@@ -185,9 +185,12 @@ class LoadPeak:
     rank0_host: float  # rank 0's host: the whole expert and its LoRA (fp32), the source of every shard
     whole_expert: float  # what each GPU held at load before: the whole expert and its LoRA
 
-    def line(self, shard_degree: int) -> str:
-        return (f"load (FSDP over {shard_degree}, from rank 0): {self.per_gpu / GIB:.2f} GiB per GPU at its peak "
-                f"(a whole expert: {self.whole_expert / GIB:.2f} GiB), rank 0's host {self.rank0_host / GIB:.2f} GiB")
+    def line(self, shard_degree: int, expert_groups: int = 1) -> str:
+        """``wantrain check``'s line; with expert groups each group's first rank (its leader) is the source."""
+        source = "each group's first rank" if expert_groups > 1 else "rank 0"
+        host = "each group leader's host" if expert_groups > 1 else "rank 0's host"
+        return (f"load (FSDP over {shard_degree}, from {source}): {self.per_gpu / GIB:.2f} GiB per GPU at its peak "
+                f"(a whole expert: {self.whole_expert / GIB:.2f} GiB), {host} {self.rank0_host / GIB:.2f} GiB")
 
 
 def load_peak(variant: str, shard_degree: int, rank: int, *, dtype_name: str = "bf16",
