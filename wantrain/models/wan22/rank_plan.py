@@ -25,6 +25,11 @@ Parts per GPU (bytes), beside :func:`memory.estimate`'s one-GPU parts (``bf16`` 
   the output of one attention (8 bf16 copies of this GPU's tokens x width): an assumption, not traced;
 * ``workspace``: as one GPU, at this GPU's tokens.
 
+The load's peak under FSDP (:func:`load_peak`, printed by ``wantrain check``) is apart from the step's: each GPU
+holds its shards of the weights and the fp32 LoRA, the buffers and one tensor whole (``core.sharding``'s load from
+rank 0); rank 0's host holds the expert whole. Checked against the bytes two gloo ranks allocate while loading the
+tiny twin (tests/test_distributed_fsdp_load.py: within 0.1 %).
+
 The weights, LoRA and optimizer parts are checked against ``FSDPMemTracker`` under fake tensors on a fake process
 group (tests/models/test_rank_plan.py); the activation parts reuse ``memory.py``'s traced constants, and their split
 over the sequence degree is checked against a ``saved_tensors_hooks`` trace of the Ulysses-sharded block on rank 0
