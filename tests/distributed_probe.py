@@ -2,7 +2,8 @@
 every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory, what its rank saw:
 ``rank<R>.json`` (each optimizer step's skip decision, each log step's loss, the metric names of every
 ``MetricsLogged``, the run's status) and ``rank<R>.safetensors`` (the rank's final LoRA weights; under
-``model.parallel = "fsdp"`` its shard of them). On ranks other than 0 it records, through an audit hook, every
+``model.parallel = "fsdp"`` its shard of them), and ``rank<R>_start.safetensors``, the same at ``RunStarted`` (a
+resumed run's LoRA as restored). On ranks other than 0 it records, through an audit hook, every
 write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
 ``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only.
 ``WANTRAIN_PROBE_COMPILE_BACKEND``: the backend ``model.compile`` uses in this process (``aot_eager`` or
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded
+from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded, RunStarted
 from wantrain.models.wan22 import compile as wan_compile
 from wantrain.observers import Observer, on
 
@@ -71,15 +72,23 @@ class RankProbe(Observer):
         self.record["losses"][str(event.step)] = event.values.get("train/loss")
         self.record["keys"].append([event.step, sorted(event.values)])
 
+    @on(RunStarted)
+    def started(self, event: RunStarted, ctx) -> None:
+        if self.directory is not None:  # the LoRA the run starts from (a resumed one: as restored)
+            self._save_weights(ctx, "start")
+
     @on(RunEnded)
     def ended(self, event: RunEnded, ctx) -> None:
         if self.directory is None:
             return
         self.record["status"] = event.status
         self.record["compile"] = wan_compile.compile_counts()
+        self._save_weights(ctx, "")
+        (self.directory / f"rank{self.rank}.json").write_text(json.dumps(self.record))
+
+    def _save_weights(self, ctx, suffix: str) -> None:
         weights = ctx.adapter.state_dict()["weights"]
         self.directory.mkdir(parents=True, exist_ok=True)
         # model.parallel = "fsdp": the rank's own shard of each tensor (its rows)
         save_file({k: getattr(v, "to_local", lambda v=v: v)().detach().cpu().contiguous() for k, v in weights.items()},
-                  str(self.directory / f"rank{self.rank}.safetensors"))
-        (self.directory / f"rank{self.rank}.json").write_text(json.dumps(self.record))
+                  str(self.directory / f"rank{self.rank}{'_' + suffix if suffix else ''}.safetensors"))

@@ -65,11 +65,11 @@ def workspace(tmp_path_factory) -> Path:
 
 
 def torchrun(workspace: Path, name: str, *extra: str, env: dict[str, str] | None = None,
-             settings: list[str] = SETTINGS) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node 2 -m wantrain run`` on 127.0.0.1, runs under ``workspace/name``: torchrun and its
-    ranks forked from the prewarmed server (``tests/prewarmed.py``, ``tests/prewarmed_relay.py``; the quickstart and
-    two-node tests below launch ``torchrun -m wantrain`` itself)."""
-    args = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+             settings: list[str] = SETTINGS, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node NPROC -m wantrain run`` on 127.0.0.1, runs under ``workspace/name``: torchrun and
+    its ranks forked from the prewarmed server (``tests/prewarmed.py``, ``tests/prewarmed_relay.py``; the quickstart
+    and two-node tests below launch ``torchrun -m wantrain`` itself)."""
+    args = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
             "--master_port", str(free_port()), str(ROOT / "tests" / "prewarmed_relay.py"),
             "-m", "wantrain", "run", str(workspace / "quickstart.toml"),
             "--set", f'run.output_dir="{workspace / name}"', "--set", "faults.oom_ranks=[1]",

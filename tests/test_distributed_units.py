@@ -311,13 +311,23 @@ def test_a_shard_degree_not_dividing_the_ranks_is_refused_before_anything_is_wri
     assert not list((tmp_path / "demo_data").rglob("*.safetensors"))
 
 
-def test_a_sharded_run_resumes_on_fewer_ranks_not_on_more(tmp_path):
+def test_a_sharded_run_resumes_on_fewer_ranks_and_on_more(tmp_path):
     point = ResumePoint(tmp_path / "step_000004", tmp_path, 4, {"ranks": [{}, {}, {}, {}]}, {})
     assert "this run has 2: the LoRA, optimizer, schedule and counters continue exactly; the random streams of " \
            "ranks 2..3 end" in check_resume_world_size(point, 2, sharded=True)
     two = ResumePoint(tmp_path, tmp_path, 4, {"ranks": [{}, {}]}, {})
     assert "random streams of rank 1 end" in check_resume_world_size(two, 1, sharded=True)
-    with pytest.raises(UserError, match=r"resume with 4 processes .* \(model.parallel = 'fsdp' resumes on fewer"):
+    assert "this run has 3: the LoRA, optimizer, schedule and counters continue exactly; rank 2 starts random " \
+           "streams of its own" in check_resume_world_size(two, 3, sharded=True)
+    assert "ranks 2..7 start random streams of their own" in check_resume_world_size(two, 8, sharded=True)
+    with pytest.raises(UserError, match=r"resume with 4 processes .* \(model.parallel = 'fsdp' resumes on another"):
         check_resume_world_size(point, 2)  # data parallel: refused as before
-    with pytest.raises(UserError, match=r"\(no layout resumes on more ranks yet\)"):
-        check_resume_world_size(point, 8, sharded=True)
+    with pytest.raises(UserError, match=r"resume with 2 processes"):
+        check_resume_world_size(two, 4)
+
+
+def test_a_rank_new_to_a_checkpoint_restores_rank_0s_counters():
+    tree = {"model": {"w": 1}, "ranks": [{"data": {"entry": 3}, "generator": "g0"},
+                                         {"data": {"entry": 3}, "generator": "g1"}]}
+    assert rank_view(tree, 1)["generator"] == "g1"
+    assert rank_view(tree, 3) == {"model": {"w": 1}, "data": {"entry": 3}, "generator": "g0"}

@@ -59,7 +59,14 @@ from wantrain.core.adapter import NullSaver, check_needs
 from wantrain.core.atomic import atomic_write, critical_section, is_storage_error, storage_error
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import latest_complete, step_dir_name
-from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology, rank_seed, rank_view
+from wantrain.core.distributed import (
+    ProcessGroupSync,
+    SingleProcess,
+    checkpoint_world_size,
+    detect_topology,
+    rank_seed,
+    rank_view,
+)
 from wantrain.core.errors import UserError
 from wantrain.core.events import RunStarted
 from wantrain.core.events.log import event_log_path
@@ -67,7 +74,7 @@ from wantrain.core.expert_groups import ExpertGroupSync, GroupSaver, expert_grou
 from wantrain.core.faults import inject_faults
 from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
 from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
-from wantrain.core.state import TrainState
+from wantrain.core.state import TrainState, fresh_streams
 from wantrain.core.state_check import check_state_tree
 from wantrain.data import build_dataset, ensure_cache
 from wantrain.data.cache import CacheStats
@@ -357,8 +364,11 @@ class PreparedRun:
                 tidy_for_resume(run_dir, resume.step)
                 if not source.exists():  # read under its rotation name (a kill mid-save), now back under step_*
                     source = source.parent / step_dir_name(resume.step)
-            for note in trainer.load_state_dict(rank_view(resume.tree, rank), source=str(source),
-                                                meta=resume.meta if main else None):
+            notes = trainer.load_state_dict(rank_view(resume.tree, rank), source=str(source),
+                                            meta=resume.meta if main else None)
+            if rank >= checkpoint_world_size(resume.tree):  # fsdp resumed on more ranks: a rank it never had
+                notes.append(fresh_streams(trainer.generator, rank_seed(cfg.run.seed, _stream_rank(sync))))
+            for note in notes:
                 log.warning("resume_note", note=note)
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
         sync.broadcast_parameters(adapter.trainable_parameters())  # every rank starts from rank 0's LoRA
@@ -570,7 +580,9 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     refused = model_cfg.base_dtype in FP8_DTYPES and device.type not in FP8_DEVICE_TYPES
     encoded = None if topology.distributed or refused else encode_before_the_experts(
         cfg, model_cfg, data, validation_data, device, extra_observers)
-    adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr)
+    sharded = cfg.model.parallel == "fsdp" and topology.distributed  # refused with expert groups (both experts)
+    adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr,
+                            shard_load=("rank0" if topology.is_main else "meta") if sharded else None)
     for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
     if point is not None:  # the tensors against the model: one that does not fit is damage (auto: an older one)
@@ -594,7 +606,7 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         sync = ExpertGroupSync.start(topology, device, groups=groups, experts=spec.experts)
     else:
         sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
-    if cfg.model.parallel == "fsdp" and topology.distributed:  # refused with expert groups (both experts)
+    if sharded:
         shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree)
         sync.shard()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
@@ -606,7 +618,9 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
     """model.parallel = "fsdp" under torchrun: ``fully_shard`` every block of each trained expert, then the
     expert's root (``core.sharding.shard_per_block``), on the mesh of ``shard_degree`` ranks per copy (HSDP across
     the groups). After the LoRA is injected and before the optimizer is built: it is built over the ``DTensor``
-    parameters that replace the originals."""
+    parameters that replace the originals. The transformers were built on ``meta`` (``build_adapter(shard_load=)``):
+    each rank then allocates its shards only and fills them from rank 0's host copy, which is dropped after
+    (``core.sharding.load_from_rank0``)."""
     from wantrain.core import sharding
 
     mesh = sharding.shard_mesh(device.type, world_size, shard_degree)
@@ -614,6 +628,7 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
         transformer = adapter.transformer_for(expert)
         sharding.shard_per_block(transformer, transformer.blocks, mesh=mesh,
                                  param_dtype=sharding.compute_dtype(transformer), reduce_dtype=torch.float32)
+        sharding.load_from_rank0(transformer, adapter.host_sources.pop(expert, None), device)
 
 
 def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:

@@ -482,5 +482,11 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     # wantrain run trains data parallel, fsdp (model.parallel) and expert groups, not both of the last two at once
     runs = layout.sequence_degree == 1 and (layout.expert_groups == 1 or layout.shard_degree == 1)
     status = "trainable under torchrun" if runs else "planned, not yet trainable"
-    return [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
-            *("  " + line for line in estimate.lines())]
+    lines = [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
+             *("  " + line for line in estimate.lines())]
+    if layout.shard_degree > 1:  # the load's peak: each GPU's shards and one whole tensor, rank 0's host copy
+        from wantrain.models.wan22.rank_plan import load_peak
+
+        lines.append("  " + load_peak(cfg.model.variant, layout.shard_degree, _lora_rank(cfg)).line(
+            layout.shard_degree, layout.expert_groups))
+    return lines

@@ -339,23 +339,27 @@ def _blame_config(path: Path, saved_config: Any, plain: dict[str, Any], problem:
 def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: bool = False) -> str | None:
     """Refuse a checkpoint written by another number of ranks: each rank's data position and random streams are
     its own, so they cannot be split or merged exactly. With ``model.parallel = "fsdp"`` (``sharded``) a run may
-    resume on fewer ranks (down to one process): its checkpoint holds the whole LoRA and optimizer state, which
-    the new layout reshards; rank ``r`` continues rank ``r``'s streams and the data position (in entries of the
-    global batch plan, now ``train.batch_size`` x the new world size). Returns that note, for the log."""
+    resume on fewer or more ranks: its checkpoint holds the whole LoRA and optimizer state, which the new layout
+    reshards (a shard degree that does not divide the new ranks is refused by ``preflight.check_parallel``); rank
+    ``r`` continues rank ``r``'s streams and the data position (in entries of the global batch plan, now
+    ``train.batch_size`` x the new world size); a rank the checkpoint never had starts from rank 0's counters with
+    random streams of its own (``core.state.fresh_streams``). Returns that note, for the log."""
     saved = checkpoint_world_size(point.tree)
     if saved == world_size:
         return None
 
     def launch(n: int) -> str:
         return "one process (wantrain run)" if n == 1 else f"{n} processes (torchrun, {n} ranks in all)"
-    if sharded and world_size < saved:
-        ended = f"rank {world_size}" if saved - world_size == 1 else f"ranks {world_size}..{saved - 1}"
+    if sharded:
+        low, high = sorted((world_size, saved))
+        which = f"rank {low}" if high - low == 1 else f"ranks {low}..{high - 1}"
+        one = high - low == 1
+        streams = (f"the random streams of {which} end" if world_size < saved
+                   else f"{which} {'starts' if one else 'start'} random streams of {'its' if one else 'their'} own")
         return (f"checkpoint '{point.checkpoint}' was written by {launch(saved)}, this run has {world_size}: the "
-                f"LoRA, optimizer, schedule and counters continue exactly; the random streams of "
-                f"{ended} end, and the data continues from the same entry of a plan of "
-                f"{world_size}/{saved} the global batch")
-    hint = (" (model.parallel = 'fsdp' resumes on fewer ranks)" if world_size < saved
-            else " (no layout resumes on more ranks yet)")
+                f"LoRA, optimizer, schedule and counters continue exactly; {streams}, and the data continues from "
+                f"the same entry of a plan of {world_size}/{saved} the global batch")
+    hint = " (model.parallel = 'fsdp' resumes on another number of ranks)"
     raise UserError(
         f"checkpoint '{point.checkpoint}' was written by {launch(saved)} and this run has {world_size}; resume "
         f"with {launch(saved)}, or start a new run{hint}"

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(exc.summary + " (every file is listed above)") from None
     except MissingModelFiles as exc:  # weights not downloaded yet: the plan is the answer to "will it fit?"
         _print(exc.report, args.json)
+        _print_layout(cfg, exc.report, layout)
         raise UserError(str(exc)) from None
     _print(report, args.json)
     for line in alpha_schedule_lines(cfg):
@@ -61,11 +62,16 @@ def run(args: argparse.Namespace) -> int:
 
     for line in expert_group_lines(cfg, args.gpus):  # model.expert_groups: which ranks train which expert
         print(line)
+    _print_layout(cfg, report, layout)
+    return 0
+
+
+def _print_layout(cfg, report, layout) -> None:
+    """``--gpus N``: the plan per GPU of the layout, the load's peak under FSDP included."""
     if layout is not None:
         from wantrain.app.preflight import layout_lines
 
         print("\n".join(layout_lines(cfg, report, layout)))
-    return 0
 
 
 def _print(report, json_path: Path | None) -> None:

@@ -94,11 +94,13 @@ def rank_seed(seed: int, rank: int) -> int:
 
 def rank_view(tree: Mapping[str, Any], rank: int) -> dict[str, Any]:
     """The state tree rank ``rank`` restores: the shared parts of a checkpoint plus its own :data:`PER_RANK_STATE`
-    (a one-process checkpoint has no ``ranks`` entry and is returned as it is)."""
+    (a one-process checkpoint has no ``ranks`` entry and is returned as it is). A rank the checkpoint never had
+    (a sharded run resumed on more ranks) gets rank 0's: the same counters and data position; its caller gives it
+    random streams of its own (``core.state.fresh_streams``)."""
     out = {k: v for k, v in tree.items() if k != "ranks"}
     ranks = tree.get("ranks")
     if ranks:
-        own = dict(ranks[rank])
+        own = dict(ranks[rank] if rank < len(ranks) else ranks[0])
         leader = own.pop(LEADER_KEY, None)  # core.expert_groups: the group leader's LoRA, optimizer, scheduler
         if leader is not None:
             out.update(ranks[leader])

@@ -12,6 +12,9 @@ Model-free: the caller names the blocks (for a Wan transformer, ``transformer.bl
 - :func:`save_trainable` / :func:`load_trainable` write and read the trainable parameters and the optimizer state by
   their global names and shapes (DCP: one safetensors file per rank), so a checkpoint written by ``N`` ranks is
   read by ``M`` (one process included, without a process group): the resharding is DCP's.
+- :func:`load_from_rank0` fills a model sharded on ``meta`` from rank 0's whole state on the host: each rank
+  allocates its shards only, and each tensor travels whole from rank 0 one at a time (then sliced), so no rank but
+  0 ever holds the whole model, and rank 0 holds it on the host only.
 - :func:`full_trainable` gathers the trainable parameters as whole tensors on rank 0 (every rank calls it; an
   all-gather per parameter), for the LoRA files rank 0 exports.
 
@@ -50,6 +53,69 @@ def shard_per_block(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Any
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(module, mesh=mesh, mp_policy=policy)
     return module
+
+
+def load_from_rank0(module: nn.Module, source: nn.Module | None, device: torch.device) -> None:
+    """Fill ``module`` -- built on ``meta`` and sharded (:func:`shard_per_block`) on every rank -- with the values
+    of ``source``, the same model whole on rank 0's host (None on the other ranks). Every rank calls it.
+
+    ``module.to_empty`` allocates this rank's shards on ``device`` (uninitialised); then
+    ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` sends rank 0's tensors one at a time:
+    each arrives whole on every rank's ``device`` and is sliced into the shards, so a rank's peak at load is its
+    shards plus the largest tensor whole. The non-persistent buffers (a state dict has none: the RoPE tables) are
+    broadcast after it, each whole (they are never sharded). Parameters, buffers and their dtypes must match
+    ``source``'s (the same build, prepared alike)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    module.to_empty(device=device)
+    full = get_model_state_dict(source) if source is not None else {}  # plain tensors, names without wrappers
+    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    persistent = set(module.state_dict())
+    held = dict(source.named_buffers()) if source is not None else {}
+    for name, buffer in module.named_buffers():  # every rank, in the same module order
+        if name in persistent:
+            continue
+        if source is not None:
+            buffer.copy_(held[name])
+        dist.broadcast(buffer, src=0)
+
+
+def load_from_leader(module: nn.Module, source: nn.Module | None, device: torch.device, mesh: Any) -> None:
+    """:func:`load_from_rank0` inside a group of ranks: ``module`` is sharded on ``mesh`` (one expert group's
+    ranks, :func:`group_shard_mesh`), ``source`` is the model whole on the group's first rank (its leader; None on
+    the others). Each tensor travels whole from the leader to the group only (a broadcast on the mesh's group) and
+    each rank keeps its rows (sliced locally), so groups load their experts side by side and a rank's peak is its
+    shards, the buffers and one tensor whole. Every rank of the group calls it, in the same order."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    module.to_empty(device=device)
+    group = mesh.get_group()
+    leader = dist.get_global_rank(group, 0)
+    held = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
+    with torch.no_grad():
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            if source is not None:
+                full.copy_(held[name])
+            dist.broadcast(full, src=leader, group=group)
+            if is_sharded(tensor):
+                mine = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(mine.to_local())
+            else:
+                tensor.copy_(full)
+            del full
+
+
+def group_shard_mesh(device_type: str, world_size: int, groups: int) -> Any:
+    """This rank's shard mesh when ``world_size`` ranks split into ``groups`` groups of consecutive ranks, each
+    sharding its own model (``model.expert_groups`` with ``model.parallel = "fsdp"``: one expert per group): the
+    ``shard`` dimension of the 2-D mesh ``(expert, shard)``, whose group is this rank's expert group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (groups, world_size // groups), mesh_dim_names=("expert", "shard"))
+    return mesh["shard"]
 
 
 def _options(**kwargs: Any) -> Any:

@@ -109,7 +109,7 @@ class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
     def __init__(self, model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float,
-                 transformers: bool = True):
+                 transformers: bool = True, shard_load: str | None = None):
         self.spec: VariantSpec = VARIANTS[model.variant]
         self.model_config = model
         # lora.init_from*: rank and alpha come from the files (read and checked before any weight loads)
@@ -138,12 +138,24 @@ class Wan22Adapter:
         if transformers:  # model.attention / model.compile this device cannot run: refused before any weight loads
             self.attention_kernel = check_kernel(model.attention, self.device, self.compute_dtype)
             check_compiler(model.compile, self.device)
+        # model.parallel = "fsdp" (shard_load): every rank builds its trained transformer on meta, to be sharded and
+        # filled from rank 0's (core.sharding.load_from_rank0); rank 0 ("rank0") also loads it whole on the host,
+        # prepared alike (LoRA included), as the source: no other rank ever holds a whole expert
+        self.host_sources: dict[str | None, nn.Module] = {}
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
-            transformer = self.source.transformer(expert, load_dtype)
-            self._transformers[expert] = self._prepare(transformer, storage=model.base_dtype,
-                                                       init_seed=lora_init_seed(seed, expert))
+            init_seed = lora_init_seed(seed, expert)
+            if shard_load is None:
+                transformer = self.source.transformer(expert, load_dtype)
+            else:
+                transformer = self.source.meta_transformer(load_dtype)
+                if shard_load == "rank0":  # the global random streams advance once, as the other ranks' do
+                    with torch.random.fork_rng(devices=[]):
+                        host = self._prepare(self.source.transformer(expert, load_dtype), model.base_dtype,
+                                             init_seed)
+                    self.host_sources[expert] = host
+            self._transformers[expert] = self._prepare(transformer, storage=model.base_dtype, init_seed=init_seed)
             if expert in init_files:
-                self._start_from(expert, init_files[expert])
+                self._start_from(expert, init_files[expert], self.host_sources.get(expert))
             if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
                 blocks = self._transformers[expert].blocks
                 self._swaps[expert] = BlockSwap(self._transformers[expert], blocks,
@@ -153,7 +165,9 @@ class Wan22Adapter:
         # swapped blocks' frozen tensors are no part of the placement: their host copies are the BlockSwap's.
         self.placement = ExpertPlacement(self.device, torch.device(model.offload_device),
                                          pin_limit=pin_budget(model.host_ram_budget_gb) if model.pin_host_copies else 0)
-        if transformers:
+        if transformers and shard_load is not None:  # on meta: placed when sharded and filled
+            self.placement.add_sharded(self._transformers)
+        elif transformers:
             with self._swapped_blocks_excluded():
                 self.placement.add(self._transformers, first=self.experts[0])
         self.active: str | None = self.experts[0]
@@ -193,11 +207,17 @@ class Wan22Adapter:
         if self.model_config.compile != "off":
             compile_blocks(transformer, self.model_config.compile, self.model_config.compile_dynamic)
 
-    def _start_from(self, expert: str | None, lora: LoraFile) -> None:
+    def _start_from(self, expert: str | None, lora: LoraFile, host: nn.Module | None = None) -> None:
         """Copy the adapter of a file into ``expert``'s adapter layers (fp32) with each module's alpha; modules the
-        file does not hold keep their fresh start (an update of zero)."""
-        layers = dict(lora_layers(self._transformers[expert]))
+        file does not hold keep their fresh start (an update of zero). ``host``: rank 0's whole copy under
+        ``model.parallel = "fsdp"``, which the file's values reach (the meta build takes the alphas, then the
+        values from it)."""
+        if host is not None:
+            self._start_from_layers(dict(lora_layers(host)), lora)
         self.loaded_files.append({"key": lora.key, "expert": expert, **describe(lora)})  # the run log names them
+        self._start_from_layers(dict(lora_layers(self._transformers[expert])), lora)
+
+    def _start_from_layers(self, layers: dict[str, nn.Module], lora: LoraFile) -> None:
         unadapted = sorted(set(lora.modules) - set(layers))
         if unadapted:
             raise UserError(f"{lora.key} '{lora.path}' holds module {unadapted[0]}, which this run does not adapt "

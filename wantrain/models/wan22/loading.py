@@ -176,6 +176,17 @@ class WeightSource:
         folder = self.path / EXPERT_FOLDER[expert]
         return self._stream(folder, "path", dtype, key_map=lambda keys: {k: k for k in keys})
 
+    def meta_transformer(self, dtype: torch.dtype):
+        """The architecture of this variant's transformer built on ``meta`` (no storage), each tensor in the dtype
+        :meth:`transformer` would load it in (``dtype``; fp32 for ``_keep_in_fp32_modules``): what a rank other
+        than 0 builds under ``model.parallel = "fsdp"`` before its shards are filled from rank 0's
+        (``core.sharding.load_from_rank0``). Reads no file."""
+        from diffusers import WanTransformer3DModel
+
+        with torch.device("meta"):
+            transformer = WanTransformer3DModel(**architecture.transformer_kwargs(self.spec))
+        return architecture.cast_keeping_fp32_modules(transformer, dtype).eval()
+
     def check_expert_files(self) -> None:
         """The trained experts' ``model.*_file`` against the variant's transformer by tensor names (headers only):
         what loading them refuses first (a VAE given as an expert file), for ``wantrain check``."""

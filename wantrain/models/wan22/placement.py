@@ -145,6 +145,12 @@ class ExpertPlacement:
         if moves:
             self._move_in(first, None)
 
+    def add_sharded(self, experts: dict[str | None, nn.Module]) -> None:
+        """Take ``experts`` built on ``meta`` for ``model.parallel = "fsdp"``: sharding puts their shards on the
+        training device (``core.sharding.load_from_rank0``) and they never move, so nothing moves here."""
+        self._transformers = dict(experts)
+        self.where.update(dict.fromkeys(experts, self.device))
+
     def add_frozen(self, expert: str | None, transformer: nn.Module) -> None:
         """Add an expert that only runs, never trains (the other A14B expert, for sampling a run that trains one):
         ``transformer`` has no trainable tensor and its base weights are on the host. It waits off the device and

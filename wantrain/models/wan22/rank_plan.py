@@ -25,6 +25,11 @@ Parts per GPU (bytes), beside :func:`memory.estimate`'s one-GPU parts (``bf16`` 
   the output of one attention (8 bf16 copies of this GPU's tokens x width): an assumption, not traced;
 * ``workspace``: as one GPU, at this GPU's tokens.
 
+The load's peak under FSDP (:func:`load_peak`, printed by ``wantrain check``) is apart from the step's: each GPU
+holds its shards of the weights and the fp32 LoRA, the buffers and one tensor whole (``core.sharding``'s load from
+rank 0); rank 0's host holds the expert whole. Checked against the bytes two gloo ranks allocate while loading the
+tiny twin (tests/test_distributed_fsdp_load.py: within 0.1 %).
+
 The weights, LoRA and optimizer parts are checked against ``FSDPMemTracker`` under fake tensors on a fake process
 group (tests/models/test_rank_plan.py); the activation parts reuse ``memory.py``'s traced constants, and their split
 over the sequence degree is checked against a ``saved_tensors_hooks`` trace of the Ulysses-sharded block on rank 0
@@ -155,6 +160,78 @@ def lora_shard_params(variant: str, rank: int, shard_degree: int, layers: int | 
     # (in, out) of the 10 Linears of a block: 8 attention projections d -> d, the FFN d -> f and f -> d
     linears = [(d, d)] * 8 + [(d, f), (f, d)]
     return float(n * sum(rows(rank) * i + rows(o) * rank for i, o in linears))
+
+
+@functools.lru_cache(maxsize=32)
+def _expert_tensors(variant: str, dtype_name: str, layers: int | None) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """(shape, element size) of every parameter and buffer of one expert as it loads (``dtype_name``: "bf16" or
+    "fp32"; fp32 for ``_keep_in_fp32_modules``), counted on a ``meta`` build; buffers flagged by a negative size."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    if layers is not None:
+        kwargs["num_layers"] = layers
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**kwargs)
+    cast_keeping_fp32_modules(model, torch.float32 if dtype_name == "fp32" else torch.bfloat16)
+    return (*((tuple(p.shape), p.element_size()) for p in model.parameters()),
+            *((tuple(b.shape), -b.element_size()) for b in model.buffers()))
+
+
+@attrs.frozen
+class LoadPeak:
+    """The load of one expert under ``model.parallel = "fsdp"`` (``core.sharding.load_from_rank0``), in bytes."""
+
+    per_gpu: float  # each GPU: its shards of the weights and the LoRA, the buffers, and one tensor whole
+    rank0_host: float  # rank 0's host: the whole expert and its LoRA (fp32), the source of every shard
+    whole_expert: float  # what each GPU held at load before: the whole expert and its LoRA
+
+    def line(self, shard_degree: int, expert_groups: int = 1) -> str:
+        """``wantrain check``'s line; with expert groups each group's first rank (its leader) is the source."""
+        source = "each group's first rank" if expert_groups > 1 else "rank 0"
+        host = "each group leader's host" if expert_groups > 1 else "rank 0's host"
+        return (f"load (FSDP over {shard_degree}, from {source}): {self.per_gpu / GIB:.2f} GiB per GPU at its peak "
+                f"(a whole expert: {self.whole_expert / GIB:.2f} GiB), {host} {self.rank0_host / GIB:.2f} GiB")
+
+
+def load_peak(variant: str, shard_degree: int, rank: int, *, dtype_name: str = "bf16",
+              layers: int | None = None) -> LoadPeak:
+    """The peak of loading one expert sharded over ``shard_degree`` GPUs from rank 0 (``core.sharding``,
+    ``load_from_rank0``): every GPU allocates its shards (dim 0 rounded up to a multiple of the degree, FSDP2's
+    padding) of the frozen weights and of the fp32 LoRA, the buffers whole, and receives each tensor whole, one at a
+    time, before slicing it: its peak is the shards, the buffers and the largest tensor. Rank 0's host holds the
+    expert as loaded and its LoRA whole (the source). No optimizer state yet (AdamW makes it at the first step)."""
+    s = shard_degree
+    shard = whole = largest = buffers = 0.0
+    for shape, size in _expert_tensors(variant, dtype_name, layers):
+        numel = math.prod(shape)
+        if size < 0:
+            buffers += numel * -size
+            continue
+        whole += numel * size
+        largest = max(largest, float(numel * size))
+        rows = shape[0] if shape else 1
+        shard += math.ceil(rows / s) * (numel // max(rows, 1)) * size if shape else size
+    lora_shard = lora_shard_params(variant, rank, s, layers) * 4.0
+    lora_whole = lora_shard_params(variant, rank, 1, layers) * 4.0
+    largest = max(largest, max(_lora_sizes(variant, rank)) * 4.0)  # a LoRA matrix (fp32) may be the largest
+    return LoadPeak(per_gpu=shard + buffers + lora_shard + largest, rank0_host=whole + buffers + lora_whole,
+                    whole_expert=whole + buffers + lora_whole)
+
+
+def _lora_sizes(variant: str, rank: int) -> list[int]:
+    """The element counts of one block's LoRA matrices (A [rank, in], B [out, rank])."""
+    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
+    f = kwargs["ffn_dim"]
+    return [rank * i for i, _ in [(d, d), (d, f), (f, d)]] + [o * rank for _, o in [(d, d), (d, f), (f, d)]]
 
 
 @attrs.frozen
