@@ -51,6 +51,7 @@ from wantrain.core.distributed import (
     _encode_tree,
 )
 from wantrain.core.errors import UserError
+from wantrain.core.expert_relay import ExpertRelay
 
 
 @attrs.frozen
@@ -111,6 +112,7 @@ class ExpertGroupSync(ProcessGroupSync):
         self._grads_group = own  # this rank's group (None: the default group, when the world is one group)
         self._grads_world = groups.size
         self._grads_source = groups.leader(groups.group)
+        self._relays: dict[str | None, ExpertRelay] | None = None
 
     @classmethod
     def start(cls, topology: Topology, device: torch.device, *, groups: ExpertGroups,  # type: ignore[override]
@@ -125,6 +127,17 @@ class ExpertGroupSync(ProcessGroupSync):
             if g == groups.group:
                 own = made
         return cls(topology, device, groups, own, base._patient, experts)
+
+    # -- the other groups' experts, called from rank 0 (samples) ----------------------------------------------
+    def relays(self) -> dict[str | None, ExpertRelay]:
+        """Rank 0's link to each other group's expert, by expert (``core.expert_relay``): on rank 0 the callers,
+        on those groups' leaders the servers, on every rank the same dict (the same objects serve both ends).
+        Point to point on the host-side gloo group."""
+        if self._relays is None:
+            self._relays = {self.experts[g]: ExpertRelay(self._patient_group, self.topology.rank,
+                                                         self.groups.leader(g), self.experts[g], self.device)
+                            for g in range(1, self.groups.count)}
+        return self._relays
 
     # -- state and files: to rank 0, point to point on the host group ------------------------------------------
     def _send_to_rank0(self, payload: bytes | None) -> list[bytes] | None:

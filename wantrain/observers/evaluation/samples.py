@@ -31,8 +31,11 @@ adapter's sampling-only expert (its base weights, or ``sample.other_expert_lora`
 device like an inactive trained expert.
 
 Under torchrun rank 0 samples and the other ranks wait (``sync.wait_for_rank0``: a barrier without the process
-group's timeout); each round logs ``samples_written`` with its wall time in the run log and emits
-``SamplesWritten`` (the wandb observer logs the videos from it).
+group's timeout). With ``model.expert_groups`` rank 0 holds the high-noise expert only: the pipeline's calls of
+the low-noise one go to that group's leader, which serves them until rank 0's round ends (``core.expert_relay``;
+the adapter's ``add_relayed_expert``), so the video is the one-process run's, bit for bit. Each round logs
+``samples_written`` with its wall time in the run log and emits ``SamplesWritten`` (the wandb observer logs the
+videos from it). The files: ``sample_files.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ import gc
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -51,20 +53,32 @@ import numpy as np
 import structlog
 import torch
 
-from wantrain.core.adapter import LoraStacking, SamplingCapable, TextEncoding, check_needs, evaluation_session
-from wantrain.core.atomic import atomic_write
+from wantrain.core.adapter import (
+    ExpertServing,
+    LoraStacking,
+    SamplingCapable,
+    TextEncoding,
+    check_needs,
+    evaluation_session,
+)
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import ControlRequested, MetricsLogged, OptimizerStepped, RunStarted, SamplesWritten
 from wantrain.observers.evaluation.latents_change import change_path, change_picture, latents_change
 from wantrain.observers.evaluation.motion import clip_motion, motion, motion_metrics
+from wantrain.observers.evaluation.sample_files import (
+    LATENT_RANGE,
+    frame_strip,
+    latents_image,
+    latents_path,
+    read_png,
+    sample_path,
+    to_uint8,
+    with_first_frame,
+    write_png,
+    write_video,
+)
 
 log = structlog.get_logger("wantrain.samples")
-
-STRIP_FRAMES = 8
-LATENT_RANGE = 3.0
-"""Latent values shown: [-3, 3] maps to [0, 255] (normalized Wan latents are mostly within +-3)."""
-GAP = 4  # pixels between the first frame and the strip
-
 
 @attrs.frozen
 class SampleJob:
@@ -85,69 +99,6 @@ class SampleJob:
     image: Any = None
     image_source: str | None = None
     loras: tuple = ()  # StackedLora settings: files applied under the trained LoRA for this video
-
-
-def sample_path(directory: Path, step: int, index: int) -> Path:
-    return Path(directory) / f"step_{step:06d}_{index:02d}.mp4"
-
-
-def latents_path(directory: Path, step: int, index: int) -> Path:
-    return Path(directory) / f"step_{step:06d}_{index:02d}_latents.png"
-
-
-def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
-    """``frames`` uint8 [F, H, W, 3] -> an H.264 mp4 (yuv420p; even sides) at ``fps``, written atomically."""
-    import av
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def encode(tmp: Path) -> None:
-        with av.open(str(tmp), mode="w", format="mp4") as container:
-            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
-            stream.width, stream.height = frames.shape[2], frames.shape[1]
-            stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": "18"}
-            for frame in frames:
-                for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
-                    container.mux(packet)
-            for packet in stream.encode():
-                container.mux(packet)
-
-    atomic_write(path, encode, what="sample video")  # a full disk: one line (core.atomic.StorageError)
-
-
-def frame_strip(frames: np.ndarray, count: int = STRIP_FRAMES) -> np.ndarray:
-    """Up to ``count`` evenly spaced frames of ``frames`` [F, H, W, 3] side by side: [H, n*W, 3]."""
-    picks = np.unique(np.linspace(0, len(frames) - 1, min(count, len(frames))).round().astype(int))
-    return np.concatenate([frames[i] for i in picks], axis=1)
-
-
-def with_first_frame(strip: np.ndarray, image: Any) -> np.ndarray:
-    """``image`` (the conditioning first frame, resized to the strip's height like the pipeline resizes it), a
-    black gap of ``GAP`` pixels, then ``strip``."""
-    height = strip.shape[0]
-    width = round(image.width * height / image.height)
-    first = np.asarray(image.convert("RGB").resize((width, height)), dtype=np.uint8)
-    return np.concatenate([first, np.zeros((height, GAP, 3), np.uint8), strip], axis=1)
-
-
-def latents_image(latents: torch.Tensor, height: int) -> np.ndarray:
-    """Latents [1, C, f, h, w] -> uint8 [height', f*w', 3]: channels 0-2 as RGB, [-LATENT_RANGE, LATENT_RANGE]
-    -> [0, 255], each latent frame scaled up (nearest) by the whole factor that brings h closest to ``height``."""
-    lat = latents[0, :3].float().cpu()
-    if lat.shape[0] < 3:
-        lat = torch.cat([lat, lat[:1].expand(3 - lat.shape[0], *lat.shape[1:])])
-    scale = max(1, round(height / lat.shape[2]))
-    tiles = ((lat.clamp(-LATENT_RANGE, LATENT_RANGE) + LATENT_RANGE) * (255 / (2 * LATENT_RANGE))).round()
-    tiles = tiles.to(torch.uint8).permute(1, 2, 3, 0).numpy()  # [f, h, w, 3]
-    tiles = tiles.repeat(scale, axis=1).repeat(scale, axis=2)
-    return np.concatenate(list(tiles), axis=1)
-
-
-def to_uint8(video: np.ndarray) -> np.ndarray:
-    """The pipeline's float frames in [0, 1] -> uint8, rounded like diffusers' ``numpy_to_pil``."""
-    return (np.clip(video, 0.0, 1.0) * 255).round().astype(np.uint8)
 
 
 class SampleVideos(Observer):
@@ -216,7 +167,11 @@ class SampleVideos(Observer):
         """One round of samples: rank 0 samples (unless ``skip``), the others wait. Under torchrun every rank
         reaches it at the same steps, a rule of the step alone: never of a stop request, which one rank may see
         before the others (its waiting barrier would then meet another collective)."""
+        relays = self.sync.relays() if hasattr(self.sync, "relays") else {}  # model.expert_groups
         if not self.samples_here:
+            served = next((e for e, relay in relays.items() if relay.serves), None)
+            if served is not None:  # its expert's calls, until rank 0's round ends
+                self._serve(relays[served], served, ctx)
             self.sync.wait_for_rank0()  # rank 0 samples; no collective timeout while it does
             if not log_step:  # the same line of figures as rank 0's (a log step's travel with its other metrics)
                 self._log_figures(step, ctx, json.loads(self.sync.broadcast_text(None)))
@@ -226,6 +181,8 @@ class SampleVideos(Observer):
             if not skip:
                 paths = self.sample(step, ctx.adapter, ctx.control)
         finally:
+            for relay in relays.values():  # also after an error: the serving ranks go on to the barrier
+                relay.done()
             if self.sync is not None:
                 self.sync.wait_for_rank0()  # let the waiting ranks go on
         if paths is not None and self._bus is not None:
@@ -238,6 +195,14 @@ class SampleVideos(Observer):
         if self.sync is not None:  # every rank reaches a round at the same steps: the others wait for this text
             self.sync.broadcast_text(json.dumps(figures))
         self._log_figures(step, ctx, figures)
+
+    @staticmethod
+    def _serve(relay: Any, expert: str | None, ctx) -> None:
+        """Expert groups: this rank holds ``expert`` for rank 0's pipeline (``core.expert_relay``), in eval mode
+        under ``torch.no_grad`` as a one-process round would run it."""
+        with ctx.control.evaluation() as bring_in:
+            bring_in(expert)
+            relay.serve(ctx.adapter.transformer_for(expert))
 
     def _log_figures(self, step: int, ctx, figures: dict[str, float]) -> None:
         """A round's ``samples/motion*`` figures off a log step: a line of their own, on every rank alike."""
@@ -272,11 +237,11 @@ class SampleVideos(Observer):
                     write_video(path, frames, self.fps)
                     paths.append(path)
                     picture = latents_image(latents, job.height)
-                    _write_png(latents_path(self.out_dir, step, job.index), picture)
-                    first = _read_png(latents_path(self.out_dir, 0, job.index)) if step > 0 else None
+                    write_png(latents_path(self.out_dir, step, job.index), picture)
+                    first = read_png(latents_path(self.out_dir, 0, job.index)) if step > 0 else None
                     if first is not None and first.shape == picture.shape:  # what the LoRA changed since step 0
                         changed[job.index] = round(latents_change(first, picture, LATENT_RANGE), 4)
-                        _write_png(change_path(self.out_dir, step, job.index), change_picture(first, picture))
+                        write_png(change_path(self.out_dir, step, job.index), change_picture(first, picture))
                     if self._writer is not None:
                         strip = frame_strip(frames)
                         if job.image is not None:
@@ -344,24 +309,6 @@ class SampleVideos(Observer):
             self._writer = None
 
 
-def _read_png(path: Path) -> np.ndarray | None:
-    """An RGB picture this observer wrote (step 0's latents), or ``None`` when it is not there."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError):
-        return None
-
-
-def _write_png(path: Path, picture: np.ndarray) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: Image.fromarray(picture).save(tmp, format="PNG"), what="sample image")
-
-
 def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, sync: Any = None,
                           clips: Sequence[tuple[Any, int, str]] = (),
                           prompt_embeds: Mapping[str, torch.Tensor] | None = None,
@@ -384,6 +331,8 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
     main = sync is None or sync.is_main
     if main:
         check_needs("SampleVideos", adapter, needs=(*SampleVideos.needs, TextEncoding))  # before encoding anything
+    elif hasattr(sync, "relays") and any(relay.serves for relay in sync.relays().values()):
+        check_needs("SampleVideos", adapter, needs=(ExpertServing,))  # it serves rank 0's calls of its expert
     jobs = []
     negatives: dict[str, torch.Tensor] = {}
     for p in s.resolved(spec) if main else ():
