@@ -32,7 +32,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     lora.grad = torch.full((3,), float(rank + 1))
     nonfinite = torch.tensor(1.0 if rank == 3 else 0.0)
     sync.average_gradients([lora], nonfinite)
-    metrics = sync.reduce_metrics({f"train/loss/{sync.experts[groups.group]}": float(rank)})
+    metrics = sync.reduce_metrics({f"train/loss/{sync.experts[groups.group]}": float(rank),
+                                   "train/grad_norm": 3.0 + groups.group, "train/nan_streak_max": 2.0 * groups.group,
+                                   "train/lr": 0.1 * (groups.group + 1)})
     tree = sync.gather_state({"model": {"w": lora.detach() + 10 * groups.group}, "train_state": {"step": rank}})
     written: list[str] = []
     saver = GroupSaver(sync, lambda step, final: [(f"{sync.experts[groups.group]}_{step}.safetensors",
@@ -59,7 +61,13 @@ def test_two_groups_of_two_ranks_average_inside_their_group_and_rank_0_receives_
     assert [x["start"] for x in r] == [[0.0] * 3, [0.0] * 3, [2.0] * 3, [2.0] * 3]  # each group's leader's LoRA
     assert [x["grad"] for x in r] == [[1.5] * 3, [1.5] * 3, [3.5] * 3, [3.5] * 3]  # means of 1, 2 and of 3, 4
     assert [x["nonfinite"] for x in r] == [0.0, 0.0, 1.0, 1.0]  # rank 3's bad loss skips its group's step only
-    assert all(x["metrics"] == {"train/loss/high_noise": 0.5, "train/loss/low_noise": 2.5} for x in r)
+    # each group's figures under its expert; the whole model's norm from both (sqrt(3^2 + 4^2)), not their mean;
+    # the worst non-finite streak; the first group's LR as train/lr
+    assert all(x["metrics"] == {"train/loss/high_noise": 0.5, "train/loss/low_noise": 2.5,
+                                "train/grad_norm": 5.0, "train/grad_norm/high_noise": 3.0,
+                                "train/grad_norm/low_noise": 4.0, "train/nan_streak_max": 2.0,
+                                "train/nan_streak_max/high_noise": 0.0, "train/nan_streak_max/low_noise": 2.0,
+                                "train/lr": 0.1, "train/lr/high_noise": 0.1, "train/lr/low_noise": 0.2} for x in r)
     # rank 0 writes the leaders' files (ranks 0 and 2), in group order; the others write nothing
     assert r[0]["paths"] == ["high_noise_7.safetensors", "low_noise_7.safetensors"]
     assert r[0]["written"] == [["high_noise_7.safetensors", [0.0, 0.0], {"rank": "0"}],
