@@ -98,3 +98,73 @@ def test_a_sample_across_two_expert_groups_equals_the_one_process_two_expert_sam
     assert rank1["calls"] == rank0["calls"] > 0 and rank1["calls"] % 2 == 0
     # rank 0's own expert stayed on the device throughout and is the active one again
     assert rank0["resident"] == ["high_noise"] and rank0["active"] == "high_noise"
+
+
+# -- a whole run: four ranks, two per expert ---------------------------------------------------------------------------
+RUN_SETTINGS = ["train.max_steps=4", "train.log_every=2", "observers.progress=false", "checkpoint.enabled=false",
+                "optimizer.lr=3e-3"]
+"""The expert-group run and its references. Inside a group of two ranks, rank ``r`` draws as rank ``r mod 2`` of a
+two-rank data-parallel run of that expert (``core.expert_groups``) and the group's gradients are averaged as that
+run's are (one all-reduce of two), so the LoRA files are compared byte for byte (tolerance 0)."""
+
+
+def _launch_rank(rank: int, world: int, port: int, args: list[str], out: str) -> None:
+    import faulthandler
+    import os
+
+    from wantrain.cli.main import main
+
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang fails the test
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    Path(f"{out}.{rank}").write_text(str(main(args)))
+
+
+def _launch(workspace: Path, name: str, world: int, settings: list[str]) -> Path:
+    """``wantrain run`` on ``world`` gloo ranks forked from the test process; the run directory."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / name}"']
+    for item in [*RUN_SETTINGS, *settings]:
+        args += ["--set", item]
+    mp.start_processes(_launch_rank, args=(world, port, args, str(workspace / f"{name}.code")), nprocs=world,
+                       start_method="fork")
+    assert [(workspace / f"{name}.code.{r}").read_text() for r in range(world)] == ["0"] * world, name
+    (run_dir,) = [d for d in (workspace / name).iterdir() if d.is_dir()]
+    return run_dir
+
+
+def test_four_ranks_two_per_expert_train_what_two_data_parallel_one_expert_runs_train_and_sample_across(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+    from test_end_to_end import copy_examples
+
+    from wantrain.cli.main import main
+
+    config = copy_examples(tmp_path, validation_and_samples=True)
+    for extra in (tmp_path / "demo_data").glob("clip_01*"):  # fewer clips to cache (10 and 4 images)
+        extra.unlink()
+    assert main(["cache", str(config)]) == 0
+    groups = _launch(tmp_path, "groups", 4, ["model.expert_groups=2", "sample.every=4", "validation.every=4",
+                                             "sample.steps=4", "validation.from_training=2"])
+    for expert in ("high_noise", "low_noise"):
+        reference = _launch(tmp_path, expert, 2, [f'model.experts="{expert}"', "sample.enabled=false",
+                                                  "validation.enabled=false"])
+        name = f"quickstart_{expert}.safetensors"
+        assert (groups / name).read_bytes() == (reference / name).read_bytes(), expert
+        assert load_file(str(groups / name))  # a real file, not two empty ones
+    # samples at step 0 and the last step, written by rank 0 with the low-noise steps relayed to rank 2
+    assert sorted(p.name for p in (groups / "samples").glob("*.mp4")) == ["step_000000_00.mp4", "step_000004_00.mp4"]
+    lines = [json.loads(x) for x in (groups / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r for r in lines if "val/loss" in r}
+    assert sorted(val) == [0, 4] and {"val/loss/high_noise", "val/loss/low_noise"} <= set(val[4])
+    logged = [r for r in lines if "train/grad_norm" in r]
+    assert logged
+    for r in logged:  # the whole model's norm from both groups' (not their mean)
+        parts = r["train/grad_norm/high_noise"] ** 2 + r["train/grad_norm/low_noise"] ** 2
+        assert abs(r["train/grad_norm"] - parts ** 0.5) <= 1e-12 * r["train/grad_norm"], r
