@@ -105,3 +105,57 @@ def test_what_expert_groups_cannot_run_is_refused_when_the_config_is_read(overri
     with pytest.raises(ConfigError) as refused:
         load_config(quickstart, ["model.expert_groups=2", *overrides])
     assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def _relay_rank(rank: int, store: str, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from wantrain.core.expert_relay import ExpertRelay
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    relay = ExpertRelay(lambda: None, rank, 1, "low_noise", torch.device("cpu"))
+
+    def expert(*, x: torch.Tensor, scale: float, t: torch.Tensor) -> tuple[torch.Tensor]:
+        if scale < 0:
+            raise ValueError("a negative scale")
+        return (x * scale + t,)
+
+    result: dict = {}
+    try:
+        if rank == 0:
+            x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+            t = torch.tensor(0.5).expand(2, 1)  # stride 0, as the pipelines' timesteps
+            result["out"] = relay.call(x=x, scale=2.0, t=t)[0].float().tolist()
+            try:
+                relay.call(x=x, scale=-1.0, t=t)
+            except RuntimeError as exc:
+                result["error"] = str(exc)
+            result["after"] = relay.call(x=x, scale=1.0, t=t)[0].float().tolist()  # the loop still serves
+            relay.done()
+        else:
+            try:
+                relay.serve(expert)
+            except ValueError as exc:
+                result["raised"] = str(exc)
+        result["calls"] = relay.calls
+    finally:
+        with open(f"{out}.{rank}", "w") as fh:
+            json.dump(result, fh)
+        dist.destroy_process_group()
+
+
+def test_a_relayed_call_returns_the_serving_ranks_output_and_its_error_fails_both_ranks_without_a_hang(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_relay_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2,
+                       start_method="fork")
+    caller, server = (json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1))
+    assert caller["out"] == [[0.5, 2.5, 4.5], [6.5, 8.5, 10.5]]  # bf16 in, computed there, bf16 back
+    assert caller["after"] == [[0.5, 1.5, 2.5], [3.5, 4.5, 5.5]]
+    assert caller["error"] == ("the low_noise expert on rank 1 failed on a relayed call: ValueError: a negative "
+                               "scale")
+    assert server["raised"] == "a negative scale"  # raised on the serving rank once rank 0 said done
+    assert caller["calls"] == server["calls"] == 2

@@ -13,7 +13,9 @@ collective timeout while a round of samples takes minutes), between rank 0 (the 
   bytes (its dtype viewed as ``uint8``: bitwise whatever the dtype, bf16 included), built whole before sending;
 * a call's header names the expert, its keyword arguments (tensor shape and dtype, or a plain JSON value);
   the reply's header describes the output tensors, then their bytes;
-* ``{"done": true}`` ends a :meth:`ExpertRelay.serve` loop; rank 0 sends it when its round ends, also on an error.
+* ``{"done": true}`` ends a :meth:`ExpertRelay.serve` loop; rank 0 sends it when its round ends, also on an error;
+* an error of the server's expert goes back as ``{"error": ...}``: rank 0 raises it (its round ends, done is
+  sent) and the server raises its own exception once done arrives: both ranks fail with the cause, none hangs.
 
 Every other rank waits in the round's barrier (``sync.wait_for_rank0``) meanwhile; the server reaches it after
 its loop ends. The output is computed by the same weights on the same kind of device as a one-process run would,
@@ -101,6 +103,9 @@ class ExpertRelay:
         header["expert"] = self.expert
         self._send(header, tensors, self.server)
         reply, outputs = self._receive(self.server)
+        if "error" in reply:  # the serving rank's expert raised: it waits for done, then raises it there too
+            raise RuntimeError(f"the {self.expert} expert on rank {self.server} failed on a relayed call: "
+                               f"{reply['error']}")
         self.calls += 1
         return tuple(t.to(self.device) for t in outputs)
 
@@ -112,15 +117,22 @@ class ExpertRelay:
     def serve(self, run: Callable[..., Any]) -> int:
         """Answer rank 0's calls with ``run(**kwargs)`` (a transformer: its output's tensors go back) until rank 0
         sends done; returns the number of calls answered. The inputs arrive on :attr:`device`."""
-        answered = 0
+        answered, failed = 0, None
         while True:
             header, tensors = self._receive(0)
             if header.get("done"):
+                if failed is not None:
+                    raise failed
                 return answered
             kwargs = dict(header["kwargs"])
             for spec, t in zip(header["tensors"], tensors, strict=True):
                 kwargs[spec["name"]] = t.to(self.device)
-            out = run(**kwargs)
+            try:
+                out = run(**kwargs)
+            except Exception as exc:  # noqa: BLE001 -- said to rank 0 (which ends its round), raised here after done
+                failed = failed or exc
+                self._send({"error": f"{type(exc).__name__}: {exc}"}, [], 0)
+                continue
             outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
             reply, _ = self._pack({str(i): t for i, t in enumerate(outputs)})
             self._send(reply, outputs, 0)
