@@ -8,15 +8,18 @@ import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+import attrs
 import torch
 import torch.multiprocessing as mp
 
 from tests.models.wan22_helpers import make_adapter
+from tests.observers.test_stacked_loras import distillation_lora
 from wantrain.core.adapter import evaluation_session
 from wantrain.core.distributed import Topology
 from wantrain.core.expert_groups import ExpertGroups, ExpertGroupSync
 from wantrain.core.expert_relay import RelayedExpert
 from wantrain.observers.evaluation import samples as samples_module
+from wantrain.observers.evaluation.config import StackedLora
 from wantrain.observers.evaluation.samples import SampleJob, SampleVideos
 
 
@@ -29,24 +32,26 @@ def _lora_filled(adapter, experts) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-def _job(text: torch.Tensor) -> SampleJob:
-    """Guided (a negative pass on each expert) over 6 steps, both bands."""
-    return SampleJob(index=0, prompt_embeds=text, negative_embeds=text * 0, width=32, height=32, frames=5, seed=3,
-                     steps=6, guidance_scale=2.0, guidance_scale_high_noise=3.0)
+def _jobs(text: torch.Tensor, stacked: Path) -> list[SampleJob]:
+    """Guided (a negative pass on each expert) over 6 steps, both bands; the second video with a LoRA file stacked
+    under both experts' (``sample.loras``)."""
+    job = SampleJob(index=0, prompt_embeds=text, negative_embeds=text * 0, width=32, height=32, frames=5, seed=3,
+                    steps=6, guidance_scale=2.0, guidance_scale_high_noise=3.0)
+    return [job, attrs.evolve(job, index=1, loras=(StackedLora(path=stacked, strength=0.7),))]
 
 
 def _recording(monkeypatch_like: dict) -> None:
-    """Keep each round's last latents (``latents_image`` is called with them) in ``monkeypatch_like``."""
+    """Keep each video's last latents (``latents_image`` is called with them) in ``monkeypatch_like``."""
     original = samples_module.latents_image
 
     def keep(latents, height):
-        monkeypatch_like["latents"] = latents.detach().clone()
+        monkeypatch_like.setdefault("latents", []).append(latents.detach().clone())
         return original(latents, height)
 
     samples_module.latents_image = keep
 
 
-def _sampling_rank(rank: int, store: str, out: str, reference: dict, text: torch.Tensor) -> None:
+def _sampling_rank(rank: int, store: str, out: str, reference: dict, text: torch.Tensor, stacked: Path) -> None:
     import faulthandler
 
     import torch.distributed as dist
@@ -65,12 +70,12 @@ def _sampling_rank(rank: int, store: str, out: str, reference: dict, text: torch
         adapter.add_relayed_expert("low_noise", RelayedExpert(sync.relays()["low_noise"]))
     kept: dict = {}
     _recording(kept)
-    observer = SampleVideos(out_dir=Path(out) / f"rank{rank}", jobs=[_job(text)] if rank == 0 else [], every=1,
+    observer = SampleVideos(out_dir=Path(out) / f"rank{rank}", jobs=_jobs(text, stacked) if rank == 0 else [], every=1,
                             fps=16, sync=sync)
     ctx = SimpleNamespace(adapter=adapter, control=SimpleNamespace(evaluation=lambda: evaluation_session(adapter)),
                           state=SimpleNamespace(expert=expert), metrics=None)
     observer._round(3, ctx)
-    torch.save({"latents": kept.get("latents"), "calls": sync.relays()["low_noise"].calls,
+    torch.save({"latents": kept.get("latents", []), "calls": sync.relays()["low_noise"].calls,
                 "resident": adapter.placement.resident(), "active": adapter.active}, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -80,22 +85,27 @@ def test_a_sample_across_two_expert_groups_equals_the_one_process_two_expert_sam
     both = make_adapter("tiny-t2v", gradient_checkpointing=False)
     _lora_filled(both, ("high_noise", "low_noise"))
     text = both.encode_text(["a red ball"])["text_embeds"]
+    stacked = distillation_lora(tmp_path / "stacked.safetensors", both.transformer_for("high_noise"))
     kept: dict = {}
     original = samples_module.latents_image
     try:
         _recording(kept)
-        SampleVideos(out_dir=tmp_path / "one", jobs=[_job(text)], every=1, fps=16).sample(3, both)
+        SampleVideos(out_dir=tmp_path / "one", jobs=_jobs(text, stacked), every=1, fps=16).sample(3, both)
     finally:
         samples_module.latents_image = original
     reference = {e: {k: v.clone() for k, v in both.transformer_for(e).state_dict().items()}
                  for e in ("high_noise", "low_noise")}
-    mp.start_processes(_sampling_rank, args=(str(tmp_path / "store"), str(tmp_path), reference, text), nprocs=2,
-                       start_method="fork")
+    mp.start_processes(_sampling_rank, args=(str(tmp_path / "store"), str(tmp_path), reference, text, stacked),
+                       nprocs=2, start_method="fork")
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
-    assert torch.equal(rank0["latents"], kept["latents"])  # bit for bit
+    assert len(rank0["latents"]) == len(kept["latents"]) == 2
+    for got, one_process in zip(rank0["latents"], kept["latents"], strict=True):
+        assert torch.equal(got, one_process)  # bit for bit, the stacked LoRA acting on rank 1's expert too
+    assert not torch.equal(kept["latents"][0], kept["latents"][1])
     assert (tmp_path / "rank0" / "step_000003_00.mp4").exists() and not (tmp_path / "rank1").exists()
     # 6 steps at boundary 0.875: the low-noise ones went to rank 1, twice each (the guided and the negative pass)
-    assert rank1["calls"] == rank0["calls"] > 0 and rank1["calls"] % 2 == 0
+    assert rank1["calls"] == rank0["calls"] > 0 and rank1["calls"] % 4 == 0
+    assert not any(m._forward_hooks for m in both.transformer_for("low_noise").modules())
     # rank 0's own expert stayed on the device throughout and is the active one again
     assert rank0["resident"] == ["high_noise"] and rank0["active"] == "high_noise"
 

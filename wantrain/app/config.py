@@ -117,8 +117,7 @@ def _check_expert_groups(cfg: RunConfig) -> None:
     (``core.expert_relay``, docs/distributed.md); these stay refused: the LR finder sweeps the experts one after
     the other on every rank (a sequential sweep has nothing for the second group to do), and the low-noise group's
     alpha controller would decide where rank 0's event log never sees it (replay could not reproduce it).
-    ``sample.other_expert_lora`` has no expert to load into (the other group trains it), and a stacked sample
-    LoRA would apply only to rank 0's expert."""
+    ``sample.other_expert_lora`` has no expert to load into (the other group trains it)."""
     if cfg.model.expert_groups <= 1:
         return
     groups = f"model.expert_groups = {cfg.model.expert_groups}"
@@ -129,9 +128,6 @@ def _check_expert_groups(cfg: RunConfig) -> None:
     if cfg.sample.enabled and cfg.sample.other_expert_lora is not None:
         raise ConfigError(f"config key 'sample.other_expert_lora' does nothing with {groups}: the other group "
                           "trains that expert and samples with it; remove the key, or set model.expert_groups = 1")
-    if cfg.sample.enabled and any(p.loras for p in cfg.sample.resolved(VARIANTS[cfg.model.variant])):
-        raise ConfigError(f"config key 'sample.loras' (or a prompt's loras) does not run with {groups} yet (the "
-                          "low-noise expert samples on another rank); remove them, or set model.expert_groups = 1")
 
 
 def _check_alpha_schedule(cfg: RunConfig) -> None:

@@ -109,14 +109,20 @@ class ExpertRelay:
         self.calls += 1
         return tuple(t.to(self.device) for t in outputs)
 
+    def context(self, **values: Any) -> None:
+        """Tell the server what holds until the next context (JSON values; the sample observer: the next video's
+        stacked LoRAs for its expert). Its :meth:`serve` hands them to its ``context`` callback."""
+        self._send({"context": values}, [], self.server)
+
     def done(self) -> None:
         """End the server's :meth:`serve` loop (rank 0, once per round; also after an error)."""
         self._send({"done": True}, [], self.server)
 
     # -- the server -------------------------------------------------------------------------------------------
-    def serve(self, run: Callable[..., Any]) -> int:
+    def serve(self, run: Callable[..., Any], context: Callable[[dict[str, Any]], None] | None = None) -> int:
         """Answer rank 0's calls with ``run(**kwargs)`` (a transformer: its output's tensors go back) until rank 0
-        sends done; returns the number of calls answered. The inputs arrive on :attr:`device`."""
+        sends done; returns the number of calls answered. The inputs arrive on :attr:`device`. ``context``:
+        called with the values of each :meth:`context` message."""
         answered, failed = 0, None
         while True:
             header, tensors = self._receive(0)
@@ -124,6 +130,10 @@ class ExpertRelay:
                 if failed is not None:
                     raise failed
                 return answered
+            if "context" in header:
+                if context is not None and failed is None:
+                    context(header["context"])
+                continue
             kwargs = dict(header["kwargs"])
             for spec, t in zip(header["tensors"], tensors, strict=True):
                 kwargs[spec["name"]] = t.to(self.device)

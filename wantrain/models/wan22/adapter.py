@@ -472,9 +472,12 @@ class Wan22Adapter:
 
         lines = []
         for lora in loras:
+            targets = self._stacked_targets(lora)
+            if not targets:  # for an expert another group holds (model.expert_groups): checked there
+                continue
             modules, strays = self._read_stacked(lora.path)
             missed: dict[str, list[str]] = {}
-            for expert in self._stacked_targets(lora):
+            for expert in targets:
                 handles, unmatched = attach(self._transformers[expert], modules, lora.strength)
                 for handle in handles:
                     handle.remove()

@@ -63,6 +63,7 @@ from wantrain.core.adapter import (
 )
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import ControlRequested, MetricsLogged, OptimizerStepped, RunStarted, SamplesWritten
+from wantrain.observers.evaluation.config import StackedLora
 from wantrain.observers.evaluation.latents_change import change_path, change_picture, latents_change
 from wantrain.observers.evaluation.motion import clip_motion, motion, motion_metrics
 from wantrain.observers.evaluation.sample_files import (
@@ -199,10 +200,27 @@ class SampleVideos(Observer):
     @staticmethod
     def _serve(relay: Any, expert: str | None, ctx) -> None:
         """Expert groups: this rank holds ``expert`` for rank 0's pipeline (``core.expert_relay``), in eval mode
-        under ``torch.no_grad`` as a one-process round would run it."""
-        with ctx.control.evaluation() as bring_in:
+        under ``torch.no_grad`` as a one-process round would run it, with each video's stacked LoRAs for it (rank 0
+        sends them before the video: :meth:`_tell_relays`)."""
+        with ctx.control.evaluation() as bring_in, contextlib.ExitStack() as stacked:
             bring_in(expert)
-            relay.serve(ctx.adapter.transformer_for(expert))
+
+            def video(values: dict) -> None:
+                stacked.close()  # the previous video's, removed
+                loras = [StackedLora(path=Path(path), strength=strength, expert=on) for path, strength, on in
+                         values.get("loras", [])]
+                if loras:
+                    stacked.enter_context(ctx.adapter.stacked_loras(loras))
+
+            relay.serve(ctx.adapter.transformer_for(expert), context=video)
+
+    def _tell_relays(self, job: SampleJob) -> None:
+        """Expert groups: before ``job``'s video, each serving rank learns the stacked LoRAs of its expert."""
+        relays = self.sync.relays() if hasattr(self.sync, "relays") else {}
+        if any(j.loras for j in self.jobs):
+            for relay in relays.values():
+                relay.context(loras=[[str(lora.path), lora.strength, lora.expert] for lora in job.loras
+                                     if lora.expert in ("both", relay.expert)])
 
     def _log_figures(self, step: int, ctx, figures: dict[str, float]) -> None:
         """A round's ``samples/motion*`` figures off a log step: a line of their own, on every rank alike."""
@@ -227,6 +245,7 @@ class SampleVideos(Observer):
                     i2v = job.image is not None
                     if i2v not in pipes:
                         pipes[i2v] = adapter.sampling_pipeline(vae, image_to_video=i2v)
+                    self._tell_relays(job)
                     with adapter.stacked_loras(job.loras) if job.loras else contextlib.nullcontext():
                         video, latents = self._generate(pipes[i2v], adapter, bring_in, job)
                     frames = to_uint8(video[0])
@@ -309,6 +328,16 @@ class SampleVideos(Observer):
             self._writer = None
 
 
+def _check_stacked(adapter: Any, loras: Sequence[Any]) -> None:
+    """Read the stacked LoRA files now: a file diffusers cannot read is refused before training; unmatched keys
+    are said once."""
+    stacked = list({(lora.path, lora.strength, lora.expert): lora for lora in loras}.values())
+    if stacked:
+        check_needs("SampleVideos", adapter, needs=(LoraStacking,))
+        for line in adapter.check_stacked_loras(stacked):
+            log.warning("stacked_lora_unmatched", detail=line)
+
+
 def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, sync: Any = None,
                           clips: Sequence[tuple[Any, int, str]] = (),
                           prompt_embeds: Mapping[str, torch.Tensor] | None = None,
@@ -331,8 +360,12 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
     main = sync is None or sync.is_main
     if main:
         check_needs("SampleVideos", adapter, needs=(*SampleVideos.needs, TextEncoding))  # before encoding anything
-    elif hasattr(sync, "relays") and any(relay.serves for relay in sync.relays().values()):
-        check_needs("SampleVideos", adapter, needs=(ExpertServing,))  # it serves rank 0's calls of its expert
+    elif hasattr(sync, "relays"):  # expert groups: the rank that serves rank 0's calls of its expert
+        for served, relay in sync.relays().items():
+            if relay.serves:
+                check_needs("SampleVideos", adapter, needs=(ExpertServing,))
+                _check_stacked(adapter, [lora for p in s.resolved(spec) for lora in p.loras
+                                         if lora.expert in ("both", served)])
     jobs = []
     negatives: dict[str, torch.Tensor] = {}
     for p in s.resolved(spec) if main else ():
@@ -358,11 +391,7 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
             guidance_scale=p.guidance_scale, guidance_scale_high_noise=p.guidance_scale_high_noise, image=image,
             image_source=source, loras=p.loras,
         ))
-    stacked = list({(lora.path, lora.strength, lora.expert): lora for job in jobs for lora in job.loras}.values())
-    if stacked:  # read now: a file diffusers cannot read is refused before training; unmatched keys said once
-        check_needs("SampleVideos", adapter, needs=(LoraStacking,))
-        for line in adapter.check_stacked_loras(stacked):
-            log.warning("stacked_lora_unmatched", detail=line)
+    _check_stacked(adapter, [lora for job in jobs for lora in job.loras])
     reference = None
     video = next((j for j in jobs if j.frames > 1), None)
     if clip_videos is not None and video is not None:
