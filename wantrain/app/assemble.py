@@ -84,7 +84,7 @@ from wantrain.models.wan22.config import FP8_DTYPES
 from wantrain.models.wan22.placement import expert_group_config
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
-from wantrain.observers.evaluation.samples import build_sample_observer
+from wantrain.observers.evaluation.sample_setup import build_sample_observer
 from wantrain.observers.evaluation.validation import Validation, cached_batches
 from wantrain.observers.evaluation.workflow import ComfyWorkflow, workflow_settings
 from wantrain.observers.event_recorder import EventRecorder
