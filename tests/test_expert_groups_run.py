@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import attrs
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -173,6 +174,15 @@ def test_four_ranks_two_per_expert_train_what_two_data_parallel_one_expert_runs_
     lines = [json.loads(x) for x in (groups / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r for r in lines if "val/loss" in r}
     assert sorted(val) == [0, 4] and {"val/loss/high_noise", "val/loss/low_noise"} <= set(val[4])
+    # step 0's validation (both groups' timesteps, each on its group's share of the clips) is one process's
+    assert main(["run", str(config), "--max-steps", "1", "--set", "sample.enabled=false", "--set",
+                 "validation.from_training=2", "--set", f'run.output_dir="{tmp_path / "one"}"', "--set",
+                 "observers.progress=false"]) == 0
+    (one,) = [d for d in (tmp_path / "one").iterdir() if d.is_dir()]
+    one_val = next(json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines() if '"val/loss"' in x)
+    names = [n for n in one_val if n.startswith("val/")]
+    assert len(names) > 3 and {n: val[0][n] for n in names} == pytest.approx({n: one_val[n] for n in names},
+                                                                              rel=1e-12, abs=0)
     logged = [r for r in lines if "train/grad_norm" in r]
     assert logged
     for r in logged:  # the whole model's norm from both groups' (not their mean)

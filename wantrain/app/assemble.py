@@ -592,15 +592,15 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
         cfg = attrs.evolve(cfg, lora=attrs.evolve(cfg.lora, rank=adapter.lora_config.rank,
                                                   alpha=adapter.lora_config.alpha))
+    if cfg.sample.enabled and topology.is_main and groups is None:  # one trained expert: the other one's weights
+        adapter.add_sampling_expert(cfg.sample.other_expert_lora)
     if groups is not None:
         sync = ExpertGroupSync.start(topology, device, groups=groups, experts=spec.experts)
     else:
         sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
-    if cfg.sample.enabled and groups is not None and topology.is_main:  # the other groups' experts: relayed
+    if cfg.sample.enabled and groups is not None and topology.is_main:  # the other group's expert: relayed there
         for expert, relay in sync.relays().items():
             adapter.add_relayed_expert(expert, RelayedExpert(relay))
-    elif cfg.sample.enabled and topology.is_main:  # one trained expert: the other one's weights, for sampling only
-        adapter.add_sampling_expert(cfg.sample.other_expert_lora)
     if cfg.model.parallel == "fsdp" and topology.distributed:  # refused with expert groups (both experts)
         shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree)
         sync.shard()

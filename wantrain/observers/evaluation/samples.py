@@ -53,10 +53,7 @@ import numpy as np
 import structlog
 import torch
 
-from wantrain.core.adapter import (
-    SamplingCapable,
-    evaluation_session,
-)
+from wantrain.core.adapter import SamplingCapable, evaluation_session
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import ControlRequested, MetricsLogged, OptimizerStepped, RunStarted, SamplesWritten
 from wantrain.observers.evaluation.config import StackedLora
@@ -76,6 +73,7 @@ from wantrain.observers.evaluation.sample_files import (
 )
 
 log = structlog.get_logger("wantrain.samples")
+
 
 @attrs.frozen
 class SampleJob:
@@ -167,9 +165,11 @@ class SampleVideos(Observer):
         relays = self.sync.relays() if hasattr(self.sync, "relays") else {}  # model.expert_groups
         if not self.samples_here:
             served = next((e for e, relay in relays.items() if relay.serves), None)
-            if served is not None:  # its expert's calls, until rank 0's round ends
-                self._serve(relays[served], served, ctx)
-            self.sync.wait_for_rank0()  # rank 0 samples; no collective timeout while it does
+            try:
+                if served is not None:  # its expert's calls, until rank 0's round ends
+                    self._serve(relays[served], served, ctx)
+            finally:  # also when its expert failed (rank 0 raises it too, after this barrier)
+                self.sync.wait_for_rank0()  # rank 0 samples; no collective timeout while it does
             if not log_step:  # the same line of figures as rank 0's (a log step's travel with its other metrics)
                 self._log_figures(step, ctx, json.loads(self.sync.broadcast_text(None)))
             return
