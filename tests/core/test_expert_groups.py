@@ -32,7 +32,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     lora.grad = torch.full((3,), float(rank + 1))
     nonfinite = torch.tensor(1.0 if rank == 3 else 0.0)
     sync.average_gradients([lora], nonfinite)
-    metrics = sync.reduce_metrics({f"train/loss/{sync.experts[groups.group]}": float(rank)})
+    metrics = sync.reduce_metrics({f"train/loss/{sync.experts[groups.group]}": float(rank),
+                                   "train/grad_norm": 3.0 + groups.group, "train/nan_streak_max": 2.0 * groups.group,
+                                   "train/lr": 0.1 * (groups.group + 1)})
     tree = sync.gather_state({"model": {"w": lora.detach() + 10 * groups.group}, "train_state": {"step": rank}})
     written: list[str] = []
     saver = GroupSaver(sync, lambda step, final: [(f"{sync.experts[groups.group]}_{step}.safetensors",
@@ -59,7 +61,13 @@ def test_two_groups_of_two_ranks_average_inside_their_group_and_rank_0_receives_
     assert [x["start"] for x in r] == [[0.0] * 3, [0.0] * 3, [2.0] * 3, [2.0] * 3]  # each group's leader's LoRA
     assert [x["grad"] for x in r] == [[1.5] * 3, [1.5] * 3, [3.5] * 3, [3.5] * 3]  # means of 1, 2 and of 3, 4
     assert [x["nonfinite"] for x in r] == [0.0, 0.0, 1.0, 1.0]  # rank 3's bad loss skips its group's step only
-    assert all(x["metrics"] == {"train/loss/high_noise": 0.5, "train/loss/low_noise": 2.5} for x in r)
+    # each group's figures under its expert; the whole model's norm from both (sqrt(3^2 + 4^2)), not their mean;
+    # the worst non-finite streak; the first group's LR as train/lr
+    assert all(x["metrics"] == {"train/loss/high_noise": 0.5, "train/loss/low_noise": 2.5,
+                                "train/grad_norm": 5.0, "train/grad_norm/high_noise": 3.0,
+                                "train/grad_norm/low_noise": 4.0, "train/nan_streak_max": 2.0,
+                                "train/nan_streak_max/high_noise": 0.0, "train/nan_streak_max/low_noise": 2.0,
+                                "train/lr": 0.1, "train/lr/high_noise": 0.1, "train/lr/low_noise": 0.2} for x in r)
     # rank 0 writes the leaders' files (ranks 0 and 2), in group order; the others write nothing
     assert r[0]["paths"] == ["high_noise_7.safetensors", "low_noise_7.safetensors"]
     assert r[0]["written"] == [["high_noise_7.safetensors", [0.0, 0.0], {"rank": "0"}],
@@ -81,8 +89,8 @@ def test_a_launch_that_cannot_split_into_the_expert_groups_is_refused_in_one_lin
 
 
 @pytest.mark.parametrize(("overrides", "words"), [
-    ([], "does not run with sample.enabled yet"),
-    (["sample.enabled=false"], "does not run with validation.enabled yet"),
+    (['sample.other_expert_lora="x.safetensors"'], "config key 'sample.other_expert_lora' does nothing with model."),
+    (["lr_finder.enabled=true"], "does not run with lr_finder (each group holds one expert; the sweep"),
     (['model.variant="tiny-ti2v"'], "tiny-ti2v has one transformer; set model.expert_groups = 1"),
     (['model.experts="low_noise"'], "model.experts = 'low_noise' trains one; set model.expert_groups = 1 or"),
 ])
@@ -96,3 +104,57 @@ def test_what_expert_groups_cannot_run_is_refused_when_the_config_is_read(overri
     with pytest.raises(ConfigError) as refused:
         load_config(quickstart, ["model.expert_groups=2", *overrides])
     assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+
+
+def _relay_rank(rank: int, store: str, out: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from wantrain.core.expert_relay import ExpertRelay
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    relay = ExpertRelay(lambda: None, rank, 1, "low_noise", torch.device("cpu"))
+
+    def expert(*, x: torch.Tensor, scale: float, t: torch.Tensor) -> tuple[torch.Tensor]:
+        if scale < 0:
+            raise ValueError("a negative scale")
+        return (x * scale + t,)
+
+    result: dict = {}
+    try:
+        if rank == 0:
+            x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+            t = torch.tensor(0.5).expand(2, 1)  # stride 0, as the pipelines' timesteps
+            result["out"] = relay.call(x=x, scale=2.0, t=t)[0].float().tolist()
+            try:
+                relay.call(x=x, scale=-1.0, t=t)
+            except RuntimeError as exc:
+                result["error"] = str(exc)
+            result["after"] = relay.call(x=x, scale=1.0, t=t)[0].float().tolist()  # the loop still serves
+            relay.done()
+        else:
+            try:
+                relay.serve(expert)
+            except ValueError as exc:
+                result["raised"] = str(exc)
+        result["calls"] = relay.calls
+    finally:
+        with open(f"{out}.{rank}", "w") as fh:
+            json.dump(result, fh)
+        dist.destroy_process_group()
+
+
+def test_a_relayed_call_returns_the_serving_ranks_output_and_its_error_fails_both_ranks_without_a_hang(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_relay_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2,
+                       start_method="fork")
+    caller, server = (json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1))
+    assert caller["out"] == [[0.5, 2.5, 4.5], [6.5, 8.5, 10.5]]  # bf16 in, computed there, bf16 back
+    assert caller["after"] == [[0.5, 1.5, 2.5], [3.5, 4.5, 5.5]]
+    assert caller["error"] == ("the low_noise expert on rank 1 failed on a relayed call: ValueError: a negative "
+                               "scale")
+    assert server["raised"] == "a negative scale"  # raised on the serving rank once rank 0 said done
+    assert caller["calls"] == server["calls"] == 2

@@ -98,3 +98,21 @@ def test_the_docs_host_plan_example_is_what_check_prints(tmp_path, capsys, no_mo
     assert main(["check", str(_config(tmp_path, "host_ram_budget_gb = 64"))]) == 0
     out = capsys.readouterr().out
     assert out.split("host memory (RAM), part by part (docs/models.md, Host memory):\n")[1].startswith(printed)
+
+
+def test_the_host_plan_of_expert_groups_counts_one_expert_per_rank(tmp_path, capsys, no_model_files):
+    """``model.expert_groups = 2``: each rank holds its group's expert alone (no waiting copy of the other, no
+    waiting LoRA state), and the cache fills after the experts load (a torchrun launch)."""
+    from wantrain.cli.main import main
+
+    config = _config(tmp_path, "host_ram_budget_gb = 512")  # a 24 GB card: the planner swaps blocks
+    assert main(["check", str(config)]) == 0
+    both = capsys.readouterr().out
+    assert "low-noise expert host copy" in both and "waiting expert's LoRA + grads + AdamW" in both
+    assert main(["check", str(config), "--set", "model.expert_groups=2"]) == 0
+    grouped = capsys.readouterr().out
+    assert "high-noise expert host copy (bf16)" in grouped  # its swapped blocks' copies
+    assert "host memory above is per rank" in grouped
+    assert "low-noise expert host copy" not in grouped and "waiting expert's LoRA" not in grouped
+    peaks = [float(re.search(r"peak ([\d.]+) GiB \(", out).group(1)) for out in (both, grouped)]
+    assert peaks[1] < peaks[0]

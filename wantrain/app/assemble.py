@@ -71,6 +71,7 @@ from wantrain.core.errors import UserError
 from wantrain.core.events import RunStarted
 from wantrain.core.events.log import event_log_path
 from wantrain.core.expert_groups import ExpertGroupSync, GroupSaver, expert_groups_of
+from wantrain.core.expert_relay import RelayedExpert
 from wantrain.core.faults import inject_faults
 from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
 from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
@@ -90,7 +91,7 @@ from wantrain.models.wan22.config import FP8_DTYPES
 from wantrain.models.wan22.placement import expert_group_config
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
-from wantrain.observers.evaluation.samples import build_sample_observer
+from wantrain.observers.evaluation.sample_setup import build_sample_observer
 from wantrain.observers.evaluation.validation import Validation, cached_batches
 from wantrain.observers.evaluation.workflow import ComfyWorkflow, workflow_settings
 from wantrain.observers.event_recorder import EventRecorder
@@ -398,10 +399,12 @@ class PreparedRun:
             v = cfg.validation
             topology = self.sync.topology  # under torchrun each rank evaluates every world_size-th clip
             batches = cached_batches(self.validation_data, adapter)
-            share = list(range(topology.rank, len(batches), topology.world_size))
+            place, ranks = ((self.sync.groups.rank_in_group, self.sync.groups.size)  # expert groups: its group's
+                            if isinstance(self.sync, ExpertGroupSync) else (topology.rank, topology.world_size))
+            share = list(range(place, len(batches), ranks))
             out.append(Validation([batches[c] for c in share], timesteps=v.timesteps, seed=v.seed, every=v.every,
                                   sync=self.sync if topology.distributed else None, clip_indices=share,
-                                  clips_total=len(batches)))
+                                  clips_total=len(batches), run_experts=_run_experts(self.sync, adapter)))
         if cfg.sample.enabled:
             out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir, sync=self.sync,
                                              clips=self._first_frame_sources(), clip_videos=self._clip_videos,
@@ -548,11 +551,12 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
     spec = variant_spec(cfg.model.variant)
     groups = expert_groups_of(cfg.model.expert_groups, topology)  # a launch that cannot split: refused here
+    trained = cfg.model.trained_experts  # the run's (every group's), for the sections' checks
     if groups is not None:  # this rank trains its group's expert alone, as a one-expert run of it would
         model_cfg, lora_cfg = expert_group_config(cfg.model, cfg.lora, groups.group)
         cfg = attrs.evolve(cfg, model=model_cfg, lora=lora_cfg)
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
-    check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
+    check_sections(cfg.validation, cfg.sample, spec, trained)
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
     data.shard(*((groups.rank_in_group, groups.size) if groups else (topology.rank, topology.world_size)))
     given = cfg
@@ -600,12 +604,15 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
         cfg = attrs.evolve(cfg, lora=attrs.evolve(cfg.lora, rank=adapter.lora_config.rank,
                                                   alpha=adapter.lora_config.alpha))
-    if cfg.sample.enabled and topology.is_main:  # one trained expert: the other one's weights, for sampling only
+    if cfg.sample.enabled and topology.is_main and groups is None:  # one trained expert: the other one's weights
         adapter.add_sampling_expert(cfg.sample.other_expert_lora)
     if groups is not None:
         sync = ExpertGroupSync.start(topology, device, groups=groups, experts=spec.experts)
     else:
         sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
+    if cfg.sample.enabled and groups is not None and topology.is_main:  # the other group's expert: relayed there
+        for expert, relay in sync.relays().items():
+            adapter.add_relayed_expert(expert, RelayedExpert(relay))
     if sharded:
         shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree)
         sync.shard()

@@ -113,18 +113,21 @@ class RunConfig:
 
 
 def _check_expert_groups(cfg: RunConfig) -> None:
-    """What one expert per group of GPUs cannot run yet (read time): sampling and validation would pass the latent
-    (or the timesteps) from one group's expert to the other's, the LR finder sweeps the experts one after the other
-    on every rank, and the alpha controller of the low-noise group would decide where rank 0's event log never
-    sees it (replay could not reproduce it)."""
+    """What one expert per group of GPUs cannot run (read time). Samples and validation run across the groups
+    (``core.expert_relay``, docs/distributed.md); these stay refused: the LR finder sweeps the experts one after
+    the other on every rank (a sequential sweep has nothing for the second group to do), and the low-noise group's
+    alpha controller would decide where rank 0's event log never sees it (replay could not reproduce it).
+    ``sample.other_expert_lora`` has no expert to load into (the other group trains it)."""
     if cfg.model.expert_groups <= 1:
         return
-    for on, key in ((cfg.sample.enabled, "sample.enabled"), (cfg.validation.enabled, "validation.enabled"),
-                    (cfg.lr_finder.active, "lr_finder"), (cfg.lora.schedule_enabled, "lora.alpha_schedule")):
+    groups = f"model.expert_groups = {cfg.model.expert_groups}"
+    for on, key in ((cfg.lr_finder.active, "lr_finder"), (cfg.lora.schedule_enabled, "lora.alpha_schedule")):
         if on:
-            raise ConfigError(f"model.expert_groups = {cfg.model.expert_groups} does not run with {key} yet (each "
-                              "group holds one expert; passing the latent between the groups is not built): turn "
-                              f"{key} off, or set model.expert_groups = 1")
+            raise ConfigError(f"{groups} does not run with {key} (each group holds one expert; the sweep and the "
+                              f"alpha decisions run on one rank): turn {key} off, or set model.expert_groups = 1")
+    if cfg.sample.enabled and cfg.sample.other_expert_lora is not None:
+        raise ConfigError(f"config key 'sample.other_expert_lora' does nothing with {groups}: the other group "
+                          "trains that expert and samples with it; remove the key, or set model.expert_groups = 1")
 
 
 def _check_alpha_schedule(cfg: RunConfig) -> None:

@@ -402,14 +402,15 @@ def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict) -> Any:
     pin budget is half of ``model.host_ram_budget_gb`` (else of the machine's memory), as the placement takes it."""
     from wantrain.core.distributed import detect_topology
     from wantrain.models.wan22.memory import host_estimate
-    from wantrain.models.wan22.placement import pin_budget
+    from wantrain.models.wan22.placement import host_experts, pin_budget
 
-    # sampling with one trained A14B expert loads the other one frozen (adapter.add_sampling_expert)
-    other = model.untrained_experts if cfg.sample.enabled else ()
-    return host_estimate(model.variant, settings, experts=model.trained_experts, cuda=_trains_on_cuda(cfg, model),
+    # sampling with one trained A14B expert loads the other one frozen (adapter.add_sampling_expert); with expert
+    # groups each rank holds one expert and the other group's is relayed (a torchrun launch: encoders after)
+    experts, other = host_experts(model, cfg.sample.enabled)
+    launched = detect_topology().distributed or model.expert_groups > 1
+    return host_estimate(model.variant, settings, experts=experts, cuda=_trains_on_cuda(cfg, model),
                          sampling_only=other, pin=model.pin_host_copies,
-                         pin_budget=pin_budget(model.host_ram_budget_gb),
-                         encoders_first=not detect_topology().distributed,
+                         pin_budget=pin_budget(model.host_ram_budget_gb), encoders_first=not launched,
                          **{k: v for k, v in size.items() if k != "sample"})
 
 

@@ -123,6 +123,14 @@ class SamplingCapable(Evaluating, Protocol):
 
 
 @runtime_checkable
+class ExpertServing(Protocol):
+    """An expert called for another rank (``model.expert_groups``: its group's leader serves rank 0's sampling
+    pipeline, ``core.expert_relay``). ``transformer_for(expert)`` is the module the pipeline would call."""
+
+    def transformer_for(self, expert: str | None) -> Any: ...
+
+
+@runtime_checkable
 class LoraStacking(Protocol):
     """LoRA files applied under the trained LoRA while sampling (``[sample] loras``): ``stacked_loras(loras)`` is a
     context manager inside which they act (never trained or saved); ``check_stacked_loras(loras)`` reads them and

@@ -35,6 +35,7 @@ one-process run of its expert draws, and its data shard is the group's (``data.s
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ from wantrain.core.distributed import (
     _encode_tree,
 )
 from wantrain.core.errors import UserError
+from wantrain.core.expert_relay import ExpertRelay
 
 
 @attrs.frozen
@@ -111,6 +113,7 @@ class ExpertGroupSync(ProcessGroupSync):
         self._grads_group = own  # this rank's group (None: the default group, when the world is one group)
         self._grads_world = groups.size
         self._grads_source = groups.leader(groups.group)
+        self._relays: dict[str | None, ExpertRelay] | None = None
 
     @classmethod
     def start(cls, topology: Topology, device: torch.device, *, groups: ExpertGroups,  # type: ignore[override]
@@ -125,6 +128,44 @@ class ExpertGroupSync(ProcessGroupSync):
             if g == groups.group:
                 own = made
         return cls(topology, device, groups, own, base._patient, experts)
+
+    # -- metrics: each group's figures, then the whole model's ---------------------------------------------------
+    def reduce_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        """:meth:`ProcessGroupSync.reduce_metrics` with the whole-model figures made from every group's: a rank
+        sends its norms (:data:`WHOLE_MODEL_NORMS`) and non-finite counts (:data:`WORST_OF_EXPERTS`) under
+        ``<name>/<its expert>`` (the mean over a group's ranks, which hold the same value, is that value), and the
+        whole-model value is then ``sqrt(sum over experts of value^2)`` (as one process computes it over both
+        experts' tensors) or the largest over the experts. docs/metrics.md, "One expert per group of GPUs"."""
+        mine = self.experts[self.groups.group]
+        renamed = {}
+        for name, value in values.items():
+            if name in WHOLE_MODEL_NORMS or name in WORST_OF_EXPERTS or name == FIRST_GROUP_LR:
+                renamed[f"{name}/{mine}"] = value
+            else:
+                renamed[name] = value
+        out = super().reduce_metrics(renamed)
+        if f"{FIRST_GROUP_LR}/{self.experts[0]}" in out:  # as one process: the first parameter group's
+            out[FIRST_GROUP_LR] = out[f"{FIRST_GROUP_LR}/{self.experts[0]}"]
+        for name in (*WHOLE_MODEL_NORMS, *WORST_OF_EXPERTS):
+            parts = [out[f"{name}/{e}"] for e in self.experts if f"{name}/{e}" in out]
+            if not parts:
+                continue
+            out[name] = max(parts) if name in WORST_OF_EXPERTS else math.sqrt(sum(v * v for v in parts))
+            if name in _PER_EXPERT_ELSEWHERE:  # the norms observer's train/param_norm/<expert> says it already
+                for e in self.experts:
+                    out.pop(f"{name}/{e}", None)
+        return out
+
+    # -- the other groups' experts, called from rank 0 (samples) ----------------------------------------------
+    def relays(self) -> dict[str | None, ExpertRelay]:
+        """Rank 0's link to each other group's expert, by expert (``core.expert_relay``): on rank 0 the callers,
+        on those groups' leaders the servers, on every rank the same dict (the same objects serve both ends).
+        Point to point on the host-side gloo group."""
+        if self._relays is None:
+            self._relays = {self.experts[g]: ExpertRelay(self._patient_group, self.topology.rank,
+                                                         self.groups.leader(g), self.experts[g], self.device)
+                            for g in range(1, self.groups.count)}
+        return self._relays
 
     # -- state and files: to rank 0, point to point on the host group ------------------------------------------
     def _send_to_rank0(self, payload: bytes | None) -> list[bytes] | None:
@@ -164,6 +205,15 @@ class ExpertGroupSync(ProcessGroupSync):
             return None
         return {**tree, "ranks": [own if i == 0 else _decode_tree(p) for i, p in enumerate(parts)]}
 
+
+WHOLE_MODEL_NORMS = ("train/grad_norm", "train/total_param_norm", "train/lora_norm", "train/lora_norm_start")
+"""L2 norms over every expert's LoRA: with expert groups, ``sqrt`` of the sum of the groups' squares."""
+WORST_OF_EXPERTS = ("train/nan_streak_max", "train/nan_skipped_steps")
+"""Counts of non-finite steps: with expert groups, the largest over the experts (the guard stops the run when
+one expert's streak reaches ``train.max_consecutive_nan``)."""
+_PER_EXPERT_ELSEWHERE = ("train/total_param_norm",)
+FIRST_GROUP_LR = "train/lr"
+"""The first parameter group's LR (one process: the high-noise expert's): with expert groups, the first group's."""
 
 LoraFile = tuple[str, dict[str, torch.Tensor], dict[str, str]]
 """A LoRA file to write: its name in the run directory, its tensors and its safetensors metadata."""

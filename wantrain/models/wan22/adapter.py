@@ -172,6 +172,7 @@ class Wan22Adapter:
                 self.placement.add(self._transformers, first=self.experts[0])
         self.active: str | None = self.experts[0]
         self.sampling_only: tuple[str, ...] = ()  # experts loaded for sampling only (add_sampling_expert)
+        self.relayed: tuple[str, ...] = ()  # experts another group of ranks holds (add_relayed_expert)
         self._vae = None
         self._tokenizer = None
         self._text_encoder = None
@@ -283,6 +284,9 @@ class Wan22Adapter:
         other expert (trained, or :meth:`sampling-only <add_sampling_expert>`) off it: the device never holds two
         experts (``models/wan22/placement.py``). A no-op for an expert already in place. With block swap, an
         expert that leaves the device drops its ring."""
+        if expert in self.relayed:  # held by another group: its calls travel there, nothing moves here
+            self.active = expert
+            return
         for e, swap in self._swaps.items():
             if e != expert:
                 swap.release()  # the expert not training keeps no swapped block on the device
@@ -458,10 +462,19 @@ class Wan22Adapter:
         self.sampling_only = (*self.sampling_only, expert)
         return expert
 
+    def add_relayed_expert(self, expert: str, stand_in: nn.Module) -> None:
+        """With ``model.expert_groups``: ``stand_in`` (``core.expert_relay.RelayedExpert``) takes the place of
+        ``expert``, which another group of ranks holds, in the sampling pipeline and for ``validation_loss``;
+        :meth:`activate` of it moves nothing (this rank's expert stays on the device). Not placed, trained or
+        saved, like a sampling-only expert."""
+        self._transformers[expert] = stand_in
+        self.relayed = (*self.relayed, expert)
+
     def _stacked_targets(self, lora: Any) -> list[str | None]:
         if self.spec.boundary_ratio is None:
             return [None]
-        return [e for e in ("high_noise", "low_noise") if lora.expert in ("both", e) and e in self._transformers]
+        return [e for e in ("high_noise", "low_noise")
+                if lora.expert in ("both", e) and e in self._transformers and e not in self.relayed]
 
     def _read_stacked(self, path: Path) -> tuple[dict[str, Any], list[str]]:
         from wantrain.models.wan22.stacked import read_stacked
@@ -479,9 +492,12 @@ class Wan22Adapter:
 
         lines = []
         for lora in loras:
+            targets = self._stacked_targets(lora)
+            if not targets:  # for an expert another group holds (model.expert_groups): checked there
+                continue
             modules, strays = self._read_stacked(lora.path)
             missed: dict[str, list[str]] = {}
-            for expert in self._stacked_targets(lora):
+            for expert in targets:
                 handles, unmatched = attach(self._transformers[expert], modules, lora.strength)
                 for handle in handles:
                     handle.remove()

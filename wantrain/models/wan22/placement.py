@@ -289,6 +289,16 @@ def expert_group_config(model: Any, lora: Any, group: int) -> tuple[Any, Any]:
     return mine, attrs.evolve(lora, **{f"init_from_{other}": None})
 
 
+def host_experts(model: Any, sampling: bool) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    """(the experts one rank trains, those it loads for sampling only), as the host-memory plan counts them:
+    with ``model.expert_groups`` > 1 one expert per rank (its group's; the A14B experts are the same size, so the
+    first stands for either) and nothing loaded for sampling (the other group's expert is called there:
+    ``core.expert_relay``); else the run's trained experts and, with ``[sample]`` on, the untrained one."""
+    if model.expert_groups > 1:
+        return model.trained_experts[:1], ()
+    return model.trained_experts, model.untrained_experts if sampling else ()
+
+
 def expert_group_lines(model: Any, gpus: int | None) -> list[str]:
     """``wantrain check``: where each expert trains with ``model.expert_groups`` > 1 (``[]`` otherwise), for a
     launch of ``gpus`` ranks (None: any multiple of the groups)."""
@@ -299,7 +309,8 @@ def expert_group_lines(model: Any, gpus: int | None) -> list[str]:
 
     experts = VARIANTS[model.variant].experts
     lines = [f"placement: one expert per group of GPUs (model.expert_groups = {count}); each GPU holds only its "
-             "group's expert and trains it every step, data parallel inside the group:"]
+             "group's expert and trains it every step, data parallel inside the group (the host memory above is "
+             "per rank: its expert alone):"]
     if gpus is None or gpus % count:
         def at(g: int) -> str:
             return "0" if g == 0 else "W" if g == count else f"{g}W/{count}" if g > 1 else f"W/{count}"

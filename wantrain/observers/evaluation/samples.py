@@ -31,8 +31,11 @@ adapter's sampling-only expert (its base weights, or ``sample.other_expert_lora`
 device like an inactive trained expert.
 
 Under torchrun rank 0 samples and the other ranks wait (``sync.wait_for_rank0``: a barrier without the process
-group's timeout); each round logs ``samples_written`` with its wall time in the run log and emits
-``SamplesWritten`` (the wandb observer logs the videos from it).
+group's timeout). With ``model.expert_groups`` rank 0 holds the high-noise expert only: the pipeline's calls of
+the low-noise one go to that group's leader, which serves them until rank 0's round ends (``core.expert_relay``;
+the adapter's ``add_relayed_expert``), so the video is the one-process run's, bit for bit. Each round logs
+``samples_written`` with its wall time in the run log and emits ``SamplesWritten`` (the wandb observer logs the
+videos from it). The files: ``sample_files.py``.
 """
 
 from __future__ import annotations
@@ -41,8 +44,7 @@ import contextlib
 import gc
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from fractions import Fraction
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +53,26 @@ import numpy as np
 import structlog
 import torch
 
-from wantrain.core.adapter import LoraStacking, SamplingCapable, TextEncoding, check_needs, evaluation_session
-from wantrain.core.atomic import atomic_write
+from wantrain.core.adapter import SamplingCapable, evaluation_session
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import ControlRequested, MetricsLogged, OptimizerStepped, RunStarted, SamplesWritten
+from wantrain.observers.evaluation.config import StackedLora
 from wantrain.observers.evaluation.latents_change import change_path, change_picture, latents_change
-from wantrain.observers.evaluation.motion import clip_motion, motion, motion_metrics
+from wantrain.observers.evaluation.motion import motion, motion_metrics
+from wantrain.observers.evaluation.sample_files import (
+    LATENT_RANGE,
+    frame_strip,
+    latents_image,
+    latents_path,
+    read_png,
+    sample_path,
+    to_uint8,
+    with_first_frame,
+    write_png,
+    write_video,
+)
 
 log = structlog.get_logger("wantrain.samples")
-
-STRIP_FRAMES = 8
-LATENT_RANGE = 3.0
-"""Latent values shown: [-3, 3] maps to [0, 255] (normalized Wan latents are mostly within +-3)."""
-GAP = 4  # pixels between the first frame and the strip
 
 
 @attrs.frozen
@@ -85,69 +94,6 @@ class SampleJob:
     image: Any = None
     image_source: str | None = None
     loras: tuple = ()  # StackedLora settings: files applied under the trained LoRA for this video
-
-
-def sample_path(directory: Path, step: int, index: int) -> Path:
-    return Path(directory) / f"step_{step:06d}_{index:02d}.mp4"
-
-
-def latents_path(directory: Path, step: int, index: int) -> Path:
-    return Path(directory) / f"step_{step:06d}_{index:02d}_latents.png"
-
-
-def write_video(path: Path, frames: np.ndarray, fps: float) -> None:
-    """``frames`` uint8 [F, H, W, 3] -> an H.264 mp4 (yuv420p; even sides) at ``fps``, written atomically."""
-    import av
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def encode(tmp: Path) -> None:
-        with av.open(str(tmp), mode="w", format="mp4") as container:
-            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
-            stream.width, stream.height = frames.shape[2], frames.shape[1]
-            stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": "18"}
-            for frame in frames:
-                for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
-                    container.mux(packet)
-            for packet in stream.encode():
-                container.mux(packet)
-
-    atomic_write(path, encode, what="sample video")  # a full disk: one line (core.atomic.StorageError)
-
-
-def frame_strip(frames: np.ndarray, count: int = STRIP_FRAMES) -> np.ndarray:
-    """Up to ``count`` evenly spaced frames of ``frames`` [F, H, W, 3] side by side: [H, n*W, 3]."""
-    picks = np.unique(np.linspace(0, len(frames) - 1, min(count, len(frames))).round().astype(int))
-    return np.concatenate([frames[i] for i in picks], axis=1)
-
-
-def with_first_frame(strip: np.ndarray, image: Any) -> np.ndarray:
-    """``image`` (the conditioning first frame, resized to the strip's height like the pipeline resizes it), a
-    black gap of ``GAP`` pixels, then ``strip``."""
-    height = strip.shape[0]
-    width = round(image.width * height / image.height)
-    first = np.asarray(image.convert("RGB").resize((width, height)), dtype=np.uint8)
-    return np.concatenate([first, np.zeros((height, GAP, 3), np.uint8), strip], axis=1)
-
-
-def latents_image(latents: torch.Tensor, height: int) -> np.ndarray:
-    """Latents [1, C, f, h, w] -> uint8 [height', f*w', 3]: channels 0-2 as RGB, [-LATENT_RANGE, LATENT_RANGE]
-    -> [0, 255], each latent frame scaled up (nearest) by the whole factor that brings h closest to ``height``."""
-    lat = latents[0, :3].float().cpu()
-    if lat.shape[0] < 3:
-        lat = torch.cat([lat, lat[:1].expand(3 - lat.shape[0], *lat.shape[1:])])
-    scale = max(1, round(height / lat.shape[2]))
-    tiles = ((lat.clamp(-LATENT_RANGE, LATENT_RANGE) + LATENT_RANGE) * (255 / (2 * LATENT_RANGE))).round()
-    tiles = tiles.to(torch.uint8).permute(1, 2, 3, 0).numpy()  # [f, h, w, 3]
-    tiles = tiles.repeat(scale, axis=1).repeat(scale, axis=2)
-    return np.concatenate(list(tiles), axis=1)
-
-
-def to_uint8(video: np.ndarray) -> np.ndarray:
-    """The pipeline's float frames in [0, 1] -> uint8, rounded like diffusers' ``numpy_to_pil``."""
-    return (np.clip(video, 0.0, 1.0) * 255).round().astype(np.uint8)
 
 
 class SampleVideos(Observer):
@@ -216,8 +162,14 @@ class SampleVideos(Observer):
         """One round of samples: rank 0 samples (unless ``skip``), the others wait. Under torchrun every rank
         reaches it at the same steps, a rule of the step alone: never of a stop request, which one rank may see
         before the others (its waiting barrier would then meet another collective)."""
+        relays = self.sync.relays() if hasattr(self.sync, "relays") else {}  # model.expert_groups
         if not self.samples_here:
-            self.sync.wait_for_rank0()  # rank 0 samples; no collective timeout while it does
+            served = next((e for e, relay in relays.items() if relay.serves), None)
+            try:
+                if served is not None:  # its expert's calls, until rank 0's round ends
+                    self._serve(relays[served], served, ctx)
+            finally:  # also when its expert failed (rank 0 raises it too, after this barrier)
+                self.sync.wait_for_rank0()  # rank 0 samples; no collective timeout while it does
             if not log_step:  # the same line of figures as rank 0's (a log step's travel with its other metrics)
                 self._log_figures(step, ctx, json.loads(self.sync.broadcast_text(None)))
             return
@@ -226,6 +178,8 @@ class SampleVideos(Observer):
             if not skip:
                 paths = self.sample(step, ctx.adapter, ctx.control)
         finally:
+            for relay in relays.values():  # also after an error: the serving ranks go on to the barrier
+                relay.done()
             if self.sync is not None:
                 self.sync.wait_for_rank0()  # let the waiting ranks go on
         if paths is not None and self._bus is not None:
@@ -238,6 +192,31 @@ class SampleVideos(Observer):
         if self.sync is not None:  # every rank reaches a round at the same steps: the others wait for this text
             self.sync.broadcast_text(json.dumps(figures))
         self._log_figures(step, ctx, figures)
+
+    @staticmethod
+    def _serve(relay: Any, expert: str | None, ctx) -> None:
+        """Expert groups: this rank holds ``expert`` for rank 0's pipeline (``core.expert_relay``), in eval mode
+        under ``torch.no_grad`` as a one-process round would run it, with each video's stacked LoRAs for it (rank 0
+        sends them before the video: :meth:`_tell_relays`)."""
+        with ctx.control.evaluation() as bring_in, contextlib.ExitStack() as stacked:
+            bring_in(expert)
+
+            def video(values: dict) -> None:
+                stacked.close()  # the previous video's, removed
+                loras = [StackedLora(path=Path(path), strength=strength, expert=on) for path, strength, on in
+                         values.get("loras", [])]
+                if loras:
+                    stacked.enter_context(ctx.adapter.stacked_loras(loras))
+
+            relay.serve(ctx.adapter.transformer_for(expert), context=video)
+
+    def _tell_relays(self, job: SampleJob) -> None:
+        """Expert groups: before ``job``'s video, each serving rank learns the stacked LoRAs of its expert."""
+        relays = self.sync.relays() if hasattr(self.sync, "relays") else {}
+        if any(j.loras for j in self.jobs):
+            for relay in relays.values():
+                relay.context(loras=[[str(lora.path), lora.strength, lora.expert] for lora in job.loras
+                                     if lora.expert in ("both", relay.expert)])
 
     def _log_figures(self, step: int, ctx, figures: dict[str, float]) -> None:
         """A round's ``samples/motion*`` figures off a log step: a line of their own, on every rank alike."""
@@ -262,6 +241,7 @@ class SampleVideos(Observer):
                     i2v = job.image is not None
                     if i2v not in pipes:
                         pipes[i2v] = adapter.sampling_pipeline(vae, image_to_video=i2v)
+                    self._tell_relays(job)
                     with adapter.stacked_loras(job.loras) if job.loras else contextlib.nullcontext():
                         video, latents = self._generate(pipes[i2v], adapter, bring_in, job)
                     frames = to_uint8(video[0])
@@ -272,11 +252,11 @@ class SampleVideos(Observer):
                     write_video(path, frames, self.fps)
                     paths.append(path)
                     picture = latents_image(latents, job.height)
-                    _write_png(latents_path(self.out_dir, step, job.index), picture)
-                    first = _read_png(latents_path(self.out_dir, 0, job.index)) if step > 0 else None
+                    write_png(latents_path(self.out_dir, step, job.index), picture)
+                    first = read_png(latents_path(self.out_dir, 0, job.index)) if step > 0 else None
                     if first is not None and first.shape == picture.shape:  # what the LoRA changed since step 0
                         changed[job.index] = round(latents_change(first, picture, LATENT_RANGE), 4)
-                        _write_png(change_path(self.out_dir, step, job.index), change_picture(first, picture))
+                        write_png(change_path(self.out_dir, step, job.index), change_picture(first, picture))
                     if self._writer is not None:
                         strip = frame_strip(frames)
                         if job.image is not None:
@@ -342,92 +322,3 @@ class SampleVideos(Observer):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-
-def _read_png(path: Path) -> np.ndarray | None:
-    """An RGB picture this observer wrote (step 0's latents), or ``None`` when it is not there."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError):
-        return None
-
-
-def _write_png(path: Path, picture: np.ndarray) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda tmp: Image.fromarray(picture).save(tmp, format="PNG"), what="sample image")
-
-
-def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, sync: Any = None,
-                          clips: Sequence[tuple[Any, int, str]] = (),
-                          prompt_embeds: Mapping[str, torch.Tensor] | None = None,
-                          clip_videos: Callable[[int, int], Iterable[np.ndarray]] | None = None) -> Any:
-    """The observer of ``cfg.sample``: encodes each prompt (and negative prompt) now, while the text encoder is
-    loaded, keeping the embeddings on the CPU (``prompt_embeds``: embeddings encoded already, by text, before the
-    experts loaded: nothing is encoded); reads the first-frame images. An I2V prompt without an image takes the
-    first frame of ``clips[index % len(clips)]`` at its sample size (logged as ``sample_first_frame``). torchrun
-    ranks other than 0 encode nothing: they only wait while rank 0 samples. ``clip_videos(width, height)``: the
-    training clips' frames at that size (uint8 ``[F, H, W, 3]`` each), measured once at the first video prompt's
-    size for ``samples/motion_ratio`` (logged as ``clip_motion``)."""
-    from PIL import Image
-
-    def embed(text: str) -> torch.Tensor:
-        if prompt_embeds is not None:
-            return prompt_embeds[text]
-        return adapter.encode_text([text])["text_embeds"].cpu()
-
-    s = cfg.sample
-    main = sync is None or sync.is_main
-    if main:
-        check_needs("SampleVideos", adapter, needs=(*SampleVideos.needs, TextEncoding))  # before encoding anything
-    jobs = []
-    negatives: dict[str, torch.Tensor] = {}
-    for p in s.resolved(spec) if main else ():
-        negative = None
-        if p.guided:
-            if p.negative_prompt not in negatives:
-                negatives[p.negative_prompt] = embed(p.negative_prompt)
-            negative = negatives[p.negative_prompt]
-        image, source = None, None
-        if p.image is not None:
-            with Image.open(p.image) as im:
-                image, source = im.convert("RGB"), str(p.image)
-        elif spec.conditioning == "i2v" and clips:
-            data, i, kind = clips[p.index % len(clips)]
-            clip = data.clips[i]
-            image = Image.fromarray(data.first_frame(i, p.width, p.height))
-            source = f"{clip.path} (frame {clip.start})" if clip.kind == "video" else str(clip.path)
-            log.info("sample_first_frame", prompt=p.index, source=source,
-                     reason=f"the prompt has no image: the first frame of a {kind}")
-        jobs.append(SampleJob(
-            index=p.index, prompt_embeds=embed(p.prompt),
-            negative_embeds=negative, width=p.width, height=p.height, frames=p.frames, seed=p.seed, steps=p.steps,
-            guidance_scale=p.guidance_scale, guidance_scale_high_noise=p.guidance_scale_high_noise, image=image,
-            image_source=source, loras=p.loras,
-        ))
-    stacked = list({(lora.path, lora.strength, lora.expert): lora for job in jobs for lora in job.loras}.values())
-    if stacked:  # read now: a file diffusers cannot read is refused before training; unmatched keys said once
-        check_needs("SampleVideos", adapter, needs=(LoraStacking,))
-        for line in adapter.check_stacked_loras(stacked):
-            log.warning("stacked_lora_unmatched", detail=line)
-    reference = None
-    video = next((j for j in jobs if j.frames > 1), None)
-    if clip_videos is not None and video is not None:
-        reference = clip_motion(clip_videos(video.width, video.height))
-        log.info("clip_motion", motion=reference, width=video.width, height=video.height,
-                 unit="mean optical-flow magnitude, pixels per frame")
-    note = None
-    if spec.tiny:
-        note = (f"{spec.name} is a random toy model: its VAE cannot draw, so the decoded frames look like noise "
-                "at every step; the *_latents.png beside each video (and samples/NN/latents in TensorBoard) show "
-                "its latents, and from the second round on *_change.png puts them beside step 0's with their "
-                "difference: what the LoRA changed")
-    return SampleVideos(
-        out_dir=Path(run_dir) / "samples", jobs=jobs, every=s.every, fps=s.fps or spec.target_fps,
-        tensorboard_dir=Path(run_dir) / "tensorboard" if cfg.observers.tensorboard else None, sync=sync, note=note,
-        clip_motion=reference,
-    )

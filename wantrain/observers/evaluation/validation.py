@@ -51,7 +51,7 @@ def metric_name(t: float) -> str:
 
 def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], timesteps: Sequence[float],
              seed: int, control: Any = None, *, sync: Any = None,
-             clip_indices: Sequence[int] | None = None) -> dict[str, float]:
+             clip_indices: Sequence[int] | None = None, run_experts: Sequence[Any] | None = None) -> dict[str, float]:
     """The ``val/*`` metrics of ``adapter`` on ``batches`` (cached batches: ``latents``, ``text_embeds``, ...).
 
     ``clip_indices``: each batch's index in the whole validation set (its noise seed; default 0, 1, ...). Under
@@ -61,18 +61,27 @@ def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], t
     trained are left out. Experts are visited in the adapter's order starting with the active one, brought in by
     the core (``control.evaluation()``; without ``control``, outside a run: ``core.adapter.evaluation_session``);
     the active expert is restored at the end. One device->host transfer (and, under torchrun, one all-reduce).
+
+    ``run_experts``: every expert of the run (``model.expert_groups``: every group's, of which ``adapter`` holds
+    one). A timestep whose expert another group holds is evaluated there, on that group's share of the clips: this
+    rank adds a sum and a count of zero for it, and the all-reduce brings that group's sums to every rank.
     """
     training_expert = adapter.active
     indices = list(range(len(batches))) if clip_indices is None else list(clip_indices)
+    elsewhere = [e for e in run_experts or () if e not in adapter.experts]
     owners: dict[Any, list[int]] = {}
     for i, t in enumerate(timesteps):
         expert = adapter.expert_for_timestep(t)
         if expert != "untrained":
             owners.setdefault(expert, []).append(i)
-    order = sorted(owners, key=lambda e: (e != training_expert, adapter.experts.index(e)))
+        elif len(elsewhere) == 1 and sync is not None:  # the other group's expert owns it
+            owners.setdefault(elsewhere[0], []).append(i)
+    here = [e for e in owners if e not in elsewhere]
+    experts = list(run_experts or adapter.experts)
+    order = sorted(owners, key=lambda e: (e != training_expert, experts.index(e)))
     losses: dict[int, list[torch.Tensor]] = {}
     with control.evaluation() if control is not None else evaluation_session(adapter) as bring_in:
-        for expert in order:
+        for expert in [e for e in order if e in here]:
             bring_in(expert)
             for i in owners[expert]:
                 for c, batch in zip(indices, batches, strict=True):
@@ -82,7 +91,8 @@ def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], t
     evaluated = sorted(i for e in order for i in owners[e])
     if not evaluated:
         return {}
-    host = torch.stack([v for i in evaluated for v in losses.get(i, [])]).tolist() if batches else []
+    mine = [v for i in evaluated for v in losses.get(i, [])]
+    host = torch.stack(mine).tolist() if mine else []
     sums, counts, pos = [], [], 0  # the one device->host transfer
     for i in evaluated:
         n = len(losses.get(i, []))
@@ -96,7 +106,7 @@ def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], t
     if not per_t:
         return {}
     out = {"val/loss": sum(per_t.values()) / len(per_t)}
-    if len(adapter.experts) > 1:
+    if len(experts) > 1:
         for expert in order:
             mine = [per_t[i] for i in owners[expert] if i in per_t]
             out[f"val/loss/{expert}"] = sum(mine) / len(mine)
@@ -113,13 +123,14 @@ class Validation(Observer):
 
     def __init__(self, batches: Sequence[Mapping[str, Any]], *, timesteps: Sequence[float], seed: int,
                  every: int, sync: Any = None, clip_indices: Sequence[int] | None = None,
-                 clips_total: int | None = None) -> None:
+                 clips_total: int | None = None, run_experts: Sequence[Any] | None = None) -> None:
         self.batches = list(batches)
         self.clip_indices = list(range(len(self.batches))) if clip_indices is None else list(clip_indices)
         # the validation set's size (torchrun: over every rank; this rank holds `batches`, its share)
         self.clips_total = len(self.batches) if clips_total is None else clips_total
         self.sync = sync  # torchrun: this rank's share of the clips, the sums added up over the ranks
         self.timesteps = list(timesteps)
+        self.run_experts = run_experts  # expert groups: every group's expert (validate)
         self.seed = seed
         self.every = every
         self.seconds = 0.0  # wall time spent validating in this process
@@ -163,7 +174,7 @@ class Validation(Observer):
     def _run(self, step: int, ctx) -> dict[str, float]:
         started = time.perf_counter()
         values = validate(ctx.adapter, self.batches, self.timesteps, self.seed, ctx.control, sync=self.sync,
-                          clip_indices=self.clip_indices)
+                          clip_indices=self.clip_indices, run_experts=self.run_experts)
         seconds = time.perf_counter() - started
         self.seconds += seconds
         log.info("validation", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),
