@@ -59,7 +59,7 @@ from wantrain.core.adapter import NullSaver, check_needs
 from wantrain.core.atomic import atomic_write, critical_section, is_storage_error, storage_error
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import latest_complete, step_dir_name
-from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology, rank_seed, rank_view
+from wantrain.core.distributed import ProcessGroupSync, SingleProcess, detect_topology, rank_view
 from wantrain.core.errors import UserError
 from wantrain.core.events import RunStarted
 from wantrain.core.events.log import event_log_path
@@ -349,7 +349,7 @@ class PreparedRun:
             scheduler=scheduler,
             saver=self._saver(run_dir) if options.saves else NullSaver(),
             settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir,
-            seed=rank_seed(cfg.run.seed, _stream_rank(sync)), state=state, checkpoints=policy, sync=sync,
+            seed=cfg.run.seed, state=state, checkpoints=policy, sync=sync,
         )
         if resume is not None:
             source = resume.checkpoint
@@ -421,12 +421,6 @@ def _clip_frames(data: Any, width: int, height: int) -> Iterator[np.ndarray]:
         decoded = decode_video(clip.path, clip.source_indices(), width, height, clip.rotation)
         if decoded.frames is not None and len(decoded.frames) > 1:
             yield decoded.frames
-
-
-def _stream_rank(sync: Any) -> int:
-    """The rank whose random streams this rank draws (``core.distributed.rank_seed``): its own, or with expert
-    groups its place in its group, so each group draws what a one-process run of its expert draws."""
-    return sync.groups.rank_in_group if isinstance(sync, ExpertGroupSync) else sync.topology.rank
 
 
 def _run_experts(sync: Any, adapter: Any) -> tuple[str | None, ...]:

@@ -38,7 +38,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 PATIENT_TIMEOUT_S = 7 * 24 * 3600.0
@@ -82,14 +81,6 @@ def detect_topology(environ: Mapping[str, str] | None = None) -> Topology:
     if world <= 1:
         return Topology()
     return Topology(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", env["RANK"])))
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed of rank ``rank``'s random streams (timesteps, noise): the run seed itself on rank 0, so that a
-    one-process run is unchanged, and an independent stream derived from ``(seed, rank)`` on the others."""
-    if rank == 0:
-        return seed
-    return int(np.random.SeedSequence([seed % 2**64, rank]).generate_state(1, np.uint64)[0]) % 2**63
 
 
 def rank_view(tree: Mapping[str, Any], rank: int) -> dict[str, Any]:
