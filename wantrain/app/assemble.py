@@ -38,6 +38,7 @@ from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
 from wantrain.app.preflight import (
     check_parallel,
+    check_sequence_buckets,
     compile_cache_dir,
     config_warnings,
     data_warnings,
@@ -81,6 +82,7 @@ from wantrain.models.wan22.attention import kernel_in_use
 from wantrain.models.wan22.compile import use_cache_dir
 from wantrain.models.wan22.config import FP8_DTYPES
 from wantrain.models.wan22.placement import expert_group_config
+from wantrain.models.wan22.sequence import split_sequences
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
 from wantrain.observers.evaluation.samples import build_sample_observer
@@ -538,7 +540,11 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
     check_sections(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
-    data.shard(*((groups.rank_in_group, groups.size) if groups else (topology.rank, topology.world_size)))
+    # the data-parallel rank: its place in its expert group, or its sequence group's (whose ranks share samples)
+    sequence = cfg.model.sequence_degree
+    data.shard(*((groups.rank_in_group, groups.size) if groups else
+                 (topology.rank // sequence, topology.world_size // sequence)))
+    check_sequence_buckets(cfg, data.report.buckets)  # a bucket whose tokens do not split: refused here
     given = cfg
     if uses_epochs(cfg):
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
@@ -588,6 +594,9 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         sync = ExpertGroupSync.start(topology, device, groups=groups, experts=spec.experts)
     else:
         sync = ProcessGroupSync.start(topology, device) if topology.distributed else SingleProcess()
+    if sequence > 1:  # Ulysses: each rank of a sequence group holds 1/sequence of every clip's tokens
+        split_sequences(adapter, device, topology.world_size, sequence)
+        sync.split_sequences(sequence)
     if cfg.model.parallel == "fsdp" and topology.distributed:  # refused with expert groups (both experts)
         shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree)
         sync.shard()

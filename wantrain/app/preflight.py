@@ -129,6 +129,7 @@ def check_parallel(cfg: Any, world_size: int) -> list[str]:
     ranks, and [validation] and [sample] are refused (each rank evaluates its own clips, rank 0 alone samples: a
     sharded forward needs every rank in step)."""
     model = cfg.model
+    check_sequence_launch(cfg, world_size)
     if model.parallel != "fsdp":
         return []
     if world_size == 1:
@@ -139,12 +140,51 @@ def check_parallel(cfg: Any, world_size: int) -> list[str]:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise UserError(f"model.shard_degree = {degree} does not divide the {world_size} ranks of this launch; use "
                         f"one of {', '.join(map(str, divisors))} (unset: all {world_size})")
+    _refuse_evaluation(cfg, "model.parallel = 'fsdp' under torchrun", "a sharded forward needs every rank in step")
+    return []
+
+
+def _refuse_evaluation(cfg: Any, layout: str, why: str) -> None:
+    """[validation] or [sample] enabled under ``layout``, which they do not run with yet: one line."""
     for section in ("validation", "sample"):
         if getattr(cfg, section).enabled:
-            raise UserError(f"[{section}] does not run with model.parallel = 'fsdp' under torchrun yet (a sharded "
-                            f"forward needs every rank in step); set {section}.enabled = false, or evaluate the "
-                            "saved LoRA in a one-process run")
-    return []
+            raise UserError(f"[{section}] does not run with {layout} yet ({why}); set {section}.enabled = false, "
+                            "or evaluate the saved LoRA in a one-process run")
+
+
+def check_sequence_launch(cfg: Any, world_size: int) -> None:
+    """``model.sequence_degree`` against this launch's ``world_size`` (1 without torchrun): the degree must divide
+    the ranks, and [validation] and [sample] are refused (not built for sequence groups yet). One line, before
+    anything is written."""
+    degree = cfg.model.sequence_degree
+    if degree == 1:
+        return
+    if world_size == 1:
+        raise UserError(f"model.sequence_degree = {degree} splits each clip over {degree} GPUs and needs a torchrun "
+                        f"launch of a multiple of {degree} ranks (this run is one process); launch it with torchrun "
+                        f"--nproc_per_node {degree}, or set sequence_degree = 1")
+    if world_size % degree:
+        raise UserError(f"model.sequence_degree = {degree} does not divide the {world_size} ranks of this launch; "
+                        f"launch a multiple of {degree} ranks, or set sequence_degree to a divisor of {world_size}")
+    _refuse_evaluation(cfg, f"model.sequence_degree = {degree}",
+                       "the ranks of a sequence group would have to evaluate in step")
+
+
+def check_sequence_buckets(cfg: Any, buckets: Any) -> None:
+    """Every bucket's tokens per clip (latent frames x latent height x latent width over the patch) must split
+    evenly over ``model.sequence_degree`` GPUs: the first that does not is refused in one line, naming it."""
+    from wantrain.models.wan22.memory import tokens_of
+
+    degree = cfg.model.sequence_degree
+    if degree == 1:
+        return
+    spec = variant_spec(cfg.model.variant)
+    for row in buckets:
+        tokens = tokens_of(spec, row.width, row.height, row.frames, 1)
+        if tokens % degree:
+            raise UserError(f"bucket {row.width}x{row.height}x{row.frames} has {tokens} tokens per clip, which "
+                            f"model.sequence_degree = {degree} does not divide (each GPU takes an equal share); "
+                            "change data.resolutions or data.frames so every bucket's tokens divide, or the degree")
 
 
 def data_warnings(data: Any) -> list[str]:

@@ -42,7 +42,7 @@ log = structlog.get_logger("wantrain.run")
 RESUME_RULES: dict[str, str] = {
     # refused: the checkpoint's state would not mean the same thing (layout, data order, expert phase)
     "model.variant": "refuse", "model.experts": "refuse", "model.switch_every": "refuse",
-    "model.expert_groups": "refuse",
+    "model.expert_groups": "refuse", "model.sequence_degree": "refuse",  # the data shards and draws per rank
     "lora.rank": "refuse", "lora.alpha": "refuse", "data.": "refuse", "train.batch_size": "refuse",
     "train.grad_accum": "refuse", "run.seed": "refuse", "optimizer.type": "refuse",
     "lora.plus_lr_ratio": "refuse",  # LoRA+ on or off changes the optimizer's parameter groups

@@ -176,6 +176,12 @@ class ProcessGroupSync:
         :meth:`broadcast_parameters` nothing (each rank's shard is its own, cut from the same seeded LoRA)."""
         self.sharded = True
 
+    def split_sequences(self, degree: int) -> None:
+        """The model splits each clip's tokens over ``degree`` consecutive ranks (Ulysses, ``model.sequence_degree``):
+        each rank's gradients are its tokens' share, so :meth:`average_gradients` sums over every rank and divides
+        by the data-parallel size (the sum over each sequence group, the mean over the groups)."""
+        self._grads_world = self.topology.world_size // degree
+
     @classmethod
     def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0,
               patient_timeout_s: float = PATIENT_TIMEOUT_S) -> ProcessGroupSync:
