@@ -75,3 +75,11 @@ def test_run_and_check_refuse_such_a_bucket_before_anything_is_written(tmp_path,
     assert "tokens per clip, which model.sequence_degree = 2 does not divide" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "runs").exists()
     assert not list((tmp_path / "demo_data").rglob("*.safetensors"))  # nothing cached either
+
+
+def test_check_plans_the_configs_sequence_degree_as_trainable(tmp_path, capsys):
+    config = copy_examples(tmp_path)
+    assert main(["check", str(config), "--gpus", "4", "--set", "model.sequence_degree=2",
+                 "--set", "data.resolutions=[32]"]) == 0
+    out = capsys.readouterr().out
+    assert "4 GPUs, Ulysses over 2" in out and "trainable under torchrun" in out, out[-2000:]

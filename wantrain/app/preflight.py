@@ -509,8 +509,9 @@ def expert_group_lines(cfg: Any, gpus: int | None) -> list[str]:
 def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
     bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel, the
-    FSDP (``model.parallel``) and the expert-group (``model.expert_groups``) layouts under torchrun, each alone;
-    sequence degrees, and sharding inside expert groups, are planned only (docs/distributed.md)."""
+    FSDP (``model.parallel``), the expert-group (``model.expert_groups``) and the sequence-parallel
+    (``model.sequence_degree``, data parallel across the groups) layouts under torchrun, each alone; their
+    combinations are planned only (docs/distributed.md)."""
     from wantrain.models.wan22.rank_plan import rank_estimate
 
     bucket = (report.memory_plan or {}).get("bucket")
@@ -519,8 +520,8 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     width, height, frames = (int(x) for x in bucket.split("x"))
     estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
                              rank=_lora_rank(cfg), batch=cfg.train.batch_size)
-    # wantrain run trains data parallel, fsdp (model.parallel) and expert groups, not both of the last two at once
-    runs = layout.sequence_degree == 1 and (layout.expert_groups == 1 or layout.shard_degree == 1)
+    # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses, each alone
+    runs = sum((layout.expert_groups > 1, layout.shard_degree > 1, layout.sequence_degree > 1)) <= 1
     status = "trainable under torchrun" if runs else "planned, not yet trainable"
     return [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
             *("  " + line for line in estimate.lines())]
