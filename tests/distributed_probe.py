@@ -6,6 +6,8 @@ every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory
 resumed run's LoRA as restored). On ranks other than 0 it records, through an audit hook, every
 write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
 ``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only.
+``rank<R>_grads.safetensors``: the first optimizer step's gradients as ``GradsReady`` sees them (averaged over the
+ranks; under fsdp the rank's shard), by LoRA parameter name.
 ``WANTRAIN_PROBE_COMPILE_BACKEND``: the backend ``model.compile`` uses in this process (``aot_eager`` or
 ``eager``: the cheap ones the tests use), set when this module is imported (before the adapter compiles its
 blocks); the record then holds dynamo's counts (``compile``)."""
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from wantrain.core.events import MetricsLogged, OptimizerStepped, RunEnded, RunStarted
+from wantrain.core.events import GradsReady, MetricsLogged, OptimizerStepped, RunEnded, RunStarted
 from wantrain.models.wan22 import compile as wan_compile
 from wantrain.observers import Observer, on
 
@@ -60,6 +62,19 @@ class RankProbe(Observer):
                     writes.append(f"{event} {text}")
 
         sys.addaudithook(hook)
+
+    @on(GradsReady)
+    def grads_ready(self, event: GradsReady, ctx) -> None:
+        if self.directory is None or event.step != 1:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        grads = {}
+        for expert in ctx.adapter.experts:
+            for name, param in ctx.adapter.transformer_for(expert).named_parameters():
+                if param.requires_grad and param.grad is not None:
+                    grad = getattr(param.grad, "to_local", lambda g=param.grad: g)()
+                    grads[f"{expert}.{name}"] = grad.detach().cpu().contiguous()
+        save_file(grads, str(self.directory / f"rank{self.rank}_grads.safetensors"))
 
     @on(OptimizerStepped)
     def stepped(self, event: OptimizerStepped, ctx) -> None:

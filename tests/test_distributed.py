@@ -1,7 +1,8 @@
 """Data-parallel training under torchrun, end to end: two processes with gloo on the CPU train the tiny real Wan
 model on the demo data (docs/distributed.md). Three launches share the filled cache: an uninterrupted run with an
 out-of-memory error injected on rank 1 only, a run that rank 1 alone asks to stop, and its resume. A one-process
-run with the same global batch is the reference for the loss series."""
+run with the same global batch is the reference: every rank draws its rows of the global batch's timesteps and
+noise, so the runs agree to rounding."""
 
 from __future__ import annotations
 
@@ -32,10 +33,24 @@ SETTINGS = [
     f"train.max_steps={STEPS}", "train.log_every=2", "checkpoint.every=4", "observers.progress=false",
     "optimizer.lr=3e-3", "model.switch_every=4", f"faults.oom_at_steps=[{OOM_STEP}]",
 ]
-LOSS_TOLERANCE = 0.10
-"""Relative tolerance of each logged loss (a 2-step mean) against the one-process run: the samples of each global
-batch are the same, the timesteps and noise are not (each rank draws its own), so the series agree statistically,
-not exactly. Measured: at most 2 % per logged step, 0.9 % on the mean of the series."""
+LOSS_TOLERANCE = 1e-6
+"""Relative tolerance of each logged loss against the one-process run with the same global batch: every rank draws
+the global batch's timesteps and noise from the run seed and keeps its rows, so the two runs see the same samples
+and draws; only the rounding of a batch of 1 against a batch of 2 differs. Measured: at most 5.6e-8."""
+GRAD_TOLERANCE = 1e-6
+"""Of the first step's gradients (max |a - b| / max |b| over the tensors) against the one-process run's."""
+LORA_TOLERANCE = 5e-5
+"""Of the final LoRA (max |a - b| / max |b|) against the one-process run's after several AdamW steps: the
+gradients agree within 1e-6, but AdamW divides each by the root of its own running square, so a gradient element
+near zero turns a rounding difference into a difference of the step's size (docs/distributed.md, World size and
+random draws)."""
+
+
+def worst_relative(got: dict, expected: dict) -> float:
+    """max over the tensors of max |got - expected| / max |expected| (the same names on both sides)."""
+    assert sorted(got) == sorted(expected) and expected
+    return max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) if expected[k].abs().max() > 0
+               else float(got[k].abs().max() > 0) for k in expected)  # a zero tensor (lora_A's first gradient)
 
 
 def free_port() -> int:
@@ -103,15 +118,24 @@ def uninterrupted(workspace: Path) -> Path:
     return only_run_dir(workspace / "full")
 
 
+def in_process_run(workspace: Path, name: str, *args: str) -> Path:
+    """``wantrain run`` of the quickstart copy in this process, under ``workspace/name``, with the probe writing to
+    ``workspace/name_probe`` (the final LoRA in fp32, the first step's gradients)."""
+    command = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / name}"',
+               "--set", 'observers.extra=["distributed_probe:RankProbe"]', "--allow-code", *args]
+    os.environ["WANTRAIN_PROBE_DIR"] = str(workspace / f"{name}_probe")
+    try:
+        assert main(command) == 0
+    finally:
+        del os.environ["WANTRAIN_PROBE_DIR"]
+    return only_run_dir(workspace / name)
+
+
 @pytest.fixture(scope="module")
 def one_process(workspace: Path) -> Path:
     """The same run in one process with the global batch (2 samples per step)."""
-    args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / "single"}"',
-            "--set", "train.batch_size=2"]
-    for item in SETTINGS:
-        args += ["--set", item]
-    assert main(args) == 0
-    return only_run_dir(workspace / "single")
+    return in_process_run(workspace, "single", "--set", "train.batch_size=2",
+                          *[x for item in SETTINGS for x in ("--set", item)])
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -151,14 +175,27 @@ def test_an_out_of_memory_error_on_rank_1_skips_the_step_on_both_ranks(workspace
     assert metrics(uninterrupted)[-1]["train/skipped_steps"] == 1
 
 
-def test_loss_series_matches_a_one_process_run_with_the_same_global_batch(uninterrupted, one_process):
+def grads(workspace: Path, name: str, rank: int = 0) -> dict:
+    return load_file(str(workspace / f"{name}_probe" / f"rank{rank}_grads.safetensors"))
+
+
+def test_a_two_rank_run_equals_the_one_process_run_with_the_same_global_batch(workspace, uninterrupted,
+                                                                                 one_process):
+    """Two ranks of batch 1 and one process of batch 2, both experts, an out-of-memory error at step 3 (on rank 1
+    alone in the two-rank run: rank 0 drew for that step and rewinds): the same samples and draws, so the same
+    losses, the same first gradients and, after 11 AdamW steps, the same LoRA within the tolerances above."""
     two, one = metrics(uninterrupted), metrics(one_process)
     assert [r["step"] for r in two] == [r["step"] for r in one]
-    for a, b in zip(two, one, strict=True):
-        assert abs(a["train/loss"] - b["train/loss"]) <= LOSS_TOLERANCE * b["train/loss"], (a, b)
-    mean_two = sum(r["train/loss"] for r in two) / len(two)
-    mean_one = sum(r["train/loss"] for r in one) / len(one)
-    assert abs(mean_two - mean_one) <= LOSS_TOLERANCE / 2 * mean_one, (mean_two, mean_one)
+    # the interval holding the out-of-memory step is left out: rank 0 computed that step's loss before the step
+    # was skipped and logs it (the losses computed are the ones logged), the one process did not reach it
+    counted = [i for i, r in enumerate(one) if not r["step"] - 2 < OOM_STEP <= r["step"]]
+    assert len(counted) == len(one) - 1
+    assert [two[i]["train/loss"] for i in counted] == pytest.approx([one[i]["train/loss"] for i in counted],
+                                                                     rel=LOSS_TOLERANCE)
+    assert worst_relative(grads(workspace, "full"), grads(workspace, "single")) <= GRAD_TOLERANCE
+    final = probe(workspace, "full", 0)[1]
+    assert worst_relative(final, probe(workspace, "single", 0)[1]) <= LORA_TOLERANCE
+    assert metrics(uninterrupted)[-1]["train/skipped_steps"] == metrics(one_process)[-1]["train/skipped_steps"] == 1
 
 
 def test_a_stop_on_rank_1_stops_both_and_the_resumed_run_equals_the_uninterrupted_one(workspace, uninterrupted):
@@ -219,7 +256,7 @@ def test_the_lr_finder_sweeps_on_both_ranks_and_rank_0_writes_its_files(workspac
     assert done.returncode == 0, done.stderr[-3000:]
     # only rank 0 prints the summary (issue 29): one suggestion per expert, once; both ranks decide from the same
     # reduced losses (the probes' records below)
-    lines = [line for line in done.stdout.splitlines() if "suggest" in line.lower()]
+    lines = [line for line in done.stdout.splitlines() if "suggested LR" in line]  # (warnings may follow each)
     assert len(lines) == len(set(lines)) == 2, lines
     (run_dir,) = (workspace / "finder").iterdir()
     assert (run_dir / "lr_finder.csv").exists() and (run_dir / "lr_finder.json").exists()
@@ -382,12 +419,6 @@ def fsdp_runs(workspace: Path) -> dict[str, Path]:
     return {"dp": only_run_dir(workspace / "dp"), "fsdp": run_dir, "stopped_copy": copy}
 
 
-def worst_relative(got: dict, expected: dict) -> float:
-    """max over the tensors of max |got - expected| / max |expected| (the same names on both sides)."""
-    assert sorted(got) == sorted(expected) and expected
-    return max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected)
-
-
 def test_an_fsdp_run_equals_the_data_parallel_run_with_the_same_draws_and_each_rank_holds_half(workspace,
                                                                                                fsdp_runs):
     sharded, reference = loras(fsdp_runs["fsdp"]), loras(fsdp_runs["dp"])
@@ -457,3 +488,21 @@ def test_a_two_rank_fsdp_checkpoint_resumes_in_one_process_with_the_same_state(w
         assert before[key].equal(after[key]), key
     final = load_file(str(run_dir / "quickstart_high_noise.safetensors"))  # written again, by one process
     assert sorted(final) == sorted(stopped_lora) and all(final[k].equal(v) for k, v in stopped_lora.items())
+
+
+def test_data_parallel_and_fsdp_two_rank_runs_equal_the_one_process_run_of_their_global_batch(workspace, fsdp_runs):
+    """The 4 steps of the dp and fsdp launches above, in one process with their global batch of 2: the same
+    losses, first gradients (fsdp: its two ranks' rows together) and final LoRA, within the tolerances of the
+    first test of this file."""
+    single = in_process_run(workspace, "fsdp_single", *[x for item in SETTINGS for x in ("--set", item)], *FSDP,
+                            "--set", "train.batch_size=2")
+    one = [r["train/loss"] for r in metrics(single)]
+    reference = loras(single)["quickstart_high_noise.safetensors"]
+    expected = grads(workspace, "fsdp_single")
+    assert worst_relative(grads(workspace, "dp"), expected) <= GRAD_TOLERANCE
+    shards = [grads(workspace, "fsdp", rank) for rank in (0, 1)]
+    assert worst_relative({k: torch.cat([shards[0][k], shards[1][k]]) for k in shards[0]}, expected) <= GRAD_TOLERANCE
+    for name in ("dp", "fsdp"):
+        assert [r["train/loss"] for r in metrics(fsdp_runs[name])] == pytest.approx(one, rel=LOSS_TOLERANCE), name
+        assert worst_relative(loras(fsdp_runs[name])["quickstart_high_noise.safetensors"], reference) \
+            <= LORA_TOLERANCE, name

@@ -19,7 +19,6 @@ from wantrain.core.distributed import (
     _encode_tree,
     checkpoint_world_size,
     detect_topology,
-    rank_seed,
     rank_view,
 )
 from wantrain.core.errors import ConfigError, UserError
@@ -31,11 +30,30 @@ def test_topology_comes_from_torchruns_environment():
     assert (t.rank, t.world_size, t.local_rank, t.is_main, t.distributed) == (3, 4, 1, False, True)
 
 
-def test_rank_0_keeps_the_run_seed_and_other_ranks_get_their_own():
-    assert rank_seed(1234, 0) == 1234
-    seeds = {rank_seed(1234, r) for r in range(8)}
-    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
-    assert rank_seed(1234, 1) == rank_seed(1234, 1) != rank_seed(1235, 1)
+def test_each_rank_draws_the_rows_of_its_samples_in_the_global_batch():
+    """Every rank seeds with the run seed and keeps its rows of the global batch's draws (Wan22Adapter.loss): the
+    positions are those of its slice, a sample that dropped out of the batch leaves its position unused, and a
+    short global batch is padded as rank_share pads it."""
+    from types import SimpleNamespace
+
+    from wantrain.data.training import TrainingData
+
+    class Report:
+        buckets, steps_per_epoch, verification = [], 0, []
+
+    clips = [SimpleNamespace(path=f"clip{i}.mp4", active=False) for i in range(6)]
+    data = TrainingData(clips, Report(), batch_size=2, remainder="drop", shuffle=False, seed=0, spec=None)
+    samples = [(i, "text") for i in range(6)]
+    draws = []
+    for rank in range(3):
+        data.shard(rank, 3)
+        share = data.rank_share(samples)
+        draws.append(data.global_draws(6, share, [f"clip{i}.mp4" for i, _ in share]))
+    assert draws == [((0, 1), 6), ((2, 3), 6), ((4, 5), 6)]
+    data.shard(1, 3)
+    assert data.global_draws(6, samples[2:4], ["clip3.mp4"]) == ((3,), 6)  # clip 2 failed to decode
+    data.shard(2, 3)  # a short global batch of 2: rank 2 repeats the first sample, and its draws
+    assert data.global_draws(2, [samples[0]], ["clip0.mp4"]) == ((0,), 2)
 
 
 def test_each_rank_trains_its_slice_of_the_global_batch(tmp_path):
@@ -319,7 +337,7 @@ def test_a_sharded_run_resumes_on_fewer_ranks_and_on_more(tmp_path):
     assert "random streams of rank 1 end" in check_resume_world_size(two, 1, sharded=True)
     assert "this run has 3: the LoRA, optimizer, schedule and counters continue exactly; rank 2 starts random " \
            "streams of its own" in check_resume_world_size(two, 3, sharded=True)
-    assert "ranks 2..7 start random streams of their own" in check_resume_world_size(two, 8, sharded=True)
+    assert "ranks 2..7 continue rank 0's random streams" in check_resume_world_size(two, 8, sharded=True)
     with pytest.raises(UserError, match=r"resume with 4 processes .* \(model.parallel = 'fsdp' resumes on another"):
         check_resume_world_size(point, 2)  # data parallel: refused as before
     with pytest.raises(UserError, match=r"resume with 2 processes"):

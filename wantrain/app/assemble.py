@@ -38,6 +38,7 @@ from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
 from wantrain.app.preflight import (
     check_parallel,
+    check_sequence_buckets,
     compile_cache_dir,
     config_warnings,
     data_warnings,
@@ -62,9 +63,7 @@ from wantrain.core.checkpoint import latest_complete, step_dir_name
 from wantrain.core.distributed import (
     ProcessGroupSync,
     SingleProcess,
-    checkpoint_world_size,
     detect_topology,
-    rank_seed,
     rank_view,
 )
 from wantrain.core.errors import UserError
@@ -75,7 +74,7 @@ from wantrain.core.expert_relay import RelayedExpert
 from wantrain.core.faults import inject_faults
 from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
 from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
-from wantrain.core.state import TrainState, fresh_streams
+from wantrain.core.state import TrainState
 from wantrain.core.state_check import check_state_tree
 from wantrain.data import build_dataset, ensure_cache
 from wantrain.data.cache import CacheStats
@@ -89,6 +88,7 @@ from wantrain.models.wan22.attention import kernel_in_use
 from wantrain.models.wan22.compile import use_cache_dir
 from wantrain.models.wan22.config import FP8_DTYPES
 from wantrain.models.wan22.placement import expert_group_config
+from wantrain.models.wan22.sequence import split_sequences
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.config import check_sections
 from wantrain.observers.evaluation.sample_setup import build_sample_observer
@@ -357,7 +357,7 @@ class PreparedRun:
             scheduler=scheduler,
             saver=self._saver(run_dir) if options.saves else NullSaver(),
             settings=LoopSettings.from_config(train_cfg), bus=bus, run_dir=run_dir,
-            seed=rank_seed(cfg.run.seed, _stream_rank(sync)), state=state, checkpoints=policy, sync=sync,
+            seed=cfg.run.seed, state=state, checkpoints=policy, sync=sync,
         )
         if resume is not None:
             source = resume.checkpoint
@@ -367,8 +367,6 @@ class PreparedRun:
                     source = source.parent / step_dir_name(resume.step)
             notes = trainer.load_state_dict(rank_view(resume.tree, rank), source=str(source),
                                             meta=resume.meta if main else None)
-            if rank >= checkpoint_world_size(resume.tree):  # fsdp resumed on more ranks: a rank it never had
-                notes.append(fresh_streams(trainer.generator, rank_seed(cfg.run.seed, _stream_rank(sync))))
             for note in notes:
                 log.warning("resume_note", note=note)
             log.info("run_resumed", checkpoint=str(resume.checkpoint), step=resume.step)
@@ -434,12 +432,6 @@ def _clip_frames(data: Any, width: int, height: int) -> Iterator[np.ndarray]:
         decoded = decode_video(clip.path, clip.source_indices(), width, height, clip.rotation)
         if decoded.frames is not None and len(decoded.frames) > 1:
             yield decoded.frames
-
-
-def _stream_rank(sync: Any) -> int:
-    """The rank whose random streams this rank draws (``core.distributed.rank_seed``): its own, or with expert
-    groups its place in its group, so each group draws what a one-process run of its expert draws."""
-    return sync.groups.rank_in_group if isinstance(sync, ExpertGroupSync) else sync.topology.rank
 
 
 def _run_experts(sync: Any, adapter: Any) -> tuple[str | None, ...]:
@@ -558,7 +550,11 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
     check_sections(cfg.validation, cfg.sample, spec, trained)
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
-    data.shard(*((groups.rank_in_group, groups.size) if groups else (topology.rank, topology.world_size)))
+    # the data-parallel rank: its place in its expert group, or its sequence group's (whose ranks share samples)
+    sequence = cfg.model.sequence_degree
+    data.shard(*((groups.rank_in_group, groups.size) if groups else
+                 (topology.rank // sequence, topology.world_size // sequence)))
+    check_sequence_buckets(cfg, data.report.buckets)  # a bucket whose tokens do not split: refused here
     given = cfg
     if uses_epochs(cfg):
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
@@ -613,6 +609,9 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     if cfg.sample.enabled and groups is not None and topology.is_main:  # the other group's expert: relayed there
         for expert, relay in sync.relays().items():
             adapter.add_relayed_expert(expert, RelayedExpert(relay))
+    if sequence > 1:  # Ulysses: each rank of a sequence group holds 1/sequence of every clip's tokens
+        split_sequences(adapter, device, topology.world_size, sequence)
+        sync.split_sequences(sequence)
     if sharded:
         shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree)
         sync.shard()

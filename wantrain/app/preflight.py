@@ -129,6 +129,7 @@ def check_parallel(cfg: Any, world_size: int) -> list[str]:
     ranks, and [validation] and [sample] are refused (each rank evaluates its own clips, rank 0 alone samples: a
     sharded forward needs every rank in step)."""
     model = cfg.model
+    check_sequence_launch(cfg, world_size)
     if model.parallel != "fsdp":
         return []
     if world_size == 1:
@@ -139,12 +140,51 @@ def check_parallel(cfg: Any, world_size: int) -> list[str]:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise UserError(f"model.shard_degree = {degree} does not divide the {world_size} ranks of this launch; use "
                         f"one of {', '.join(map(str, divisors))} (unset: all {world_size})")
+    _refuse_evaluation(cfg, "model.parallel = 'fsdp' under torchrun", "a sharded forward needs every rank in step")
+    return []
+
+
+def _refuse_evaluation(cfg: Any, layout: str, why: str) -> None:
+    """[validation] or [sample] enabled under ``layout``, which they do not run with yet: one line."""
     for section in ("validation", "sample"):
         if getattr(cfg, section).enabled:
-            raise UserError(f"[{section}] does not run with model.parallel = 'fsdp' under torchrun yet (a sharded "
-                            f"forward needs every rank in step); set {section}.enabled = false, or evaluate the "
-                            "saved LoRA in a one-process run")
-    return []
+            raise UserError(f"[{section}] does not run with {layout} yet ({why}); set {section}.enabled = false, "
+                            "or evaluate the saved LoRA in a one-process run")
+
+
+def check_sequence_launch(cfg: Any, world_size: int) -> None:
+    """``model.sequence_degree`` against this launch's ``world_size`` (1 without torchrun): the degree must divide
+    the ranks, and [validation] and [sample] are refused (not built for sequence groups yet). One line, before
+    anything is written."""
+    degree = cfg.model.sequence_degree
+    if degree == 1:
+        return
+    if world_size == 1:
+        raise UserError(f"model.sequence_degree = {degree} splits each clip over {degree} GPUs and needs a torchrun "
+                        f"launch of a multiple of {degree} ranks (this run is one process); launch it with torchrun "
+                        f"--nproc_per_node {degree}, or set sequence_degree = 1")
+    if world_size % degree:
+        raise UserError(f"model.sequence_degree = {degree} does not divide the {world_size} ranks of this launch; "
+                        f"launch a multiple of {degree} ranks, or set sequence_degree to a divisor of {world_size}")
+    _refuse_evaluation(cfg, f"model.sequence_degree = {degree}",
+                       "the ranks of a sequence group would have to evaluate in step")
+
+
+def check_sequence_buckets(cfg: Any, buckets: Any) -> None:
+    """Every bucket's tokens per clip (latent frames x latent height x latent width over the patch) must split
+    evenly over ``model.sequence_degree`` GPUs: the first that does not is refused in one line, naming it."""
+    from wantrain.models.wan22.memory import tokens_of
+
+    degree = cfg.model.sequence_degree
+    if degree == 1:
+        return
+    spec = variant_spec(cfg.model.variant)
+    for row in buckets:
+        tokens = tokens_of(spec, row.width, row.height, row.frames, 1)
+        if tokens % degree:
+            raise UserError(f"bucket {row.width}x{row.height}x{row.frames} has {tokens} tokens per clip, which "
+                            f"model.sequence_degree = {degree} does not divide (each GPU takes an equal share); "
+                            "change data.resolutions or data.frames so every bucket's tokens divide, or the degree")
 
 
 def data_warnings(data: Any) -> list[str]:
@@ -470,8 +510,9 @@ def expert_group_lines(cfg: Any, gpus: int | None) -> list[str]:
 def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
     bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel, the
-    FSDP (``model.parallel``) and the expert-group (``model.expert_groups``) layouts under torchrun, each alone;
-    sequence degrees, and sharding inside expert groups, are planned only (docs/distributed.md)."""
+    FSDP (``model.parallel``), the expert-group (``model.expert_groups``) and the sequence-parallel
+    (``model.sequence_degree``, data parallel across the groups) layouts under torchrun, each alone; their
+    combinations are planned only (docs/distributed.md)."""
     from wantrain.models.wan22.rank_plan import rank_estimate
 
     bucket = (report.memory_plan or {}).get("bucket")
@@ -480,8 +521,8 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     width, height, frames = (int(x) for x in bucket.split("x"))
     estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
                              rank=_lora_rank(cfg), batch=cfg.train.batch_size)
-    # wantrain run trains data parallel, fsdp (model.parallel) and expert groups, not both of the last two at once
-    runs = layout.sequence_degree == 1 and (layout.expert_groups == 1 or layout.shard_degree == 1)
+    # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses, each alone
+    runs = sum((layout.expert_groups > 1, layout.shard_degree > 1, layout.sequence_degree > 1)) <= 1
     status = "trainable under torchrun" if runs else "planned, not yet trainable"
     lines = [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
              *("  " + line for line in estimate.lines())]

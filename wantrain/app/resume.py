@@ -42,7 +42,7 @@ log = structlog.get_logger("wantrain.run")
 RESUME_RULES: dict[str, str] = {
     # refused: the checkpoint's state would not mean the same thing (layout, data order, expert phase)
     "model.variant": "refuse", "model.experts": "refuse", "model.switch_every": "refuse",
-    "model.expert_groups": "refuse",
+    "model.expert_groups": "refuse", "model.sequence_degree": "refuse",  # the data shards and draws per rank
     "lora.rank": "refuse", "lora.alpha": "refuse", "data.": "refuse", "train.batch_size": "refuse",
     "train.grad_accum": "refuse", "run.seed": "refuse", "optimizer.type": "refuse",
     "lora.plus_lr_ratio": "refuse",  # LoRA+ on or off changes the optimizer's parameter groups
@@ -342,8 +342,9 @@ def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: boo
     resume on fewer or more ranks: its checkpoint holds the whole LoRA and optimizer state, which the new layout
     reshards (a shard degree that does not divide the new ranks is refused by ``preflight.check_parallel``); rank
     ``r`` continues rank ``r``'s streams and the data position (in entries of the global batch plan, now
-    ``train.batch_size`` x the new world size); a rank the checkpoint never had starts from rank 0's counters with
-    random streams of its own (``core.state.fresh_streams``). Returns that note, for the log."""
+    ``train.batch_size`` x the new world size); a rank the checkpoint never had starts from rank 0's counters and
+    random streams (every rank draws the whole global batch's timesteps and noise from one stream and keeps its
+    rows). Returns that note, for the log."""
     saved = checkpoint_world_size(point.tree)
     if saved == world_size:
         return None
@@ -355,7 +356,8 @@ def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: boo
         which = f"rank {low}" if high - low == 1 else f"ranks {low}..{high - 1}"
         one = high - low == 1
         streams = (f"the random streams of {which} end" if world_size < saved
-                   else f"{which} {'starts' if one else 'start'} random streams of {'its' if one else 'their'} own")
+                   else f"{which} {'continues' if one else 'continue'} rank 0's random streams (every rank draws the "
+                        "global batch's timesteps and noise from the same stream)")
         return (f"checkpoint '{point.checkpoint}' was written by {launch(saved)}, this run has {world_size}: the "
                 f"LoRA, optimizer, schedule and counters continue exactly; {streams}, and the data continues from "
                 f"the same entry of a plan of {world_size}/{saved} the global batch")

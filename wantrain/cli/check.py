@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="2: one A14B expert per group of GPUs (default: the config's model.expert_groups)")
     layout.add_argument("--shard-degree", type=int, default=1, metavar="S",
                         help="FSDP over S GPUs of a group (default: the config's model.parallel/shard_degree)")
-    layout.add_argument("--sequence-degree", type=int, default=1, metavar="Q",
-                        help="Ulysses over Q GPUs of a group (must divide the attention heads)")
+    layout.add_argument("--sequence-degree", type=int, default=None, metavar="Q",
+                        help="Ulysses over Q GPUs of a group (must divide the attention heads; default: the "
+                        "config's model.sequence_degree)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
         shard_degree = args.shard_degree
         if cfg.model.parallel == "fsdp" and shard_degree == 1 and args.gpus > 1:  # the config's layout
             shard_degree = cfg.model.shard_degree or args.gpus
+        sequence = args.sequence_degree if args.sequence_degree is not None else cfg.model.sequence_degree
         layout = planned_layout(cfg, gpus=args.gpus, expert_groups=groups,
-                                shard_degree=shard_degree, sequence_degree=args.sequence_degree)
+                                shard_degree=shard_degree, sequence_degree=sequence)
     try:
         report = preflight_report(cfg, verify=args.verify, config_dir=Path(args.config).parent)
     except NoUsableSample as exc:  # the report is what the user needs: every skipped and ignored file
@@ -56,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
         _print_layout(cfg, exc.report, layout)
         raise UserError(str(exc)) from None
     _print(report, args.json)
+    from wantrain.app.preflight import check_sequence_buckets
+
+    check_sequence_buckets(cfg, report.buckets)  # model.sequence_degree: each bucket's tokens split evenly
     for line in alpha_schedule_lines(cfg):
         print(line)
     from wantrain.app.preflight import expert_group_lines

@@ -38,7 +38,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 PATIENT_TIMEOUT_S = 7 * 24 * 3600.0
@@ -84,19 +83,11 @@ def detect_topology(environ: Mapping[str, str] | None = None) -> Topology:
     return Topology(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", env["RANK"])))
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed of rank ``rank``'s random streams (timesteps, noise): the run seed itself on rank 0, so that a
-    one-process run is unchanged, and an independent stream derived from ``(seed, rank)`` on the others."""
-    if rank == 0:
-        return seed
-    return int(np.random.SeedSequence([seed % 2**64, rank]).generate_state(1, np.uint64)[0]) % 2**63
-
-
 def rank_view(tree: Mapping[str, Any], rank: int) -> dict[str, Any]:
     """The state tree rank ``rank`` restores: the shared parts of a checkpoint plus its own :data:`PER_RANK_STATE`
     (a one-process checkpoint has no ``ranks`` entry and is returned as it is). A rank the checkpoint never had
-    (a sharded run resumed on more ranks) gets rank 0's: the same counters and data position; its caller gives it
-    random streams of its own (``core.state.fresh_streams``)."""
+    (a sharded run resumed on more ranks) gets rank 0's: the same counters, data position and random streams (every
+    rank draws the global batch's timesteps and noise from the same stream and keeps its own rows)."""
     out = {k: v for k, v in tree.items() if k != "ranks"}
     ranks = tree.get("ranks")
     if ranks:
@@ -186,6 +177,12 @@ class ProcessGroupSync:
         non-finite flag (FSDP2 has reduce-scattered the gradients in the backward pass) and
         :meth:`broadcast_parameters` nothing (each rank's shard is its own, cut from the same seeded LoRA)."""
         self.sharded = True
+
+    def split_sequences(self, degree: int) -> None:
+        """The model splits each clip's tokens over ``degree`` consecutive ranks (Ulysses, ``model.sequence_degree``):
+        each rank's gradients are its tokens' share, so :meth:`average_gradients` sums over every rank and divides
+        by the data-parallel size (the sum over each sequence group, the mean over the groups)."""
+        self._grads_world = self.topology.world_size // degree
 
     @classmethod
     def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0,

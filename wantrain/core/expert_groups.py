@@ -28,8 +28,9 @@ them (byte for byte what a one-process run of that expert writes: the file is ma
 tensors and metadata). The transfers of whole states and files run point to point on the host-side gloo group
 (no device memory, no all-gather padding), at saves only.
 
-Random streams: rank ``r`` draws from ``rank_seed(seed, r mod (W / count))``, so each group's leader draws what a
-one-process run of its expert draws, and its data shard is the group's (``data.shard(rank in group, group size)``).
+Random streams: every rank draws from the run seed, the draws of its group's global batch, and keeps its own
+rows (its data shard is the group's: ``data.shard(rank in group, group size)``), so each group draws what a
+one-process run of its expert with the group's global batch draws.
 """
 
 from __future__ import annotations

@@ -223,8 +223,14 @@ class Trainer:
                 expert = self._switch_expert(step)
                 is_log_step = step % s.log_every == 0 or step == s.max_steps
 
+                # torchrun: every rank draws from the same stream (the global batch's draws, each rank its rows),
+                # so a step that ends early on one rank alone (out of memory, a stop between micro-steps) rewinds
+                # the stream on every rank: none drew more than another (a host copy of the state, no sync)
+                draws = self.generator.get_state() if self.sync.exchanges_gradients else None
                 ended = self._accumulate(step, expert, is_log_step, batches)
                 ended = self.sync.agree_step(ended, control)  # a stop or an out-of-memory error on any rank
+                if ended is not None and draws is not None:
+                    self.generator.set_state(draws)
                 if ended == "stopped":
                     self.optimizer.zero_grad(set_to_none=True)
                     break  # stopped mid-accumulation: the partial step is dropped, not applied

@@ -172,17 +172,6 @@ def _restore_generator(generator: torch.Generator, saved: torch.Tensor) -> list[
             "timesteps and noise from here on differ from an uninterrupted run's"]
 
 
-def fresh_streams(generator: torch.Generator, seed: int) -> str:
-    """Seed the trainer's ``generator`` and the global random streams (Python's, numpy's, torch's) from ``seed``:
-    for a rank a checkpoint never had (a sharded run resumed on more ranks), which restored rank 0's streams and
-    must not draw rank 0's timesteps and noise again. Returns the note for the log."""
-    generator.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    return "this rank is new to the checkpoint: its random streams start from its own seed"
-
-
 def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
     """Python's, numpy's and torch's global random states, and CUDA's of the training ``device`` only (when it is
     in use): the others' would not exist on a machine with fewer GPUs."""

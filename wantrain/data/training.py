@@ -43,7 +43,8 @@ class TrainingData:
     hold one more batch per bucket (the carried samples), so epochs average ``samples / batch_size`` per bucket.
 
     Under torchrun (:meth:`shard`) the plan is made of global batches of ``batch_size x ranks`` samples from one
-    bucket, the same plan on every rank, and each rank trains its own ``batch_size`` of each (:meth:`rank_share`).
+    bucket, the same plan on every rank, and each rank trains its own ``batch_size`` of each (:meth:`rank_share`);
+    its batches carry ``"global_draws"``: (their positions in the global batch, its size) (:meth:`global_draws`).
     """
 
     def __init__(self, clips: list[Clip], report: PreflightReport, *, batch_size: int, remainder: str,
@@ -82,6 +83,21 @@ class TrainingData:
         per = -(-len(idx) // self.ranks)
         padded = [idx[i % len(idx)] for i in range(per * self.ranks)]
         return padded[self.rank * per:(self.rank + 1) * per]
+
+    def global_draws(self, size: int, share: list[Any], kept: list[str]) -> tuple[tuple[int, ...], int]:
+        """Where this rank's samples sit in the global batch of ``size`` samples, for the model's random draws
+        (``global_draws`` of a batch: the model draws the timesteps and noise of the whole global batch and keeps
+        these rows, so N ranks draw what one process with the global batch draws). ``share`` is
+        :meth:`rank_share`'s part, ``kept`` the paths of the samples that made it into the batch (a clip that failed
+        to decode or was re-bucketed drops out; its position is skipped, matching by path in order). A sample
+        repeated to pad a short global batch takes its original's position, so it draws what the original draws:
+        the ranks' mean gradient is then the one-process gradient of the short batch."""
+        per = -(-size // self.ranks)
+        positions: list[int] = []
+        for offset, (i, _) in enumerate(share):
+            if len(positions) < len(kept) and str(self.clips[i].path) == kept[len(positions)]:
+                positions.append((self.rank * per + offset) % size)
+        return tuple(positions), size
 
     def _members(self) -> dict[Bucket, list[int]]:
         """Clip indices per bucket, each repeated ``repeats`` times; active clips only; buckets sorted."""
@@ -535,7 +551,10 @@ class BatchStream:
                 key, idx = batches[index]
                 self.epoch, self.index, self.carry = epoch, index + 1, carry
                 samples = list(zip(idx, data.sample_texts(epoch, index, idx), strict=True))
-                batch = data._batch_for(key, data.rank_share(samples), self.encoders, self.cache)
+                share = data.rank_share(samples)
+                batch = data._batch_for(key, share, self.encoders, self.cache)
+                if batch is not None and data.ranks > 1:  # one process: the batch is the global batch
+                    batch["global_draws"] = data.global_draws(len(samples), share, batch["paths"])
                 if batch is None:
                     empty_in_a_row += 1
                     if empty_in_a_row > max(1, 2 * data.steps_per_epoch) + 1:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -311,17 +311,23 @@ class Wan22Adapter:
         """Mean flow-matching MSE of ``batch`` for ``expert``. ``batch`` is raw (``pixels``, ``captions``; encoded
         here without grad) or cached (``latents``, ``text_embeds`` and, for i2v-a14b, ``cond_latents``).
 
-        Random draws, in order, all from ``generator``: t [B], noise, and for ti2v the i2v coin [B]. No host
-        sync. TI2V i2v samples keep latent frame 0 clean (timestep 0 for its tokens) and weight it 0 in the loss.
+        Random draws, in order, all from ``generator``: t [G], noise [G, ...], and for ti2v the i2v coin [G], for
+        the whole global batch of G samples, of which this batch keeps its own rows: ``batch["global_draws"]`` =
+        (positions, G) under torchrun (``TrainingData.global_draws``), else G = B and every row. So N ranks of
+        batch B draw exactly what one process of batch N x B draws. No host sync. TI2V i2v samples keep latent
+        frame 0 clean (timestep 0 for its tokens) and weight it 0 in the loss.
         """
         if "latents" not in batch:
             batch = self.encode_batch(batch)
         x0 = batch["latents"].to(self.device, torch.float32, non_blocking=True)
         text = batch["text_embeds"].to(self.device, self.compute_dtype, non_blocking=True)
         b, _, frames, height, width = x0.shape
+        positions, total = batch.get("global_draws") or (None, b)
+        own = _rows(positions)
         quantile, self._next_quantile = self._next_quantile, None
-        t = self.sampler.sample(b, self.bands[expert], generator, self.device, quantile=quantile)  # float64
-        noise = torch.randn(x0.shape, generator=generator, device=generator.device).to(self.device, non_blocking=True)
+        t = self.sampler.sample(total, self.bands[expert], generator, self.device, quantile=quantile)[own]  # float64
+        noise = torch.randn((total, *x0.shape[1:]), generator=generator, device=generator.device)[own]
+        noise = noise.to(self.device, non_blocking=True)
         t_mix = t.to(torch.float32).view(b, 1, 1, 1, 1)
         x_t = (1 - t_mix) * x0 + t_mix * noise
         target = noise - x0
@@ -330,7 +336,7 @@ class Wan22Adapter:
         if self.spec.conditioning == "i2v":
             x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32, non_blocking=True)], dim=1)
         elif self.spec.conditioning == "ti2v":
-            coin = torch.rand(b, generator=generator, device=generator.device).to(self.device)
+            coin = torch.rand(total, generator=generator, device=generator.device)[own].to(self.device)
             i2v = coin < self.model_config.i2v_probability if frames > 1 else torch.zeros_like(coin, dtype=torch.bool)
             weight = torch.ones(b, 1, frames, 1, 1, device=self.device)
             weight[:, :, 0] = (~i2v).to(torch.float32).view(b, 1, 1, 1)
@@ -700,3 +706,14 @@ class Wan22Adapter:
                 param.copy_(like(value, param))  # fsdp: this rank's shard of the saved whole tensor
         for e in self.experts:
             self.set_lora_alpha(float(state["alpha"][e or "single"]), e)
+
+
+def _rows(positions: Sequence[int] | None) -> slice | list[int]:
+    """The index of a batch's own rows in its global batch's draws (``Wan22Adapter.loss``): a slice when they are
+    consecutive (a view, no copy), else the positions; every row when ``positions`` is None."""
+    if positions is None:
+        return slice(None)
+    first = positions[0]
+    if list(positions) == list(range(first, first + len(positions))):
+        return slice(first, first + len(positions))
+    return list(positions)

@@ -179,9 +179,18 @@ class ModelConfig:
         "across groups; it must divide the number of ranks.", range=at_least(1),
     )
 
+    sequence_degree: int = setting(
+        1, doc="Under torchrun: how many GPUs share each clip's tokens (Ulysses sequence parallelism through "
+        "diffusers' context parallelism; each attention trades tokens for heads, so it must divide the attention "
+        "heads, the number of ranks, and every bucket's token count). The ranks of one sequence group train the "
+        "same samples; data parallelism runs across the groups (docs/distributed.md, Sequence parallelism).",
+        range=at_least(1),
+    )
+
     def __attrs_post_init__(self) -> None:
         spec = VARIANTS[self.variant]
         _check_parallel(self)
+        _check_sequence(self)
         try:
             offload = torch.device(self.offload_device)
         except (RuntimeError, ValueError):
@@ -293,24 +302,49 @@ def _check_parallel(model: ModelConfig) -> None:
             raise ConfigError("model.shard_degree applies to model.parallel = 'fsdp'; set parallel = 'fsdp' or "
                               "remove model.shard_degree")
         return
-    clash = None
-    if model.blocks_to_swap:
-        clash = (f"model.blocks_to_swap = {model.blocks_to_swap}", "set blocks_to_swap = 0 (sharding is what "
-                 "makes the blocks fit) or parallel = 'dp'")
-    elif model.vram_budget_gb is not None:
-        clash = (f"model.vram_budget_gb = {model.vram_budget_gb:g} (it picks block swap and fp8 storage)",
-                 "remove vram_budget_gb or set parallel = 'dp'")
-    elif model.base_dtype in FP8_DTYPES:
-        clash = (f"model.base_dtype = '{model.base_dtype}' (fp8 layerwise storage)",
-                 "set base_dtype = 'bf16' or parallel = 'dp'")
-    elif model.compile != "off":
-        clash = (f"model.compile = '{model.compile}'", "set compile = 'off' or parallel = 'dp'")
-    elif model.trained_experts == ("high_noise", "low_noise"):
+    clash = _memory_clash(model, "parallel = 'dp'", " (sharding is what makes the blocks fit)")
+    if clash is None and model.trained_experts == ("high_noise", "low_noise"):
         clash = ("model.experts = 'both' (the trained expert alternates by moving between the GPU and the host, "
                  "which a sharded expert does not)", "train one expert per run (experts = 'high_noise' or "
                  "'low_noise') or set parallel = 'dp'")
     if clash is not None:
         raise ConfigError(f"model.parallel = 'fsdp' does not work with {clash[0]} yet; {clash[1]}")
+
+
+def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[str, str] | None:
+    """The first memory-saving key ``model`` sets that a several-GPU layout does not work with yet (block swap, a
+    VRAM budget, fp8 storage, compile), as (the key and its value, how to resolve it: change it or ``undo``)."""
+    if model.blocks_to_swap:
+        return f"model.blocks_to_swap = {model.blocks_to_swap}", f"set blocks_to_swap = 0{swap_note} or {undo}"
+    if model.vram_budget_gb is not None:
+        return (f"model.vram_budget_gb = {model.vram_budget_gb:g} (it picks block swap and fp8 storage)",
+                f"remove vram_budget_gb or set {undo}")
+    if model.base_dtype in FP8_DTYPES:
+        return f"model.base_dtype = '{model.base_dtype}' (fp8 layerwise storage)", f"set base_dtype = 'bf16' or {undo}"
+    if model.compile != "off":
+        return f"model.compile = '{model.compile}'", f"set compile = 'off' or {undo}"
+    return None
+
+
+def _check_sequence(model: ModelConfig) -> None:
+    """``model.sequence_degree`` against the model's heads and the keys it does not work with yet (read time)."""
+    degree = model.sequence_degree
+    if degree == 1:
+        return
+    from wantrain.models.wan22.architecture import transformer_kwargs
+
+    heads = transformer_kwargs(VARIANTS[model.variant])["num_attention_heads"]
+    if heads % degree:
+        valid = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise ConfigError(f"model.sequence_degree = {degree} does not divide the {heads} attention heads of "
+                          f"{model.variant} (Ulysses gives each GPU whole heads); use one of {valid}")
+    clash = _memory_clash(model, "sequence_degree = 1")
+    if model.parallel == "fsdp":
+        clash = ("model.parallel = 'fsdp'", "set parallel = 'dp' or sequence_degree = 1")
+    elif model.expert_groups > 1:
+        clash = (f"model.expert_groups = {model.expert_groups}", "set expert_groups = 1 or sequence_degree = 1")
+    if clash is not None:
+        raise ConfigError(f"model.sequence_degree = {degree} does not work with {clash[0]} yet; {clash[1]}")
 
 
 def _trained_range(boundary: float | None, experts: str) -> tuple[float, float]:

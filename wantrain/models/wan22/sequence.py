@@ -9,7 +9,12 @@ run on the CPU. :func:`cpu_device_count_workaround` is the one place that works 
 least 1 while the parallelism is set up); it changes nothing where an accelerator exists.
 
 The gradients: each GPU back-propagates through its own tokens only, so a trainable parameter's gradient is the
-sum of the group's (:func:`sum_sequence_gradients`), as data parallelism's is their mean."""
+sum of the group's (:func:`sum_sequence_gradients`), as data parallelism's is their mean.
+
+In ``wantrain run`` (``model.sequence_degree``, :func:`split_sequences`) the ranks form a (dp, ring, ulysses) mesh
+of ``(world / degree, 1, degree)``: consecutive ranks share a clip, and the trainer's one gradient all-reduce sums
+over every rank and divides by the data-parallel size (``ProcessGroupSync.split_sequences``), the sum over each
+sequence group and the mean over the groups at once."""
 
 from __future__ import annotations
 
@@ -52,3 +57,15 @@ def sum_sequence_gradients(params: Sequence[nn.Parameter], group: Any = None) ->
     for p in params:
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
+
+
+def split_sequences(adapter: Any, device: torch.device, world_size: int, degree: int) -> Any:
+    """``model.sequence_degree`` under torchrun: Ulysses over ``degree`` consecutive ranks on every trained expert
+    of ``adapter``, on the (dp, ring, ulysses) mesh of ``(world_size / degree, 1, degree)`` ranks (created here, a
+    collective: every rank calls it at the same point). Returns the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size // degree, 1, degree), mesh_dim_names=("dp", "ring", "ulysses"))
+    for expert in adapter.experts:
+        enable_ulysses(adapter.transformer_for(expert), degree, mesh=mesh)
+    return mesh

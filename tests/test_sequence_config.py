@@ -1,0 +1,85 @@
+"""``model.sequence_degree`` (Ulysses in ``wantrain run``, docs/distributed.md): what is refused, and when. Each
+refusal is one line naming the key and what would work, before anything is written."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from test_end_to_end import copy_examples
+
+from wantrain.app.config import RunConfig
+from wantrain.app.preflight import check_parallel, check_sequence_buckets
+from wantrain.cli.main import main
+from wantrain.core.config import structure
+from wantrain.core.errors import ConfigError, UserError
+
+T2V = {"variant": "tiny-t2v", "sequence_degree": 2}
+
+
+@pytest.mark.parametrize(("keys", "says"), [
+    ({"model": {**T2V, "sequence_degree": 4}},
+     "model.sequence_degree = 4 does not divide the 2 attention heads of tiny-t2v (Ulysses gives each GPU whole "
+     "heads); use one of 1, 2"),
+    ({"model": {**T2V, "experts": "high_noise", "parallel": "fsdp"}},
+     "model.sequence_degree = 2 does not work with model.parallel = 'fsdp' yet; set parallel = 'dp'"),
+    ({"model": {**T2V, "expert_groups": 2}}, "does not work with model.expert_groups = 2 yet"),
+    ({"model": {**T2V, "blocks_to_swap": 1}}, "does not work with model.blocks_to_swap = 1 yet"),
+    ({"model": {**T2V, "vram_budget_gb": 24.0}}, "does not work with model.vram_budget_gb = 24"),
+    ({"model": {**T2V, "base_dtype": "fp8"}}, "does not work with model.base_dtype = 'fp8' (fp8 layerwise"),
+    ({"model": {**T2V, "compile": "default"}}, "does not work with model.compile = 'default' yet"),
+])
+def test_a_sequence_degree_is_refused_with_what_it_does_not_work_with_when_the_config_is_read(keys, says):
+    with pytest.raises(ConfigError) as refused:
+        structure(RunConfig, keys)
+    assert says in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    assert structure(RunConfig, {"model": T2V}).model.sequence_degree == 2  # alone: fine
+
+
+def test_a_sequence_degree_must_divide_the_launch_and_evaluation_is_refused():
+    cfg = structure(RunConfig, {"model": T2V})
+    assert check_parallel(cfg, 2) == [] and check_parallel(cfg, 4) == []  # 4: two sequence groups, data parallel
+    with pytest.raises(UserError, match=r"^model.sequence_degree = 2 splits each clip over 2 GPUs and needs a "
+                                        r"torchrun launch of a multiple of 2 ranks \(this run is one process\)"):
+        check_parallel(cfg, 1)
+    with pytest.raises(UserError, match=r"^model.sequence_degree = 2 does not divide the 3 ranks of this launch"):
+        check_parallel(cfg, 3)
+    for section, keys in (("validation", {"enabled": True, "from_training": 2}),
+                          ("sample", {"enabled": True, "prompts": ["a cat"]})):
+        with pytest.raises(UserError, match=rf"^\[{section}\] does not run with model.sequence_degree = 2 yet"):
+            check_parallel(structure(RunConfig, {"model": T2V, section: keys}), 2)
+
+
+def test_a_bucket_whose_tokens_do_not_split_over_the_degree_is_refused_naming_it():
+    cfg = structure(RunConfig, {"model": T2V})
+    row = SimpleNamespace  # a preflight report's bucket row: width, height, frames
+    check_sequence_buckets(cfg, [row(width=64, height=64, frames=9)])  # 3 x 4 x 4 = 48 tokens: 24 a GPU
+    with pytest.raises(UserError, match=r"^bucket 48x48x9 has 27 tokens per clip, which model.sequence_degree = 2 "
+                                        r"does not divide"):
+        check_sequence_buckets(cfg, [row(width=64, height=64, frames=9), row(width=48, height=48, frames=9)])
+    check_sequence_buckets(structure(RunConfig, {"model": {"variant": "tiny-t2v"}}), [row(width=48, height=48,
+                                                                                           frames=9)])
+
+
+def test_run_and_check_refuse_such_a_bucket_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    config = copy_examples(tmp_path)
+    odd = ["--set", "model.sequence_degree=2", "--set", "data.resolutions=[48]"]  # 48x48: 3 x 3 tokens a frame
+    assert main(["check", str(config), *odd]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has 9 tokens per clip, which model.sequence_degree = 2 does not divide" in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # rank 0 of a torchrun launch of 2: refused before the process group
+    monkeypatch.setenv("RANK", "0")
+    assert main(["run", str(config), *odd]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tokens per clip, which model.sequence_degree = 2 does not divide" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+    assert not list((tmp_path / "demo_data").rglob("*.safetensors"))  # nothing cached either
+
+
+def test_check_plans_the_configs_sequence_degree_as_trainable(tmp_path, capsys):
+    config = copy_examples(tmp_path)
+    assert main(["check", str(config), "--gpus", "4", "--set", "model.sequence_degree=2",
+                 "--set", "data.resolutions=[32]"]) == 0
+    out = capsys.readouterr().out
+    assert "4 GPUs, Ulysses over 2" in out and "trainable under torchrun" in out, out[-2000:]
