@@ -335,8 +335,8 @@ def test_a_sharded_run_resumes_on_fewer_ranks_and_on_more(tmp_path):
            "ranks 2..3 end" in check_resume_world_size(point, 2, sharded=True)
     two = ResumePoint(tmp_path, tmp_path, 4, {"ranks": [{}, {}]}, {})
     assert "random streams of rank 1 end" in check_resume_world_size(two, 1, sharded=True)
-    assert "this run has 3: the LoRA, optimizer, schedule and counters continue exactly; rank 2 starts random " \
-           "streams of its own" in check_resume_world_size(two, 3, sharded=True)
+    assert "this run has 3: the LoRA, optimizer, schedule and counters continue exactly; rank 2 continues rank 0's " \
+           "random streams" in check_resume_world_size(two, 3, sharded=True)
     assert "ranks 2..7 continue rank 0's random streams" in check_resume_world_size(two, 8, sharded=True)
     with pytest.raises(UserError, match=r"resume with 4 processes .* \(model.parallel = 'fsdp' resumes on another"):
         check_resume_world_size(point, 2)  # data parallel: refused as before
