@@ -27,10 +27,30 @@ def pytest_xdist_auto_num_workers(config):
     return (os.cpu_count() or 1) + 1
 
 
+LONGEST_FIRST = (
+    "tests/models/test_wan22_compile.py", "tests/test_distributed.py", "tests/test_compiled_runs.py",
+    "tests/test_newcomer_path.py", "tests/test_resume.py", "tests/test_adapter_type_runs.py",
+    "tests/test_first_hour.py", "tests/test_distributed_sequence.py", "tests/test_gpu_acceptance_smoke.py",
+    "tests/observers/test_wandb.py", "tests/test_resume_storage.py", "tests/test_end_to_end.py",
+    "tests/test_expert_groups_run.py", "tests/test_distributed_fsdp_resume.py", "tests/test_distributed_fsdp_load.py",
+    "tests/test_distributed_fsdp_groups.py",
+)
+"""The files that take longest (docs/benchmarks.md, "Quickstart and test suite"), longest first: pytest-xdist hands
+each worker one file at a time in this order (``--no-loadscope-reorder`` keeps it; xdist's default puts the files
+with the most tests first), so the long ones overlap at the start instead of one of them running alone at the end."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files marked ``slow`` (whole runs of the tiny model) first, in their order: the parallel workers take one
-    file at a time, and a long file started last would leave the other worker idle at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """:data:`LONGEST_FIRST`, then the other files marked ``slow`` (whole runs of the tiny model), then the rest, each
+    in collection order: the parallel workers take one file at a time, and a long file started last would leave
+    the other workers idle at the end."""
+    def rank(item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        if path in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(path)
+        return (1 if item.get_closest_marker("slow") is not None else 2), 0
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(autouse=True)
