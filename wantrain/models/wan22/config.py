@@ -339,9 +339,7 @@ def _check_sequence(model: ModelConfig) -> None:
         raise ConfigError(f"model.sequence_degree = {degree} does not divide the {heads} attention heads of "
                           f"{model.variant} (Ulysses gives each GPU whole heads); use one of {valid}")
     clash = _memory_clash(model, "sequence_degree = 1")
-    if model.parallel == "fsdp":
-        clash = ("model.parallel = 'fsdp'", "set parallel = 'dp' or sequence_degree = 1")
-    elif model.expert_groups > 1:
+    if model.expert_groups > 1:
         clash = (f"model.expert_groups = {model.expert_groups}", "set expert_groups = 1 or sequence_degree = 1")
     if clash is not None:
         raise ConfigError(f"model.sequence_degree = {degree} does not work with {clash[0]} yet; {clash[1]}")
