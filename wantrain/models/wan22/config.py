@@ -183,7 +183,8 @@ class ModelConfig:
         1, doc="Under torchrun: how many GPUs share each clip's tokens (Ulysses sequence parallelism through "
         "diffusers' context parallelism; each attention trades tokens for heads, so it must divide the attention "
         "heads, the number of ranks, and every bucket's token count). The ranks of one sequence group train the "
-        "same samples; data parallelism runs across the groups (docs/distributed.md, Sequence parallelism).",
+        "same samples; data parallelism runs across the groups (docs/distributed.md, Sequence parallelism). With "
+        "`parallel = \"fsdp\"` the weights are sharded over every rank, sequence groups included.",
         range=at_least(1),
     )
 
