@@ -6,6 +6,8 @@ every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory
 resumed run's LoRA as restored). On ranks other than 0 it records, through an audit hook, every
 write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
 ``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only.
+The record also holds ``block_numel``: the elements of the trained experts' block parameters this rank holds
+(its shards under fsdp) and their whole count.
 ``rank<R>_grads.safetensors``: the first optimizer step's gradients as ``GradsReady`` sees them (averaged over the
 ranks; under fsdp the rank's shard), by LoRA parameter name.
 ``WANTRAIN_PROBE_COMPILE_BACKEND``: the backend ``model.compile`` uses in this process (``aot_eager`` or
@@ -98,6 +100,10 @@ class RankProbe(Observer):
             return
         self.record["status"] = event.status
         self.record["compile"] = wan_compile.compile_counts()
+        # the block parameters' elements this rank holds (under fsdp its shards) and their whole count
+        blocks = [p for e in ctx.adapter.experts for p in ctx.adapter.transformer_for(e).blocks.parameters()]
+        self.record["block_numel"] = [sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in blocks),
+                                      sum(p.numel() for p in blocks)]
         self._save_weights(ctx, "")
         (self.directory / f"rank{self.rank}.json").write_text(json.dumps(self.record))
 

@@ -21,8 +21,6 @@ T2V = {"variant": "tiny-t2v", "sequence_degree": 2}
     ({"model": {**T2V, "sequence_degree": 4}},
      "model.sequence_degree = 4 does not divide the 2 attention heads of tiny-t2v (Ulysses gives each GPU whole "
      "heads); use one of 1, 2"),
-    ({"model": {**T2V, "experts": "high_noise", "parallel": "fsdp"}},
-     "model.sequence_degree = 2 does not work with model.parallel = 'fsdp' yet; set parallel = 'dp'"),
     ({"model": {**T2V, "expert_groups": 2}}, "does not work with model.expert_groups = 2 yet"),
     ({"model": {**T2V, "blocks_to_swap": 1}}, "does not work with model.blocks_to_swap = 1 yet"),
     ({"model": {**T2V, "vram_budget_gb": 24.0}}, "does not work with model.vram_budget_gb = 24"),
@@ -34,6 +32,9 @@ def test_a_sequence_degree_is_refused_with_what_it_does_not_work_with_when_the_c
         structure(RunConfig, keys)
     assert says in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     assert structure(RunConfig, {"model": T2V}).model.sequence_degree == 2  # alone: fine
+    # with fsdp too (the sequence groups folded into the shard dimension); its other refusals still hold
+    assert structure(RunConfig, {"model": {**T2V, "experts": "high_noise", "parallel": "fsdp"}}).model.parallel \
+        == "fsdp"
 
 
 def test_a_sequence_degree_must_divide_the_launch_and_evaluation_is_refused():
@@ -83,3 +84,23 @@ def test_check_plans_the_configs_sequence_degree_as_trainable(tmp_path, capsys):
                  "--set", "data.resolutions=[32]"]) == 0
     out = capsys.readouterr().out
     assert "4 GPUs, Ulysses over 2" in out and "trainable under torchrun" in out, out[-2000:]
+
+
+def test_check_plans_fsdp_with_a_sequence_degree_as_trainable_with_the_weights_over_every_gpu(tmp_path, capsys):
+    """``check --gpus 4`` of fsdp with sequence degree 2: the weights sharded over all 4 GPUs (2 data-parallel x 2
+    sequence), the activations over the 2 of a sequence group, and the layout trainable."""
+    from wantrain.models.wan22.rank_plan import Layout, rank_estimate
+
+    config = copy_examples(tmp_path)
+    assert main(["check", str(config), "--gpus", "4", "--set", "model.sequence_degree=2", "--set",
+                 'model.parallel="fsdp"', "--set", 'model.experts="high_noise"', "--set",
+                 "data.resolutions=[32]"]) == 0
+    out = capsys.readouterr().out
+    assert "4 GPUs, FSDP over 4, Ulysses over 2, 2 data-parallel replicas" in out, out[-2000:]
+    assert "trainable under torchrun" in out and "not yet trainable" not in out, out[-2000:]
+    size = {"width": 832, "height": 480, "frames": 81, "rank": 32}
+    both = rank_estimate("t2v-a14b", Layout(gpus=4, shard_degree=4, sequence_degree=2), **size).parts
+    sequence = rank_estimate("t2v-a14b", Layout(gpus=4, sequence_degree=2), **size).parts
+    sharded = rank_estimate("t2v-a14b", Layout(gpus=4, shard_degree=4), **size).parts
+    assert both["weights (shard)"] == sharded["weights (shard)"] < sequence["weights (shard)"] / 3.9
+    assert both["checkpointed inputs"] == sequence["checkpointed inputs"] == sharded["checkpointed inputs"] / 2

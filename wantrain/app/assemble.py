@@ -613,26 +613,30 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         split_sequences(adapter, device, topology.world_size, sequence)
         sync.split_sequences(sequence)
     if sharded:
-        shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree)
+        shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree, sequence)
         sync.shard()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync, data_changes=data_changes,
                        lock=held[-1] if held else None, encoded=encoded)
 
 
-def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_degree: int | None) -> None:
+def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_degree: int | None,
+                  sequence_degree: int = 1) -> None:
     """model.parallel = "fsdp" under torchrun: ``fully_shard`` every block of each trained expert, then the
     expert's root (``core.sharding.shard_per_block``), on the mesh of ``shard_degree`` ranks per copy (HSDP across
     the groups). After the LoRA is injected and before the optimizer is built: it is built over the ``DTensor``
     parameters that replace the originals. The transformers were built on ``meta`` (``build_adapter(shard_load=)``):
     each rank then allocates its shards only and fills them from rank 0's host copy, which is dropped after
-    (``core.sharding.load_from_rank0``)."""
+    (``core.sharding.load_from_rank0``). With ``sequence_degree`` > 1 (Ulysses already on the experts:
+    :func:`split_sequences`) the sequence groups are folded into the shard mesh and FSDP2's gradient sum over every
+    rank is divided by the data-parallel size, as ``ProcessGroupSync.split_sequences`` divides its all-reduce."""
     from wantrain.core import sharding
 
     mesh = sharding.shard_mesh(device.type, world_size, shard_degree)
+    divide = world_size / sequence_degree if sequence_degree > 1 else None
     for expert in adapter.experts:
         transformer = adapter.transformer_for(expert)
-        sharding.shard_per_block(transformer, transformer.blocks, mesh=mesh,
+        sharding.shard_per_block(transformer, transformer.blocks, mesh=mesh, gradient_divide_factor=divide,
                                  param_dtype=sharding.compute_dtype(transformer), reduce_dtype=torch.float32)
         sharding.load_from_rank0(transformer, adapter.host_sources.pop(expert, None), device)
 

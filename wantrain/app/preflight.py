@@ -511,8 +511,8 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
     bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel, the
     FSDP (``model.parallel``), the expert-group (``model.expert_groups``) and the sequence-parallel
-    (``model.sequence_degree``, data parallel across the groups) layouts under torchrun, each alone; their
-    combinations are planned only (docs/distributed.md)."""
+    (``model.sequence_degree``, data parallel across the groups) layouts under torchrun, and FSDP with a sequence
+    degree; expert groups with either are planned only (docs/distributed.md)."""
     from wantrain.models.wan22.rank_plan import rank_estimate
 
     bucket = (report.memory_plan or {}).get("bucket")
@@ -521,8 +521,9 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     width, height, frames = (int(x) for x in bucket.split("x"))
     estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
                              rank=_lora_rank(cfg), batch=cfg.train.batch_size)
-    # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses, each alone
-    runs = sum((layout.expert_groups > 1, layout.shard_degree > 1, layout.sequence_degree > 1)) <= 1
+    # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses each alone, and Ulysses
+    # with fsdp over every GPU or HSDP (the sequence groups folded into the shard dimension)
+    runs = layout.expert_groups == 1 or (layout.shard_degree == 1 and layout.sequence_degree == 1)
     status = "trainable under torchrun" if runs else "planned, not yet trainable"
     lines = [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
              *("  " + line for line in estimate.lines())]

@@ -36,7 +36,8 @@ from torch import nn
 
 def shard_per_block(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Any = None,
                     param_dtype: torch.dtype | None = torch.bfloat16,
-                    reduce_dtype: torch.dtype | None = torch.float32) -> nn.Module:
+                    reduce_dtype: torch.dtype | None = torch.float32,
+                    gradient_divide_factor: float | None = None) -> nn.Module:
     """``fully_shard`` each of ``blocks`` and then ``module`` itself (the embeddings and head left over) on
     ``mesh`` (None: every rank of the default group), in place; returns ``module``.
 
@@ -45,13 +46,20 @@ def shard_per_block(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Any
     (fp32). The LoRA's own parameters keep their fp32 storage: the sharded copy is what the optimizer steps, so the
     optimizer is built after this call, over ``module.parameters()`` (the ``DTensor`` parameters replace the
     originals). Blocks reshard after their forward (the default), so at most one block's full weights (two while
-    the next is prefetched) live at once."""
+    the next is prefetched) live at once.
+
+    ``gradient_divide_factor``: what the gradients summed over every rank of ``mesh`` are divided by (None: the
+    ranks, a mean). Ranks that split one sample's tokens (Ulysses) each hold a share of its gradient, so they are
+    summed and divided by the data-parallel size only (``wan22.sequence.split_sequences``). A sum in fp32 and a
+    division after it: the same arithmetic on gloo (which has no pre-multiplied sum) as on NCCL."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(module, mesh=mesh, mp_policy=policy)
+    for part in [*blocks, module]:
+        fully_shard(part, mesh=mesh, mp_policy=policy)
+        if gradient_divide_factor is not None:
+            part.set_gradient_divide_factor(gradient_divide_factor)
+            part.set_force_sum_reduction_for_comms(True)
     return module
 
 
@@ -243,7 +251,12 @@ def like(value: torch.Tensor, target: Any) -> torch.Tensor:
 def shard_mesh(device_type: str, world_size: int, shard_degree: int | None = None) -> Any:
     """The device mesh of ``world_size`` ranks: one dimension (``shard``) when every rank shares one copy of the
     weights, else HSDP's two, ``(replicate, shard)``: groups of ``shard_degree`` consecutive ranks (a node) each
-    hold one copy, sharded inside the group; the groups replicate it (FSDP2 all-reduces their gradients)."""
+    hold one copy, sharded inside the group; the groups replicate it (FSDP2 all-reduces their gradients).
+
+    With Ulysses (``model.sequence_degree``) the sequence groups are folded into this shard dimension, as
+    torchtitan folds its context-parallel ranks: the sequence mesh (dp, ring, ulysses) of consecutive ranks and
+    this one cover the same ranks in the same order, so a block's weights are sharded over dp x sequence ranks
+    while the all-to-alls run inside each sequence group."""
     from torch.distributed.device_mesh import init_device_mesh
 
     degree = shard_degree or world_size

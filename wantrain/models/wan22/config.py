@@ -183,7 +183,8 @@ class ModelConfig:
         1, doc="Under torchrun: how many GPUs share each clip's tokens (Ulysses sequence parallelism through "
         "diffusers' context parallelism; each attention trades tokens for heads, so it must divide the attention "
         "heads, the number of ranks, and every bucket's token count). The ranks of one sequence group train the "
-        "same samples; data parallelism runs across the groups (docs/distributed.md, Sequence parallelism).",
+        "same samples; data parallelism runs across the groups (docs/distributed.md, Sequence parallelism). With "
+        "`parallel = \"fsdp\"` the weights are sharded over every rank, sequence groups included.",
         range=at_least(1),
     )
 
@@ -339,9 +340,7 @@ def _check_sequence(model: ModelConfig) -> None:
         raise ConfigError(f"model.sequence_degree = {degree} does not divide the {heads} attention heads of "
                           f"{model.variant} (Ulysses gives each GPU whole heads); use one of {valid}")
     clash = _memory_clash(model, "sequence_degree = 1")
-    if model.parallel == "fsdp":
-        clash = ("model.parallel = 'fsdp'", "set parallel = 'dp' or sequence_degree = 1")
-    elif model.expert_groups > 1:
+    if model.expert_groups > 1:
         clash = (f"model.expert_groups = {model.expert_groups}", "set expert_groups = 1 or sequence_degree = 1")
     if clash is not None:
         raise ConfigError(f"model.sequence_degree = {degree} does not work with {clash[0]} yet; {clash[1]}")
