@@ -41,7 +41,7 @@ def test_the_loss_copies_a_cached_batch_to_the_device_without_blocking():
 class _OneBatchData:
     """The least of a TrainingData a BatchStream reads: one plan entry per epoch, one cached batch."""
 
-    seed, steps_per_epoch = 0, 1
+    seed, steps_per_epoch, ranks = 0, 1, 1  # one process: no global draws
 
     def _usable_epoch(self, epoch, carry):
         return [((32, 32, 9), [0])], {}
