@@ -135,8 +135,17 @@ def check_parallel(cfg: Any, world_size: int) -> list[str]:
     if world_size == 1:
         return ["model.parallel = 'fsdp' in one process: nothing to shard, the run trains unsharded (launch it "
                 "with torchrun --nproc_per_node N to shard the weights over N GPUs)"]
+    groups = model.expert_groups
+    if groups > 1 and world_size % groups == 0:  # FSDP inside each expert group: the degree divides the group
+        size = world_size // groups
+        degree = model.shard_degree or size
+        if size % degree:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            raise UserError(f"model.shard_degree = {degree} does not divide the {size} ranks of an expert group "
+                            f"({world_size} ranks / model.expert_groups = {groups}); use one of "
+                            f"{', '.join(map(str, divisors))} (unset: all {size} of the group)")
     degree = model.shard_degree or world_size
-    if world_size % degree:
+    if groups <= 1 and world_size % degree:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise UserError(f"model.shard_degree = {degree} does not divide the {world_size} ranks of this launch; use "
                         f"one of {', '.join(map(str, divisors))} (unset: all {world_size})")

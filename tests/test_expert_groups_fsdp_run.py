@@ -1,0 +1,77 @@
+"""FSDP inside expert groups in ``wantrain run`` (``model.expert_groups = 2`` with ``model.parallel = "fsdp"``;
+docs/distributed.md, "FSDP inside expert groups"): four gloo ranks launched by torchrun, forked from the prewarmed
+server (``tests/test_distributed.py``'s ``torchrun``). Group 0 (ranks 0, 1) shards the tiny T2V twin's high-noise
+expert over its two ranks, group 1 (ranks 2, 3) the low-noise one; each group loads from its leader."""
+
+from __future__ import annotations
+
+import pytest
+from test_distributed import loras, metrics, only_run_dir, probe, torchrun, workspace  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = ["train.max_steps=4", "train.log_every=2", "checkpoint.every=2", "observers.progress=false",
+            "optimizer.lr=3e-3", 'lora.save_dtype="fp32"', "faults.oom_at_steps=[]", 'model.parallel="fsdp"']
+GROUPS = [*SETTINGS, "model.expert_groups=2"]
+TOLERANCE = 0.0
+"""Of each LoRA tensor against its two-rank one-expert FSDP run: a group's two ranks draw as that run's two ranks
+(``core.expert_groups``) and FSDP2 reduce-scatters over a mesh of two in both, so the same operations in the same
+order: the files are compared bit for bit (measured: equal)."""
+
+
+@pytest.fixture(scope="module")
+def grouped(workspace):  # noqa: F811
+    done = torchrun(workspace, "groups_fsdp", settings=GROUPS, nproc=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return only_run_dir(workspace / "groups_fsdp")
+
+
+def test_four_ranks_sharding_each_expert_in_its_group_train_what_two_one_expert_fsdp_runs_train(
+        workspace, grouped):  # noqa: F811
+    got = loras(grouped)
+    assert sorted(got) == ["quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"]
+    lines = metrics(grouped)
+    for expert in ("high_noise", "low_noise"):
+        name = f"quickstart_{expert}.safetensors"
+        done = torchrun(workspace, f"one_{expert}", settings=[*SETTINGS, f'model.experts="{expert}"'], nproc=2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reference = only_run_dir(workspace / f"one_{expert}")
+        expected = loras(reference)[name]
+        assert any(".lora_B." in k and v.abs().max() > 0 for k, v in expected.items())  # it trained
+        assert sorted(got[name]) == sorted(expected)
+        for key, value in expected.items():
+            assert float((got[name][key] - value).abs().max()) <= TOLERANCE * float(value.abs().max()), (name, key)
+        # each group's logged loss is its one-expert run's, step for step
+        assert [(r["step"], r[f"train/loss/{expert}"]) for r in lines] == \
+            [(r["step"], r["train/loss"]) for r in metrics(reference)]
+        # the group's two ranks held the rows the reference's two ranks held: about half of the expert's LoRA each
+        group = 2 * ("high_noise", "low_noise").index(expert)
+        shards = [probe(workspace, "groups_fsdp", group + r)[1] for r in (0, 1)]
+        for r in (0, 1):
+            mine, theirs = shards[r], probe(workspace, f"one_{expert}", r)[1]
+            assert sorted(mine) == sorted(theirs) and all(k.startswith(f"{expert}/") for k in mine)
+            assert all(mine[k].equal(theirs[k]) for k in theirs), (expert, r)
+        held = [sum(t.numel() for t in s.values()) for s in shards]
+        assert abs(held[0] - held[1]) <= 0.05 * sum(held), held
+    for rank in (1, 2, 3):  # the leader of group 1 (rank 2) sent its files to rank 0, which wrote them
+        assert probe(workspace, "groups_fsdp", rank)[0]["writes"] == [], rank
+
+
+def test_a_stop_on_rank_3_resumes_at_the_same_world_size_bitwise(workspace, grouped):  # noqa: F811
+    """Rank 3 (the low-noise group's second rank) asks to stop after step 2: every rank stops with the checkpoint
+    of step 2; ``--resume auto`` on four ranks ends with the uninterrupted run's LoRA files, bit for bit."""
+    stopped = torchrun(workspace, "groups_fsdp_resumed", settings=GROUPS, nproc=4,
+                       env={"WANTRAIN_PROBE_STOP_AT": "2", "WANTRAIN_PROBE_STOP_RANK": "3"})
+    assert stopped.returncode == 1 and "exitcode  : 3" in stopped.stderr, stopped.stderr[-3000:]
+    run_dir = only_run_dir(workspace / "groups_fsdp_resumed")
+    assert (run_dir / "checkpoints" / "step_000002" / "complete.json").exists()
+    assert not (run_dir / "checkpoints" / "step_000004").exists()
+    resumed = torchrun(workspace, "groups_fsdp_resumed", "--resume", "auto", settings=GROUPS, nproc=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = loras(grouped), loras(run_dir)
+    assert sorted(got) == sorted(expected)
+    for name, tensors in expected.items():
+        for key, value in tensors.items():
+            assert value.equal(got[name][key]), (name, key)
+    losses = [{k: v for k, v in r.items() if k.startswith("train/loss")} for r in metrics(grouped)]
+    assert [{k: v for k, v in r.items() if k.startswith("train/loss")} for r in metrics(run_dir)] == losses
