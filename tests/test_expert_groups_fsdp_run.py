@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import pytest
 from test_distributed import loras, metrics, only_run_dir, probe, torchrun, workspace  # noqa: F401  (the fixture)
+from test_end_to_end import copy_examples
 
-pytestmark = pytest.mark.slow
+from wantrain.app.config import RunConfig
+from wantrain.app.preflight import check_parallel
+from wantrain.cli.main import main
+from wantrain.core.config import structure
+from wantrain.core.errors import UserError
 
 SETTINGS = ["train.max_steps=4", "train.log_every=2", "checkpoint.every=2", "observers.progress=false",
             "optimizer.lr=3e-3", 'lora.save_dtype="fp32"', "faults.oom_at_steps=[]", 'model.parallel="fsdp"']
@@ -19,6 +24,38 @@ TOLERANCE = 0.0
 order: the files are compared bit for bit (measured: equal)."""
 
 
+BOTH = {"variant": "tiny-t2v", "parallel": "fsdp", "expert_groups": 2}
+
+
+def test_fsdp_with_expert_groups_is_read_and_its_shard_degree_must_divide_a_group():
+    cfg = structure(RunConfig, {"model": BOTH})
+    assert cfg.model.parallel == "fsdp" and cfg.model.expert_groups == 2  # no longer refused when read
+    assert check_parallel(cfg, 4) == []
+    assert check_parallel(structure(RunConfig, {"model": {**BOTH, "shard_degree": 2}}), 8) == []  # HSDP in a group
+    with pytest.raises(UserError, match=r"^model.shard_degree = 4 does not divide the 2 ranks of an expert group "
+                                        r"\(4 ranks / model.expert_groups = 2\); use one of 1, 2 \(unset: all 2 of "
+                                        r"the group\)$"):
+        check_parallel(structure(RunConfig, {"model": {**BOTH, "shard_degree": 4}}), 4)
+    with pytest.raises(UserError, match=r"^\[validation\] does not run with model.parallel = 'fsdp' under torchrun"):
+        check_parallel(structure(RunConfig, {"model": BOTH, "validation": {"enabled": True, "from_training": 2}}), 4)
+
+
+def test_check_prints_which_ranks_load_and_shard_each_expert(tmp_path, capsys):
+    config = copy_examples(tmp_path)
+    layout = ["--set", "model.expert_groups=2", "--set", 'model.parallel="fsdp"', "--set", "model.shard_degree=2"]
+    assert main(["check", str(config), *layout, "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "high_noise: loaded on rank 0, sharded over ranks 0..1 and 2..3 (2 copies, replicated: HSDP)" in out
+    assert "low_noise: loaded on rank 4, sharded over ranks 4..5 and 6..7" in out
+    assert "8 GPUs, one expert per group of 4, FSDP over 2 x 2 replicas" in out and "trainable under torchrun" in out
+    assert main(["check", str(config), *layout[:4], "--gpus", "4"]) == 0  # unset: the whole group of 2
+    out = capsys.readouterr().out
+    assert "low_noise: loaded on rank 2, sharded over ranks 2..3, each rank holding 1/2 of it" in out
+    assert "4 GPUs, one expert per group of 2, FSDP over 2" in out
+    assert main(["check", str(config), *layout[:4], "--set", "model.shard_degree=4", "--gpus", "4"]) == 2
+    assert "does not divide the 2 ranks of an expert group" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def grouped(workspace):  # noqa: F811
     done = torchrun(workspace, "groups_fsdp", settings=GROUPS, nproc=4)
@@ -26,6 +63,7 @@ def grouped(workspace):  # noqa: F811
     return only_run_dir(workspace / "groups_fsdp")
 
 
+@pytest.mark.slow
 def test_four_ranks_sharding_each_expert_in_its_group_train_what_two_one_expert_fsdp_runs_train(
         workspace, grouped):  # noqa: F811
     got = loras(grouped)
@@ -57,6 +95,7 @@ def test_four_ranks_sharding_each_expert_in_its_group_train_what_two_one_expert_
         assert probe(workspace, "groups_fsdp", rank)[0]["writes"] == [], rank
 
 
+@pytest.mark.slow
 def test_a_stop_on_rank_3_resumes_at_the_same_world_size_bitwise(workspace, grouped):  # noqa: F811
     """Rank 3 (the low-noise group's second rank) asks to stop after step 2: every rank stops with the checkpoint
     of step 2; ``--resume auto`` on four ranks ends with the uninterrupted run's LoRA files, bit for bit."""

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         groups = args.expert_groups if args.expert_groups is not None else cfg.model.expert_groups
         shard_degree = args.shard_degree
         if cfg.model.parallel == "fsdp" and shard_degree == 1 and args.gpus > 1:  # the config's layout
-            shard_degree = cfg.model.shard_degree or args.gpus
+            shard_degree = cfg.model.shard_degree or args.gpus // max(groups, 1)  # expert groups: each group's
         sequence = args.sequence_degree if args.sequence_degree is not None else cfg.model.sequence_degree
         layout = planned_layout(cfg, gpus=args.gpus, expert_groups=groups,
                                 shard_degree=shard_degree, sequence_degree=sequence)
