@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(exc.summary + " (every file is listed above)") from None
     except MissingModelFiles as exc:  # weights not downloaded yet: the plan is the answer to "will it fit?"
         _print(exc.report, args.json)
+        _print_placement(cfg, args.gpus)
         _print_layout(cfg, exc.report, layout)
         raise UserError(str(exc)) from None
     _print(report, args.json)
@@ -63,12 +64,17 @@ def run(args: argparse.Namespace) -> int:
     check_sequence_buckets(cfg, report.buckets)  # model.sequence_degree: each bucket's tokens split evenly
     for line in alpha_schedule_lines(cfg):
         print(line)
-    from wantrain.app.preflight import expert_group_lines
-
-    for line in expert_group_lines(cfg, args.gpus):  # model.expert_groups: which ranks train which expert
-        print(line)
+    _print_placement(cfg, args.gpus)
     _print_layout(cfg, report, layout)
     return 0
+
+
+def _print_placement(cfg, gpus) -> None:
+    """``model.expert_groups``: which ranks train which expert (and, sharded, which load and shard it)."""
+    from wantrain.app.preflight import expert_group_lines
+
+    for line in expert_group_lines(cfg, gpus):
+        print(line)
 
 
 def _print_layout(cfg, report, layout) -> None:
