@@ -16,8 +16,11 @@ method                scope                                          why
 ``reduce_metrics``    every rank (unchanged)                         ``train/loss/<expert>`` comes from its group;
                                                                      ``train/loss`` is the mean over the ranks
 ``average_gradients`` the rank's own group                           the groups train different LoRAs; a
-                                                                     non-finite step skips in its group only
+                                                                     non-finite step skips in its group only;
+                                                                     sharded (FSDP inside the group): the flag
+                                                                     only (FSDP2 reduces the gradients)
 ``broadcast_parame…`` from each group's leader, inside the group     each group starts from its leader's LoRA
+                                                                     (sharded: loaded from it, nothing to send)
 ``gather_state``      every rank's whole state to rank 0, over the   LoRA weights, optimizer and scheduler differ
                       host (gloo) group, point to point              between groups (the leaders' copies are kept;
                                                                      the other ranks keep their own streams only)
