@@ -105,6 +105,12 @@ def test_a_stop_on_rank_3_resumes_at_the_same_world_size_bitwise(workspace, grou
     run_dir = only_run_dir(workspace / "groups_fsdp_resumed")
     assert (run_dir / "checkpoints" / "step_000002" / "complete.json").exists()
     assert not (run_dir / "checkpoints" / "step_000004").exists()
+    # on another number of ranks: refused in one line (each rank's group and data shard follow from the world size)
+    other = torchrun(workspace, "groups_fsdp_resumed", "--resume", "auto", settings=GROUPS, nproc=2)
+    refusal = [line for line in other.stderr.splitlines() if line.startswith("wantrain run: error:")]
+    assert "exitcode  : 2" in other.stderr and len(set(refusal)) == 1, other.stderr[-3000:]  # each rank's one line
+    assert "was written by 4 processes (torchrun, 4 ranks in all) and this run has 2" in refusal[0]
+    assert "with model.expert_groups = 2 each rank's group and data follow from the number of ranks" in refusal[0]
     resumed = torchrun(workspace, "groups_fsdp_resumed", "--resume", "auto", settings=GROUPS, nproc=4)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected, got = loras(grouped), loras(run_dir)

@@ -523,7 +523,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
         refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
         # fsdp resumes on another number of ranks; inside expert groups it does not (each rank's group, its
         # leader's state and its data shard follow from the world size)
-        check_resume_world_size(point, topology.world_size,
+        check_resume_world_size(point, topology.world_size, expert_groups=cfg.model.expert_groups,
                                 sharded=cfg.model.parallel == "fsdp" and cfg.model.expert_groups <= 1)
         if topology.is_main:  # refused here, before the model loads, when another process writes the run
             held.append(lock_run_dir(point.run_dir))
@@ -601,7 +601,7 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
                 held.append(lock_run_dir(point.run_dir))
             data_changes = _check_data(point, data, allow_data_changes)
     if point is not None:
-        regrouped = check_resume_world_size(point, topology.world_size,
+        regrouped = check_resume_world_size(point, topology.world_size, expert_groups=groups.count if groups else 1,
                                             sharded=cfg.model.parallel == "fsdp" and groups is None)
         data.report.warnings.extend([regrouped] if regrouped else [])
     if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
