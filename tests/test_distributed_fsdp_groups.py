@@ -2,7 +2,7 @@
 forked gloo ranks split into two groups of two; group 0 (ranks 0, 1) trains the tiny T2V twin's high-noise expert,
 group 1 (ranks 2, 3) its low-noise one, each expert sharded over its own group's mesh and loaded from the group's
 leader (the other rank builds it on ``meta``). Each group's LoRA must equal a one-process run of its expert with
-the same global batch and draws. ``wantrain run`` still refuses ``model.parallel = "fsdp"`` with expert groups."""
+the same global batch and draws. ``wantrain run`` wires them (tests/test_expert_groups_fsdp_run.py)."""
 
 from __future__ import annotations
 

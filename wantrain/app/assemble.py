@@ -379,11 +379,12 @@ class PreparedRun:
         ``GroupSaver``, through which the group leaders' files reach rank 0 (``core.expert_groups``); sharded
         (fsdp), every rank's saver, which gathers the whole LoRA, rank 0's alone writing."""
         sync = self.sync
+        if isinstance(sync, ExpertGroupSync):  # sharded: every rank of a group gathers, its leader keeps the files
+            saver = self.adapter.saver(run_dir, self.cfg.run.name, writes=sync.groups.is_leader)
+            return GroupSaver(sync, saver.files, saver.write if sync.is_main else None)
         if sync.sharded:  # fsdp: every rank gathers the LoRA for rank 0's files
             return self.adapter.saver(run_dir, self.cfg.run.name, writes=sync.is_main)
         saver = self.adapter.saver(run_dir, self.cfg.run.name)
-        if isinstance(sync, ExpertGroupSync):
-            return GroupSaver(sync, saver.files, saver.write if sync.is_main else None)
         return saver if sync.is_main else NullSaver()
 
     def _validation_observers(self, run_dir: Path) -> list[Any]:
@@ -520,7 +521,10 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if resume is not None:
         point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank), config_file=config_file)
         refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
-        check_resume_world_size(point, topology.world_size, sharded=cfg.model.parallel == "fsdp")
+        # fsdp resumes on another number of ranks; inside expert groups it does not (each rank's group, its
+        # leader's state and its data shard follow from the world size)
+        check_resume_world_size(point, topology.world_size, expert_groups=cfg.model.expert_groups,
+                                sharded=cfg.model.parallel == "fsdp" and cfg.model.expert_groups <= 1)
         if topology.is_main:  # refused here, before the model loads, when another process writes the run
             held.append(lock_run_dir(point.run_dir))
     try:
@@ -580,9 +584,11 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     refused = model_cfg.base_dtype in FP8_DTYPES and device.type not in FP8_DEVICE_TYPES
     encoded = None if topology.distributed or refused else encode_before_the_experts(
         cfg, model_cfg, data, validation_data, device, extra_observers)
-    sharded = cfg.model.parallel == "fsdp" and topology.distributed  # refused with expert groups (both experts)
+    sharded = cfg.model.parallel == "fsdp" and topology.distributed
+    # sharded: the weights are read by one rank (rank 0, or with expert groups each group's leader), on meta elsewhere
+    source = groups.is_leader if groups is not None else topology.is_main
     adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr,
-                            shard_load=("rank0" if topology.is_main else "meta") if sharded else None)
+                            shard_load=("rank0" if source else "meta") if sharded else None)
     for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
     if point is not None:  # the tensors against the model: one that does not fit is damage (auto: an older one)
@@ -595,7 +601,8 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
                 held.append(lock_run_dir(point.run_dir))
             data_changes = _check_data(point, data, allow_data_changes)
     if point is not None:
-        regrouped = check_resume_world_size(point, topology.world_size, sharded=cfg.model.parallel == "fsdp")
+        regrouped = check_resume_world_size(point, topology.world_size, expert_groups=groups.count if groups else 1,
+                                            sharded=cfg.model.parallel == "fsdp" and groups is None)
         data.report.warnings.extend([regrouped] if regrouped else [])
     if cfg.lora.starts_from_files:  # lora.init_from*: rank and alpha as read from the files
         cfg = attrs.evolve(cfg, lora=attrs.evolve(cfg.lora, rank=adapter.lora_config.rank,
@@ -613,7 +620,8 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         split_sequences(adapter, device, topology.world_size, sequence)
         sync.split_sequences(sequence)
     if sharded:
-        shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree, sequence)
+        shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree, sequence,
+                      sync if groups is not None else None)
         sync.shard()
     return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
                        validation_data=validation_data, sync=sync, data_changes=data_changes,
@@ -621,7 +629,7 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
 
 
 def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_degree: int | None,
-                  sequence_degree: int = 1) -> None:
+                  sequence_degree: int = 1, groups: ExpertGroupSync | None = None) -> None:
     """model.parallel = "fsdp" under torchrun: ``fully_shard`` every block of each trained expert, then the
     expert's root (``core.sharding.shard_per_block``), on the mesh of ``shard_degree`` ranks per copy (HSDP across
     the groups). After the LoRA is injected and before the optimizer is built: it is built over the ``DTensor``
@@ -629,16 +637,28 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
     each rank then allocates its shards only and fills them from rank 0's host copy, which is dropped after
     (``core.sharding.load_from_rank0``). With ``sequence_degree`` > 1 (Ulysses already on the experts:
     :func:`split_sequences`) the sequence groups are folded into the shard mesh and FSDP2's gradient sum over every
-    rank is divided by the data-parallel size, as ``ProcessGroupSync.split_sequences`` divides its all-reduce."""
+    rank is divided by the data-parallel size, as ``ProcessGroupSync.split_sequences`` divides its all-reduce.
+
+    With expert groups (``groups``, the run's sync; refused with a sequence degree): each group shards its own expert
+    over its own ranks (``core.sharding.group_shard_mesh``; ``shard_degree`` of them per copy, unset: the whole
+    group) and fills it from the group leader's host copy over the group only (``core.sharding.load_from_leader``):
+    the groups load side by side."""
     from wantrain.core import sharding
 
-    mesh = sharding.shard_mesh(device.type, world_size, shard_degree)
+    if groups is None:
+        mesh = sharding.shard_mesh(device.type, world_size, shard_degree)
+    else:
+        mesh = sharding.group_shard_mesh(device.type, world_size, groups.groups.count, shard_degree)
     divide = world_size / sequence_degree if sequence_degree > 1 else None
     for expert in adapter.experts:
         transformer = adapter.transformer_for(expert)
         sharding.shard_per_block(transformer, transformer.blocks, mesh=mesh, gradient_divide_factor=divide,
                                  param_dtype=sharding.compute_dtype(transformer), reduce_dtype=torch.float32)
-        sharding.load_from_rank0(transformer, adapter.host_sources.pop(expert, None), device)
+        source = adapter.host_sources.pop(expert, None)
+        if groups is None:
+            sharding.load_from_rank0(transformer, source, device)
+        else:
+            sharding.load_from_leader(transformer, source, device, mesh, group=groups.group_process_group)
 
 
 def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:

@@ -135,8 +135,17 @@ def check_parallel(cfg: Any, world_size: int) -> list[str]:
     if world_size == 1:
         return ["model.parallel = 'fsdp' in one process: nothing to shard, the run trains unsharded (launch it "
                 "with torchrun --nproc_per_node N to shard the weights over N GPUs)"]
+    groups = model.expert_groups
+    if groups > 1 and world_size % groups == 0:  # FSDP inside each expert group: the degree divides the group
+        size = world_size // groups
+        degree = model.shard_degree or size
+        if size % degree:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            raise UserError(f"model.shard_degree = {degree} does not divide the {size} ranks of an expert group "
+                            f"({world_size} ranks / model.expert_groups = {groups}); use one of "
+                            f"{', '.join(map(str, divisors))} (unset: all {size} of the group)")
     degree = model.shard_degree or world_size
-    if world_size % degree:
+    if groups <= 1 and world_size % degree:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise UserError(f"model.shard_degree = {degree} does not divide the {world_size} ranks of this launch; use "
                         f"one of {', '.join(map(str, divisors))} (unset: all {world_size})")
@@ -501,18 +510,35 @@ def planned_layout(cfg: Any, **degrees: int) -> Any:
 
 
 def expert_group_lines(cfg: Any, gpus: int | None) -> list[str]:
-    """``wantrain check``: with ``model.expert_groups``, which ranks train which expert (``models.wan22.placement``)."""
+    """``wantrain check``: with ``model.expert_groups``, which ranks train which expert (``models.wan22.placement``);
+    with ``model.parallel = "fsdp"`` too, which ranks shard each expert and which rank loads it."""
     from wantrain.models.wan22.placement import expert_group_lines as lines
+    from wantrain.models.wan22.variants import VARIANTS
 
-    return lines(cfg.model, gpus)
+    out = lines(cfg.model, gpus)
+    count = cfg.model.expert_groups
+    if not out or cfg.model.parallel != "fsdp" or gpus is None or gpus % count:
+        return out
+    size = gpus // count
+    degree = cfg.model.shard_degree or size
+    out.append(f"sharding: FSDP inside each expert group (model.parallel = 'fsdp', {degree} GPU(s) per copy of the "
+               "expert); each group loads its expert from its first rank, the others start on meta:")
+    for g, expert in enumerate(VARIANTS[cfg.model.variant].experts):
+        first = g * size
+        copies = [f"{c}..{c + degree - 1}" if degree > 1 else str(c) for c in range(first, first + size, degree)]
+        out.append(f"  {expert}: loaded on rank {first}, sharded over ranks " + " and ".join(copies)
+                   + (f" ({len(copies)} copies, replicated: HSDP)" if len(copies) > 1 else "")
+                   + f", each rank holding 1/{degree} of it")
+    return out
 
 
 def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
     bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel, the
     FSDP (``model.parallel``), the expert-group (``model.expert_groups``) and the sequence-parallel
-    (``model.sequence_degree``, data parallel across the groups) layouts under torchrun, and FSDP with a sequence
-    degree; expert groups with either are planned only (docs/distributed.md)."""
+    (``model.sequence_degree``, data parallel across the groups) layouts under torchrun, FSDP with a sequence
+    degree and FSDP inside expert groups; expert groups with a sequence degree are planned only
+    (docs/distributed.md)."""
     from wantrain.models.wan22.rank_plan import rank_estimate
 
     bucket = (report.memory_plan or {}).get("bucket")
@@ -521,9 +547,9 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     width, height, frames = (int(x) for x in bucket.split("x"))
     estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
                              rank=_lora_rank(cfg), batch=cfg.train.batch_size)
-    # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses each alone, and Ulysses
-    # with fsdp over every GPU or HSDP (the sequence groups folded into the shard dimension)
-    runs = layout.expert_groups == 1 or (layout.shard_degree == 1 and layout.sequence_degree == 1)
+    # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses, each alone, Ulysses with
+    # fsdp (the sequence groups folded into the shard dimension) and fsdp inside expert groups
+    runs = layout.expert_groups == 1 or layout.sequence_degree == 1
     status = "trainable under torchrun" if runs else "planned, not yet trainable"
     lines = [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
              *("  " + line for line in estimate.lines())]

@@ -336,7 +336,8 @@ def _blame_config(path: Path, saved_config: Any, plain: dict[str, Any], problem:
                         + "; ".join(changed) + " (resume with the settings the run was started with)")
 
 
-def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: bool = False) -> str | None:
+def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: bool = False,
+                            expert_groups: int = 1) -> str | None:
     """Refuse a checkpoint written by another number of ranks: each rank's data position and random streams are
     its own, so they cannot be split or merged exactly. With ``model.parallel = "fsdp"`` (``sharded``) a run may
     resume on fewer or more ranks: its checkpoint holds the whole LoRA and optimizer state, which the new layout
@@ -344,7 +345,7 @@ def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: boo
     ``r`` continues rank ``r``'s streams and the data position (in entries of the global batch plan, now
     ``train.batch_size`` x the new world size); a rank the checkpoint never had starts from rank 0's counters and
     random streams (every rank draws the whole global batch's timesteps and noise from one stream and keeps its
-    rows). Returns that note, for the log."""
+    rows). Returns that note, for the log. ``expert_groups`` > 1 (sharded or not): refused, the hint says why."""
     saved = checkpoint_world_size(point.tree)
     if saved == world_size:
         return None
@@ -361,7 +362,8 @@ def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: boo
         return (f"checkpoint '{point.checkpoint}' was written by {launch(saved)}, this run has {world_size}: the "
                 f"LoRA, optimizer, schedule and counters continue exactly; {streams}, and the data continues from "
                 f"the same entry of a plan of {world_size}/{saved} the global batch")
-    hint = " (model.parallel = 'fsdp' resumes on another number of ranks)"
+    hint = (f" (with model.expert_groups = {expert_groups} each rank's group and data follow from the number of "
+            "ranks)" if expert_groups > 1 else " (model.parallel = 'fsdp' resumes on another number of ranks)")
     raise UserError(
         f"checkpoint '{point.checkpoint}' was written by {launch(saved)} and this run has {world_size}; resume "
         f"with {launch(saved)}, or start a new run{hint}"

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         groups = args.expert_groups if args.expert_groups is not None else cfg.model.expert_groups
         shard_degree = args.shard_degree
         if cfg.model.parallel == "fsdp" and shard_degree == 1 and args.gpus > 1:  # the config's layout
-            shard_degree = cfg.model.shard_degree or args.gpus
+            shard_degree = cfg.model.shard_degree or args.gpus // max(groups, 1)  # expert groups: each group's
         sequence = args.sequence_degree if args.sequence_degree is not None else cfg.model.sequence_degree
         layout = planned_layout(cfg, gpus=args.gpus, expert_groups=groups,
                                 shard_degree=shard_degree, sequence_degree=sequence)
@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(exc.summary + " (every file is listed above)") from None
     except MissingModelFiles as exc:  # weights not downloaded yet: the plan is the answer to "will it fit?"
         _print(exc.report, args.json)
+        _print_placement(cfg, args.gpus)
         _print_layout(cfg, exc.report, layout)
         raise UserError(str(exc)) from None
     _print(report, args.json)
@@ -63,12 +64,17 @@ def run(args: argparse.Namespace) -> int:
     check_sequence_buckets(cfg, report.buckets)  # model.sequence_degree: each bucket's tokens split evenly
     for line in alpha_schedule_lines(cfg):
         print(line)
-    from wantrain.app.preflight import expert_group_lines
-
-    for line in expert_group_lines(cfg, args.gpus):  # model.expert_groups: which ranks train which expert
-        print(line)
+    _print_placement(cfg, args.gpus)
     _print_layout(cfg, report, layout)
     return 0
+
+
+def _print_placement(cfg, gpus) -> None:
+    """``model.expert_groups``: which ranks train which expert (and, sharded, which load and shard it)."""
+    from wantrain.app.preflight import expert_group_lines
+
+    for line in expert_group_lines(cfg, gpus):
+        print(line)
 
 
 def _print_layout(cfg, report, layout) -> None:

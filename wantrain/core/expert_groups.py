@@ -16,8 +16,11 @@ method                scope                                          why
 ``reduce_metrics``    every rank (unchanged)                         ``train/loss/<expert>`` comes from its group;
                                                                      ``train/loss`` is the mean over the ranks
 ``average_gradients`` the rank's own group                           the groups train different LoRAs; a
-                                                                     non-finite step skips in its group only
+                                                                     non-finite step skips in its group only;
+                                                                     sharded (FSDP inside the group): the flag
+                                                                     only (FSDP2 reduces the gradients)
 ``broadcast_parame…`` from each group's leader, inside the group     each group starts from its leader's LoRA
+                                                                     (sharded: loaded from it, nothing to send)
 ``gather_state``      every rank's whole state to rank 0, over the   LoRA weights, optimizer and scheduler differ
                       host (gloo) group, point to point              between groups (the leaders' copies are kept;
                                                                      the other ranks keep their own streams only)
@@ -130,6 +133,25 @@ class ExpertGroupSync(ProcessGroupSync):
                 own = made
         return cls(topology, device, groups, own, base._patient, experts)
 
+    @property
+    def group_process_group(self) -> Any:
+        """The process group of this rank's expert group (what its sharded expert loads over)."""
+        return self._grads_group
+
+    def average_gradients(self, params: Sequence[torch.nn.Parameter], nonfinite: torch.Tensor) -> None:
+        """Unsharded: :meth:`ProcessGroupSync.average_gradients` over this rank's group. Sharded (FSDP inside the
+        group, :meth:`shard`): FSDP2 has reduce-scattered the gradients over the group's mesh in the backward, so
+        only the non-finite flag travels, over the group (a non-finite step skips in its group only, as unsharded).
+        Device-side, no sync."""
+        if not self.sharded:
+            super().average_gradients(params, nonfinite)
+            return
+        import torch.distributed as dist
+
+        bad = nonfinite.to(torch.float32).reshape(1)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._grads_group)
+        nonfinite.copy_(bad.reshape(()))
+
     # -- metrics: each group's figures, then the whole model's ---------------------------------------------------
     def reduce_metrics(self, values: dict[str, float]) -> dict[str, float]:
         """:meth:`ProcessGroupSync.reduce_metrics` with the whole-model figures made from every group's: a rank
@@ -224,14 +246,17 @@ class GroupSaver:
     """Every rank's saver under expert groups. ``files(step, final)`` gives this rank's expert's LoRA files (group
     leaders; None elsewhere), ``write(name, tensors, metadata)`` writes one and returns its path (rank 0). Each
     leader's files travel to rank 0, which writes them in group order and returns every path; the others return
-    ``[]``. Every rank calls :meth:`save` at each LoRA save (the trainer does)."""
+    ``[]``. Every rank calls :meth:`save` at each LoRA save (the trainer does). Sharded (FSDP inside the groups):
+    every rank calls ``files`` (the all-gathers of its group's shards; only the leader's returns files)."""
 
     def __init__(self, sync: ExpertGroupSync, files: Callable[[int, bool], Sequence[LoraFile]] | None,
                  write: Callable[[str, dict[str, torch.Tensor], dict[str, str]], str] | None) -> None:
         self.sync, self.files, self.write = sync, files, write
 
     def save(self, step: int, final: bool) -> list[str]:
-        mine = list(self.files(step, final)) if self.files is not None and self.sync.groups.is_leader else []
+        gathers = self.sync.groups.is_leader or self.sync.sharded  # sharded: the whole group gathers
+        mine = list(self.files(step, final)) if self.files is not None and gathers else []
+        mine = mine if self.sync.groups.is_leader else []
         payload = _encode_files(mine) if mine and not self.sync.is_main else None
         parts = self.sync._send_to_rank0(payload)
         if parts is None:

@@ -89,17 +89,20 @@ def load_from_rank0(module: nn.Module, source: nn.Module | None, device: torch.d
         dist.broadcast(buffer, src=0)
 
 
-def load_from_leader(module: nn.Module, source: nn.Module | None, device: torch.device, mesh: Any) -> None:
+def load_from_leader(module: nn.Module, source: nn.Module | None, device: torch.device, mesh: Any,
+                     group: Any = None) -> None:
     """:func:`load_from_rank0` inside a group of ranks: ``module`` is sharded on ``mesh`` (one expert group's
     ranks, :func:`group_shard_mesh`), ``source`` is the model whole on the group's first rank (its leader; None on
-    the others). Each tensor travels whole from the leader to the group only (a broadcast on the mesh's group) and
-    each rank keeps its rows (sliced locally), so groups load their experts side by side and a rank's peak is its
-    shards, the buffers and one tensor whole. Every rank of the group calls it, in the same order."""
+    the others). Each tensor travels whole from the leader to the group only (a broadcast on ``group``: the
+    process group of the expert group's ranks, by default the 1-D mesh's own) and each rank keeps its rows (sliced
+    locally), so groups load their experts side by side and a rank's peak is its shards, the buffers and one
+    tensor whole. Every rank of the group calls it, in the same order. A 2-D ``mesh`` (HSDP inside the group)
+    needs ``group``."""
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
     module.to_empty(device=device)
-    group = mesh.get_group()
+    group = group if group is not None else mesh.get_group()
     leader = dist.get_global_rank(group, 0)
     held = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
     with torch.no_grad():
@@ -116,14 +119,22 @@ def load_from_leader(module: nn.Module, source: nn.Module | None, device: torch.
             del full
 
 
-def group_shard_mesh(device_type: str, world_size: int, groups: int) -> Any:
+def group_shard_mesh(device_type: str, world_size: int, groups: int, shard_degree: int | None = None) -> Any:
     """This rank's shard mesh when ``world_size`` ranks split into ``groups`` groups of consecutive ranks, each
     sharding its own model (``model.expert_groups`` with ``model.parallel = "fsdp"``: one expert per group): the
-    ``shard`` dimension of the 2-D mesh ``(expert, shard)``, whose group is this rank's expert group."""
+    ``shard`` dimension of the 2-D mesh ``(expert, shard)``, whose group is this rank's expert group. With a
+    ``shard_degree`` below the group's size, HSDP inside the group: the ``(replicate, shard)`` dimensions of the
+    3-D mesh ``(expert, replicate, shard)`` (``shard_degree`` consecutive ranks hold one copy)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (groups, world_size // groups), mesh_dim_names=("expert", "shard"))
-    return mesh["shard"]
+    size = world_size // groups
+    degree = shard_degree or size
+    if degree == size:
+        mesh = init_device_mesh(device_type, (groups, size), mesh_dim_names=("expert", "shard"))
+        return mesh["shard"]
+    mesh = init_device_mesh(device_type, (groups, size // degree, degree),
+                            mesh_dim_names=("expert", "replicate", "shard"))
+    return mesh["replicate", "shard"]
 
 
 def _options(**kwargs: Any) -> Any:

@@ -304,10 +304,11 @@ def _check_parallel(model: ModelConfig) -> None:
                               "remove model.shard_degree")
         return
     clash = _memory_clash(model, "parallel = 'dp'", " (sharding is what makes the blocks fit)")
-    if clash is None and model.trained_experts == ("high_noise", "low_noise"):
+    # with model.expert_groups each group trains (and shards) its own expert: nothing alternates
+    if clash is None and model.trained_experts == ("high_noise", "low_noise") and model.expert_groups <= 1:
         clash = ("model.experts = 'both' (the trained expert alternates by moving between the GPU and the host, "
                  "which a sharded expert does not)", "train one expert per run (experts = 'high_noise' or "
-                 "'low_noise') or set parallel = 'dp'")
+                 "'low_noise'), one expert per group of GPUs (expert_groups = 2) or set parallel = 'dp'")
     if clash is not None:
         raise ConfigError(f"model.parallel = 'fsdp' does not work with {clash[0]} yet; {clash[1]}")
 
