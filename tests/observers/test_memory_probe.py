@@ -64,11 +64,14 @@ def test_ram_total_includes_data_loader_worker_processes():
         bus.emit(stepped(2))
         values = ctx.metrics.gather()
         child_rss = psutil.Process(worker.pid).memory_info().rss / GIB
+        # children an earlier test of this process left running (inductor's compile workers, say) count as well
+        others = sum(p.memory_info().rss for p in psutil.Process().children(recursive=True) if p.pid != worker.pid)
     finally:
         worker.kill()
         worker.wait()
     assert child_rss > 90 / 1024
-    assert values["memory/ram_total_gb"] - values["memory/ram_main_process_gb"] == pytest.approx(child_rss, rel=0.2)
+    assert values["memory/ram_total_gb"] - values["memory/ram_main_process_gb"] == \
+        pytest.approx(child_rss + others / GIB, rel=0.2)
 
 
 def test_memory_is_sampled_only_on_log_steps():
