@@ -44,6 +44,9 @@ LORA_TOLERANCE = 5e-5
 gradients agree within 1e-6, but AdamW divides each by the root of its own running square, so a gradient element
 near zero turns a rounding difference into a difference of the step's size (docs/distributed.md, World size and
 random draws)."""
+WHOLE_LORA_TOLERANCE = 1e-6
+"""Of the final LoRA of each expert as a whole (max |a - b| over its tensors / max |b| over them), the issue's 1e-6
+relative: measured 7.2e-7 (data parallel, 12 steps) and 1.0e-7 (dp and fsdp, 4 steps)."""
 
 
 def worst_relative(got: dict, expected: dict) -> float:
@@ -51,6 +54,17 @@ def worst_relative(got: dict, expected: dict) -> float:
     assert sorted(got) == sorted(expected) and expected
     return max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) if expected[k].abs().max() > 0
                else float(got[k].abs().max() > 0) for k in expected)  # a zero tensor (lora_A's first gradient)
+
+
+def whole_relative(got: dict, expected: dict) -> float:
+    """max over the experts of max |got - expected| over the expert's tensors / max |expected| over them (a name's
+    expert: the part before its first "/", the whole dict when a name has none)."""
+    assert sorted(got) == sorted(expected) and expected
+    experts: dict[str, list[str]] = {}
+    for key in expected:
+        experts.setdefault(key.split("/", 1)[0] if "/" in key else "", []).append(key)
+    return max(max(float((got[k] - expected[k]).abs().max()) for k in keys)
+               / max(float(expected[k].abs().max()) for k in keys) for keys in experts.values())
 
 
 def free_port() -> int:
@@ -195,6 +209,7 @@ def test_a_two_rank_run_equals_the_one_process_run_with_the_same_global_batch(wo
     assert worst_relative(grads(workspace, "full"), grads(workspace, "single")) <= GRAD_TOLERANCE
     final = probe(workspace, "full", 0)[1]
     assert worst_relative(final, probe(workspace, "single", 0)[1]) <= LORA_TOLERANCE
+    assert whole_relative(final, probe(workspace, "single", 0)[1]) <= WHOLE_LORA_TOLERANCE
     assert metrics(uninterrupted)[-1]["train/skipped_steps"] == metrics(one_process)[-1]["train/skipped_steps"] == 1
 
 
@@ -506,3 +521,5 @@ def test_data_parallel_and_fsdp_two_rank_runs_equal_the_one_process_run_of_their
         assert [r["train/loss"] for r in metrics(fsdp_runs[name])] == pytest.approx(one, rel=LOSS_TOLERANCE), name
         assert worst_relative(loras(fsdp_runs[name])["quickstart_high_noise.safetensors"], reference) \
             <= LORA_TOLERANCE, name
+        assert whole_relative(loras(fsdp_runs[name])["quickstart_high_noise.safetensors"], reference) \
+            <= WHOLE_LORA_TOLERANCE, name
