@@ -31,9 +31,9 @@ LORA_TOLERANCE = 1e-4
 """Of the final LoRA per tensor after 4 AdamW steps, 2 per expert (measured: 6.2e-5, a lora_B two steps from
 zero: AdamW divides each gradient element by its own root mean square, so a rounding difference in an element near
 zero becomes a difference of the step's size; docs/distributed.md, World size and random draws)."""
-WHOLE_LORA_TOLERANCE = 2e-6
-"""Of the final LoRA of each expert as a whole (max |a - b| over its tensors / max |b| over them; measured:
-9.1e-7 low noise, 2.5e-7 high noise)."""
+WHOLE_LORA_TOLERANCE = 1e-6
+"""Of the final LoRA of each expert as a whole (max |a - b| over its tensors / max |b| over them), the issue's 1e-6
+relative (measured: 9.1e-7 low noise, 2.5e-7 high noise)."""
 
 SEQUENCE = ["train.max_steps=4", "train.log_every=1", "checkpoint.every=100", "observers.progress=false",
             "optimizer.lr=3e-3", "model.switch_every=2", "faults.oom_at_steps=[]", "data.resolutions=[32]"]
