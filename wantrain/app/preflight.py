@@ -37,12 +37,13 @@ def resolved_config(cfg: Any) -> Any:
     return resolve_epochs(cfg, dataset(cfg)) if uses_epochs(cfg) else cfg
 
 
-def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None = None) -> PreflightReport:
+def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None = None,
+                     gpus: int | None = None) -> PreflightReport:
     """The pre-flight data report of ``wantrain check`` (``verify``: decode every clip first), with the memory plan
     (:func:`plan_memory`: training and, with ``[sample]`` on, sampling, part by part). First the checks ``wantrain
     run`` makes before it loads anything (the schedule, users' observers, the model files, [validation]/[sample]):
     the same one-line refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys
-    go."""
+    go. ``gpus`` (``check --gpus N``): the host plan is that of N torchrun ranks on one machine."""
     from wantrain.app.epochs import uses_epochs
 
     given = cfg
@@ -69,7 +70,7 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     data.report.model_files = [f"problem: {line}" for line in missing] if missing else model_plan(cfg)
     speed_plan(cfg, data, resolve_device(cfg.train.device))
     try:
-        plan_memory(cfg, data)
+        plan_memory(cfg, data, gpus=gpus)
     except UserError as exc:
         if not missing:
             raise
@@ -305,7 +306,7 @@ LARGEST_DEVICE_GIB = 288.0
 smallest setting fits no device, and is refused by ``check`` and ``run`` alike."""
 
 
-def plan_memory(cfg: Any, data: Any) -> Any:
+def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
     """The ``[model]`` section the run trains with: with ``model.vram_budget_gb`` the planner's choice of
     ``base_dtype`` (when ``auto``), ``blocks_to_swap`` and ``offload_activations`` for the largest bucket, else the
     section as it is. With ``[sample]`` on, the plan covers sampling at the sample size too (the card needs the
@@ -360,7 +361,7 @@ def plan_memory(cfg: Any, data: Any) -> Any:
                              recompute=chosen.settings.recompute if model.gradient_checkpointing else model.recompute,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
     _record_plan(cfg, data, b, chosen)  # the device plan, should the host plan refuse
-    model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto")
+    model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto", gpus=gpus)
     _record_plan(cfg, data, b, chosen)
     data.report.host_memory = host
     return model
@@ -376,7 +377,8 @@ def _record_plan(cfg: Any, data: Any, b: Any, chosen: Any) -> None:
                                "lines": lines, **chosen.to_json()}
 
 
-def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool) -> tuple[Any, Any, dict]:
+def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool,
+              gpus: int | None = None) -> tuple[Any, Any, dict]:
     """Fit the host plan to the host RAM budget (``model.host_ram_budget_gb``, else this machine's available RAM):
     the VRAM plan ``chosen`` as it is, then (``base_dtype = "auto"``) its fp8 counterpart, each pinned and then
     pageable. Returns (the model section to run with, the device estimate, the host lines for ``check``); nothing
@@ -407,7 +409,7 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
     for option, device_est in options():
         for pin in (True, False) if model.pin_host_copies else (False,):
             candidate = attrs.evolve(option, pin_host_copies=pin)
-            est = host_estimate_of(cfg, candidate, device_est.settings, size)
+            est = host_estimate_of(cfg, candidate, device_est.settings, size, gpus=gpus)
             tried.append((candidate, est))
             if est.peak <= budget:
                 changes = _host_changes(model, candidate)
@@ -444,11 +446,14 @@ def _trains_on_cuda(cfg: Any, model: Any) -> bool:
     return device.startswith("cuda") or (device == "auto" and not variant_spec(model.variant).tiny)
 
 
-def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict) -> Any:
+def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict, *, gpus: int | None = None) -> Any:
     """The run's host memory, part by part (``memory.host_estimate``): the encoders are counted as loaded (they
     are not when every clip and caption is cached already and [sample] is off), in the order the run loads them:
     in one process before the experts (``app.assemble.encode_before_the_experts``), under torchrun after them; the
-    pin budget is half of ``model.host_ram_budget_gb`` (else of the machine's memory), as the placement takes it."""
+    pin budget is half of ``model.host_ram_budget_gb`` (else of the machine's memory), as the placement takes it.
+    The figures are one rank's; with ranks (``gpus``, or torchrun's ``LOCAL_WORLD_SIZE`` per machine) the
+    machine's sum follows (:func:`_ranks_on_host`), and under ``model.parallel = "fsdp"`` the loading rank (rank 0,
+    or each expert group's leader) holds the expert whole while loading, the others none of it."""
     from wantrain.core.distributed import detect_topology
     from wantrain.models.wan22.memory import host_estimate
     from wantrain.models.wan22.placement import host_experts, pin_budget
@@ -457,10 +462,35 @@ def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict) -> Any:
     # groups each rank holds one expert and the other group's is relayed (a torchrun launch: encoders after)
     experts, other = host_experts(model, cfg.sample.enabled)
     launched = detect_topology().distributed or model.expert_groups > 1
+    ranks, on_host = _ranks_on_host(gpus)
+    launched = launched or ranks > 1
+    load: dict[str, Any] = {}
+    if model.parallel == "fsdp" and ranks > 1:
+        from wantrain.models.wan22.rank_plan import load_peak
+
+        groups = max(model.expert_groups, 1)
+        group = max(ranks // groups, 1)
+        source = load_peak(model.variant, model.shard_degree or group, size["rank"],
+                           dtype_name="fp32" if settings.base_dtype == "fp32" else "bf16").rank0_host
+        # the leaders on the first machine: ranks 0, group, 2 x group ... below the ranks it holds
+        load = dict(load_source=source, loaders_on_host=min(groups, -(-on_host // group)))
     return host_estimate(model.variant, settings, experts=experts, cuda=_trains_on_cuda(cfg, model),
                          sampling_only=other, pin=model.pin_host_copies,
                          pin_budget=pin_budget(model.host_ram_budget_gb), encoders_first=not launched,
-                         **{k: v for k, v in size.items() if k != "sample"})
+                         ranks_on_host=on_host, **load, **{k: v for k, v in size.items() if k != "sample"})
+
+
+def _ranks_on_host(gpus: int | None) -> tuple[int, int]:
+    """(ranks in all, ranks on the first machine): ``check --gpus N`` plans N ranks on one machine; under torchrun
+    its ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``; else one process."""
+    import os
+
+    from wantrain.core.distributed import detect_topology
+
+    if gpus is not None:
+        return gpus, gpus
+    world = detect_topology().world_size
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", world) or world) if world > 1 else 1
 
 
 def _what_fits(variant: str, budget: float, dtype: str, size: dict) -> str:

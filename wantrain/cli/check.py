@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         layout = planned_layout(cfg, gpus=args.gpus, expert_groups=groups,
                                 shard_degree=shard_degree, sequence_degree=sequence)
     try:
-        report = preflight_report(cfg, verify=args.verify, config_dir=Path(args.config).parent)
+        report = preflight_report(cfg, verify=args.verify, config_dir=Path(args.config).parent, gpus=args.gpus)
     except NoUsableSample as exc:  # the report is what the user needs: every skipped and ignored file
         _print(exc.report, args.json)
         raise UserError(exc.summary + " (every file is listed above)") from None

@@ -637,6 +637,8 @@ def encoder_bytes(variant: str, compute_dtype: str) -> tuple[float, float]:
     return float(sum(unique.values()) * per), float(sum(p.numel() * 4 for p in vae.parameters()))
 
 
+LOADING = "while loading"
+
 # The part every phase holds, the first one (the encoders, before the experts load) only this one.
 RUNTIME_PART = "runtime (Python, torch, CUDA; assumed)"
 
@@ -651,6 +653,11 @@ class HostEstimate:
     phases: dict[str, dict[str, float]]
     pinned: str  # how the copies are pinned (for the lines)
     before_experts: tuple[str, ...] = ()
+    ranks_on_host: int = 1  # torchrun ranks sharing this host (each holds ``parts`` and its phases)
+    # phases only some of those ranks go through (the others hold ``parts`` alone meanwhile), with how many do:
+    # under fsdp the loading ranks (rank 0, each group's leader), while the cache fills rank 0 (the others find it
+    # filled and load no encoder: app.assemble)
+    few: dict[str, int] = attrs.field(factory=dict)
 
     def phase_total(self, phase: str) -> float:
         held = self.parts.get(RUNTIME_PART, 0.0) if phase in self.before_experts else sum(self.parts.values())
@@ -663,6 +670,16 @@ class HostEstimate:
     @property
     def peak_phase(self) -> str:
         return max(self.phases, key=self.phase_total)
+
+    def machine_total(self, phase: str) -> float:
+        """What the ``ranks_on_host`` ranks of this host hold together in ``phase``: the ranks of ``few`` go
+        through it, the others hold their ``parts`` alone meanwhile; else every rank the same."""
+        some = min(self.few.get(phase, self.ranks_on_host), self.ranks_on_host)
+        return some * self.phase_total(phase) + (self.ranks_on_host - some) * sum(self.parts.values())
+
+    @property
+    def machine_peak_phase(self) -> str:
+        return max(self.phases, key=self.machine_total)
 
     @property
     def dominant(self) -> str:
@@ -678,6 +695,16 @@ class HostEstimate:
             out.append(f"  {'total ' + phase:<44} {self.phase_total(phase) / GIB:7.2f} GiB")
         out.append(f"  peak {self.peak / GIB:.2f} GiB ({self.peak_phase}); largest part: {self.dominant}; "
                    f"{self.pinned}")
+        sharded = LOADING in self.few
+        if sharded:
+            out.append(f"  the other ranks while loading: no copy of the expert (built on meta, their shards arrive "
+                       f"on the GPU): total {sum(self.parts.values()) / GIB:.2f} GiB each")
+        if self.ranks_on_host > 1:
+            phase = self.machine_peak_phase
+            loading = (f", {self.few[LOADING]} of them loading an expert whole" if sharded
+                       else ", each loading its own expert")
+            out.append(f"  this machine ({self.ranks_on_host} ranks{loading}): {self.machine_total(LOADING) / GIB:.2f}"
+                       f" GiB while loading, {self.machine_total(phase) / GIB:.2f} GiB at its peak ({phase})")
         out.append(f"  order: {self.order}")
         return out
 
@@ -695,14 +722,17 @@ class HostEstimate:
         return {"parts_gib": {k: v / GIB for k, v in self.parts.items()},
                 "phases_gib": {p: {k: v / GIB for k, v in e.items()} for p, e in self.phases.items()},
                 "peak_gib": self.peak / GIB, "peak_phase": self.peak_phase, "dominant": self.dominant,
-                "before_experts": list(self.before_experts), "order": self.order}
+                "before_experts": list(self.before_experts), "order": self.order,
+                "ranks_on_host": self.ranks_on_host,
+                "machine_peak_gib": max(self.machine_total(p) for p in self.phases) / GIB}
 
 
 def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str | None, ...], rank: int,
                   width: int, height: int, frames: int, batch: int = 1, cuda: bool = True,
                   pin_budget: float | None = None, encoders: bool = True, pin: bool = True,
                   sampling_only: tuple[str, ...] = (), encoders_first: bool = True,
-                  adapter: AdapterSpec = LORA) -> HostEstimate:
+                  adapter: AdapterSpec = LORA, ranks_on_host: int = 1, load_source: float | None = None,
+                  loaders_on_host: int = 1) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -719,7 +749,11 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     * with ``settings.offload_activations``, while training: the host buffers of the offloaded activations
       (:func:`offload_host_tensors`), pinned on CUDA (carved from slabs like the others, ``pinned.SlabPool``);
     * one batch read from the cache (latents and text embeddings; the cache is read per step, not held);
-    * while loading: one file window and one tensor in flight; while the cache fills (``encoders``): UMT5 in the
+    * while loading: one file window and one tensor in flight; under ``model.parallel = "fsdp"`` (``load_source``:
+      ``rank_plan.load_peak``'s ``rank0_host``) the loading rank (rank 0, or each expert group's leader) holds the
+      expert and its LoRA whole as well, the others nothing (built on ``meta``, ``core.sharding.load_from_rank0``);
+      ``ranks_on_host`` ranks sharing the host (``loaders_on_host`` of them loading) add up per machine;
+      while the cache fills (``encoders``): UMT5 in the
       compute dtype and the VAE in float32, loaded on the host before they move to the device (a
       ``model.text_encoder_file`` streams into the compute dtype: the same once).
 
@@ -769,7 +803,9 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         filling = {"text encoder (UMT5)": text, "VAE (float32)": vae}
     if filling and encoders_first:
         phases["while the cache fills"] = filling
-    phases["while loading"] = {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}
+    phases[LOADING] = {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}
+    if load_source is not None:
+        phases[LOADING] = {"loading rank: expert + LoRA": float(load_source), **phases[LOADING]}
     if filling and not encoders_first:
         phases["while the cache fills"] = filling
     training: dict[str, float] = {}
@@ -791,7 +827,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         pinned = "swap copies pinned; waiting copies pageable (over half the host's memory)"
     else:
         pinned = "waiting copies pageable (over half the host's memory)" if placed else "nothing pinned"
-    return HostEstimate(parts, phases, pinned, ("while the cache fills",) if filling and encoders_first else ())
+    return HostEstimate(parts, phases, pinned, ("while the cache fills",) if filling and encoders_first else (),
+                        ranks_on_host=ranks_on_host,
+                        few={**({LOADING: loaders_on_host} if load_source is not None else {}),
+                             **({"while the cache fills": 1} if filling and not encoders_first else {})})
 
 
 def _batch_bytes(spec: Any, width: int, height: int, frames: int, batch: int) -> float:
