@@ -116,3 +116,63 @@ def test_the_host_plan_of_expert_groups_counts_one_expert_per_rank(tmp_path, cap
     assert "low-noise expert host copy" not in grouped and "waiting expert's LoRA" not in grouped
     peaks = [float(re.search(r"peak ([\d.]+) GiB \(", out).group(1)) for out in (both, grouped)]
     assert peaks[1] < peaks[0]
+
+
+def _host_section(out: str) -> str:
+    return out.split("host memory (RAM), part by part (docs/models.md, Host memory):\n")[1].split("  order:")[0]
+
+
+def _gib(pattern: str, text: str) -> float:
+    return float(re.search(pattern, text).group(1))
+
+
+def test_under_fsdp_the_host_plan_says_the_loading_rank_holds_the_expert_whole_and_the_others_none(
+        tmp_path, capsys, no_model_files):
+    """``model.parallel = "fsdp"`` on 2 GPUs of one machine: rank 0 reads the expert whole (``load_peak``'s host
+    figure) while the other builds it on meta; the machine holds one whole copy, not two. Alone, the same config's
+    plan is one process's (no rank lines). Expert groups with fsdp on 4 GPUs: two leaders load, one copy each."""
+    from wantrain.cli.main import main
+    from wantrain.models.wan22.rank_plan import load_peak
+
+    config = _config(tmp_path, "host_ram_budget_gb = 512")
+    config.write_text(config.read_text().replace("vram_budget_gb = 24\n", ""))  # fsdp plans no block swap
+    one = ["check", str(config), "--set", "model.experts=high_noise"]
+    assert main(one) == 0
+    alone = _host_section(capsys.readouterr().out)
+    assert "this machine" not in alone and "loading rank" not in alone
+    assert main([*one, "--set", "model.parallel=fsdp", "--gpus", "2"]) == 0
+    host = _host_section(capsys.readouterr().out)
+    whole = load_peak("t2v-a14b", 2, 16).rank0_host / GIB
+    assert _gib(r"loading rank: expert \+ LoRA \(while loading\) +([\d.]+) GiB", host) == pytest.approx(whole, abs=0.01)
+    loading = _gib(r"total while loading +([\d.]+) GiB", host)
+    others = _gib(r"the other ranks while loading: no copy of the expert .*: total ([\d.]+) GiB each", host)
+    assert others < loading - whole  # no whole copy (and no file window) on the other rank
+    assert _gib(r"this machine \(2 ranks, 1 of them loading an expert whole\): ([\d.]+) GiB while loading", host) \
+        == pytest.approx(loading + others, abs=0.02)
+    assert main(["check", str(config), "--set", "model.parallel=fsdp", "--set", "model.expert_groups=2",
+                 "--gpus", "4"]) == 0
+    grouped = _host_section(capsys.readouterr().out)
+    loading = _gib(r"total while loading +([\d.]+) GiB", grouped)
+    others = _gib(r"no copy of the expert .*: total ([\d.]+) GiB each", grouped)
+    assert _gib(r"this machine \(4 ranks, 2 of them loading an expert whole\): ([\d.]+) GiB while loading",
+                grouped) == pytest.approx(2 * loading + 2 * others, abs=0.03)
+
+
+def test_expert_groups_without_fsdp_count_each_rank_loading_its_own_expert_per_machine(
+        tmp_path, capsys, no_model_files):
+    """``model.expert_groups = 2`` on 2 GPUs, no fsdp: each rank reads its own expert (file window + one tensor,
+    no whole copy held aside), and the machine holds both ranks; only rank 0 loads the encoders to fill the cache
+    (the other finds it filled)."""
+    from wantrain.cli.main import main
+
+    config = _config(tmp_path, "host_ram_budget_gb = 512")
+    assert main(["check", str(config), "--set", "model.expert_groups=2", "--gpus", "2"]) == 0
+    host = _host_section(capsys.readouterr().out)
+    assert "loading rank" not in host and "no copy of the expert" not in host
+    loading = _gib(r"total while loading +([\d.]+) GiB", host)
+    filling = _gib(r"total while the cache fills +([\d.]+) GiB", host)
+    training = _gib(r"total while training +([\d.]+) GiB", host)
+    line = re.search(r"this machine \(2 ranks, each loading its own expert\): ([\d.]+) GiB while loading, "
+                     r"([\d.]+) GiB at its peak \((.*)\)", host)
+    assert float(line.group(1)) == pytest.approx(2 * loading, abs=0.02)
+    assert max(2 * loading, filling + training, 2 * training) == pytest.approx(float(line.group(2)), abs=0.02)
