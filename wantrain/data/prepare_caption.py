@@ -97,32 +97,34 @@ def finish_caption(answer: str, trigger: str) -> str:
 
 
 def sample_frames(path: Path, count: int, max_side: int) -> list[Any]:
-    """``count`` frames evenly spread over the clip (an image: itself), upright, as PIL images whose longer side is
-    at most ``max_side``. Raises MediaError."""
+    """``count`` frames evenly spread over the clip (an image: itself), upright, as RGB PIL images whose longer side
+    is at most ``max_side`` (a video frame is shrunk by FFmpeg's scaler while converted). Raises MediaError."""
     from PIL import Image, ImageOps
 
     info = probe(path)
     if info.kind == "image":
         with Image.open(path) as im:
             images = [ImageOps.exif_transpose(im).convert("RGB")]
-    else:
-        import av
+        images[0].thumbnail((max_side, max_side))
+        return images
+    import av
 
-        n = info.frames
-        wanted = sorted({round(k * (n - 1) / max(1, count - 1)) for k in range(count)}) if count > 1 else [n // 2]
-        images = []
-        try:
-            with av.open(str(path)) as container:
-                for index, frame in enumerate(container.decode(video=0)):
-                    if index in wanted:
-                        images.append(upright(frame.to_image(), info.rotation))
-                    if index >= wanted[-1]:
-                        break
-        except Exception as exc:  # noqa: BLE001 - decoders raise many types; the reason is what counts
-            if not images:
-                raise MediaError(f"cannot decode: {' '.join(str(exc).split())[:200]}") from None
-    for im in images:
-        im.thumbnail((max_side, max_side))
+    n = info.frames
+    wanted = sorted({round(k * (n - 1) / max(1, count - 1)) for k in range(count)}) if count > 1 else [n // 2]
+    images = []
+    try:
+        with av.open(str(path)) as container:
+            for index, frame in enumerate(container.decode(video=0)):
+                if index in wanted:
+                    scale = min(1.0, max_side / max(frame.width, frame.height))
+                    small = frame.reformat(width=max(1, round(frame.width * scale)),
+                                           height=max(1, round(frame.height * scale)), format="rgb24")
+                    images.append(upright(small.to_image(), info.rotation))
+                if index >= wanted[-1]:
+                    break
+    except Exception as exc:  # noqa: BLE001 - decoders raise many types; the frames so far are what there is
+        if not images:
+            raise MediaError(f"cannot decode: {' '.join(str(exc).split())[:200]}") from None
     return images
 
 
