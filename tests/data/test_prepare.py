@@ -218,3 +218,24 @@ def test_check_reports_what_each_prepared_clip_became(prepared, tmp_path, capsys
     assert sorted(b["frames"] for b in rep["buckets"] for _ in range(b["clips"])) == sorted(
         json.loads(manifest_path(data, c).read_text())["frames"] for c in clips[1:])
     assert rep["frames_left_over"] == 0
+
+
+def test_the_docs_example_prepares_clips_on_its_configs_buckets(tmp_path, capsys, monkeypatch):
+    """docs/data.md, From raw footage: its config and its `wantrain prepare` line, as written."""
+    import re
+    import shlex
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    section = doc.split("## From raw footage", 1)[1].split("\n## ", 1)[0]
+    config = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    command = next(line for line in re.search(r"```bash\n(.*?)```", section, re.S).group(1).splitlines()
+                   if line.startswith("wantrain prepare"))
+    (tmp_path / "my_lora.toml").write_text(config)
+    # two shots at 16 fps: 100 frames -> one clip of 81 (the 19 after it hold no bucket); 40 -> one of 33
+    make_shots(tmp_path / "footage" / "walk.mp4", shots=[(100, (230, 40, 40), (0, 0, 0)),
+                                                          (40, (40, 200, 70), (90, 90, 90))], fps=16.0)
+    monkeypatch.chdir(tmp_path)
+    assert main([*shlex.split(command)[1:], "--quiet"]) == 0
+    assert "-> 2 clips in" in capsys.readouterr().out
+    assert sorted((p.name, len(frames_of(p)), rate_of(p)) for p in (tmp_path / "clips").glob("*.mp4")) == [
+        ("walk_scene000_clip00.mp4", 81, 16.0), ("walk_scene001_clip00.mp4", 33, 16.0)]
