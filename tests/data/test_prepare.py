@@ -10,6 +10,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+from PIL import Image
 
 from wantrain.cli.main import main
 from wantrain.data.demo import render, write_video
@@ -47,6 +48,8 @@ def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("prepare")
     source = root / "raw"
     make_shots(source / "beach" / "day.mp4")
+    (source / "stills").mkdir()
+    Image.fromarray(render("square", (50, 90, 240), (0, 0, 0), "right", 64, 48, 1)[0]).save(source / "stills" / "a.png")
     (source / "notes.md").write_text("not a video")
     (source / "broken.mp4").write_bytes(b"this is not a video at all")
     (source / "empty.mp4").write_bytes(b"")
@@ -56,7 +59,8 @@ def prepared(tmp_path_factory):
 
 
 def manifests(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((out / PREPARE_DIRNAME / "clips").rglob("*.json"))]
+    found = [json.loads(p.read_text()) for p in sorted((out / PREPARE_DIRNAME / "clips").rglob("*.json"))]
+    return [m for m in found if m["kind"] == "video"]
 
 
 def test_one_scene_per_shot_with_boundaries_within_one_frame(prepared):
@@ -112,6 +116,15 @@ def test_unreadable_inputs_are_named_one_line_each_and_the_rest_is_prepared(prep
         f"unreadable: {source / 'broken.mp4'}: {summary.unreadable[0]['reason']}",
         f"unreadable: {source / 'empty.mp4'}: empty file (0 bytes)"]
     assert summary.ignored == [str(source / "notes.md")]
+
+
+def test_an_image_is_copied_as_it_is_with_its_manifest(prepared):
+    source, out, summary, _ = prepared
+    copied = out / "stills" / "a.png"
+    assert copied.read_bytes() == (source / "stills" / "a.png").read_bytes() and summary.images == 1
+    assert json.loads(manifest_path(out, copied).read_text())["source"] == "stills/a.png"
+    again = prepare_folder(source, out, SETTINGS, progress=False, log=lambda _: None)
+    assert again.written == [] and str(copied) in again.kept
 
 
 def test_windows_tile_a_long_scene_then_the_tail_takes_a_shorter_bucket():
@@ -239,3 +252,16 @@ def test_the_docs_example_prepares_clips_on_its_configs_buckets(tmp_path, capsys
     assert "-> 2 clips in" in capsys.readouterr().out
     assert sorted((p.name, len(frames_of(p)), rate_of(p)) for p in (tmp_path / "clips").glob("*.mp4")) == [
         ("walk_scene000_clip00.mp4", 81, 16.0), ("walk_scene001_clip00.mp4", 33, 16.0)]
+
+
+def test_a_phone_videos_clips_keep_its_display_rotation(tmp_path):
+    from wantrain.data.media import probe
+
+    source = tmp_path / "phone.mp4"
+    pixels = np.concatenate([render("circle", colour, bg, "left", 64, 48, n) for n, colour, bg in SHOTS[:1]])
+    write_video(source, pixels, 24.0, rotation=-90)  # portrait, as phones store it
+    summary = prepare_folder(source, tmp_path / "clips", SETTINGS, progress=False, log=lambda _: None)
+    assert len(summary.written) == 2
+    for clip in summary.written:
+        info = probe(Path(clip))
+        assert (info.rotation, info.width, info.height) == (270, 48, 64) and info.frames in BUCKETS

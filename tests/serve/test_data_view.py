@@ -107,3 +107,12 @@ def test_a_caption_edited_on_the_page_is_named_by_the_fingerprints_a_resume_comp
     now, captions = fingerprints()
     difference = compare(json.loads(json.dumps(saved)), now, captions)  # as a checkpoint's state.json holds them
     assert difference.changed == (f"{clips / 'shots_scene000_clip00.txt'} (caption of shots_scene000_clip00.mp4)",)
+
+
+def test_serve_refuses_a_missing_data_folder_in_one_line(tmp_path, capsys):
+    from wantrain.cli.main import main
+
+    assert main(["serve", str(tmp_path), "--data", str(tmp_path / "nowhere"), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"wantrain serve: error: --data folder '{tmp_path / 'nowhere'}' does not exist: give a folder of "
+                   "clips (wantrain prepare's)"]
