@@ -73,7 +73,8 @@ def test_captions_carry_the_trigger_and_a_second_pass_skips_them(tiny_vlm, tmp_p
     make_video(clips, "a_scene000_clip00", frames=9, caption=None)
     make_image(clips, "still", caption=None)
     make_video(clips, "done", frames=9, caption="ohwx, a circle written by hand")
-    loads = []
+    (clips / "broken.mp4").write_bytes(b"not a video")
+    loads, lines = [], []
 
     def loader(settings, device):
         loads.append(device)
@@ -81,8 +82,10 @@ def test_captions_carry_the_trigger_and_a_second_pass_skips_them(tiny_vlm, tmp_p
 
     settings = CaptionerSettings(model=tiny_vlm, trigger="ohwx", style="Be brief.", frames=3, batch_size=2,
                                  max_new_tokens=6, device="cpu")
-    summary = caption_folder(clips, settings, progress=False, loader=loader)
+    summary = caption_folder(clips, settings, progress=False, loader=loader, log=lines.append)
     assert sorted(Path(p).name for p in summary.written) == ["a_scene000_clip00.mp4", "still.png"]
+    assert lines == [f"unreadable: {clips / 'broken.mp4'}: {summary.unreadable[0]['reason']}"]
+    assert not (clips / "broken.txt").exists()
     assert summary.skipped == [str(clips / "done.mp4")] and summary.images_shown == 3 + 1
     for name in ("a_scene000_clip00", "still"):
         text = (clips / f"{name}.txt").read_text()
@@ -90,6 +93,7 @@ def test_captions_carry_the_trigger_and_a_second_pass_skips_them(tiny_vlm, tmp_p
     assert (clips / "done.txt").read_text() == "ohwx, a circle written by hand"
     stamps = {p.name: p.stat().st_mtime_ns for p in clips.glob("*.txt")}
 
+    (clips / "broken.mp4").unlink()
     again = caption_folder(clips, settings, progress=False, loader=loader)
     assert again.written == [] and len(again.skipped) == 3 and len(loads) == 1  # nothing to do: no model loaded
     assert {p.name: p.stat().st_mtime_ns for p in clips.glob("*.txt")} == stamps
@@ -118,3 +122,28 @@ def test_a_missing_or_incompatible_model_folder_is_one_line_and_exit_2(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"wantrain caption: error: caption model folder '{text_only}'")
     assert not (clips / "c.txt").exists()
+
+
+def test_ctrl_c_keeps_the_captions_of_the_batches_done(tiny_vlm, tmp_path, monkeypatch):
+    from wantrain.data import prepare_caption
+
+    clips = tmp_path / "clips"
+    for k in range(3):
+        make_video(clips, f"c{k}", frames=9, caption=None)
+    real, calls = prepare_caption._generate, []
+
+    def generate(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(prepare_caption, "_generate", generate)
+    settings = CaptionerSettings(model=tiny_vlm, trigger="ohwx", frames=2, batch_size=2, max_new_tokens=4,
+                                 device="cpu")
+    with pytest.raises(KeyboardInterrupt, match=r"stopped \(Ctrl-C\): 2 captions written and kept"):
+        caption_folder(clips, settings, progress=False)
+    assert sorted(p.name for p in clips.glob("*.txt")) == ["c0.txt", "c1.txt"]
+    monkeypatch.setattr(prepare_caption, "_generate", real)
+    rest = caption_folder(clips, settings, progress=False)
+    assert [Path(p).name for p in rest.written] == ["c2.mp4"] and len(rest.skipped) == 2

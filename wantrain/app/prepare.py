@@ -45,6 +45,8 @@ def resolve(request: PrepareRequest) -> tuple[Path, PrepareSettings]:
     """The output folder and the settings, or a :class:`UserError` naming every problem."""
     out, frames, fps = request.out, request.frames, request.fps
     retime_off = False
+    if request.overrides and request.config is None:
+        raise UserError("--set overrides a config key: give the config with --config")
     if request.config is not None:
         from wantrain.app.config import load_config
         from wantrain.models.wan22.variants import variant_spec
