@@ -137,8 +137,12 @@ def load_model(settings: CaptionerSettings, device: str):
     try:
         processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+        import importlib.util
+
+        hint = ("; Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors need torchvision: pip install torchvision (the build "
+                "that matches your torch)") if importlib.util.find_spec("torchvision") is None else ""
         raise UserError(f"caption model folder '{folder}': its processor cannot be loaded offline "
-                        f"({_one_line(exc)}); give a complete image-text-to-text model folder") from None
+                        f"({_one_line(exc)}); give a complete image-text-to-text model folder{hint}") from None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
         settings.dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     kwargs: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
