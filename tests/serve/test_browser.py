@@ -179,3 +179,45 @@ def test_the_run_page_after_a_resume_shows_each_step_once_and_reads_well(browser
         assert prompt[0].text == "a red fox in the snow"
     finally:
         server.stop()
+
+
+def test_a_person_reviews_a_prepared_folders_captions_and_edits_one(browser, tmp_path):
+    """The data view of a run (its Data tab) and of a folder given with --data: each clip with its strip of frames
+    and its caption; an edited caption saved from the page lands in the caption file."""
+    from selenium.webdriver.common.by import By
+
+    from wantrain.data.demo import render, write_video
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    for k, colour in enumerate([(230, 40, 40), (40, 200, 70)]):
+        write_video(clips / f"clip_{k}.mp4", render("circle", colour, (0, 0, 0), "left", 64, 48, 9), 16.0)
+    (clips / "clip_0.txt").write_text("ohwx, a red circle\n")
+    run = tmp_path / "runs" / "20260101_000000"
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text(f'[run]\nname = "demo"\n\n[data]\npath = "{clips}"\n')
+    server = PageServer(tmp_path / "runs", port=0, data=(clips,)).start()
+    try:
+        browser.get(server.token_url)
+        folder = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#folder-list a"), 30, "the --data folder")
+        folder[0].click()
+        boxes = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#folder-clips .clip"), 30, "the clips")
+        assert [b.get_attribute("data-clip") for b in boxes] == ["clip_0.mp4", "clip_1.mp4"]
+        assert boxes[0].find_element(By.CSS_SELECTOR, "textarea").get_attribute("value") == "ohwx, a red circle"
+        wait_for(lambda: all(browser.execute_script("return arguments[0].naturalHeight", img) == 72
+                             for img in browser.find_elements(By.CSS_SELECTOR, "#folder-clips img.strip")),
+                 30, "the strips of frames")
+        text = boxes[1].find_element(By.CSS_SELECTOR, "textarea")
+        text.send_keys("ohwx, a green circle moving left")
+        boxes[1].find_element(By.CSS_SELECTOR, "button.save-caption").click()
+        wait_for(lambda: boxes[1].find_element(By.CSS_SELECTOR, ".saved").text == "saved", 30, "the caption saved")
+        assert (clips / "clip_1.txt").read_text() == "ohwx, a green circle moving left\n"
+
+        browser.get(f"{server.url}#/run/{run.name}")  # the run's own Data tab shows the same folder, edit included
+        wait_for(lambda: browser.find_element(By.ID, "run-title").text == run.name, 30, "the run page")
+        browser.find_element(By.CSS_SELECTOR, 'a[data-tab="data"]').click()
+        boxes = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#run-clips .clip"), 30, "the run's clips")
+        assert boxes[1].find_element(By.CSS_SELECTOR, "textarea").get_attribute("value") == \
+            "ohwx, a green circle moving left"
+    finally:
+        server.stop()

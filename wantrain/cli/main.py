@@ -22,6 +22,8 @@ from wantrain.core.version import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("wantrain.cli.run", "train a LoRA from a config"),
     "check": ("wantrain.cli.check", "pre-flight report: buckets, skipped files, steps per epoch, VRAM estimate"),
+    "prepare": ("wantrain.cli.prepare", "cut long videos into scene clips on the frame buckets, with manifests"),
+    "caption": ("wantrain.cli.caption", "caption each clip of a folder with a local vision-language model"),
     "cache": ("wantrain.cli.cache", "precompute VAE latents and text embeddings"),
     "schedule": ("wantrain.cli.schedule", "preview the learning-rate schedule (plot and key points)"),
     "report": ("wantrain.cli.report", "draw a PNG dashboard and a summary of a run directory"),

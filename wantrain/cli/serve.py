@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "open the printed URL: it carries the token the page needs")
     parser.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free port)")
     parser.add_argument("--read-only", action="store_true", help="show runs only: the save/sample/stop buttons are off")
+    parser.add_argument("--data", type=Path, action="append", default=[], metavar="FOLDER",
+                        help="also show this folder's clips with their captions, editable (a folder "
+                             "`wantrain prepare` wrote; repeatable)")
     # `wantrain run --serve`'s child: end when the run's process is gone, even if it was killed (no orphan server)
     parser.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
@@ -29,7 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from wantrain.app.serve import PageServer, is_loopback
 
-    if not args.output_dir.is_dir():
+    missing = [str(d) for d in args.data if not d.is_dir()]
+    if missing:
+        raise UserError(f"--data folder '{missing[0]}' does not exist: give a folder of clips (wantrain prepare's)")
+    if not args.output_dir.is_dir() and not args.data:
         raise UserError(f"output folder '{args.output_dir}' does not exist: give the folder that holds the run "
                         "directories (the config's run.output_dir)")
     if not 0 <= args.port <= 65535:
@@ -41,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"${TOKEN_ENV} has {len(fixed)} characters: use at least 16 (whoever guesses it can stop "
                         "the runs), or unset it for a random token")
     try:
-        server = PageServer(args.output_dir, host=args.host, port=args.port, read_only=args.read_only)
+        server = PageServer(args.output_dir, host=args.host, port=args.port, read_only=args.read_only,
+                            data=tuple(args.data))
     except OSError as exc:
         hint = ""
         if exc.errno == errno.EADDRINUSE:  # started by `wantrain run --serve`: the port is the run's option

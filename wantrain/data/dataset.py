@@ -32,6 +32,7 @@ from wantrain.data.plan import (
     retimed_count,
     size_buckets,
 )
+from wantrain.data.prepare import PREPARE_DIRNAME
 from wantrain.data.report import PreflightReport, display_path
 from wantrain.data.training import TrainingData
 
@@ -47,7 +48,7 @@ def _scan(root: Path, caption_ext: str, cache_dir: Path) -> tuple[list[Path], li
     """Every file under ``root``, each in one list: media files (by extension), caption files, files skipped with a
     reason (a broken symbolic link, a folder reached twice through links) and files ignored with a reason (not a
     supported extension, hidden). Symbolic links to folders are followed (each real folder is scanned once); the
-    cache folder is wantrain's own and not listed. Each list sorted."""
+    cache folder and ``wantrain prepare``'s folder (manifests) are wantrain's own and not listed. Each list sorted."""
     media: list[Path] = []
     captions: list[Path] = []
     skipped: list[dict[str, str]] = []
@@ -63,7 +64,7 @@ def _scan(root: Path, caption_ext: str, cache_dir: Path) -> tuple[list[Path], li
         seen.add(real)
         for name in sorted(dirs):
             path = here / name
-            if name.startswith(".") and not _same_folder(path, cache_dir):
+            if name.startswith(".") and name != PREPARE_DIRNAME and not _same_folder(path, cache_dir):
                 ignored.append({"path": str(path), "reason": "hidden folder (not scanned)"})
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(files):

@@ -42,6 +42,7 @@ class PageServer:
     host: str = "127.0.0.1"
     port: int = 8765
     read_only: bool = False
+    data: tuple[Path, ...] = ()  # prepared folders whose clips and captions the page shows (--data)
     site: Site = attrs.field(init=False)
     sock: socket.socket = attrs.field(init=False)
     server: uvicorn.Server = attrs.field(init=False)
@@ -50,7 +51,7 @@ class PageServer:
     def __attrs_post_init__(self) -> None:
         self.site = Site(self.root, local_only=is_loopback(self.host), read_only=self.read_only,
                          hosts={self.host, f"[{self.host}]"} if ":" in self.host else {self.host},
-                         token=os.environ.get(TOKEN_ENV) or None)
+                         token=os.environ.get(TOKEN_ENV) or None, data=tuple(self.data))
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

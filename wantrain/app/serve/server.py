@@ -14,7 +14,10 @@ Safety (docs/serve.md):
   ``read_only`` refuses every control; the inbox is written with the server's user's permissions, so the run
   folder's permissions decide whose server (or ``wantrain ctl``) may ask the run anything;
 * only run directories directly under the output directory and files inside them are read: a name with ``..``, an
-  absolute path, or a link that leads outside is refused (404).
+  absolute path, or a link that leads outside is refused (404);
+* the data view (``/api/data``, :mod:`.clips`) reads the clips of a run's data folders (its ``config.toml``) or of
+  the folders given with ``--data``, and nothing else; saving a caption is a change like a control (token header,
+  same origin, refused when ``read_only``).
 
 Handlers are plain functions, which Starlette runs in its thread pool: reading and parsing a run's files never
 blocks the event loop, and each run has its own lock, so the first read of a large run delays only the requests
@@ -40,8 +43,10 @@ from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from wantrain.app.serve.clips import ClipGone, frame_strip, list_clips, resolve_clip, run_folders, save_caption
 from wantrain.app.serve.rundata import RunData, RunGone, ask, list_runs, resolve_file, resolve_run
 from wantrain.core.inbox import ACTIONS
+from wantrain.data.media import MediaError
 
 STATIC = Path(__file__).parent / "static"
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
@@ -66,8 +71,10 @@ class Site:
     request's ``Host:`` may give when ``local_only`` (the bound address is added by :class:`PageServer`)."""
 
     def __init__(self, root: Path, *, token: str | None = None, local_only: bool = True,
-                 read_only: bool = False, hosts: frozenset[str] | set[str] = frozenset()) -> None:
+                 read_only: bool = False, hosts: frozenset[str] | set[str] = frozenset(),
+                 data: tuple[Path, ...] = ()) -> None:
         self.root = Path(root).resolve()
+        self.data = tuple(Path(p).resolve() for p in data)  # prepared folders shown with --data
         self.token = token or secrets.token_urlsafe(24)
         self.local_only, self.read_only = local_only, read_only
         self.hosts = frozenset(LOCAL_HOSTS | set(hosts))
@@ -135,6 +142,27 @@ class Site:
             except RunGone:
                 continue
 
+    def data_folders(self, params: Any) -> list[tuple[Path, str]]:
+        """``(folder, caption extension)`` of the data view's source: ``run`` (its config's data folders) or
+        ``folder`` (the index of a ``--data`` folder). :class:`ClipGone` for anything else."""
+        if params.get("run") is not None:
+            try:
+                return run_folders(resolve_run(self.root, str(params["run"])))
+            except RunGone as exc:
+                raise ClipGone(str(exc)) from None
+        try:
+            return [(self.data[int(params.get("folder"))], ".txt")]
+        except (TypeError, ValueError, IndexError):
+            raise ClipGone("name a run (run=...) or a --data folder (folder=0, 1, ...)") from None
+
+    def data_folder(self, params: Any) -> tuple[Path, str]:
+        """The one folder ``f`` (its index) of :meth:`data_folders`."""
+        folders = self.data_folders(params)
+        try:
+            return folders[int(params.get("f", 0))]
+        except (TypeError, ValueError, IndexError):
+            raise ClipGone(f"f must be a folder index 0 to {len(folders) - 1}") from None
+
     def has_token(self, request: Request, *, header_only: bool = False) -> bool:
         given = request.headers.get(TOKEN_HEADER)
         if given is None and not header_only:
@@ -161,7 +189,8 @@ def build_app(site: Site) -> Starlette:
         return HTMLResponse(html.replace("<!--wantrain-meta-->", meta), headers={"Cache-Control": "no-store"})
 
     def runs(request: Request) -> Response:
-        return json_response({"root": str(site.root), "read_only": site.read_only, "runs": site.runs()})
+        return json_response({"root": str(site.root), "read_only": site.read_only, "runs": site.runs(),
+                              "data": [str(p) for p in site.data]})
 
     def run_info(request: Request) -> Response:
         return json_response(site.view(request.path_params["run"], lambda data: {
@@ -204,11 +233,18 @@ def build_app(site: Site) -> Starlette:
         path = resolve_file(run_dir, request.path_params["path"])
         return FileResponse(path, headers={"Cache-Control": "no-cache"})
 
-    async def control(request: Request) -> Response:
+    def change_refused(request: Request, what: str, off: str) -> Response | None:
+        """The refusal of a request that changes something (a control, a caption), or None."""
         if not site.has_token(request, header_only=True):
-            return error("a control needs the server's token in the X-Wantrain-Token header", 403)
+            return error(f"{what} needs the server's token in the X-Wantrain-Token header", 403)
         if site.read_only:
-            return error("the server is read-only (--read-only): controls are off", 403)
+            return error(f"the server is read-only (--read-only): {off}", 403)
+        return None
+
+    async def control(request: Request) -> Response:
+        refused = change_refused(request, "a control", "controls are off")
+        if refused is not None:
+            return refused
         try:
             body = orjson.loads(await request.body())
             action = body["action"]
@@ -231,6 +267,44 @@ def build_app(site: Site) -> Starlette:
             return error(f"cannot write the run's inbox: {exc.strerror}", 500)
         return json_response({"request_id": request_id, "action": action})
 
+    def data_list(request: Request) -> Response:
+        folders = site.data_folders(request.query_params)
+        return json_response({"folders": [{"index": k, "path": str(p), "extension": ext, "clips": list_clips(p, ext)}
+                                          for k, (p, ext) in enumerate(folders)]})
+
+    def data_strip(request: Request) -> Response:
+        folder, _ = site.data_folder(request.query_params)
+        clip = resolve_clip(folder, request.query_params.get("clip", ""))
+        try:
+            jpeg = frame_strip(clip)
+        except MediaError as exc:
+            return error(f"{clip.name}: {exc}", 422)
+        return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "no-cache"})
+
+    async def data_caption(request: Request) -> Response:
+        refused = change_refused(request, "saving a caption", "captions cannot be saved")
+        if refused is not None:
+            return refused
+        try:
+            body = orjson.loads(await request.body())
+            clip, text = str(body["clip"]), body["text"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return error('the body must be JSON {"run" or "folder", "f", "clip", "text"}', 400)
+        if not isinstance(text, str) or not isinstance(body, dict):
+            return error("text must be a string", 400)
+        return await run_in_threadpool(write_caption, body, clip, text)
+
+    def write_caption(params: dict[str, Any], clip: str, text: str) -> Response:
+        folder, ext = site.data_folder(params)
+        try:
+            written = save_caption(folder, clip, text, ext)
+        except ValueError as exc:
+            return error(str(exc), 400)
+        except OSError as exc:
+            return error(f"cannot write the caption: {exc.strerror or exc}", 403 if exc.errno in (
+                errno.EACCES, errno.EPERM, errno.EROFS) else 500)
+        return json_response({"clip": clip, "caption_file": str(written)})
+
     async def gone(request: Request, exc: Exception) -> Response:
         return error(str(exc), 404)
 
@@ -242,9 +316,12 @@ def build_app(site: Site) -> Starlette:
         Route("/api/runs/{run}/poll", poll),
         Route("/api/runs/{run}/control", control, methods=["POST"]),
         Route("/files/{run}/{path:path}", run_file),
+        Route("/api/data", data_list),
+        Route("/api/data/strip", data_strip),
+        Route("/api/data/caption", data_caption, methods=["POST"]),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
-    app = Starlette(routes=routes, exception_handlers={RunGone: gone})
+    app = Starlette(routes=routes, exception_handlers={RunGone: gone, ClipGone: gone})
     return Guard(app, site)
 
 

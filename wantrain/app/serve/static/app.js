@@ -85,12 +85,13 @@ function connection(ok) { $("#connection").hidden = ok; }
 // ---- the runs list --------------------------------------------------------------------------------------------
 async function showRuns() {
   stopPolling();
-  $("#runs-view").hidden = false; $("#run-view").hidden = true;
+  $("#runs-view").hidden = false; $("#run-view").hidden = true; $("#data-view").hidden = true;
   const refresh = async () => {
     try {
       const data = await api("/api/runs");
       connection(true);
       $("#root").textContent = data.root;
+      showFolders(data.data || []);
       const body = $("#runs tbody");
       body.replaceChildren(...data.runs.map(r => {
         const tr = el("tr", {"data-run": r.id, onclick: () => { location.hash = "#/run/" + encodeURIComponent(r.id); }},
@@ -118,7 +119,7 @@ async function showRun(id) {
   Object.values(state.charts).forEach(c => c.plot.destroy());
   Object.assign(state, {run: id, rows: 0, events: 0, series: {}, timeline: [], charts: {}, switches: [], zoom: null,
     samplesKey: "", checkpointsKey: "", lrFinderShown: false});
-  $("#runs-view").hidden = true; $("#run-view").hidden = false;
+  $("#runs-view").hidden = true; $("#run-view").hidden = false; $("#data-view").hidden = true;
   $("#run-title").textContent = id;
   $("#charts").replaceChildren(); $("#events tbody").replaceChildren(); $("#samples").replaceChildren();
   $("#lr-finder").hidden = true; $("#control-msg").textContent = "";
@@ -491,14 +492,15 @@ function showDetails(info) {
 
 // ---- wiring -------------------------------------------------------------------------------------------------------
 function route() {
-  const m = location.hash.match(/^#\/run\/(.+)$/);
-  if (m) showRun(decodeURIComponent(m[1])); else showRuns();
+  const m = location.hash.match(/^#\/run\/(.+)$/), d = location.hash.match(/^#\/data\/(\d+)$/);
+  if (m) showRun(decodeURIComponent(m[1])); else if (d) showFolder(Number(d[1])); else showRuns();
 }
 
 function tab(name) {
   for (const a of document.querySelectorAll(".tabs a")) a.classList.toggle("active", a.dataset.tab === name);
   for (const t of document.querySelectorAll(".tab")) t.hidden = t.id !== "tab-" + name;
   if (name === "charts") drawCharts(false);
+  if (name === "data" && state.run) showClips({run: state.run}, $("#run-clips"));  // data.js
 }
 
 document.addEventListener("DOMContentLoaded", () => {
