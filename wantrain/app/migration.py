@@ -24,6 +24,8 @@ from typing import Any
 
 import attrs
 
+from wantrain.app.conversion import area_side
+
 MUSUBI, AI_TOOLKIT, KOHYA = "musubi-tuner", "ai-toolkit", "sd-scripts"
 
 
@@ -95,8 +97,9 @@ PEER_KEYS: dict[str, PeerKey] = {
     "image_jsonl_file": PeerKey(MUSUBI, "data.metadata", "read as it is"),
     "cache_directory": PeerKey(MUSUBI, "data.cache_dir"),
     "target_frames": PeerKey(MUSUBI, "data.frames"),
-    "resolution": PeerKey(MUSUBI, "data.resolutions", "one side per bucket size; aspect ratios: data.aspect_ratios",
-                          _to("data.resolutions", lambda v: [min(v)] if isinstance(v, list) else [v])),
+    "resolution": PeerKey(MUSUBI, "data.resolutions", "an area: [960, 544] (width, height) is [723], the side of the "
+                          "square of as many pixels; enable_bucket off: data.aspect_ratios = [960 / 544]",
+                          _to("data.resolutions", lambda v: [area_side(v)])),
     "num_repeats": PeerKey(MUSUBI, "data.repeats"),
     "frame_extraction": PeerKey(MUSUBI, "data.clip_mode"),
     "frame_stride": PeerKey(MUSUBI, "data.clip_stride"),
@@ -324,8 +327,14 @@ def table_markdown() -> str:
             how = "" if v.exact else "by hand: "
             lines.append(f"| `{key} = {json.dumps(value)}` | {v.peer} | `{_assignments(v.becomes)}` | {how}{v.also} |")
     lines += ["", "`wantrain convert FILE [--dataset DATASET.toml] [-o OUT.toml]` writes a wantrain config from a",
-              "musubi-tuner config (training arguments, its dataset TOML) or an ai-toolkit YAML with this table,",
-              "printing a line for every key it did not map (\"by hand\" above, or unknown).", "",
+              "musubi-tuner config (training arguments as TOML or as the `accelerate launch ... wan_train_network.py",
+              "...` command line in a text file, its dataset TOML) or an ai-toolkit YAML job, printing a line for",
+              "every key it did not map (\"by hand\" above, or unknown) and for every peer default it wrote out",
+              "because wantrain's differs (musubi-tuner's `network_alpha` 1, its `timestep_sampling` \"sigma\";",
+              "ai-toolkit's `linear_alpha` 1). Each `[[datasets]]` table stays a `[[data.datasets]]` table; a `dit`",
+              "alone trains one expert (the high-noise one when its file name or `min_timestep` says so);",
+              "ai-toolkit's `arch` is the variant. A diffusion-pipe config, or a file that is not valid TOML or",
+              "YAML, is refused in one line.", "",
               "`wantrain convert PROMPTS.txt` turns musubi-tuner's `--sample_prompts` file (one prompt a line, `#`",
               "comments) into the `[sample]` table to paste into a run config, one `[[sample.prompts]]` table per",
               "line; a training-arguments TOML whose `sample_prompts` names the file gets them too. Its options:", "",
