@@ -10,52 +10,16 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from wantrain.app import convert_aitoolkit, convert_musubi
 from wantrain.app.conversion import Conversion
-from wantrain.app.migration import MUSUBI_PROMPT_DEFAULTS, PROMPT_NOT_MAPPED, PROMPT_OPTIONS
+from wantrain.app.convert_musubi import prompt_file
 from wantrain.core.errors import UserError
+
+__all__ = ["Conversion", "convert", "prompt_file"]
 
 DIFFUSION_PIPE = ("is a diffusion-pipe config ({what}); wantrain convert does not read diffusion-pipe's format: start "
                   "from examples/quickstart.toml and set its keys by hand (docs/config.md, Coming from another "
                   "trainer)")
-
-
-def prompt_file(path: Path, unmapped: list[str]) -> dict[str, Any]:
-    """musubi-tuner's ``--sample_prompts`` text file (one prompt a line, ``--w 832 --h 480 --f 81 --s 20 --d 42
-    --n negative`` options after it, ``#`` comments) as wantrain's ``[sample]`` table (``sample.prompts`` tables,
-    nested form); an option it cannot map gets a line in ``unmapped``. A frame count not of the form 4k+1 is rounded
-    down to one, as musubi-tuner does."""
-    prompts: list[dict[str, Any]] = []
-    for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        text, *options = line.split(" --")
-        prompt: dict[str, Any] = {"prompt": text.strip()}
-        for option in options:
-            name, _, value = option.strip().partition(" ")
-            value = value.strip()
-            where = f"{Path(path).name} line {number}: --{name} {value}".rstrip()
-            if name in PROMPT_OPTIONS:
-                key, kind = PROMPT_OPTIONS[name]
-                try:
-                    prompt[key] = kind(value)
-                except ValueError:
-                    unmapped.append(f"{where}: not a {kind.__name__}; left out")
-                    continue
-                if key == "frames" and (prompt[key] - 1) % 4:
-                    prompt[key] = max(1, (prompt[key] - 1) // 4 * 4 + 1)
-                    unmapped.append(f"{where}: frames = {prompt[key]} (wantrain samples 4k+1 frames)")
-            elif name:
-                why = PROMPT_NOT_MAPPED.get(name, "no wantrain option known for it")
-                unmapped.append(f"{where}: left out ({why})")
-        prompts.append(prompt)
-    if not prompts:
-        raise UserError(f"'{path}' holds no prompt (one a line; '#' starts a comment); give musubi-tuner's "
-                        "--sample_prompts file")
-    section: dict[str, Any] = {"enabled": True}
-    section.update({k: v for k, v in MUSUBI_PROMPT_DEFAULTS.items() if any(k not in p for p in prompts)})
-    section["prompts"] = prompts
-    return section
 
 
 def _diffusion_pipe(data: dict[str, Any]) -> str | None:
@@ -89,8 +53,6 @@ def convert(path: Path, dataset: Path | None = None) -> Conversion:
     """Read the peer's file at ``path`` (and musubi-tuner's dataset TOML ``dataset`` when given apart) into a
     :class:`Conversion` (``.config()`` is the wantrain config, ``.unmapped`` a line per key not mapped,
     ``.defaults`` a line per peer default written out)."""
-    from wantrain.app import convert_aitoolkit, convert_musubi
-
     path = Path(path)
     c = Conversion()
     text = _read(path)

@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from wantrain.app.conversion import Conversion, area_side, frames_4k1, shown
-from wantrain.app.migration import NOT_NEEDED, PEER_KEYS, PEER_VALUES, _assignments, _to
+from wantrain.app.migration import (
+    MUSUBI_PROMPT_DEFAULTS,
+    NOT_NEEDED,
+    PEER_KEYS,
+    PEER_VALUES,
+    PROMPT_NOT_MAPPED,
+    PROMPT_OPTIONS,
+    _assignments,
+    _to,
+)
 from wantrain.core.errors import UserError
 
 _BOUNDARY = {"t2v-a14b": 875, "i2v-a14b": 900}  # musubi-tuner's and wantrain's switch timestep, 0-1000 units
@@ -97,8 +106,6 @@ def _as_list(value: Any) -> list[Any]:
 def training_arguments(args: dict[str, Any], c: Conversion, base: Path, dataset: Path | None, dash: str) -> Path | None:
     """Map musubi-tuner's training arguments into ``c`` (``dash`` is ``"--"`` for a command line, for the lines);
     the dataset TOML to read next (``dataset``, else the one ``dataset_config`` names), if any."""
-    from wantrain.app.convert import prompt_file  # the prompt-file reader lives beside convert()
-
     def name(key: str) -> str:
         return f"{dash}{key}"
 
@@ -237,6 +244,45 @@ def _optimizer_args(source: str, value: Any, c: Conversion) -> None:
             c.put(source, "optimizer.beta2", numbers[1])
         else:
             c.unmapped.append(f"{source} {shown(item)}: no wantrain [optimizer] key known for it")
+
+
+def prompt_file(path: Path, unmapped: list[str]) -> dict[str, Any]:
+    """musubi-tuner's ``--sample_prompts`` text file (one prompt a line, ``--w 832 --h 480 --f 81 --s 20 --d 42
+    --n negative`` options after it, ``#`` comments) as wantrain's ``[sample]`` table (``sample.prompts`` tables,
+    nested form); an option it cannot map gets a line in ``unmapped``. A frame count not of the form 4k+1 is rounded
+    down to one, as musubi-tuner does."""
+    prompts: list[dict[str, Any]] = []
+    for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        text, *options = line.split(" --")
+        prompt: dict[str, Any] = {"prompt": text.strip()}
+        for option in options:
+            name, _, value = option.strip().partition(" ")
+            value = value.strip()
+            where = f"{Path(path).name} line {number}: --{name} {value}".rstrip()
+            if name in PROMPT_OPTIONS:
+                key, kind = PROMPT_OPTIONS[name]
+                try:
+                    prompt[key] = kind(value)
+                except ValueError:
+                    unmapped.append(f"{where}: not a {kind.__name__}; left out")
+                    continue
+                if key == "frames" and (prompt[key] - 1) % 4:
+                    prompt[key] = max(1, (prompt[key] - 1) // 4 * 4 + 1)
+                    unmapped.append(f"{where}: frames = {prompt[key]} (wantrain samples 4k+1 frames)")
+            elif name:
+                why = PROMPT_NOT_MAPPED.get(name, "no wantrain option known for it")
+                unmapped.append(f"{where}: left out ({why})")
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f"'{path}' holds no prompt (one a line; '#' starts a comment); give musubi-tuner's "
+                        "--sample_prompts file")
+    section: dict[str, Any] = {"enabled": True}
+    section.update({k: v for k, v in MUSUBI_PROMPT_DEFAULTS.items() if any(k not in p for p in prompts)})
+    section["prompts"] = prompts
+    return section
 
 
 # -- the dataset TOML ---------------------------------------------------------------------------------------------
