@@ -77,7 +77,8 @@ def test_wantrain_run_prints_its_first_line_before_torch_is_imported():
                           env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     cli, first, loaded_torch, loaded, imported = done.stdout.splitlines()
     assert cli == "torch imported with the CLI: False"
-    assert first == "wantrain run: examples/quickstart.toml: loading torch and diffusers, then the model and the data ..."
+    assert first == ("wantrain run: examples/quickstart.toml: loading torch and diffusers, then the model and the data "
+                     "...")
     assert loaded_torch.startswith("wantrain run: torch 2.") and "loading diffusers" in loaded_torch  # a line a step
     assert loaded.startswith("wantrain run: libraries loaded (") and imported == "torch imported before train: True"
 
