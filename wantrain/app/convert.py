@@ -13,13 +13,13 @@ from typing import Any
 from wantrain.app import convert_aitoolkit, convert_musubi
 from wantrain.app.conversion import Conversion
 from wantrain.app.convert_musubi import prompt_file
+from wantrain.app.migration import DOCS
 from wantrain.core.errors import UserError
 
 __all__ = ["Conversion", "convert", "prompt_file"]
 
 DIFFUSION_PIPE = ("is a diffusion-pipe config ({what}); wantrain convert does not read diffusion-pipe's format: start "
-                  "from examples/quickstart.toml and set its keys by hand (docs/config.md, Coming from another "
-                  "trainer)")
+                  f"from examples/quickstart.toml and set its keys by hand ({DOCS})")
 
 
 def _diffusion_pipe(data: dict[str, Any]) -> str | None:

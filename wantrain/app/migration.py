@@ -293,7 +293,8 @@ def _musubi_dataset_line(path: Path, data: dict[str, Any]) -> str:
     keys = _where(sorted({k for t in [data.get("general") or {}, *tables] if isinstance(t, dict) for k in t}))
     return (f"config file '{path}' is a musubi-tuner dataset config ([general], [[datasets]]), not a wantrain run "
             f"config; wantrain reads the clips and captions themselves: in a run config (start from "
-            f"examples/quickstart.toml) put {point}{'; its keys go to: ' + keys if keys else ''} ({DOCS})")
+            f"examples/quickstart.toml) put {point}{'; its keys go to: ' + keys if keys else ''}, or let `wantrain "
+            f"convert {path}` write it ({DOCS})")
 
 
 def peer_file_problem(path: Path, data: dict[str, Any] | None = None, text: str | None = None) -> str | None:
@@ -309,13 +310,14 @@ def peer_file_problem(path: Path, data: dict[str, Any] | None = None, text: str 
         if peer and not any(isinstance(v, dict) for v in data.values()):
             return (f"config file '{path}' holds musubi-tuner training arguments ({', '.join(peer[:3])}, ...), not a "
                     f"wantrain run config (TOML tables [model], [lora], [data], [train], ...; start from "
-                    f"examples/quickstart.toml); its keys go to: {_where(list(data))} ({DOCS})")
+                    f"examples/quickstart.toml); its keys go to: {_where(list(data))}; `wantrain convert {path}` "
+                    f"writes the wantrain config ({DOCS})")
         return None
     if text is not None and re.search(r"^job\s*:", text, re.M) and re.search(r"^config\s*:", text, re.M):
         keys = re.findall(r"^\s*-?\s*([A-Za-z_]+)\s*:", text, re.M)
         return (f"config file '{path}' is an ai-toolkit config (job/config/process, YAML), not a wantrain run config "
-                f"(TOML; start from examples/quickstart.toml); its keys go to: {_where(list(dict.fromkeys(keys)))} "
-                f"({DOCS})")
+                f"(TOML; start from examples/quickstart.toml); its keys go to: {_where(list(dict.fromkeys(keys)))}; "
+                f"`wantrain convert {path}` writes the wantrain config ({DOCS})")
     return None
 
 
