@@ -170,3 +170,54 @@ def test_a_file_convert_cannot_read_is_refused_in_one_line(tmp_path, capsys, nam
     captured = capsys.readouterr()
     assert expected in captured.err and "Traceback" not in captured.err, captured.err
     assert len(captured.err.strip().splitlines()) == 1 and captured.out == ""  # nothing copied through
+
+
+ODD_VALUES = ("x", -1, 0, 1.5, True, [], [1, "a"], {"k": 1}, "1e-4")
+
+
+def _replaced(doc, path: tuple, value):
+    """``doc`` with the value at ``path`` (keys and list indices) replaced by ``value``."""
+    if not path:
+        return value
+    head, *rest = path
+    if isinstance(doc, dict):
+        return {k: _replaced(v, tuple(rest), value) if k == head else v for k, v in doc.items()}
+    return [_replaced(v, tuple(rest), value) if i == head else v for i, v in enumerate(doc)]
+
+
+def _paths(doc, prefix: tuple = ()):
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in items:
+        yield (*prefix, key)
+        yield from _paths(value, (*prefix, key))
+
+
+@pytest.mark.parametrize("name", ["musubi_wan22_args.toml", "musubi_dataset_video.toml",
+                                  "aitoolkit_wan22_14b_24gb.yaml", "aitoolkit_wan21_14b_24gb.yaml"])
+def test_any_value_of_any_key_of_a_peer_example_converts_or_is_refused_in_one_line(name, tmp_path):
+    """Never a traceback: every key of the example set to each of a few values of the wrong kind converts (the
+    output serialises) or is refused with a one-line UserError."""
+    import tomli_w
+
+    from wantrain.app import convert_aitoolkit, convert_musubi
+    from wantrain.app.conversion import Conversion
+    from wantrain.core.errors import UserError
+
+    path = PEERS / name
+    doc = yaml.safe_load(path.read_text()) if path.suffix == ".yaml" else tomllib.loads(path.read_text())
+    for where in list(_paths(doc)):
+        for value in ODD_VALUES:
+            c = Conversion()
+            try:
+                odd = _replaced(doc, where, value)
+                if path.suffix == ".yaml":
+                    convert_aitoolkit.convert_yaml(odd, c)
+                elif "datasets" in doc:
+                    convert_musubi.dataset_tables(odd, c)
+                else:
+                    convert_musubi.training_arguments(odd, c, tmp_path, None, "")
+                tomli_w.dumps(c.config())
+            except UserError as exc:
+                assert "\n" not in str(exc)
+            except Exception as exc:  # noqa: BLE001 -- the test's point: name the value that crashed
+                raise AssertionError(f"{name}: {where} = {value!r}: {type(exc).__name__}: {exc}") from exc

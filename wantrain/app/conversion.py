@@ -23,7 +23,11 @@ class Conversion:
     seen: set[str] = attrs.field(factory=set)  # every peer key met ("[general] resolution", "train.lr")
 
     def put(self, source: str, key: str, value: Any) -> None:
-        """``key`` = ``value`` does what the peer's ``source`` did."""
+        """``key`` = ``value`` does what the peer's ``source`` did; a value a converter could not read (None, or a
+        list holding one) is named instead."""
+        if value is None or isinstance(value, list) and any(v is None for v in value):
+            self.skip(source, f"{source}: its value could not be read as {key}; set {key} by hand")
+            return
         self.seen.add(source)
         self.flat[key] = value
 

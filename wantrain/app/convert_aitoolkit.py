@@ -151,7 +151,7 @@ def _key(source: str, path: str, value: Any, out: dict[str, Any], c: Conversion)
         converted = fn(value) if fn is not None else value
     except (TypeError, ValueError):
         converted = None
-    if converted is None:
+    if converted is None or isinstance(converted, list) and None in converted:
         c.skip(source, f"{source} = {shown(value)}: not converted; set {key} by hand")
         return
     c.seen.add(source)
@@ -199,9 +199,15 @@ def _experts(kwargs: Any, c: Conversion) -> None:
 
 def _datasets(datasets: Any, c: Conversion) -> None:
     tables = []
-    for i, d in enumerate(datasets if isinstance(datasets, list) else []):
+    if not isinstance(datasets, list):
+        c.skip("datasets", f"datasets = {shown(datasets)}: not a list of datasets; left out")
+        datasets = []
+    for i, d in enumerate(datasets):
         table: dict[str, Any] = {}
-        for key, value in (d or {}).items():
+        if not isinstance(d, dict):
+            c.skip(f"datasets[{i}]", f"datasets[{i}] = {shown(d)}: not a dataset table; left out")
+            continue
+        for key, value in d.items():
             if isinstance(value, str) and _YAML_FLOAT.fullmatch(value):
                 value = float(value)
             _key(f"datasets[{i}].{key}", f"datasets.{key}", value, table, c)

@@ -92,6 +92,14 @@ def command_line(text: str) -> dict[str, Any] | None:
     return args
 
 
+def _is_text(path: Path) -> bool:
+    try:
+        path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _literal(word: str) -> Any:
     try:
         return tomllib.loads(f"v = {word}")["v"]
@@ -110,7 +118,9 @@ def training_arguments(args: dict[str, Any], c: Conversion, base: Path, dataset:
         return f"{dash}{key}"
 
     task = args.get("task")
-    if task is not None:
+    if task is not None and not isinstance(task, str):
+        c.skip(name("task"), f"{name('task')} = {shown(task)}: not a task name (t2v-A14B, i2v-A14B, ti2v-5B)")
+    elif task is not None:
         c.put(name("task"), "model.variant", PEER_KEYS["task"].convert(task)["model.variant"])
         if task in _WAN21_TASKS:
             c.unmapped.append(f"{name('task')} = {shown(task)}: a Wan 2.1 task, which wantrain does not train (Wan "
@@ -155,7 +165,7 @@ def training_arguments(args: dict[str, Any], c: Conversion, base: Path, dataset:
         elif key == "sample_prompts":
             c.seen.add(name(key))
             prompts = base / str(value)
-            if prompts.is_file():
+            if prompts.is_file() and _is_text(prompts):
                 c.flat.update({f"sample.{k}": v for k, v in prompt_file(prompts, c.unmapped).items()})
             else:
                 c.unmapped.append(f"{name(key)} = {shown(value)}: not found; convert it with wantrain convert "
@@ -179,7 +189,10 @@ def map_key(source: str, key: str, value: Any, c: Conversion) -> None:
             c.unmapped.append(f"{source} = {shown(value)}: converted to {_assignments(spelled.becomes)}; set "
                               f"{spelled.also}")
     elif entry is not None:
-        found = (entry.convert or _to(entry.wantrain))(value)
+        try:
+            found = (entry.convert or _to(entry.wantrain))(value)
+        except (TypeError, ValueError, ZeroDivisionError):  # a value of a type the peer would refuse too
+            found = {}
         if not found:
             c.skip(source, f"{source} = {shown(value)}: not converted; set {entry.wantrain} by hand"
                    + (f" ({entry.note})" if entry.note else ""))
@@ -304,6 +317,9 @@ def dataset_tables(data: dict[str, Any], c: Conversion) -> None:
     tables, per_run = [], {}
     for i, raw in enumerate(data.get("datasets") or []):
         where = f"[[datasets]][{i}] "
+        if not isinstance(raw, dict):
+            c.skip(f"[[datasets]][{i}]", f"[[datasets]][{i}] = {shown(raw)}: not a table; left out")
+            continue
         merged = {**{k: (f"[general] {k}", v) for k, v in general.items()},
                   **{k: (f"{where}{k}", v) for k, v in (raw or {}).items()}}
         tables.append(_one_dataset(merged, c, per_run))
@@ -329,6 +345,7 @@ def dataset_tables(data: dict[str, Any], c: Conversion) -> None:
 def _one_dataset(merged: dict[str, tuple[str, Any]], c: Conversion, per_run: dict[str, list]) -> dict[str, Any]:
     table: dict[str, Any] = {}
     value_of = {k: v for k, (_, v) in merged.items()}
+    extraction = None
     for key, (source, value) in merged.items():
         if key == "resolution":
             side = area_side(value)
@@ -339,6 +356,8 @@ def _one_dataset(merged: dict[str, tuple[str, Any]], c: Conversion, per_run: dic
             table["resolutions"] = [side]
             if not value_of.get("enable_bucket") and isinstance(value, list):  # musubi-tuner's default: no buckets
                 per_run.setdefault("data.aspect_ratios", []).append((source, [round(value[0] / value[1], 4)]))
+        elif key == "target_frames" and not all(isinstance(f, int) for f in _as_list(value)):
+            c.skip(source, f"{source} = {shown(value)}: not frame counts; set frames by hand")
         elif key == "target_frames":
             frames = [frames_4k1(f) for f in _as_list(value)]
             c.seen.add(source)
@@ -347,7 +366,7 @@ def _one_dataset(merged: dict[str, tuple[str, Any]], c: Conversion, per_run: dic
                 c.unmapped.append(f"{source} = {shown(value)}: frames = {table['frames']} (4k+1, as musubi-tuner "
                                   "truncates them)")
         elif key == "frame_extraction":
-            _clip_mode(source, value, value_of, table, c, per_run)
+            extraction = (source, value)  # read once the frame counts are
         elif key == "caption_extension":
             c.seen.add(source)
             table["caption_extension"] = value if str(value).startswith(".") else f".{value}"
@@ -364,6 +383,8 @@ def _one_dataset(merged: dict[str, tuple[str, Any]], c: Conversion, per_run: dic
             c.seen.add(source)
         else:
             map_key(source, key, value, c)
+    if extraction is not None:
+        _clip_mode(*extraction, value_of, table, c, per_run)
     if any(k in value_of for k in ("video_directory", "video_jsonl_file")) and "source_fps" not in value_of:
         # without source_fps musubi-tuner uses every frame, whatever the video's rate
         per_run.setdefault("data.retime", []).append(("", "off"))
@@ -375,8 +396,8 @@ def _clip_mode(source: str, value: Any, value_of: dict[str, Any], table: dict[st
     if value in ("head", "uniform", "slide"):
         c.seen.add(source)
         table["clip_mode"] = value
-    elif value == "chunk" and len(table.get("frames") or _as_list(value_of.get("target_frames", []))) == 1:
-        n = frames_4k1(_as_list(value_of["target_frames"])[0])
+    elif value == "chunk" and len(table.get("frames") or []) == 1:
+        n = table["frames"][0]
         c.seen.add(source)
         table["clip_mode"] = "slide"
         per_run.setdefault("data.clip_stride", []).append((source, n))  # chunks of n: a window every n frames

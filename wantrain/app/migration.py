@@ -99,7 +99,7 @@ PEER_KEYS: dict[str, PeerKey] = {
     "target_frames": PeerKey(MUSUBI, "data.frames"),
     "resolution": PeerKey(MUSUBI, "data.resolutions", "an area: [960, 544] (width, height) is [723], the side of the "
                           "square of as many pixels; enable_bucket off: data.aspect_ratios = [960 / 544]",
-                          _to("data.resolutions", lambda v: [area_side(v)])),
+                          lambda v: {"data.resolutions": [area_side(v)]} if area_side(v) else {}),
     "num_repeats": PeerKey(MUSUBI, "data.repeats"),
     "frame_extraction": PeerKey(MUSUBI, "data.clip_mode"),
     "frame_stride": PeerKey(MUSUBI, "data.clip_stride"),
