@@ -25,7 +25,7 @@ class Conversion:
     def put(self, source: str, key: str, value: Any) -> None:
         """``key`` = ``value`` does what the peer's ``source`` did; a value a converter could not read (None, or a
         list holding one) is named instead."""
-        if value is None or isinstance(value, list) and any(v is None for v in value):
+        if value is None or (isinstance(value, list) and any(v is None for v in value)):
             self.skip(source, f"{source}: its value could not be read as {key}; set {key} by hand")
             return
         self.seen.add(source)

@@ -151,7 +151,7 @@ def _key(source: str, path: str, value: Any, out: dict[str, Any], c: Conversion)
         converted = fn(value) if fn is not None else value
     except (TypeError, ValueError):
         converted = None
-    if converted is None or isinstance(converted, list) and None in converted:
+    if converted is None or (isinstance(converted, list) and None in converted):
         c.skip(source, f"{source} = {shown(value)}: not converted; set {key} by hand")
         return
     c.seen.add(source)
