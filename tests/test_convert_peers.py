@@ -155,6 +155,9 @@ def test_ai_toolkit_wan21_example_is_named_as_a_model_wantrain_does_not_train(tm
 @pytest.mark.parametrize("name, text, expected", [
     ("diffusion_pipe_wan.toml", None, "is a diffusion-pipe config (micro_batch_size_per_gpu, pipeline_stages"),
     ("diffusion_pipe_dataset.toml", None, "is a diffusion-pipe config ([[directory]] tables)"),
+    ("diffusion_pipe_dataset.toml", None, "its keys go to: resolutions -> data.resolutions (the same area budgets), "
+                                          "frame_buckets -> data.frames, directory.path -> data.path"),
+    ("diffusion_pipe_wan.toml", None, "epochs -> train.max_epochs, micro_batch_size_per_gpu -> train.batch_size"),
     ("broken.toml", "network_dim = 32\nlearning_rate = ", "is not valid TOML"),
     ("broken.yaml", "job: extension\nconfig:\n  name: [unclosed\n", "is not valid YAML at line"),
     ("odd.yaml", "- just\n- a list\n", "not an ai-toolkit job"),

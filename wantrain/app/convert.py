@@ -22,6 +22,33 @@ DIFFUSION_PIPE = ("is a diffusion-pipe config ({what}); wantrain convert does no
                   f"from examples/quickstart.toml and set its keys by hand ({DOCS})")
 
 
+DIFFUSION_PIPE_KEYS = {
+    "output_dir": "run.output_dir", "epochs": "train.max_epochs", "max_steps": "train.max_steps",
+    "micro_batch_size_per_gpu": "train.batch_size", "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_clipping": "train.clip_grad_norm", "warmup_steps": "lr_scheduler.warmup_steps",
+    "lr_scheduler": "lr_scheduler.type", "blocks_to_swap": "model.blocks_to_swap",
+    "save_every_n_epochs": "train.save_every_epochs", "save_every_n_steps": "train.save_every",
+    "activation_checkpointing": "model.gradient_checkpointing", "model.ckpt_path": "model.path (a diffusers folder)",
+    "model.timestep_sample_method": "model.timestep_sampling", "adapter.rank": "lora.rank",
+    "adapter.init_from_existing": "lora.init_from", "optimizer.lr": "optimizer.lr",
+    "optimizer.weight_decay": "optimizer.weight_decay", "resolutions": "data.resolutions (the same area budgets)",
+    "frame_buckets": "data.frames", "directory.path": "data.path or [[data.datasets]] path",
+    "directory.num_repeats": "data.repeats",
+}
+"""diffusion-pipe's keys (run and dataset config; ``table.key`` inside a table) -> wantrain's, named in the
+refusal so that the keys can be set by hand."""
+
+
+def _diffusion_pipe_keys(data: dict[str, Any]) -> str:
+    names = []
+    for key, value in data.items():
+        tables = [value] if isinstance(value, dict) else [v for v in value if isinstance(v, dict)] \
+            if isinstance(value, list) else []
+        names += [f"{key}.{k}" for t in tables for k in t] if tables else [key]
+    known = [f"{n} -> {DIFFUSION_PIPE_KEYS[n]}" for n in dict.fromkeys(names) if n in DIFFUSION_PIPE_KEYS]
+    return f"; its keys go to: {', '.join(known)}" if known else ""
+
+
 def _diffusion_pipe(data: dict[str, Any]) -> str | None:
     """What marks ``data`` as diffusion-pipe's (its run config: ``[model] type``, ``micro_batch_size_per_gpu``,
     ``pipeline_stages``; its dataset config: ``[[directory]]``), or ``None``."""
@@ -76,7 +103,7 @@ def convert(path: Path, dataset: Path | None = None) -> Conversion:
         data = _toml(path, text)
         what = _diffusion_pipe(data)
         if what is not None:
-            raise UserError(f"'{path}' " + DIFFUSION_PIPE.format(what=what))
+            raise UserError(f"'{path}' " + DIFFUSION_PIPE.format(what=what) + _diffusion_pipe_keys(data))
         if "datasets" in data or "general" in data:
             convert_musubi.dataset_tables(data, c)
         else:
@@ -85,6 +112,6 @@ def convert(path: Path, dataset: Path | None = None) -> Conversion:
         data = _toml(Path(dataset), _read(Path(dataset)))
         what = _diffusion_pipe(data)
         if what is not None:
-            raise UserError(f"'{dataset}' " + DIFFUSION_PIPE.format(what=what))
+            raise UserError(f"'{dataset}' " + DIFFUSION_PIPE.format(what=what) + _diffusion_pipe_keys(data))
         convert_musubi.dataset_tables(data, c)
     return c
