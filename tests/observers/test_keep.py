@@ -86,3 +86,33 @@ def test_a_run_whose_saves_never_meet_a_validation_is_told_how_to_get_a_pick(tmp
     save_file({"x.lora_A.weight": torch.zeros(1, 1)}, str(tmp_path / "hero_step000250_high_noise.safetensors"))
     text = summarize([*series({100: 0.1, 200: 0.2}), {"step": 250, "train/loss": 0.5}], tmp_path)
     assert "keep: no step with saved LoRA files has a validation loss" in text and "save_every" in text
+
+
+def test_steps_validated_at_other_timesteps_after_a_resume_are_named_not_compared_and_nothing_breaks(tmp_path):
+    """Issue 58: a resume that changed validation.timesteps left two candidates without a shared timestep, and the
+    mean difference divided by zero in report and on the page."""
+    from wantrain.app.serve.rundata import RunData
+
+    before = series({100: 0.3, 200: 0.2, 300: 0.25})
+    after = [{"step": s, "val/loss/t_0.2": 0.1 + o, "val/loss/t_0.4": 0.3 + o} for s, o in ((400, 0.05), (500, 0.0))]
+    records = [*before, *after]
+    pick = pick_step(records)
+    assert (pick.lowest, pick.runner_up, pick.not_compared, pick.timesteps) == (500, 400, (100, 200, 300), 2)
+    text = "\n".join(pick.lines())
+    assert "steps 100, 200, 300: validated at other timesteps (validation.timesteps changed), not compared" in text
+    assert "keep: step 500" in summarize(records)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert RunData(tmp_path).details()["keep"] == pick.lines()
+
+
+def test_the_yardstick_is_the_standard_error_of_the_mean_paired_difference_and_says_what_it_is():
+    wiggle = {s: 0.01 * (s // 100) for s in OFFSETS}
+    pick = pick_step(series(OFFSETS, wiggle=wiggle))
+    smoothed_wiggle = {300: 0.03, 400: (0.03 + 0.04 + 0.05) / 3}  # the windows' means around 300 and 400
+    diffs = [(OFFSETS[400] + OFFSETS[300] + OFFSETS[500]) / 3 - (OFFSETS[200] + OFFSETS[300] + OFFSETS[400]) / 3
+             + (smoothed_wiggle[400] - smoothed_wiggle[300]) * sign for sign in (1, -1, 1, -1, 0)]
+    mean = sum(diffs) / 5
+    expected = (sum((d - mean) ** 2 for d in diffs) / 4 / 5) ** 0.5
+    assert abs(pick.difference - mean) < 1e-9 and abs(pick.standard_error - expected) < 1e-9
+    assert "sd of the 5 per-timestep differences / sqrt(5): a yardstick, not a confidence interval" in "\n".join(
+        pick.lines())

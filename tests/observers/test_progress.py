@@ -118,7 +118,7 @@ def test_a_plain_stream_reads_the_clock_at_log_steps_only():
 
     clock, out = CountingClock(), io.StringIO()
     drive(ProgressLine(stream=out, clock=clock), clock, steps=10, log_every=5)
-    assert clock.calls == 3  # the run's start and the two log steps, not every step
+    assert clock.calls == 4  # the run's start, the first step's end and the two log steps, not every step
     assert "2.00 it/s" in out.getvalue().splitlines()[-1]
 
 
@@ -145,3 +145,25 @@ def test_a_compiling_run_says_so_until_its_first_step_and_its_rate_leaves_that_s
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("step 0/100") and "compiling the transformer blocks (model.compile)" in lines[0]
     assert "compiling" not in lines[1] and "| 2.00 it/s |" in lines[1]
+
+
+def test_the_first_plain_line_is_printed_once_and_the_first_steps_warm_up_does_not_drive_the_eta():
+    """Issue 58: the step-0 validation and samples each logged a "step 0" line, and the first ETA counted the first
+    step's warm-up (and the step-0 rounds) as the pace: 26 minutes for a run of one."""
+    clock, out = FakeClock(), io.StringIO()
+    progress = ProgressLine(stream=out, clock=clock)
+    bus = Bus(Context(control=Control(), state=TrainState(), metrics=DeviceMetrics(), live=Live()))
+    bus.attach(progress)
+    bus.emit(RunStarted(step=0, run_dir="", total_steps=100, grad_accum=1, experts=(None,), log_every=5))
+    for key in ("val/loss", "samples/motion"):  # the step-0 rounds, before any step
+        clock.now += 5.0
+        bus.emit(MetricsLogged(step=0, expert=None, elapsed_s=clock.now - 100, values={key: 1.0}, total_steps=100))
+    for step in range(1, 6):
+        clock.now += 30.0 if step == 1 else 0.5  # a slow first step (allocator, first kernels), then 2 it/s
+        bus.emit(OptimizerStepped(step=step, expert=None, skipped=False, skip_reason=None, lrs=(1e-4,),
+                                  group_names=("lora",), is_log_step=step == 5))
+    bus.emit(MetricsLogged(step=5, expert=None, elapsed_s=clock.now - 100, values={"train/loss": 0.5},
+                           total_steps=100))
+    lines = out.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["step 0/100 (0%)", "step 5/100 (5%)"]
+    assert "| 2.00 it/s | ETA 0:00:48 |" in lines[1]  # 95 steps at 2 it/s

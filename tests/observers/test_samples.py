@@ -208,11 +208,13 @@ def test_one_trained_expert_and_a_prompts_own_options_sample_what_diffusers_make
     notes = {x.get("note") for x in log if x["event"] == "samples_written"}
     assert any(n and "random toy model" in n for n in notes)
     # and beside step 0's, with their difference and how far it moved: what the LoRA changed (issue 49)
-    from wantrain.observers.evaluation.latents_change import CHANGE_GAIN, GAP, latents_change
+    from wantrain.observers.evaluation.latents_change import CHANGE_GAIN, GAP, LABEL_HEIGHT, latents_change
 
-    change = np.asarray(Image.open(outcome.run_dir / "samples" / "step_000004_00_change.png"), dtype=int)
+    labelled = np.asarray(Image.open(outcome.run_dir / "samples" / "step_000004_00_change.png"), dtype=int)
+    label, change = labelled[:LABEL_HEIGHT], labelled[LABEL_HEIGHT:]  # a strip naming the panels, then the panels
     width = before.shape[1]
     assert change.shape == (before.shape[0], 3 * width + 2 * GAP, 3)
+    assert all((label[:, i * (width + GAP):(i + 1) * width + i * GAP] < 128).any() for i in range(3))  # text each
     assert (change[:, :width] == before).all() and (change[:, width + GAP:2 * width + GAP] == after).all()
     assert (change[:, -width:] == np.clip(128 + CHANGE_GAIN * (after - before), 0, 255)).all()
     assert not (outcome.run_dir / "samples" / "step_000000_00_change.png").exists()  # nothing to compare at 0

@@ -8,11 +8,23 @@ by ``python -m wantrain.app.config`` and a test keeps it in sync.
 from __future__ import annotations
 
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any
 
-from wantrain.app.migration import peer_file_problem, peer_hint, table_markdown
-from wantrain.core.config import ConfigError, config_reference, name_sections, section, setting, structure, unstructure
+import attrs
+
+from wantrain.app.migration import peer_file_problem, peer_hint, peer_key_problems, table_markdown
+from wantrain.core.config import (
+    ConfigError,
+    check_value,
+    config_reference,
+    name_sections,
+    section,
+    setting,
+    structure,
+    unstructure,
+)
 from wantrain.core.errors import UserError
 from wantrain.core.settings import (
     CheckpointConfig,
@@ -279,18 +291,33 @@ def _drop_replaced(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return data
 
 
-def _peer_keys_in_argument_tables(data: dict[str, Any]) -> None:
-    """[optimizer] and [lr_scheduler] hand the keys they do not know to the class as its arguments; another
-    trainer's name there (``learning_rate``) is refused with the wantrain key, unless the table names a class of
-    the user's own (whose arguments may be called anything)."""
-    for name in ("optimizer", "lr_scheduler"):
-        table = data.get(name)
-        if not isinstance(table, dict) or "class" in table or "class_path" in table:
+def _section_of(owner: type, name: str) -> type | None:
+    """The section class of ``owner``'s key ``name`` (an optional section too), or ``None`` for a value."""
+    if name not in attrs.fields_dict(owner):
+        return None
+    hint = typing.get_type_hints(owner)[name]
+    return next((t for t in typing.get_args(hint) or (hint,) if isinstance(t, type) and attrs.has(t)), None)
+
+
+def _replaced_file_problems(data: dict[str, Any], overrides: list[str]) -> list[str]:
+    """A file value that an override replaces is still checked (``max_steps = "400"`` with ``--max-steps 2``): the
+    override hides it for this run only. One line each, for keys of the schema's sections (not array items)."""
+    problems = []
+    for item in overrides:
+        parts, _ = _parse_override(item)
+        owner: type | None = RunConfig
+        table: Any = data
+        for part in parts[:-1]:
+            owner = _section_of(owner, part) if owner is not None else None
+            table = table.get(part) if isinstance(table, dict) else None
+        if owner is None or not isinstance(table, dict) or parts[-1] not in table \
+                or parts[-1] not in attrs.fields_dict(owner):
             continue
-        for key in table:
-            hint = peer_hint(key, table[key])
-            if hint:
-                raise ConfigError(f"unknown config key '{name}.{key}': {hint}")
+        try:
+            check_value(owner, parts[-1], table[parts[-1]], ".".join(parts))
+        except ConfigError as exc:
+            problems.append(f"{exc} (in the file; the override replaces it for this run only)")
+    return problems
 
 
 def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -298,9 +325,10 @@ def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -
     when the key is read); relative paths are resolved against the file's folder. An override of a key in
     :data:`EITHER_OR` replaces its other-unit twin from the file (``train.max_steps`` replaces ``max_epochs``)."""
     path = Path(path)
-    data = apply_overrides(_drop_replaced(read_toml(path), list(overrides)), list(overrides))
-    _peer_keys_in_argument_tables(data)
-    cfg = structure(RunConfig, data, hint=peer_hint)
+    data = read_toml(path)
+    found = _replaced_file_problems(data, list(overrides))
+    data = apply_overrides(_drop_replaced(data, list(overrides)), list(overrides))
+    cfg = structure(RunConfig, data, hint=peer_hint, found=[*found, *peer_key_problems(data)])
     return resolve_paths(cfg, path.parent)
 
 

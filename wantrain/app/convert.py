@@ -1,200 +1,117 @@
-"""``wantrain convert``: a wantrain config from a musubi-tuner config (its training arguments as TOML, its dataset
-TOML) or an ai-toolkit YAML, through the table of ``wantrain.app.migration`` (:data:`PEER_KEYS`, which
-``docs/config.md`` renders), with a line for every key it did not map."""
+"""``wantrain convert``: a wantrain config from a peer's: musubi-tuner's training arguments (a TOML, or the
+``accelerate launch ... wan_train_network.py ...`` command line its docs print) and its dataset TOML
+(``wantrain.app.convert_musubi``), an ai-toolkit YAML job (``wantrain.app.convert_aitoolkit``), or musubi-tuner's
+prompt file (``.txt``, the ``[sample]`` table). Every peer key is mapped or named in a line; a file it cannot read
+(malformed TOML or YAML, a diffusion-pipe config) is refused in one line (:class:`UserError`)."""
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from wantrain.app.config import RunConfig
-from wantrain.app.migration import (
-    MUSUBI_PROMPT_DEFAULTS,
-    NOT_NEEDED,
-    PEER_KEYS,
-    PEER_VALUES,
-    PROMPT_NOT_MAPPED,
-    PROMPT_OPTIONS,
-    _assignments,
-    _to,
-)
-from wantrain.core.config import key_places
+from wantrain.app import convert_aitoolkit, convert_musubi
+from wantrain.app.conversion import Conversion
+from wantrain.app.convert_musubi import prompt_file
+from wantrain.app.migration import DOCS
 from wantrain.core.errors import UserError
 
-_YAML_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
-_SAME_NAME = {"batch_size": "train.batch_size", "seed": "run.seed", "lr": "optimizer.lr"}
-"""Peer keys named as a wantrain key of several tables: the one a peer's training config means."""
+__all__ = ["Conversion", "convert", "prompt_file"]
+
+DIFFUSION_PIPE = ("is a diffusion-pipe config ({what}); wantrain convert does not read diffusion-pipe's format: start "
+                  f"from examples/quickstart.toml and set its keys by hand ({DOCS})")
 
 
-
-def _convert_key(key: str, value: Any, out: dict[str, Any], unmapped: list[str], places: dict[str, list[str]],
-                 where: str) -> None:
-    entry = PEER_KEYS.get(key)
-    spelled = PEER_VALUES.get(key, {}).get(value) if isinstance(value, str) else None
-    if spelled is not None:  # timestep_sampling = "shift": "sigmoid" (its shift is discrete_flow_shift's key)
-        out.update(spelled.becomes)
-        if not spelled.exact:
-            unmapped.append(f"{where}{key} = {value!r}: converted to {_assignments(spelled.becomes)}; set "
-                            f"{spelled.also}")
-    elif entry is not None:
-        found = (entry.convert or _to(entry.wantrain))(value)
-        if not found:
-            unmapped.append(f"{where}{key} = {value!r}: not converted; set {entry.wantrain} by hand"
-                            + (f" ({entry.note})" if entry.note else ""))
-        out.update(found)
-    elif key in NOT_NEEDED:
-        unmapped.append(f"{where}{key}: left out ({NOT_NEEDED[key][1]})")
-    elif key in _SAME_NAME or len(places.get(key, [])) == 1:  # a wantrain key name (seed, lr): where it belongs
-        out[_SAME_NAME.get(key) or places[key][0]] = value
-    else:
-        unmapped.append(f"{where}{key} = {value!r}: no wantrain key known for it")
+DIFFUSION_PIPE_KEYS = {
+    "output_dir": "run.output_dir", "epochs": "train.max_epochs", "max_steps": "train.max_steps",
+    "micro_batch_size_per_gpu": "train.batch_size", "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_clipping": "train.clip_grad_norm", "warmup_steps": "lr_scheduler.warmup_steps",
+    "lr_scheduler": "lr_scheduler.type", "blocks_to_swap": "model.blocks_to_swap",
+    "save_every_n_epochs": "train.save_every_epochs", "save_every_n_steps": "train.save_every",
+    "activation_checkpointing": "model.gradient_checkpointing", "model.ckpt_path": "model.path (a diffusers folder)",
+    "model.timestep_sample_method": "model.timestep_sampling", "adapter.rank": "lora.rank",
+    "adapter.init_from_existing": "lora.init_from", "optimizer.lr": "optimizer.lr",
+    "optimizer.weight_decay": "optimizer.weight_decay", "resolutions": "data.resolutions (the same area budgets)",
+    "frame_buckets": "data.frames", "directory.path": "data.path or [[data.datasets]] path",
+    "directory.num_repeats": "data.repeats",
+}
+"""diffusion-pipe's keys (run and dataset config; ``table.key`` inside a table) -> wantrain's, named in the
+refusal so that the keys can be set by hand."""
 
 
-def _dataset_tables(data: dict[str, Any], out: dict[str, Any], unmapped: list[str],
-                    places: dict[str, list[str]]) -> list[dict[str, Any]]:
-    """musubi-tuner's dataset TOML: ``[general]`` into ``out`` ([data] keys), each ``[[datasets]]`` table as a
-    ``[[data.datasets]]`` table (its path, metadata, repeats; other keys into ``out`` too)."""
-    for key, value in (data.get("general") or {}).items():
-        _convert_key(key, value, out, unmapped, places, "[general] ")
-    tables = []
-    for i, t in enumerate(data.get("datasets") or []):
-        entry: dict[str, Any] = {}
-        for key, value in t.items():
-            found: dict[str, Any] = {}
-            _convert_key(key, value, found, unmapped, places, f"[[datasets]][{i}] ")
-            for wkey, v in found.items():
-                if wkey in ("data.path", "data.metadata", "data.repeats"):
-                    entry[wkey.split(".")[1]] = v
-                else:
-                    out[wkey] = v
-        tables.append(entry)
-    for i, _ in enumerate(data.get("validation_datasets") or []):
-        unmapped.append(f"[[validation_datasets]][{i}]: not converted; set [validation] path by hand")
-    return tables
+def _diffusion_pipe_keys(data: dict[str, Any]) -> str:
+    names = []
+    for key, value in data.items():
+        tables = [value] if isinstance(value, dict) else [v for v in value if isinstance(v, dict)] \
+            if isinstance(value, list) else []
+        names += [f"{key}.{k}" for t in tables for k in t] if tables else [key]
+    known = [f"{n} -> {DIFFUSION_PIPE_KEYS[n]}" for n in dict.fromkeys(names) if n in DIFFUSION_PIPE_KEYS]
+    return f"; its keys go to: {', '.join(known)}" if known else ""
 
 
-def prompt_file(path: Path, unmapped: list[str]) -> dict[str, Any]:
-    """musubi-tuner's ``--sample_prompts`` text file (one prompt a line, ``--w 832 --h 480 --f 81 --s 20 --d 42
-    --n negative`` options after it, ``#`` comments) as wantrain's ``[sample]`` table (``sample.prompts`` tables,
-    nested form); an option it cannot map gets a line in ``unmapped``. A frame count not of the form 4k+1 is rounded
-    down to one, as musubi-tuner does."""
-    prompts: list[dict[str, Any]] = []
-    for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        text, *options = line.split(" --")
-        prompt: dict[str, Any] = {"prompt": text.strip()}
-        for option in options:
-            name, _, value = option.strip().partition(" ")
-            value = value.strip()
-            where = f"{Path(path).name} line {number}: --{name} {value}".rstrip()
-            if name in PROMPT_OPTIONS:
-                key, kind = PROMPT_OPTIONS[name]
-                try:
-                    prompt[key] = kind(value)
-                except ValueError:
-                    unmapped.append(f"{where}: not a {kind.__name__}; left out")
-                    continue
-                if key == "frames" and (prompt[key] - 1) % 4:
-                    prompt[key] = max(1, (prompt[key] - 1) // 4 * 4 + 1)
-                    unmapped.append(f"{where}: frames = {prompt[key]} (wantrain samples 4k+1 frames)")
-            elif name:
-                why = PROMPT_NOT_MAPPED.get(name, "no wantrain option known for it")
-                unmapped.append(f"{where}: left out ({why})")
-        prompts.append(prompt)
-    if not prompts:
-        raise UserError(f"'{path}' holds no prompt (one a line; '#' starts a comment); give musubi-tuner's "
-                        "--sample_prompts file")
-    section: dict[str, Any] = {"enabled": True}
-    section.update({k: v for k, v in MUSUBI_PROMPT_DEFAULTS.items() if any(k not in p for p in prompts)})
-    section["prompts"] = prompts
-    return section
+def _diffusion_pipe(data: dict[str, Any]) -> str | None:
+    """What marks ``data`` as diffusion-pipe's (its run config: ``[model] type``, ``micro_batch_size_per_gpu``,
+    ``pipeline_stages``; its dataset config: ``[[directory]]``), or ``None``."""
+    if isinstance(data.get("directory"), list):
+        return "[[directory]] tables"
+    marks = [k for k in ("micro_batch_size_per_gpu", "pipeline_stages", "dataset") if k in data]
+    if marks or (isinstance(data.get("model"), dict) and "type" in data["model"] and "adapter" in data):
+        return ", ".join(marks or ["[model] type", "[adapter]"])
+    return None
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        table = out
-        for p in parents:
-            table = table.setdefault(p, {})
-        table[leaf] = value
-    return out
+def _read(path: Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"'{path}' is not UTF-8 text; give a musubi-tuner .toml or command line, or an ai-toolkit "
+                        ".yaml") from None
 
 
-def convert(path: Path, dataset: Path | None = None) -> tuple[dict[str, Any], list[str]]:
-    """A wantrain config (nested, for ``tomli_w``) from a musubi-tuner config (training arguments as TOML, or its
-    dataset TOML) or an ai-toolkit YAML, with ``dataset`` (musubi's dataset TOML) when given apart; and a line for
-    every key not mapped. Values are converted where :data:`PEER_KEYS` says how (timesteps /1000, task names)."""
-    places = key_places(RunConfig)
-    flat: dict[str, Any] = {}
-    unmapped: list[str] = []
-    tables: list[dict[str, Any]] = []
-    if Path(path).suffix == ".txt":  # musubi-tuner's --sample_prompts file
-        return {"sample": prompt_file(path, unmapped)}, unmapped
-    text = Path(path).read_text(encoding="utf-8")
-    if Path(path).suffix in (".yaml", ".yml"):
+def _toml(path: Path, text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"'{path}' is not valid TOML ({exc}); give a musubi-tuner .toml, its command line, or an "
+                        "ai-toolkit .yaml") from None
+
+
+def convert(path: Path, dataset: Path | None = None) -> Conversion:
+    """Read the peer's file at ``path`` (and musubi-tuner's dataset TOML ``dataset`` when given apart) into a
+    :class:`Conversion` (``.config()`` is the wantrain config, ``.unmapped`` a line per key not mapped,
+    ``.defaults`` a line per peer default written out)."""
+    path = Path(path)
+    c = Conversion()
+    text = _read(path)
+    args = convert_musubi.command_line(text)
+    if args is not None:
+        dataset = convert_musubi.training_arguments(args, c, path.parent, dataset, "--")
+    elif path.suffix == ".txt":  # musubi-tuner's --sample_prompts file
+        c.flat.update({f"sample.{k}": v for k, v in prompt_file(path, c.unmapped).items()})
+        return c
+    elif path.suffix in (".yaml", ".yml"):
         import yaml
 
-        doc = yaml.safe_load(text) or {}
-        processes = (doc.get("config") or {}).get("process") or [{}]
-
-        def walk(table: dict[str, Any], where: str) -> None:
-            for key, value in table.items():
-                if isinstance(value, str) and _YAML_FLOAT.fullmatch(value):
-                    value = float(value)  # PyYAML reads YAML 1.1: "1e-4" (no dot) is a string there
-                if key == "datasets" and isinstance(value, list):
-                    for i, d in enumerate(value):
-                        walk(d, f"{where}datasets[{i}].")
-                elif key == "sample" and isinstance(value, dict):
-                    for k, v in value.items():  # ai-toolkit's sample table: steps, num_frames are sampling's
-                        target = {"num_frames": "sample.frames", "steps": "sample.steps"}.get(k)
-                        if target is not None:
-                            flat[target] = v
-                        else:
-                            _convert_key(k, v, flat, unmapped, places, f"{where}sample.")
-                elif isinstance(value, dict):
-                    walk(value, f"{where}{key}.")
-                elif key not in ("type", "name", "device") and not isinstance(value, list):
-                    _convert_key(key, value, flat, unmapped, places, where)
-                elif key == "name" and where == "":
-                    flat["run.name"] = value
-        walk({"name": (doc.get("config") or {}).get("name"), **processes[0]}, "")
-        flat = {k: v for k, v in flat.items() if v is not None}
-    else:
         try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise UserError(f"'{path}' is neither TOML nor an ai-toolkit YAML (.yaml): {exc}") from None
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            raise UserError(f"'{path}' is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+        convert_aitoolkit.convert_yaml(doc, c)
+    else:
+        data = _toml(path, text)
+        what = _diffusion_pipe(data)
+        if what is not None:
+            raise UserError(f"'{path}' " + DIFFUSION_PIPE.format(what=what) + _diffusion_pipe_keys(data))
         if "datasets" in data or "general" in data:
-            tables = _dataset_tables(data, flat, unmapped, places)
+            convert_musubi.dataset_tables(data, c)
         else:
-            for key, value in data.items():
-                if key not in ("dataset_config", "sample_prompts") or not isinstance(value, str):  # read below
-                    _convert_key(key, value, flat, unmapped, places, "")
-            named = data.get("sample_prompts")
-            prompts = Path(path).parent / named if isinstance(named, str) else None
-            if prompts is not None and prompts.is_file():
-                flat.update({f"sample.{k}": v for k, v in prompt_file(prompts, unmapped).items()})
-            elif prompts is not None:
-                unmapped.append(f"sample_prompts '{named}': not found; convert it with "
-                                "wantrain convert PROMPTS.txt")
-            if isinstance(data.get("dataset_config"), str) and dataset is None:
-                dataset = Path(path).parent / data["dataset_config"]
-                if not dataset.is_file():
-                    unmapped.append(f"dataset_config '{data['dataset_config']}': not found; pass --dataset")
-                    dataset = None
+            dataset = convert_musubi.training_arguments(data, c, path.parent, dataset, "")
     if dataset is not None:
-        tables = _dataset_tables(tomllib.loads(Path(dataset).read_text(encoding="utf-8")), flat, unmapped, places)
-    for key in ("lora.init_from", "data.path", "data.metadata", "data.repeats"):
-        if len(tables) > 1 or key.startswith("lora"):
-            continue
-        if tables and key.split(".")[1] in tables[0]:
-            flat[key] = tables[0][key.split(".")[1]]
-    out = _nest(flat)
-    if len(tables) > 1:
-        out.setdefault("data", {})["datasets"] = tables
-    return out, unmapped
+        data = _toml(Path(dataset), _read(Path(dataset)))
+        what = _diffusion_pipe(data)
+        if what is not None:
+            raise UserError(f"'{dataset}' " + DIFFUSION_PIPE.format(what=what) + _diffusion_pipe_keys(data))
+        convert_musubi.dataset_tables(data, c)
+    return c

@@ -9,11 +9,16 @@ The rule, in order:
 2. **Smoothed loss**: at each validation step, each timestep's loss is averaged with the validations just before
    and after it (a window of :data:`WINDOW`); the step's figure is the mean over the timesteps. The lowest is the
    **pick**.
-3. **Uncertainty**: the validations use the same clips, timesteps and noise, so two steps compare timestep by
-   timestep: for a candidate ``c`` the differences ``d_t = L_t(c) - L_t(pick)`` have a mean and a standard error
-   ``sd(d) / sqrt(n)`` over the ``n`` timesteps. A candidate within :data:`SEPARATION` standard errors of the pick
-   is **not separated** from it (one timestep: no spread, so nothing is separated).
-4. **Motion**: when the candidates not separated from the pick have ``samples/motion_ratio`` (``[sample]`` on and
+3. **Comparable timesteps**: the losses compare over the timesteps the latest candidate's validation has (today's
+   ``validation.timesteps``) that every candidate sharing any of them has too; a candidate validated at none of
+   them (a resume changed ``validation.timesteps``) is **not compared**, and named so.
+4. **Yardstick**: the validations use the same clips, timesteps and noise, so two steps compare timestep by
+   timestep: for a candidate ``c`` the differences ``d_t = L_t(c) - L_t(pick)`` over the ``n`` shared timesteps have
+   a mean and ``sd(d) / sqrt(n)``. That is the standard error of the mean difference *if* the timesteps were drawn
+   at random; they are a fixed grid and each value is averaged with its neighbours, so it is a heuristic yardstick
+   (said so wherever it is shown), not a confidence interval. A candidate within :data:`SEPARATION` yardsticks of
+   the pick is **not separated** from it (one timestep: no spread, so nothing is separated).
+5. **Motion**: when the candidates not separated from the pick have ``samples/motion_ratio`` (``[sample]`` on and
    sampled at those steps), the one closest to 1 (|log ratio| smallest: twice as fast is as far as half as fast)
    is kept instead, and the text says so.
 
@@ -45,10 +50,12 @@ class KeepPick:
     loss: float | None  # its smoothed validation loss
     runner_up: int | None  # the candidate with the next lowest
     difference: float | None  # runner-up minus lowest, mean over timesteps
-    standard_error: float | None  # of that difference, from the per-timestep spread (None: one timestep)
+    standard_error: float | None  # the yardstick of that difference: sd(d_t) / sqrt(n) (None: one timestep)
     not_separated: tuple[int, ...]  # candidates the loss does not separate from the lowest (it included)
     motion_ratio: float | None  # samples/motion_ratio at the kept step
     by_motion: bool  # the motion ratio chose among steps the loss does not separate (or alone, without loss)
+    timesteps: int = 0  # n: the timesteps the losses compare over
+    not_compared: tuple[int, ...] = ()  # candidates validated at none of those timesteps
 
     def lines(self) -> list[str]:
         """What ``wantrain report`` prints (and the page shows)."""
@@ -58,12 +65,16 @@ class KeepPick:
             out.append(f"  lowest smoothed val/loss: step {self.lowest}, {self.loss:.5g} (each timestep averaged "
                        f"over up to {WINDOW} validations)")
         if self.runner_up is not None and self.difference is not None:
-            spread = (f" +- {self.standard_error:.2g} (standard error from the per-timestep spread)"
+            spread = (f" +- {self.standard_error:.2g} (sd of the {self.timesteps} per-timestep differences / "
+                      f"sqrt({self.timesteps}): a yardstick, not a confidence interval)"
                       if self.standard_error is not None else " (one timestep: no spread to judge by)")
             out.append(f"  next: step {self.runner_up}, {self.difference:.3g} higher{spread}")
+        if self.not_compared:
+            steps = ", ".join(str(s) for s in self.not_compared)
+            out.append(f"  steps {steps}: validated at other timesteps (validation.timesteps changed), not compared")
         if len(self.not_separated) > 1:
             steps = ", ".join(str(s) for s in self.not_separated)
-            out.append(f"  the evidence does not separate steps {steps} (within {SEPARATION:g} standard errors)")
+            out.append(f"  the evidence does not separate steps {steps} (within {SEPARATION:g} yardsticks)")
         elif self.runner_up is not None:
             out.append(f"  the loss separates step {self.lowest} from the other saved steps")
         if self.motion_ratio is not None:
@@ -75,13 +86,12 @@ class KeepPick:
 
 def _smoothed(series: Sequence[dict[float, float]]) -> list[dict[float, float]]:
     """Each validation's per-timestep losses averaged with its neighbours' (window :data:`WINDOW`, cut at the
-    ends), over the timesteps all of them have."""
+    ends), each timestep over the neighbours that have it (a resume may change ``validation.timesteps``)."""
     half = WINDOW // 2
     out = []
-    for i in range(len(series)):
+    for i, own in enumerate(series):
         window = series[max(0, i - half):i + half + 1]
-        common = set.intersection(*(set(w) for w in window))
-        out.append({t: sum(w[t] for w in window) / len(window) for t in common})
+        out.append({t: sum(w[t] for w in window if t in w) / sum(1 for w in window if t in w) for t in own})
     return out
 
 
@@ -140,14 +150,20 @@ def pick_step(records: Sequence[dict[str, Any]], run_dir: Path | None = None) ->
     candidates = [s for s in smoothed if smoothed[s] and (not files or s in files)]
     if not candidates:
         return None
-    loss = {s: sum(smoothed[s].values()) / len(smoothed[s]) for s in candidates}
-    best = min(candidates, key=lambda s: (loss[s], -s))
+    reference = set(smoothed[candidates[-1]])  # the latest validation's timesteps
+    compared = [s for s in candidates if reference & set(smoothed[s])]
+    shared = reference.intersection(*(smoothed[s] for s in compared))
+    if not shared:  # overlaps that share nothing all round: those validated at every timestep of the latest
+        compared = [s for s in candidates if reference <= set(smoothed[s])]
+        shared = reference
+    timesteps = sorted(shared)
+    loss = {s: sum(smoothed[s][t] for t in timesteps) / len(timesteps) for s in compared}
+    best = min(compared, key=lambda s: (loss[s], -s))
     together, stats = [best], {}
-    for step in candidates:
+    for step in compared:
         if step == best:
             continue
-        common = sorted(set(smoothed[step]) & set(smoothed[best]))
-        diffs = [smoothed[step][t] - smoothed[best][t] for t in common]
+        diffs = [smoothed[step][t] - smoothed[best][t] for t in timesteps]
         mean = sum(diffs) / len(diffs)
         se = (math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
               if len(diffs) > 1 else None)
@@ -163,4 +179,5 @@ def pick_step(records: Sequence[dict[str, Any]], run_dir: Path | None = None) ->
     difference, se = stats.get(runner_up, (None, None)) if runner_up is not None else (None, None)
     return KeepPick(step=keep, files=files.get(keep, ()), lowest=best, loss=loss[best], runner_up=runner_up,
                     difference=difference, standard_error=se, not_separated=tuple(sorted(together)),
-                    motion_ratio=motion.get(keep), by_motion=by_motion)
+                    motion_ratio=motion.get(keep), by_motion=by_motion, timesteps=len(timesteps),
+                    not_compared=tuple(s for s in candidates if s not in compared))

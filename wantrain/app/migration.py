@@ -24,6 +24,8 @@ from typing import Any
 
 import attrs
 
+from wantrain.app.conversion import area_side
+
 MUSUBI, AI_TOOLKIT, KOHYA = "musubi-tuner", "ai-toolkit", "sd-scripts"
 
 
@@ -95,8 +97,9 @@ PEER_KEYS: dict[str, PeerKey] = {
     "image_jsonl_file": PeerKey(MUSUBI, "data.metadata", "read as it is"),
     "cache_directory": PeerKey(MUSUBI, "data.cache_dir"),
     "target_frames": PeerKey(MUSUBI, "data.frames"),
-    "resolution": PeerKey(MUSUBI, "data.resolutions", "one side per bucket size; aspect ratios: data.aspect_ratios",
-                          _to("data.resolutions", lambda v: [min(v)] if isinstance(v, list) else [v])),
+    "resolution": PeerKey(MUSUBI, "data.resolutions", "an area: [960, 544] (width, height) is [723], the side of the "
+                          "square of as many pixels; enable_bucket off: data.aspect_ratios = [960 / 544]",
+                          lambda v: {"data.resolutions": [area_side(v)]} if area_side(v) else {}),
     "num_repeats": PeerKey(MUSUBI, "data.repeats"),
     "frame_extraction": PeerKey(MUSUBI, "data.clip_mode"),
     "frame_stride": PeerKey(MUSUBI, "data.clip_stride"),
@@ -230,6 +233,23 @@ def peer_hint(key: str, value: Any = None) -> str | None:
     return f"'{key}' is {entry.peer}'s name; wantrain's key for it is '{entry.wantrain}'{note}"
 
 
+def peer_key_problems(data: dict[str, Any]) -> list[str]:
+    """One line for each peer key in ``[optimizer]`` and ``[lr_scheduler]``, the tables that hand the keys they do
+    not know to their class as its arguments (so the schema never calls them unknown), unless the table names a class
+    of the user's own (``class``/``class_path``: its arguments may be called anything). Every such key at once; a
+    peer key anywhere else is an unknown key, named by the schema walk beside these."""
+    problems = []
+    for name in ("optimizer", "lr_scheduler"):
+        table = data.get(name)
+        if not isinstance(table, dict) or "class" in table or "class_path" in table:
+            continue
+        for key, value in table.items():
+            hint = peer_hint(key, value)
+            if hint:
+                problems.append(f"unknown config key '{name}.{key}': {hint}")
+    return problems
+
+
 def peer_arguments(extra: list[str]) -> list[str]:
     """For command-line arguments argparse did not know (``--network_dim 32 --learning_rate 1e-4``): the ``--set``
     each peer argument is in wantrain, one string each; empty when none is a peer's."""
@@ -273,7 +293,8 @@ def _musubi_dataset_line(path: Path, data: dict[str, Any]) -> str:
     keys = _where(sorted({k for t in [data.get("general") or {}, *tables] if isinstance(t, dict) for k in t}))
     return (f"config file '{path}' is a musubi-tuner dataset config ([general], [[datasets]]), not a wantrain run "
             f"config; wantrain reads the clips and captions themselves: in a run config (start from "
-            f"examples/quickstart.toml) put {point}{'; its keys go to: ' + keys if keys else ''} ({DOCS})")
+            f"examples/quickstart.toml) put {point}{'; its keys go to: ' + keys if keys else ''}, or let `wantrain "
+            f"convert {path}` write it ({DOCS})")
 
 
 def peer_file_problem(path: Path, data: dict[str, Any] | None = None, text: str | None = None) -> str | None:
@@ -289,13 +310,14 @@ def peer_file_problem(path: Path, data: dict[str, Any] | None = None, text: str 
         if peer and not any(isinstance(v, dict) for v in data.values()):
             return (f"config file '{path}' holds musubi-tuner training arguments ({', '.join(peer[:3])}, ...), not a "
                     f"wantrain run config (TOML tables [model], [lora], [data], [train], ...; start from "
-                    f"examples/quickstart.toml); its keys go to: {_where(list(data))} ({DOCS})")
+                    f"examples/quickstart.toml); its keys go to: {_where(list(data))}; `wantrain convert {path}` "
+                    f"writes the wantrain config ({DOCS})")
         return None
     if text is not None and re.search(r"^job\s*:", text, re.M) and re.search(r"^config\s*:", text, re.M):
         keys = re.findall(r"^\s*-?\s*([A-Za-z_]+)\s*:", text, re.M)
         return (f"config file '{path}' is an ai-toolkit config (job/config/process, YAML), not a wantrain run config "
-                f"(TOML; start from examples/quickstart.toml); its keys go to: {_where(list(dict.fromkeys(keys)))} "
-                f"({DOCS})")
+                f"(TOML; start from examples/quickstart.toml); its keys go to: {_where(list(dict.fromkeys(keys)))}; "
+                f"`wantrain convert {path}` writes the wantrain config ({DOCS})")
     return None
 
 
@@ -324,8 +346,14 @@ def table_markdown() -> str:
             how = "" if v.exact else "by hand: "
             lines.append(f"| `{key} = {json.dumps(value)}` | {v.peer} | `{_assignments(v.becomes)}` | {how}{v.also} |")
     lines += ["", "`wantrain convert FILE [--dataset DATASET.toml] [-o OUT.toml]` writes a wantrain config from a",
-              "musubi-tuner config (training arguments, its dataset TOML) or an ai-toolkit YAML with this table,",
-              "printing a line for every key it did not map (\"by hand\" above, or unknown).", "",
+              "musubi-tuner config (training arguments as TOML or as the `accelerate launch ... wan_train_network.py",
+              "...` command line in a text file, its dataset TOML) or an ai-toolkit YAML job, printing a line for",
+              "every key it did not map (\"by hand\" above, or unknown) and for every peer default it wrote out",
+              "because wantrain's differs (musubi-tuner's `network_alpha` 1, its `timestep_sampling` \"sigma\";",
+              "ai-toolkit's `linear_alpha` 1). Each `[[datasets]]` table stays a `[[data.datasets]]` table; a `dit`",
+              "alone trains one expert (the high-noise one when its file name or `min_timestep` says so);",
+              "ai-toolkit's `arch` is the variant. A diffusion-pipe config is refused in one line that names where",
+              "its keys go; so is a file that is not valid TOML or YAML.", "",
               "`wantrain convert PROMPTS.txt` turns musubi-tuner's `--sample_prompts` file (one prompt a line, `#`",
               "comments) into the `[sample]` table to paste into a run config, one `[[sample.prompts]]` table per",
               "line; a training-arguments TOML whose `sample_prompts` names the file gets them too. Its options:", "",

@@ -1,7 +1,8 @@
 """``wantrain convert FILE [--dataset DATASET.toml] [-o OUT.toml]``: a wantrain config from a musubi-tuner config
-(its training arguments as TOML, its dataset TOML) or an ai-toolkit YAML (``wantrain.app.migration``), or the
-``[sample]`` table from musubi-tuner's prompt file (``.txt``), with a line on stderr for every key it did not map.
-Without ``-o`` the config goes to stdout; an existing ``-o`` file is never overwritten."""
+(its training arguments as TOML or as its command line in a text file, its dataset TOML) or an ai-toolkit YAML
+(``wantrain.app.convert``), or the ``[sample]`` table from musubi-tuner's prompt file (``.txt``), with a line on
+stderr for every key it did not map and every peer default it wrote out. Without ``-o`` the config goes to stdout;
+an existing ``-o`` file is never overwritten."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path,
-                        help="musubi-tuner .toml (training arguments or dataset), its --sample_prompts .txt, or "
+                        help="musubi-tuner .toml (training arguments or dataset), a file holding its command "
+                             "line (accelerate launch ... wan_train_network.py ...), its --sample_prompts .txt, or "
                              "ai-toolkit .yaml")
     parser.add_argument("--dataset", type=Path, default=None, metavar="DATASET.toml",
                         help="musubi-tuner's dataset config, when the training arguments do not name it")
@@ -32,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
                             ".yaml")
     if args.out is not None and args.out.exists():
         raise UserError(f"'{args.out}' exists; wantrain convert writes a new file (choose another -o)")
-    config, unmapped = convert(args.file, args.dataset)
+    conversion = convert(args.file, args.dataset)
+    config = conversion.config()
     check = ("paste it into your run config" if set(config) == {"sample"} else "check it with: wantrain check FILE")
     text = f"# converted from {args.file} by wantrain convert; {check}\n" + tomli_w.dumps(config)
     if args.out is None:
@@ -40,6 +43,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         args.out.write_text(text, encoding="utf-8")
         print(f"wantrain convert: wrote {args.out}", file=sys.stderr)
-    for line in unmapped:
+    problem = _check_problem(config)
+    if problem is not None:
+        print(f"wantrain convert: check will refuse the output: {problem}", file=sys.stderr)
+    for line in conversion.defaults:
+        print(f"wantrain convert: written, the peer's default: {line}", file=sys.stderr)
+    for line in conversion.unmapped:
         print(f"wantrain convert: not mapped: {line}", file=sys.stderr)
     return 0
+
+
+def _check_problem(config: dict) -> str | None:
+    """What ``check``'s key validation says of the converted config (every problem in one line), or ``None``; a
+    prompt-file ``[sample]`` table alone is checked once pasted, not here."""
+    from wantrain.app.config import RunConfig
+    from wantrain.app.migration import peer_hint
+    from wantrain.core.config import structure
+    from wantrain.core.errors import ConfigError
+
+    if set(config) == {"sample"}:
+        return None
+    try:
+        structure(RunConfig, config, hint=peer_hint)
+    except ConfigError as exc:
+        return str(exc)
+    return None

@@ -11,6 +11,8 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from wantrain.cli.common import add_config_arguments
 
@@ -101,9 +103,25 @@ def first_line(args: argparse.Namespace) -> None:
         print(f"wantrain run: {args.config}: loading torch and diffusers, then the model and the data ...", flush=True)
 
 
+def load_libraries() -> Callable[..., Any]:
+    """Import torch, then diffusers and wantrain's training code, with a line after each (rank 0): on a loaded
+    machine they take tens of seconds, and a console silent that long looks hung. Returns ``train``."""
+    started = time.monotonic()
+    say = print if os.environ.get("RANK", "0") == "0" else (lambda *_, **__: None)
+    import torch
+
+    say(f"wantrain run: torch {torch.__version__} loaded ({time.monotonic() - started:.0f} s); loading diffusers "
+        "and the Wan model code ...", flush=True)
+    from wantrain.app.train import train
+
+    say(f"wantrain run: libraries loaded ({time.monotonic() - started:.0f} s); building the model, then caching the "
+        "clips' latents and captions ...", flush=True)
+    return train
+
+
 def run(args: argparse.Namespace) -> int:
     first_line(args)
-    from wantrain.app.train import train
+    train = load_libraries()
 
     overrides = list(args.set or [])
     if args.max_steps is not None:

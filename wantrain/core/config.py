@@ -486,13 +486,15 @@ class _Structurer:
 
 
 def structure(root: type, data: Mapping[str, Any],
-              hint: typing.Callable[[str, Any], str | None] | None = None) -> Any:
+              hint: typing.Callable[[str, Any], str | None] | None = None, found: typing.Sequence[str] = ()) -> Any:
     """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line).
     ``hint(key, value)`` names an unknown key's meaning when it knows it (another trainer's name for a key), before
     any did-you-mean, and a choice's value that another trainer spells so (``timestep_sampling = "shift"``).
     Every unknown key, wrong type and out-of-range value of the document is reported at once (one line each,
-    :func:`_collected`); a rule across keys is checked once each key is valid."""
+    :func:`_collected`); a rule across keys is checked once each key is valid. ``found``: problems the caller found
+    before (a peer's key in an argument table), reported first, in the same report."""
     walker = _Structurer(root, hint)
+    walker.errors.extend(found)
     try:
         built = walker.structure(root, data, "")
     except ConfigError as exc:

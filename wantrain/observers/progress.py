@@ -16,9 +16,11 @@ line is printed per log step (the last one with the run's status), so logs stay 
 * loss: exponential moving average (``beta`` 0.9) of the logged interval means, per expert (``train/loss/<expert>``)
   when the model has experts, else of ``train/loss``; the active expert's is shown.
 * LR: the LR the step used, of the parameter group named after the active expert if there is one, else the first.
-* compiling (``model.compile``): from the run's start until its first step ends the line says that the blocks are
-  compiling, and it/s counts from the end of that first step (its compile time would skew the rate for ``window``
-  steps).
+* warm-up: it/s counts from the end of the run's first step, never from its start: that step carries the
+  step-0 validation and samples, the allocator's and kernels' first calls and, with ``model.compile``, the blocks'
+  compilation (the line says so until it ends), any of which would make the first ETA many times too long.
+* one line per state on a stream that is not a terminal: a log event that changes nothing the line shows (the
+  step-0 validation and samples each log before any step) prints no second, identical line.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class ProgressLine(Observer):
     ) -> None:
         self.enabled = enabled
         self.compiling = compiling  # model.compile is on: the first step compiles the blocks
-        self._first_step_pending = False  # compiling, and the run's first step has not ended yet
+        self._first_step_pending = False  # the run's first step has not ended yet (the rate starts after it)
+        self._printed = ""  # the last line printed on a stream that is not a terminal
         self.alpha_phases = tuple(alpha_phases)  # the alpha schedule's phase names, by index (the line names them)
         self._stream = stream
         self.refresh_s = refresh_s
@@ -94,7 +97,8 @@ class ProgressLine(Observer):
         self._times.clear()
         self._times.append((self._clock(), event.step))
         self._since = None
-        self._first_step_pending = self.compiling
+        self._first_step_pending = True  # the rate starts when the first step ends (its warm-up left out)
+        self._printed = ""
         if self.compiling:
             line = f"{self.render()} | compiling the transformer blocks (model.compile): the first step is slow"
             if self._is_tty():
@@ -106,7 +110,7 @@ class ProgressLine(Observer):
     @on(OptimizerStepped)
     def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
         self._stepped = event
-        if self._first_step_pending:  # the compiling step has ended: the rate starts here (one clock read per run)
+        if self._first_step_pending:  # the first step has ended: the rate starts here (one clock read per run)
             self._first_step_pending = False
             self._times.clear()
             self._times.append((self._clock(), event.step))
@@ -155,7 +159,10 @@ class ProgressLine(Observer):
         if self._is_tty():
             self._draw(force=True)
         elif event.step != self.total_steps:  # the last step's line is printed by RunEnded, with the status
-            self._print_line(self.render())
+            line = self.render()
+            if line != self._printed:  # the step-0 validation and samples log twice before any step
+                self._printed = line
+                self._print_line(line)
 
     @on(RunEnded)
     def on_run_ended(self, event: RunEnded, ctx) -> None:

@@ -3,8 +3,9 @@ same seed and prompt): the tiny twins' random VAE decodes every frame to noise, 
 alike at every step, since most of it is the sample's initial noise, so a person cannot tell what was learned.
 
 * ``samples/step_000400_00_change.png``: three panels side by side -- step 0's latents picture, this step's, and
-  their difference (grey = unchanged; ``CHANGE_GAIN`` x the difference, per channel), at each round after step 0
-  whose step-0 picture is in ``samples/`` (a resumed run reads it from there too).
+  their difference (grey = unchanged; ``CHANGE_GAIN`` x the difference, per channel), each labelled above it
+  ("step 0", "step 400", "change x4"), at each round after step 0 whose step-0 picture is in ``samples/`` (a
+  resumed run reads it from there too).
 * ``latents_change`` in the ``samples_written`` line: RMS(this step's latents - step 0's) / RMS(step 0's), in
   latent units, read from the two pictures (their [-3, 3] range, 6/255 a level): 0 is no change, about 1.4 an
   unrelated sample of the same scale. Host arithmetic on two small PNGs; no device work.
@@ -26,11 +27,24 @@ def change_path(directory: Path, step: int, index: int) -> Path:
     return Path(directory) / f"step_{step:06d}_{index:02d}_change.png"
 
 
-def change_picture(first: np.ndarray, now: np.ndarray) -> np.ndarray:
-    """uint8 [h, w, 3] pictures of step 0 and of now -> [step 0 | now | grey + CHANGE_GAIN x (now - step 0)]."""
+LABEL_HEIGHT = 12  # the white strip above the panels that names them
+
+
+def change_picture(first: np.ndarray, now: np.ndarray, step: int | None = None) -> np.ndarray:
+    """uint8 [h, w, 3] pictures of step 0 and of now -> [step 0 | now | grey + CHANGE_GAIN x (now - step 0)], with
+    a strip above naming each panel (``step`` is now's step; without it the panels are not labelled)."""
     difference = np.clip(128 + CHANGE_GAIN * (now.astype(int) - first.astype(int)), 0, 255).astype(np.uint8)
     gap = np.full((now.shape[0], GAP, 3), 255, np.uint8)
-    return np.concatenate([first, gap, now, gap, difference], axis=1)
+    panels = np.concatenate([first, gap, now, gap, difference], axis=1)
+    if step is None:
+        return panels
+    from PIL import Image, ImageDraw
+
+    strip = Image.new("RGB", (panels.shape[1], LABEL_HEIGHT), (255, 255, 255))
+    draw = ImageDraw.Draw(strip)
+    for i, label in enumerate(("step 0", f"step {step}", f"change x{CHANGE_GAIN}")):
+        draw.text((i * (now.shape[1] + GAP) + 2, 0), label, fill=(0, 0, 0))  # PIL's built-in bitmap font
+    return np.concatenate([np.asarray(strip), panels], axis=0)
 
 
 def latents_change(first: np.ndarray, now: np.ndarray, value_range: float) -> float:

@@ -256,7 +256,7 @@ class SampleVideos(Observer):
                     first = read_png(latents_path(self.out_dir, 0, job.index)) if step > 0 else None
                     if first is not None and first.shape == picture.shape:  # what the LoRA changed since step 0
                         changed[job.index] = round(latents_change(first, picture, LATENT_RANGE), 4)
-                        write_png(change_path(self.out_dir, step, job.index), change_picture(first, picture))
+                        write_png(change_path(self.out_dir, step, job.index), change_picture(first, picture, step))
                     if self._writer is not None:
                         strip = frame_strip(frames)
                         if job.image is not None:
