@@ -369,6 +369,24 @@ class TrainingData:
             raise MediaError(f"cannot decode the first frame of '{c.path}' ({decoded.error or 'no frames'})")
         return decoded.frames[0]
 
+    def sample_inputs(self, i: int, width: int, height: int, frames: int) -> dict[str, np.ndarray]:
+        """What a sample conditioned on clip ``i`` takes from it, at ``width`` x ``height`` (covered and cropped like
+        its training pixels), uint8: ``frames`` [F, H, W, 3] (the clip's first ``frames`` frames, fewer when it is
+        shorter), and each control file it has: ``control`` / ``mask`` [F, H, W, 3], ``ref`` [1, H, W, 3]. Raises
+        ``MediaError`` when a file cannot be read."""
+        c = self.clips[i]
+        indices = c.source_indices()[:frames] if c.kind == "video" else [0]
+        out: dict[str, np.ndarray] = {}
+        for role, path in [("frames", c.path), *sorted(c.controls.items())]:
+            if role == "ref" or (role == "frames" and c.kind == "image"):
+                out[role] = load_image(path, width, height)
+                continue
+            decoded = decode_video(path, indices, width, height, c.rotation)
+            if decoded.frames is None:
+                raise MediaError(f"cannot decode '{path}' for a sample ({decoded.error or 'no frames'})")
+            out[role] = decoded.frames
+        return out
+
     def _load_pixels(self, i: int, *, remember: bool) -> torch.Tensor | None:
         """Clip ``i`` as float32 ``[3, F, H, W]`` in [-1, 1]; None (after re-bucketing or skipping it) on failure."""
         c = self.clips[i]
