@@ -249,6 +249,9 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
                     listed_by="wantrain check")
     if not clips:
         raise NoUsableSample(report)
+    mixed = _mixed_controls(clips) if batch_size > 1 else None
+    if mixed is not None:
+        raise UserError(mixed)
     report.set_captions(clips)
     report.pixels_cropped_pct = 100.0 * float(np.mean(cropped))
     report.frames_left_over_pct = (100.0 * report.frames_left_over / report.source_frames_total
@@ -300,6 +303,20 @@ def _entries(r, ext: str, report: PreflightReport, skip, cache_dir: Path
         else:
             out.append((item.path, item.captions, item.repeats or r.repeats, where, {}))
     return out
+
+
+def _mixed_controls(clips: list[Clip]) -> str | None:
+    """Why batches of more than one sample cannot be made (one line), or None: two clips of one bucket with other
+    control files (a reference image adds a latent frame, a control video other tensors: a batch stacks them)."""
+    first: dict[tuple, Clip] = {}
+    for c in clips:
+        seen = first.setdefault(c.bucket, c)
+        if sorted(seen.controls) != sorted(c.controls):
+            return (f"{seen.path.name} ({', '.join(sorted(seen.controls)) or 'no control files'}) and {c.path.name} "
+                    f"({', '.join(sorted(c.controls)) or 'no control files'}) share the bucket "
+                    f"{'x'.join(map(str, c.bucket))} but not their control files, and a batch stacks them; give every "
+                    "clip of a dataset the same kinds of control file, or set train.batch_size = 1")
+    return None
 
 
 def _control_mismatches(controls: dict[str, Path], kind: str, frames: int) -> list[str]:
