@@ -1,0 +1,170 @@
+"""Control LoRAs on the tiny twins (``models/wan22/control.py``, docs/models.md "Control: VACE and first-last
+frame"): the VACE control context and the first-last-frame condition equal what diffusers' own pipelines build;
+the VACE LoRA adapts the main and the VACE blocks (or not the VACE blocks, ``model.vace_blocks = "frozen"``), and
+its file loads in ComfyUI's loader with 0 unloaded keys, applied by ComfyUI's formula equals the trained model, and
+``inspect-lora`` agrees on every key; first-last-frame trains and samples; the configs they do not fit are refused."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from wan22_helpers import make_adapter, raw_batch, to_comfyui_keys, train_steps
+
+from wantrain.cli.inspect_lora import inspect
+from wantrain.core.errors import ConfigError
+from wantrain.models.wan22 import ModelConfig, architecture, control
+from wantrain.models.wan22.adapter_types import VACE_TO_WAN
+from wantrain.models.wan22.export import lora_layers
+from wantrain.models.wan22.single_file import wan_key_map
+from wantrain.models.wan22.variants import VARIANTS
+
+VACE = VARIANTS["tiny-vace-t2v"]
+SUFFIXES = ("lora_A.weight", "lora_B.weight", "alpha")  # the LoRA parts comfy/lora.py reads for a module
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny VACE adapter (LoRA on every Linear of both block stacks) trained 2 steps per expert on a batch with
+    a control video, a mask and a reference image, and its exported files (fp32)."""
+    adapter = make_adapter("tiny-vace-t2v", switch_every=1, alpha=3.0, gradient_checkpointing=False,
+                           lora={"save_dtype": "fp32"})
+    g = torch.Generator().manual_seed(5)
+    conditions = {"control": torch.rand(1, 3, 9, 32, 32, generator=g) * 2 - 1,
+                  "mask": (torch.rand(1, 1, 9, 32, 32, generator=g) > 0.5).float(),
+                  "reference": torch.rand(1, 3, 1, 32, 32, generator=g) * 2 - 1}
+    batch = adapter.encode_batch({**raw_batch(), "conditions": conditions})
+    train_steps(adapter, batch, steps=4, lr=2e-2)
+    files = adapter.saver(tmp_path_factory.mktemp("vace"), "vace").save(step=4, final=True)
+    return adapter, batch, dict(zip(adapter.experts, files, strict=True))
+
+
+def test_the_vace_context_is_the_one_diffusers_vace_pipeline_builds():
+    vae = architecture.tiny_vae(VACE, 0)
+    pipe = architecture.vace_pipeline()(tokenizer=None, text_encoder=None, vae=vae, scheduler=None,
+                                        transformer=architecture.tiny_transformer(VACE, 0, "high_noise"))
+    g = torch.Generator().manual_seed(1)
+    pixels, video = (torch.rand(1, 3, 9, 32, 32, generator=g) * 2 - 1 for _ in range(2))
+    mask = (torch.rand(1, 1, 9, 32, 32, generator=g) > 0.5).float()
+    reference = torch.rand(1, 3, 1, 32, 32, generator=g) * 2 - 1
+    mean = torch.tensor(vae.config.latents_mean).view(1, 16, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, 16, 1, 1, 1)
+    with torch.no_grad():
+        ours = control.vace_context(lambda x: (vae.encode(x).latent_dist.mode() - mean) / std, pixels,
+                                    {"control": video, "mask": mask, "reference": reference}, stride=8)
+    with torch.no_grad():
+        latents = pipe.prepare_video_latents(video, mask.expand(-1, 3, -1, -1, -1), [[reference[0, :, 0]]],
+                                             device=torch.device("cpu"))
+        masks = pipe.prepare_masks(mask.expand(-1, 3, -1, -1, -1), [[reference[0, :, 0]]])
+    theirs = torch.cat([latents, masks], dim=1)
+    assert ours["vace_context"].shape == theirs.shape == (1, 96, 4, 4, 4)
+    torch.testing.assert_close(ours["vace_context"], theirs, rtol=1e-5, atol=1e-5)
+    assert ours["latents"].shape == (1, 16, 4, 4, 4)  # the reference's latent frame in front of the clip's 3
+
+
+def test_the_first_last_frame_condition_is_the_one_diffusers_i2v_pipeline_builds_with_last_image():
+    spec = VARIANTS["tiny-i2v"]
+    adapter = make_adapter("tiny-i2v", condition="first_last")
+    pixels = raw_batch()["pixels"]
+    ours = adapter.encode_media(pixels)["cond_latents"]
+    _, i2v = architecture.wan_pipelines()
+    pipe = i2v(tokenizer=None, text_encoder=None, vae=architecture.tiny_vae(spec, 0), scheduler=None,
+               image_encoder=None, image_processor=None,
+               transformer=architecture.tiny_transformer(spec, 0, "high_noise"))
+    with torch.no_grad():
+        _, theirs = pipe.prepare_latents(pixels[:, :, 0], 1, 16, 32, 32, 9, torch.float32, torch.device("cpu"),
+                                         torch.Generator().manual_seed(0), last_image=pixels[:, :, -1])
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert ours[0, :4, :, 0, 0].tolist() == [[1, 0, 0], [1, 0, 0], [1, 0, 0], [1, 0, 1]]  # last pixel frame of the last
+
+
+def test_the_vace_lora_adapts_both_block_stacks_unless_the_vace_blocks_are_frozen():
+    adapted = [n for n, _ in lora_layers(make_adapter("tiny-vace-t2v").transformer_for("high_noise"))]
+    assert len(adapted) == 2 * 10 + (12 + 11)  # VACE block 0 also has proj_in; both have proj_out
+    assert "vace_blocks.0.proj_in" in adapted and "vace_blocks.1.proj_out" in adapted
+    frozen = make_adapter("tiny-vace-t2v", vace_blocks="frozen").transformer_for("low_noise")
+    assert [n for n, _ in lora_layers(frozen)] == [n for n in adapted if n.startswith("blocks.")]
+
+
+def comfyui_state_names(transformer) -> set[str]:
+    """The tensor names of the ComfyUI model of ``transformer`` (original Wan names, ``diffusion_model.`` prefix):
+    the tests' mapping to ComfyUI's single-file names (``wan22_helpers.to_comfyui_keys``, VACE's ``proj_in`` /
+    ``proj_out`` as ``before_proj`` / ``after_proj``), checked to give back every tensor through diffusers' own
+    single-file conversion (``single_file.wan_key_map``)."""
+    state = {re.sub(r"^(vace_blocks\.\d+)\.proj_(in|out)\.", lambda m: f"{m[1]}.{'before' if m[2] == 'in' else 'after'}"
+                    f"_proj.", k): (k, v) for k, v in transformer.state_dict().items()}
+    comfy = to_comfyui_keys({k: v for k, (_, v) in state.items()})
+    back = wan_key_map(comfy)
+    assert set(back) == set(transformer.state_dict())  # every tensor of the model, by diffusers' conversion
+    return {k.removeprefix("model.") for k in comfy}
+
+
+def comfyui_unloaded(file_keys, model_names: set[str]) -> list[str]:
+    """The keys of a LoRA file ComfyUI's loader leaves unloaded (comfy/lora.py: a module ``diffusion_model.X`` is
+    known when the model has ``diffusion_model.X.weight``; its ``lora_A/B.weight`` and ``alpha`` are read)."""
+    known = {n.removesuffix(".weight") for n in model_names if n.endswith(".weight")}
+    return [k for k in file_keys if not any(k == f"{m}.{s}" for s in SUFFIXES for m in [k.rsplit(".", 2 if
+            k.endswith(".weight") else 1)[0]] if m in known)]
+
+
+def test_the_vace_lora_loads_in_comfyuis_loader_with_0_unloaded_keys_and_inspect_lora_agrees(trained):
+    adapter, _, files = trained
+    for expert, file in files.items():
+        keys = sorted(load_file(file))
+        assert any(".vace_blocks.0.before_proj." in k for k in keys) and any(".vace_blocks.1.after_proj." in k
+                                                                              for k in keys)
+        names = comfyui_state_names(architecture.tiny_transformer(VACE, 0, expert))
+        assert comfyui_unloaded(keys, names) == []
+        lines = inspect(file)
+        assert f"modules: {len(keys) // 3} ({len(keys)} tensors)" in lines and "VACE blocks: 23 of the modules" in lines
+
+
+def test_the_exported_vace_file_applied_as_comfyui_applies_it_gives_the_trained_model(trained):
+    adapter, batch, files = trained
+    expert = "low_noise"
+    base = architecture.tiny_transformer(VACE, 0, expert).eval()
+    tensors = load_file(files[expert])
+    layers = dict(base.named_modules())
+    wan_to_diffusers = {w: d for d, w in VACE_TO_WAN.items()}
+    with torch.no_grad():
+        for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+            module = key.removeprefix("diffusion_model.").removesuffix(".lora_A.weight")
+            stack, block, leaf = module.split(".", 2)
+            weight = layers[f"{stack}.{block}.{wan_to_diffusers[leaf]}"].weight
+            down, up = tensors[key], tensors[key.replace("lora_A", "lora_B")]
+            weight += float(tensors[f"diffusion_model.{module}.alpha"]) / down.shape[0] * (up @ down)
+    inputs = dict(hidden_states=torch.randn(1, 16, 4, 4, 4, generator=torch.Generator().manual_seed(2)),
+                  timestep=torch.tensor([300.0]), encoder_hidden_states=batch["text_embeds"],
+                  control_hidden_states=batch["vace_context"], return_dict=False)
+    with adapter.evaluating():
+        trained_out = adapter.transformer_for(expert)(**inputs)[0]
+        torch.testing.assert_close(base(**inputs)[0], trained_out, rtol=0, atol=1e-5)
+
+
+def test_first_last_frame_trains_and_samples_with_the_last_frame():
+    adapter = make_adapter("tiny-i2v", condition="first_last", switch_every=1, gradient_checkpointing=False)
+    batch = adapter.encode_batch(raw_batch())
+    before = [p.detach().clone() for p in adapter.trainable_parameters("high_noise")]
+    train_steps(adapter, batch, steps=2, lr=1e-2)
+    assert any(not torch.equal(a, b) for a, b in zip(before, adapter.trainable_parameters("high_noise"), strict=True))
+    from PIL import Image
+
+    frames = ((raw_batch()["pixels"][0].permute(1, 2, 3, 0) + 1) * 127.5).to(torch.uint8).numpy()
+    pipe = adapter.sampling_pipeline(architecture.tiny_vae(VARIANTS["tiny-i2v"], 0), image_to_video=True)
+    with adapter.evaluating():
+        out = pipe(image=Image.fromarray(frames[0]), last_image=Image.fromarray(frames[-1]), height=32, width=32,
+                   num_frames=9, num_inference_steps=2, guidance_scale=1.0, output_type="np",
+                   prompt_embeds=batch["text_embeds"], generator=torch.Generator().manual_seed(0)).frames
+    assert out.shape == (1, 9, 32, 32, 3)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    (dict(variant="tiny-t2v", condition="first_last"), "model.condition = 'first_last' conditions I2V-A14B"),
+    (dict(variant="tiny-i2v", vace_blocks="frozen"), "model.vace_blocks = 'frozen' applies to the VACE variants"),
+])
+def test_control_settings_on_a_variant_without_them_are_refused_in_one_line(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**keys)
+    assert control.problems(ModelConfig(variant=keys["variant"])) == []
