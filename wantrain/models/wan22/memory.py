@@ -487,6 +487,8 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     transient = adapter_transient_bytes(variant, adapter, tokens, "lean" if lean else "block")
     if transient:  # without checkpointing every block keeps its own
         parts[ADAPTER_PART] = transient * (1 if gradient_checkpointing else n)
+    if spec.vace:  # each VACE block's hint (and, in the backward, its gradient) waits for the main block it feeds
+        parts["VACE hints"] = len(spec.vace_layers) * hidden
     parts["workspace"] = workspace
     sampling = sampling_parts(variant, settings, sample, rank=rank, layers=layers, adapter=adapter) \
         if sample is not None else {}
