@@ -7,14 +7,15 @@ its file loads in ComfyUI's loader with 0 unloaded keys, applied by ComfyUI's fo
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from wan22_helpers import make_adapter, raw_batch, to_comfyui_keys, train_steps
 
 from wantrain.cli.inspect_lora import inspect
-from wantrain.core.errors import ConfigError
+from wantrain.core.errors import ConfigError, UserError
 from wantrain.models.wan22 import ModelConfig, architecture, control
 from wantrain.models.wan22.adapter_types import VACE_TO_WAN
 from wantrain.models.wan22.export import lora_layers
@@ -119,6 +120,12 @@ def test_the_vace_lora_loads_in_comfyuis_loader_with_0_unloaded_keys_and_inspect
         assert comfyui_unloaded(keys, names) == []
         lines = inspect(file)
         assert f"modules: {len(keys) // 3} ({len(keys)} tensors)" in lines and "VACE blocks: 23 of the modules" in lines
+    tensors = load_file(files["high_noise"])
+    tensors["diffusion_model.vace_blocks.2.after_proj.alpha"] = torch.tensor(4.0)  # the tiny twin has 2
+    bad = Path(files["high_noise"]).with_name("bad.safetensors")
+    save_file(tensors, str(bad), metadata={"variant": "tiny-vace-t2v"})
+    with pytest.raises(UserError, match="names VACE block 2, but tiny-vace-t2v has VACE blocks 0..1"):
+        inspect(bad)
 
 
 def test_the_exported_vace_file_applied_as_comfyui_applies_it_gives_the_trained_model(trained):

@@ -71,8 +71,9 @@ def inspect(path: Path) -> list[str]:
             )
         block, stack = int(match.group("block")), match.group("stack")
         if counts is not None and block >= counts[stack]:
-            has = f"{stack} 0..{counts[stack] - 1}" if counts[stack] else f"no {stack}"
-            raise UserError(f"'{path}': key '{key}' names {stack} {block}, but {variant} has {has}")
+            what = "block" if stack == "blocks" else "VACE block"
+            has = f"{what}s 0..{counts[stack] - 1}" if counts[stack] else f"no {what}s"
+            raise UserError(f"'{path}': key '{key}' names {what} {block}, but {variant} has {has}")
         module = f"{match.group('module')}"
         name = f"{block}.{module}" if stack == "blocks" else f"vace.{block}.{module}"
         modules.add(name)
