@@ -89,16 +89,22 @@ def test_the_vace_lora_adapts_both_block_stacks_unless_the_vace_blocks_are_froze
     assert [n for n, _ in lora_layers(frozen)] == [n for n in adapted if n.startswith("blocks.")]
 
 
+def comfyui_state(state: dict) -> dict:
+    """A VACE transformer's state dict under ComfyUI's single-file names: the tests' mapping
+    (``wan22_helpers.to_comfyui_keys``) with VACE's ``proj_in`` / ``proj_out`` as ``before_proj`` / ``after_proj``."""
+    def original(key: str) -> str:
+        return re.sub(r"^(vace_blocks\.\d+)\.proj_(in|out)\.",
+                      lambda m: f"{m[1]}.{'before' if m[2] == 'in' else 'after'}_proj.", key)
+
+    return to_comfyui_keys({original(k): v for k, v in state.items()})
+
+
 def comfyui_state_names(transformer) -> set[str]:
-    """The tensor names of the ComfyUI model of ``transformer`` (original Wan names, ``diffusion_model.`` prefix):
-    the tests' mapping to ComfyUI's single-file names (``wan22_helpers.to_comfyui_keys``, VACE's ``proj_in`` /
-    ``proj_out`` as ``before_proj`` / ``after_proj``), checked to give back every tensor through diffusers' own
-    single-file conversion (``single_file.wan_key_map``)."""
-    state = {re.sub(r"^(vace_blocks\.\d+)\.proj_(in|out)\.", lambda m: f"{m[1]}.{'before' if m[2] == 'in' else 'after'}"
-                    f"_proj.", k): (k, v) for k, v in transformer.state_dict().items()}
-    comfy = to_comfyui_keys({k: v for k, (_, v) in state.items()})
-    back = wan_key_map(comfy)
-    assert set(back) == set(transformer.state_dict())  # every tensor of the model, by diffusers' conversion
+    """The tensor names of the ComfyUI model of ``transformer`` (original Wan names, ``diffusion_model.`` prefix,
+    :func:`comfyui_state`), checked to give back every tensor through diffusers' own single-file conversion
+    (``single_file.wan_key_map``)."""
+    comfy = comfyui_state(transformer.state_dict())
+    assert set(wan_key_map(comfy)) == set(transformer.state_dict())  # every tensor, by diffusers' conversion
     return {k.removeprefix("model.") for k in comfy}
 
 
@@ -205,3 +211,19 @@ def test_the_lean_recompute_of_the_vace_blocks_gives_the_whole_block_recomputes_
     # last bits (measured: at most 4.7e-10, 4 of 86 tensors; unchunked every tensor is bitwise equal)
     for a, b in zip(lean, whole, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_a_vace_expert_loads_from_a_diffusers_folder_and_from_a_comfyui_single_file_alike(tmp_path):
+    from diffusers import WanVACETransformer3DModel
+
+    folder = tmp_path / "vace"
+    architecture.write_tiny_diffusers_dir(VACE, 0, folder)
+    state = WanVACETransformer3DModel.from_pretrained(str(folder), subfolder="transformer_2").state_dict()
+    single = tmp_path / "wan2.2_fun_vace_low_noise.safetensors"
+    save_file(comfyui_state(state), str(single))
+    loaded = [make_adapter("tiny-vace-t2v", experts="low_noise", **source).transformer_for("low_noise").state_dict()
+              for source in (dict(path=str(folder)), dict(path=str(folder), low_noise_file=str(single)))]
+    base = {k.replace(".base_layer.", "."): k for k in loaded[0] if ".wantrain." not in k}  # peft's wrapped names
+    assert any(k.startswith("vace_blocks.1.proj_out") for k in base) and set(base) == set(state)
+    assert all(torch.equal(loaded[0][ours], state[k]) and torch.equal(loaded[1][ours], state[k])
+               for k, ours in base.items())
