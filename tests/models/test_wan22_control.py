@@ -227,3 +227,14 @@ def test_a_vace_expert_loads_from_a_diffusers_folder_and_from_a_comfyui_single_f
     assert any(k.startswith("vace_blocks.1.proj_out") for k in base) and set(base) == set(state)
     assert all(torch.equal(loaded[0][ours], state[k]) and torch.equal(loaded[1][ours], state[k])
                for k, ours in base.items())
+
+
+def test_a_run_starts_from_an_exported_vace_file_with_its_vace_blocks(trained):
+    adapter, _, files = trained
+    again = make_adapter("tiny-vace-t2v", experts="low_noise", lora={"init_from_low_noise": files["low_noise"]})
+    want = dict(lora_layers(adapter.transformer_for("low_noise")))
+    have = dict(lora_layers(again.transformer_for("low_noise")))
+    assert set(have) == set(want) and "vace_blocks.0.proj_in" in have
+    for name, layer in have.items():
+        torch.testing.assert_close(layer.lora_B["wantrain"].weight, want[name].lora_B["wantrain"].weight)
+    assert again.lora_alpha("low_noise") == 3.0
