@@ -10,6 +10,7 @@ from conftest import CountingEncoders, data_config, make_image, make_video
 
 from wantrain.core.errors import UserError
 from wantrain.data import build_dataset, ensure_cache
+from wantrain.data.config import DataConfig
 from wantrain.data.fingerprints import compare, file_fingerprints
 from wantrain.models.wan22.variants import variant_spec
 
@@ -81,3 +82,20 @@ def test_the_cache_encodes_control_files_with_their_clip_and_a_changed_control_f
     stats = ensure_cache(again, encoders)
     assert (stats.latents_hit, stats.latents_encoded) == (1, 1)  # only the clip whose control file changed
     assert compare(before, file_fingerprints(again.clips)).changed == (f"{root / 'a.mp4'} (content)",)
+
+
+def test_a_metadata_file_names_control_files_in_its_columns(tmp_path):
+    make_video(tmp_path / "clips", "a", caption=None)
+    make_video(tmp_path / "clips", "pose", caption=None)
+    make_image(tmp_path / "clips", "face", caption=None)
+    lines = ['{"path": "clips/a.mp4", "caption": "a dancer", "control": "clips/pose.mp4", "ref": "clips/face.png"}',
+             '{"path": "clips/a.mp4", "caption": "a dancer", "control_video": "clips/gone.mp4"}',
+             '{"path": "clips/a.mp4", "caption": "a dancer", "mask": "clips/face.png"}']
+    (tmp_path / "meta.jsonl").write_text("\n".join(lines) + "\n")
+    data = build_dataset(DataConfig(metadata=tmp_path / "meta.jsonl", resolutions=[32], frames=[9]), spec=VACE,
+                         seed=0, batch_size=1)
+    (clip,) = data.clips
+    assert {r: p.name for r, p in clip.controls.items()} == {"control": "pose.mp4", "ref": "face.png"}
+    assert [s["reason"] for s in data.report.skipped] == [
+        "line 2: control file clips/gone.mp4 does not exist",
+        "mask video face.png is not a video wantrain reads (docs/data.md, Supported media)"]

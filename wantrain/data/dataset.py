@@ -273,7 +273,7 @@ def _entries(r, ext: str, report: PreflightReport, skip, cache_dir: Path
              ) -> list[tuple[Path, Any, int, str, dict[str, Path]]]:
     """``(medium, caption source, repeats, where, control files)`` of each medium of dataset ``r``: a folder's
     media with their caption files (a ``Path``) and control files (``controls.py``: by role), or a metadata file's
-    lines with their captions (a tuple, or None when the line has none; no control files yet); ``where`` names the
+    lines with their captions (a tuple, or None when the line has none) and control columns; ``where`` names the
     medium in the report (``file:line`` for a metadata line). Lines and files that cannot be used are skipped
     through ``skip``."""
     if not r.metadata:
@@ -301,7 +301,7 @@ def _entries(r, ext: str, report: PreflightReport, skip, cache_dir: Path
         elif kind_of(item.path) is None:
             skip(where, f"line {item.line}: {item.path.name} is not a supported image or video")
         else:
-            out.append((item.path, item.captions, item.repeats or r.repeats, where, {}))
+            out.append((item.path, item.captions, item.repeats or r.repeats, where, item.controls))
     return out
 
 
@@ -321,10 +321,16 @@ def _mixed_controls(clips: list[Clip]) -> str | None:
 
 def _control_mismatches(controls: dict[str, Path], kind: str, frames: int) -> list[str]:
     """One reason per control or mask video of a clip whose frame count is not the clip's (``frames``: what the
-    clip's file yields), or that cannot be probed; a video's control files of an image clip are refused too."""
+    clip's file yields), or that cannot be probed; a video's control files of an image clip, and a file of the other
+    kind than its role's (a metadata column may name any file), are refused too."""
     out = []
     for role, path in sorted(controls.items()):
         if role == "ref":
+            if kind_of(path) != "image":
+                out.append(f"reference {path.name} is not an image wantrain reads (docs/data.md, Supported media)")
+            continue
+        if kind_of(path) != "video":
+            out.append(f"{role} video {path.name} is not a video wantrain reads (docs/data.md, Supported media)")
             continue
         if kind != "video":
             out.append(f"{role} video {path.name} belongs to an image; control and mask videos go with videos "
