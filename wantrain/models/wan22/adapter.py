@@ -339,7 +339,7 @@ class Wan22Adapter:
         extra = self._control_inputs(batch)
         if "reference_frames" in batch:  # VACE: the reference's latent frame in front is no part of the loss
             weight = torch.ones(b, 1, frames, 1, 1, device=self.device)
-            weight[:, :, :int(batch["reference_frames"].max())] = 0.0
+            weight[:, :, :batch["reference_frames"].shape[1]] = 0.0  # a count in the shape: no host sync
         if self.spec.conditioning == "i2v":
             x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32, non_blocking=True)], dim=1)
         elif self.spec.conditioning == "ti2v":
@@ -415,7 +415,7 @@ class Wan22Adapter:
         )[0].to(torch.float32)
         err = (pred - (noise - x0)) ** 2
         if "reference_frames" in batch:  # VACE: as in training, the reference's latent frame is left out
-            return err[:, :, int(batch["reference_frames"].max()):].mean()
+            return err[:, :, batch["reference_frames"].shape[1]:].mean()
         return err.mean()
 
     def _control_inputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -602,7 +602,8 @@ class Wan22Adapter:
         ``[first frame, zeros...]`` encoded as a whole (encoding zeros does not give zero latents); with
         ``model.condition = "first_last"`` ``control.first_last_condition``. For a VACE variant ``latents`` and
         ``vace_context`` (``control.vace_context``) from ``conditions`` (``control`` video, ``mask``, ``reference``
-        image: the clip's control files, ``data.controls``), and ``reference_frames`` [B] (1) with a reference."""
+        image: the clip's control files, ``data.controls``), and with a reference ``reference_frames`` [B, R]
+        (zeros: R, the reference's latent frames in front, is in the shape)."""
         vae = self._vae_model()
         x = pixels.to(self.device, vae.dtype)
 
@@ -612,8 +613,8 @@ class Wan22Adapter:
         if self.spec.vace:
             conditions = {k: v.to(self.device, vae.dtype) for k, v in (conditions or {}).items()}
             out = control.vace_context(encode, x, conditions, stride=2 ** len(vae.temperal_downsample))
-            if "reference" in conditions:
-                out["reference_frames"] = torch.ones(x.shape[0], device=self.device)
+            if "reference" in conditions:  # their number is the shape's (read without a device sync)
+                out["reference_frames"] = torch.zeros(x.shape[0], conditions["reference"].shape[2])
             return out
         out = {"latents": encode(x)}
         if self.spec.conditioning == "i2v" and self.model_config.condition == "first_last":
