@@ -238,3 +238,33 @@ def test_a_run_starts_from_an_exported_vace_file_with_its_vace_blocks(trained):
     for name, layer in have.items():
         torch.testing.assert_close(layer.lora_B["wantrain"].weight, want[name].lora_B["wantrain"].weight)
     assert again.lora_alpha("low_noise") == 3.0
+
+
+@pytest.mark.slow  # compiles (aot_eager: dynamo and AOTAutograd, no code generation)
+def test_compiled_vace_blocks_train_as_eager(trained, monkeypatch):
+    import torch._dynamo
+
+    from wantrain.models.wan22 import compile as wan_compile
+    from wantrain.models.wan22.compile import compile_counts, is_compiled
+
+    monkeypatch.setattr(wan_compile, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    _, batch, _ = trained
+    losses = []
+    for setting in ("off", "default"):
+        adapter = make_adapter("tiny-vace-t2v", experts="high_noise", compile=setting)
+        optimizer = torch.optim.AdamW(adapter.param_groups(), lr=1e-2)
+        adapter.activate("high_noise", optimizer)
+        before, got = compile_counts(), []
+        for seed in (1, 2):
+            loss = adapter.loss(batch, "high_noise", torch.Generator().manual_seed(seed))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            got.append(loss.item())
+        losses.append(got)
+    transformer = adapter.transformer_for("high_noise")
+    assert all(is_compiled(b) for b in [*transformer.blocks, *transformer.vace_blocks])
+    assert compile_counts()["graph_breaks"] == before["graph_breaks"]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    torch._dynamo.reset()
