@@ -157,9 +157,8 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
     ``lora_type`` built by peft as a run builds it (``adapter_types.py``, the config's defaults otherwise) with the
     run's forwards (``adapter_forward.py``), or with peft's own when ``peft_forward``, its blocks recomputed as
     ``recompute`` says (``model.recompute``: ``recompute.py``)."""
-    from diffusers import WanTransformer3DModel
-
     from wantrain.models.wan22.adapter_types import adapter_type, candidate_modules
+    from wantrain.models.wan22.architecture import transformer_class
     from wantrain.models.wan22.config import LoraConfig
 
     spec = VARIANTS[variant]
@@ -167,13 +166,15 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
         kwargs = transformer_kwargs(spec)
         if layers is not None:
             kwargs["num_layers"] = layers
-        model = WanTransformer3DModel(**kwargs)
+            if spec.vace:  # VACE: hints after the first `layers` main blocks, as many VACE blocks
+                kwargs["vace_layers"] = [k for k in kwargs["vace_layers"] if k < layers]
+        model = transformer_class(spec)(**kwargs)
         model.requires_grad_(False)
         model.to(torch.bfloat16)
         if dtype == "fp8":
             model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
         model.enable_gradient_checkpointing()
-        targets = candidate_modules(len(model.blocks))
+        targets = candidate_modules(len(model.blocks), len(getattr(model, "vace_blocks", ())))
         model.add_adapter(adapter_type(lora_type).peft_config(LoraConfig(type=lora_type, rank=rank), targets),
                           adapter_name=ADAPTER_NAME)
         use_recompute(model, recompute)
@@ -252,9 +253,13 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
             text = torch.empty(batch, spec.text_len, 4096, dtype=torch.bfloat16, device=DEVICE)
             timestep = torch.full((batch,), 500.0, device=DEVICE)
             target = torch.empty(x0.shape[0], spec.latent_channels, *x0.shape[2:], device=DEVICE)
+            control = {}  # VACE: the control context at the latent size (models/wan22/control.py)
+            if spec.vace:
+                control["control_hidden_states"] = torch.empty(batch, spec.vace_in_channels, *shape[2:],
+                                                               dtype=torch.bfloat16, device=DEVICE)
             with offloader.active() if offloader else contextlib.nullcontext():
                 pred = model(hidden_states=x0.to(torch.bfloat16), timestep=timestep, encoder_hidden_states=text,
-                             return_dict=False)[0].to(torch.float32)
+                             return_dict=False, **control)[0].to(torch.float32)
             loss = ((pred - target) ** 2).mean()
             del pred
             loss.backward()

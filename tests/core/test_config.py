@@ -72,7 +72,8 @@ def test_cli_process_prints_no_traceback_for_a_config_error(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "wantrain run: error: config key 'model.variant' = 'tiny-tv2' is not valid; expected one of 't2v-a14b', "
-        "'i2v-a14b', 'ti2v-5b', 'tiny-t2v', 'tiny-i2v', 'tiny-ti2v' (did you mean 'tiny-t2v'?)"
+        "'i2v-a14b', 'ti2v-5b', 'vace-t2v-a14b', 'tiny-t2v', 'tiny-i2v', 'tiny-ti2v', 'tiny-vace-t2v' (did you mean "
+        "'tiny-t2v'?)"
     ]
 
 

@@ -12,7 +12,7 @@ from wantrain.models.wan22 import build_adapter
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TWINS = {"t2v_a14b.toml": ("t2v-a14b", "tiny-t2v"), "i2v_a14b.toml": ("i2v-a14b", "tiny-i2v"),
-         "ti2v_5b.toml": ("ti2v-5b", "tiny-ti2v")}
+         "ti2v_5b.toml": ("ti2v-5b", "tiny-ti2v"), "vace_a14b.toml": ("vace-t2v-a14b", "tiny-vace-t2v")}
 
 
 @pytest.mark.parametrize("name", list(TWINS))

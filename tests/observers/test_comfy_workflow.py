@@ -21,8 +21,11 @@ from wantrain.observers.evaluation.workflow import ComfyWorkflow, workflow_path,
 # Taken from ComfyUI's source, master of 2025-08 (the Wan 2.2 release, v0.3.4x): nodes.py (CLIPTextEncode,
 # VAEDecode, VAELoader, UNETLoader, CLIPLoader, LoraLoaderModelOnly, KSampler, KSamplerAdvanced, LoadImage),
 # comfy_extras/nodes_model_advanced.py (ModelSamplingSD3), nodes_hunyuan.py (EmptyHunyuanLatentVideo),
-# nodes_wan.py (WanImageToVideo at 4c946643; Wan22ImageToVideoLatent), nodes_images.py (SaveAnimatedWEBP).
-# Optional inputs wantrain sets: CLIPLoader.device, WanImageToVideo.start_image, Wan22ImageToVideoLatent.start_image.
+# nodes_wan.py (WanImageToVideo at 4c946643; Wan22ImageToVideoLatent; WanFirstLastFrameToVideo, WanVaceToVideo and
+# TrimVideoLatent, whose schemas are unchanged on master of 2025-12), nodes_images.py (SaveAnimatedWEBP),
+# nodes_video.py (LoadVideo, GetVideoComponents).
+# Optional inputs wantrain sets: CLIPLoader.device, WanImageToVideo.start_image, Wan22ImageToVideoLatent.start_image,
+# WanFirstLastFrameToVideo.start_image / end_image, WanVaceToVideo.control_video.
 FILE = "file name"
 SAMPLERS = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_sde", "ddim", "uni_pc", "uni_pc_bh2", "lcm")
 SCHEDULERS = ("simple", "normal", "karras", "exponential", "sgm_uniform", "ddim_uniform", "beta", "linear_quadratic")
@@ -45,6 +48,15 @@ COMFY_NODES: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
     "Wan22ImageToVideoLatent": ({"vae": "VAE", "width": "INT", "height": "INT", "length": "INT",
                                  "batch_size": "INT"}, ("LATENT",)),
     "LoadImage": ({"image": FILE}, ("IMAGE", "MASK")),
+    "WanFirstLastFrameToVideo": ({"positive": "CONDITIONING", "negative": "CONDITIONING", "vae": "VAE",
+                                  "width": "INT", "height": "INT", "length": "INT", "batch_size": "INT"},
+                                 ("CONDITIONING", "CONDITIONING", "LATENT")),
+    "WanVaceToVideo": ({"positive": "CONDITIONING", "negative": "CONDITIONING", "vae": "VAE", "width": "INT",
+                        "height": "INT", "length": "INT", "batch_size": "INT", "strength": "FLOAT"},
+                       ("CONDITIONING", "CONDITIONING", "LATENT", "INT")),
+    "TrimVideoLatent": ({"samples": "LATENT", "trim_amount": "INT"}, ("LATENT",)),
+    "LoadVideo": ({"file": FILE}, ("VIDEO",)),
+    "GetVideoComponents": ({"video": "VIDEO"}, ("IMAGE", "AUDIO", "FLOAT")),
     "KSampler": ({"model": "MODEL", "seed": "INT", "steps": "INT", "cfg": "FLOAT", "sampler_name": SAMPLERS,
                   "scheduler": SCHEDULERS, "positive": "CONDITIONING", "negative": "CONDITIONING",
                   "latent_image": "LATENT", "denoise": "FLOAT"}, ("LATENT",)),
@@ -58,7 +70,8 @@ COMFY_NODES: dict[str, tuple[dict[str, object], tuple[str, ...]]] = {
                           "quality": "INT", "method": ("default", "fastest", "slowest")}, ()),
 }
 OPTIONAL = {("CLIPLoader", "device"): ("default", "cpu"), ("WanImageToVideo", "start_image"): "IMAGE",
-            ("Wan22ImageToVideoLatent", "start_image"): "IMAGE"}
+            ("Wan22ImageToVideoLatent", "start_image"): "IMAGE", ("WanFirstLastFrameToVideo", "start_image"): "IMAGE",
+            ("WanFirstLastFrameToVideo", "end_image"): "IMAGE", ("WanVaceToVideo", "control_video"): "IMAGE"}
 WIDGETS = {"INT": int, "FLOAT": (int, float), "STRING": str, "BOOLEAN": bool, FILE: str}
 
 
@@ -108,9 +121,15 @@ def by_class(graph: dict, class_type: str) -> list[dict]:
     return [n for n in graph.values() if n["class_type"] == class_type]
 
 
-@pytest.mark.parametrize("variant", ["tiny-t2v", "tiny-i2v", "tiny-ti2v"])
-def test_workflow_is_a_valid_graph_of_comfyuis_built_in_nodes_with_the_first_prompts_settings(variant, tmp_path):
-    cfg = config(tmp_path, variant)
+@pytest.mark.parametrize(("variant", "extra", "family_node"), [
+    ("tiny-t2v", "", "EmptyHunyuanLatentVideo"), ("tiny-i2v", "", "WanImageToVideo"),
+    ("tiny-ti2v", "", "Wan22ImageToVideoLatent"),
+    ("tiny-i2v", 'condition = "first_last"', "WanFirstLastFrameToVideo"),
+    ("tiny-vace-t2v", "", "WanVaceToVideo"),
+])
+def test_workflow_is_a_valid_graph_of_comfyuis_built_in_nodes_with_the_first_prompts_settings(variant, extra,
+                                                                                          family_node, tmp_path):
+    cfg = config(tmp_path, variant, extra)
     spec = VARIANTS[variant]
     shift = 5.0 if variant == "tiny-ti2v" else 3.0
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
@@ -127,6 +146,15 @@ def test_workflow_is_a_valid_graph_of_comfyuis_built_in_nodes_with_the_first_pro
     loras = {n["inputs"]["lora_name"]: n["inputs"]["strength_model"] for n in by_class(graph, "LoraLoaderModelOnly")}
     assert loras == {p.name: 1.0 for p in names}
     assert {n["inputs"]["shift"] for n in by_class(graph, "ModelSamplingSD3")} == {shift}
+    assert len(by_class(graph, family_node)) == 1
+    if family_node == "WanFirstLastFrameToVideo":  # the first and the last frame, each its own image
+        flf = by_class(graph, family_node)[0]["inputs"]
+        assert [graph[flf[k][0]]["inputs"]["image"] for k in ("start_image", "end_image")] == [
+            "first_frame.png", "last_frame.png"]
+    if family_node == "WanVaceToVideo":  # the control video in, the reference frames cut off after sampling
+        (trim,) = by_class(graph, "TrimVideoLatent")
+        assert graph[trim["inputs"]["trim_amount"][0]]["class_type"] == "WanVaceToVideo"
+        assert by_class(graph, "LoadVideo")[0]["inputs"]["file"] == "control_video.mp4"
     latent = next(n for n in graph.values() if "length" in n["inputs"])
     assert (latent["inputs"]["width"], latent["inputs"]["height"], latent["inputs"]["length"]) == (64, 48, 9)
     if spec.boundary_ratio is None:

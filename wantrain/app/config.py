@@ -115,7 +115,8 @@ class RunConfig:
                               "model.parallel = 'fsdp' holds sharded there; use another lora.type or parallel = 'dp'")
         if self.lora.include or self.lora.exclude:  # against the variant's module names, before anything is written
             try:
-                select_modules(candidate_modules(VARIANTS[self.model.variant].num_layers), self.lora.include,
+                spec = VARIANTS[self.model.variant]
+                select_modules(candidate_modules(spec.num_layers, len(spec.vace_layers)), self.lora.include,
                                self.lora.exclude)
             except UserError as exc:
                 raise ConfigError(str(exc)) from None

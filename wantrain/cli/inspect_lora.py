@@ -52,7 +52,8 @@ def inspect(path: Path) -> list[str]:
     if not keys:
         raise UserError(f"'{path}' holds no tensors; it is not a LoRA")
     variant = metadata.get("variant")
-    num_layers = VARIANTS[variant].num_layers if variant in VARIANTS else None
+    spec = VARIANTS.get(variant) if variant else None
+    counts = {"blocks": spec.num_layers, "vace_blocks": len(spec.vace_layers)} if spec is not None else None
     ranks: dict[str, set[int]] = defaultdict(set)
     group_alphas: dict[str, set[float]] = defaultdict(set)
     modules: set[str] = set()
@@ -64,16 +65,20 @@ def inspect(path: Path) -> list[str]:
         if match is None:
             raise UserError(
                 f"'{path}': key '{key}' is not a Wan 2.2 adapter key (expected diffusion_model.blocks.N."
-                "{self_attn,cross_attn}.{q,k,v,o} or ffn.{0,2} with .lora_A.weight/.lora_B.weight/.alpha, "
+                "{self_attn,cross_attn}.{q,k,v,o} or ffn.{0,2}, or in a VACE variant diffusion_model.vace_blocks.N. "
+                "with those or before_proj/after_proj, with .lora_A.weight/.lora_B.weight/.alpha, "
                 ".dora_scale, .hada_w1_a ... or .lokr_w1 ...)"
             )
-        block = int(match.group("block"))
-        if num_layers is not None and block >= num_layers:
-            raise UserError(f"'{path}': key '{key}' names block {block}, but {variant} has blocks 0..{num_layers - 1}")
+        block, stack = int(match.group("block")), match.group("stack")
+        if counts is not None and block >= counts[stack]:
+            what = "block" if stack == "blocks" else "VACE block"
+            has = f"{what}s 0..{counts[stack] - 1}" if counts[stack] else f"no {what}s"
+            raise UserError(f"'{path}': key '{key}' names {what} {block}, but {variant} has {has}")
         module = f"{match.group('module')}"
-        modules.add(f"{block}.{module}")
+        name = f"{block}.{module}" if stack == "blocks" else f"vace.{block}.{module}"
+        modules.add(name)
         part = match.group("part")
-        parts[f"{block}.{module}"].add(part)
+        parts[name].add(part)
         if part in ("lora_A.weight", "lora_down.weight", "hada_w1_b", "lokr_w2_b"):
             ranks[_group(module)].add(shapes[key][0])
         elif part == "alpha":
@@ -103,9 +108,12 @@ def inspect(path: Path) -> list[str]:
     def fmt(values: set) -> str:
         return ", ".join(f"{v:g}" for v in sorted(values)) if values else "none (loaders use alpha = rank)"
 
-    for group in ("self_attn", "cross_attn", "ffn"):
+    for group in ("self_attn", "cross_attn", "ffn", "before_proj", "after_proj"):
         if group in ranks or group in group_alphas:
             lines.append(f"{group}: rank {fmt(ranks[group])}, alpha {fmt(group_alphas[group])}")
+    vace = sum(name.startswith("vace.") for name in modules)
+    if vace:
+        lines.append(f"VACE blocks: {vace} of the modules")
     lines.append("keys: all valid Wan 2.2 module names")
     return lines
 

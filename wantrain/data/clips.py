@@ -28,7 +28,10 @@ class MediaEncoders(Protocol):
     encoder_identity: str
 
     def encode_media(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """``pixels``: float32 ``[B, 3, F, H, W]`` in [-1, 1], one bucket. Returns e.g. ``{"latents": ...}``."""
+        """``pixels``: float32 ``[B, 3, F, H, W]`` in [-1, 1], one bucket. Returns e.g. ``{"latents": ...}``.
+        Clips with control files (``data.controls``) are encoded with a second argument, ``conditions``
+        (``control``, ``mask``, ``reference`` tensors stacked like ``pixels``), which an implementation that trains
+        on them accepts."""
         ...
 
     def encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -63,6 +66,9 @@ class Clip:
     texts: tuple[str, ...] = ()
     caption_dropout: float = 0.0
     caption_file: str = ""  # the caption's own file (a sidecar), named when it changes; "" for a metadata line or none
+    # control files beside the clip (``data.controls``: "control", "mask", "ref") and their content fingerprints
+    controls: dict[str, Path] = attrs.field(factory=dict)
+    control_fingerprints: dict[str, str] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if not self.texts:
@@ -83,4 +89,13 @@ class Clip:
                   "height": self.height, "resize": RESIZE_VERSION}
         if self.rotation:  # only then: the keys of every unrotated clip stay what they were
             params["rotation"] = self.rotation
+        if self.control_fingerprints:  # likewise: a clip without control files keeps its key
+            params["controls"] = dict(sorted(self.control_fingerprints.items()))
         return params
+
+    @property
+    def content(self) -> str:
+        """The fingerprint of everything this clip's samples are made of: the medium's, with its control files'."""
+        if not self.control_fingerprints:
+            return self.fingerprint
+        return self.fingerprint + "+" + "+".join(f"{k}:{v}" for k, v in sorted(self.control_fingerprints.items()))

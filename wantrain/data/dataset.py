@@ -22,6 +22,7 @@ from wantrain.data import cache as cachelib
 from wantrain.data.captions import caption_texts, split_variants
 from wantrain.data.clips import Clip
 from wantrain.data.config import DataConfig
+from wantrain.data.controls import split_media
 from wantrain.data.media import MediaError, cropped_fraction, fingerprint, kind_of, probe, read_caption_text
 from wantrain.data.metadata import read_metadata
 from wantrain.data.plan import (
@@ -159,7 +160,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
             report.skipped.append({"path": str(path), "reason": reason})
             skipped_here += 1
 
-        for path, caption_source, repeats, where in _entries(r, ext, report, skip, cache_dir):
+        for path, caption_source, repeats, where, controls in _entries(r, ext, report, skip, cache_dir):
             kind = kind_of(path)
             counts[kind] += 1
             if kind == "image" and spec.conditioning == "i2v":
@@ -190,6 +191,20 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
             frames_real = info.frames
             if content in verified:
                 frames_real = min(frames_real, verified[content])
+            if controls and not getattr(spec, "vace", False):
+                report.ignored_files.extend({"path": str(f), "reason": f"a {role} file: only the VACE variants read "
+                                             f"control files ({spec.name} does not)"} for role, f in controls.items())
+                controls = {}
+            mismatches = _control_mismatches(controls, info.kind, frames_real)
+            for reason in mismatches:
+                skip(where, reason)
+            if mismatches:
+                continue
+            try:
+                control_prints = {role: _fingerprint(f) for role, f in controls.items()}
+            except MediaError as exc:
+                skip(where, str(exc))
+                continue
             if info.kind == "video":
                 if info.container_frames and info.container_frames != frames_real:
                     report.frame_count_mismatches.append(
@@ -221,6 +236,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
                         fingerprint=content, cache_dir=cache_dir, repeats=repeats,
                         frame_buckets=tuple(frame_buckets), rotation=info.rotation, texts=texts,
                         caption_dropout=r.captions.dropout, caption_file=caption_file,
+                        controls=controls, control_fingerprints=control_prints,
                     ))
                     cropped.append(cropped_fraction(info.width, info.height, sb.width, sb.height))
         n_clips = len(clips) - clips_before
@@ -234,6 +250,9 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
                     listed_by="wantrain check")
     if not clips:
         raise NoUsableSample(report)
+    mixed = _mixed_controls(clips) if batch_size > 1 else None
+    if mixed is not None:
+        raise UserError(mixed)
     report.set_captions(clips)
     report.pixels_cropped_pct = 100.0 * float(np.mean(cropped))
     report.frames_left_over_pct = (100.0 * report.frames_left_over / report.source_frames_total
@@ -251,20 +270,24 @@ def _reason_kind(reason: str) -> str:
     return rest if rest and ("/" in first or "." in first) else text
 
 
-def _entries(r, ext: str, report: PreflightReport, skip, cache_dir: Path) -> list[tuple[Path, Any, int, str]]:
-    """``(medium, caption source, repeats, where)`` of each medium of dataset ``r``: a folder's media with their
-    caption files (a ``Path``), or a metadata file's lines with their captions (a tuple, or None when the line has
-    none); ``where`` names the medium in the report (``file:line`` for a metadata line). Lines and files that
-    cannot be used are skipped through ``skip``."""
+def _entries(r, ext: str, report: PreflightReport, skip, cache_dir: Path
+             ) -> list[tuple[Path, Any, int, str, dict[str, Path]]]:
+    """``(medium, caption source, repeats, where, control files)`` of each medium of dataset ``r``: a folder's
+    media with their caption files (a ``Path``) and control files (``controls.py``: by role), or a metadata file's
+    lines with their captions (a tuple, or None when the line has none) and control columns; ``where`` names the
+    medium in the report (``file:line`` for a metadata line). Lines and files that cannot be used are skipped
+    through ``skip``."""
     if not r.metadata:
         media, captions, broken, ignored = _scan(r.path, ext, cache_dir)
         for entry in broken:
             skip(Path(entry["path"]), entry["reason"])
+        media, controls, orphans = split_media(media)
         report.ignored_files.extend(ignored)
+        report.ignored_files.extend(orphans)
         with_media = {p.with_suffix(ext) for p in [*media, *(Path(b["path"]) for b in broken)]}
         report.ignored_files.extend({"path": str(p), "reason": "caption of no medium (no image or video of its name)"}
                                     for p in captions if p not in with_media)
-        return [(p, p.with_suffix(ext), r.repeats, str(p)) for p in media]
+        return [(p, p.with_suffix(ext), r.repeats, str(p), controls.get(p, {})) for p in media]
     try:
         items, problems = read_metadata(r.path)
     except (OSError, UnicodeDecodeError) as exc:
@@ -279,7 +302,49 @@ def _entries(r, ext: str, report: PreflightReport, skip, cache_dir: Path) -> lis
         elif kind_of(item.path) is None:
             skip(where, f"line {item.line}: {item.path.name} is not a supported image or video")
         else:
-            out.append((item.path, item.captions, item.repeats or r.repeats, where))
+            out.append((item.path, item.captions, item.repeats or r.repeats, where, item.controls))
+    return out
+
+
+def _mixed_controls(clips: list[Clip]) -> str | None:
+    """Why batches of more than one sample cannot be made (one line), or None: two clips of one bucket with other
+    control files (a reference image adds a latent frame, a control video other tensors: a batch stacks them)."""
+    first: dict[tuple, Clip] = {}
+    for c in clips:
+        seen = first.setdefault(c.bucket, c)
+        if sorted(seen.controls) != sorted(c.controls):
+            return (f"{seen.path.name} ({', '.join(sorted(seen.controls)) or 'no control files'}) and {c.path.name} "
+                    f"({', '.join(sorted(c.controls)) or 'no control files'}) share the bucket "
+                    f"{'x'.join(map(str, c.bucket))} but not their control files, and a batch stacks them; give every "
+                    "clip of a dataset the same kinds of control file, or set train.batch_size = 1")
+    return None
+
+
+def _control_mismatches(controls: dict[str, Path], kind: str, frames: int) -> list[str]:
+    """One reason per control or mask video of a clip whose frame count is not the clip's (``frames``: what the
+    clip's file yields), or that cannot be probed; a video's control files of an image clip, and a file of the other
+    kind than its role's (a metadata column may name any file), are refused too."""
+    out = []
+    for role, path in sorted(controls.items()):
+        if role == "ref":
+            if kind_of(path) != "image":
+                out.append(f"reference {path.name} is not an image wantrain reads (docs/data.md, Supported media)")
+            continue
+        if kind_of(path) != "video":
+            out.append(f"{role} video {path.name} is not a video wantrain reads (docs/data.md, Supported media)")
+            continue
+        if kind != "video":
+            out.append(f"{role} video {path.name} belongs to an image; control and mask videos go with videos "
+                       "(an image takes a .ref image only)")
+            continue
+        try:
+            have = probe(path).frames
+        except MediaError as exc:
+            out.append(f"{role} video {path.name}: {exc}")
+            continue
+        if have != frames:
+            out.append(f"{role} video {path.name} has {have} frames, the clip has {frames}; a {role} video follows "
+                       "its clip frame for frame (docs/data.md, Control files)")
     return out
 
 

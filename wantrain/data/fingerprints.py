@@ -2,7 +2,8 @@
 
 :func:`file_fingerprints` maps each medium a run trains on to two short hashes: its content (the cache's
 fingerprint of the file, ``data.media.fingerprint``: size, modification time and three sampled blocks, already
-computed when the dataset is read: nothing is hashed again) and its caption texts (every text the medium may train
+computed when the dataset is read: nothing is hashed again; with control files beside it, theirs too) and its
+caption texts (every text the medium may train
 with, from its caption file or its metadata line). ``wantrain run`` stores them in every checkpoint's metadata
 (``state.json``: ``data_files``); on resume :func:`compare` sets them against the data as it is now.
 
@@ -48,7 +49,7 @@ def file_fingerprints(clips: Iterable[Any]) -> dict[str, list[str]]:
         key = str(clip.path)
         if key not in out:
             caption = hashlib.sha256("\0".join(clip.texts).encode()).hexdigest()[:16]
-            out[key] = [clip.fingerprint, caption]
+            out[key] = [getattr(clip, "content", clip.fingerprint), caption]  # with its control files' fingerprints
     return out
 
 

@@ -11,9 +11,11 @@ A line (JSONL: one JSON object per line; CSV: one row under a header) names a me
 
 The medium's column is ``path`` (also read: ``video``, ``image``, ``file_name``, ``video_path``, ``image_path``, the
 spellings of musubi-tuner's JSONL and DiffSynth's ``metadata.csv``); the caption's ``caption`` (also ``prompt``,
-``text``), a string or (JSONL) a list of caption variants; ``repeats`` is optional. Paths are relative to the
-metadata file's folder. A line that cannot be used (not JSON, no medium, no caption, a missing file, a bad
-``repeats``) is skipped and named with its line number and reason in the pre-flight report; training goes on.
+``text``), a string or (JSONL) a list of caption variants; ``repeats`` is optional. A VACE clip's control files
+(``data/controls.py``) are optional columns: ``control`` (also ``control_video``), ``mask`` (``mask_video``) and
+``ref`` (``reference``, ``reference_image``). Paths are relative to the metadata file's folder. A line that
+cannot be used (not JSON, no medium, no caption, a missing file, a bad ``repeats``) is skipped and named with its
+line number and reason in the pre-flight report; training goes on.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import attrs
 
 PATH_KEYS = ("path", "video", "image", "file_name", "video_path", "image_path", "media")
 CAPTION_KEYS = ("caption", "prompt", "text", "captions")
+CONTROL_KEYS = {"control": ("control", "control_video"), "mask": ("mask", "mask_video"),
+                "ref": ("ref", "reference", "reference_image")}  # role (data/controls.py) -> its column names
 
 
 @attrs.frozen
@@ -35,6 +39,7 @@ class MetadataItem:
     path: Path
     captions: tuple[str, ...] | None  # None: the line has no caption (missing_caption decides)
     repeats: int | None
+    controls: dict[str, Path] = attrs.field(factory=dict)  # role -> control file (VACE variants read them)
 
 
 @attrs.frozen
@@ -100,7 +105,7 @@ def _item(line: int, row: dict[str, Any], base: Path) -> MetadataItem:
     key = next((k for k in PATH_KEYS if k in row), None)
     if key is None or not isinstance(row[key], str) or not row[key].strip():
         raise ValueError(f"no medium: give its path in a '{PATH_KEYS[0]}' field (or {', '.join(PATH_KEYS[1:])})")
-    path = (base / row[key].strip()).resolve() if not Path(row[key].strip()).is_absolute() else Path(row[key].strip())
+    path = _resolve(base, row[key])
     captions = None
     ckey = next((k for k in CAPTION_KEYS if k in row), None)
     if ckey is not None:
@@ -119,4 +124,18 @@ def _item(line: int, row: dict[str, Any], base: Path) -> MetadataItem:
             raise ValueError(f"'repeats' = {repeats!r} is not a whole number") from None
         if repeats < 1:
             raise ValueError(f"'repeats' = {repeats} must be at least 1")
-    return MetadataItem(line=line, path=path, captions=captions, repeats=repeats)
+    controls = {}
+    for role, names in CONTROL_KEYS.items():
+        column = next((k for k in names if k in row), None)
+        if column is None:
+            continue
+        if not isinstance(row[column], str) or not row[column].strip():
+            raise ValueError(f"'{column}' must be the path of a file")
+        controls[role] = _resolve(base, row[column])
+        if not controls[role].is_file():
+            raise ValueError(f"{role} file {row[column].strip()} does not exist")
+    return MetadataItem(line=line, path=path, captions=captions, repeats=repeats, controls=controls)
+
+
+def _resolve(base: Path, text: str) -> Path:
+    return Path(text.strip()) if Path(text.strip()).is_absolute() else (base / text.strip()).resolve()

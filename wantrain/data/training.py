@@ -29,6 +29,7 @@ from wantrain.core.errors import UserError
 from wantrain.data import cache as cachelib
 from wantrain.data.captions import CAPTION_STREAM, EMPTY, batch_draws, draw
 from wantrain.data.clips import Bucket, Clip, MediaEncoders
+from wantrain.data.controls import load_conditions
 from wantrain.data.media import MediaError, decode_video, load_image
 from wantrain.data.plan import pick_frame_bucket, retimed_count
 from wantrain.data.report import BucketRow, PreflightReport
@@ -219,12 +220,19 @@ class TrainingData:
         return h.hexdigest()[:16]
 
     def _pixel_batch(self, members: list[tuple[int, str]], key: Bucket, cache: bool) -> dict[str, Any] | None:
+        """Raw pixels; with control files ``"conditions"`` too, of the roles the first clip has (a clip with other
+        roles waits for another batch: the conditions stack)."""
         loaded = [(i, t, self._load_pixels(i, remember=False)) for i, t in members]
-        loaded = [(i, t, px) for i, t, px in loaded if px is not None]
+        loaded = [(i, t, px, self._load_conditions(i)) for i, t, px in loaded if px is not None]
+        loaded = [(i, t, px, c) for i, t, px, c in loaded if c is not None]
+        loaded = [entry for entry in loaded if sorted(entry[3]) == sorted(loaded[0][3])]
         if not loaded:
             return None
-        return {"pixels": torch.stack([px for _, _, px in loaded]), "captions": [t for _, t, _ in loaded],
-                "bucket": key, "paths": [str(self.clips[i].path) for i, _, _ in loaded]}
+        batch = {"pixels": torch.stack([px for _, _, px, _ in loaded]), "captions": [t for _, t, _, _ in loaded],
+                 "bucket": key, "paths": [str(self.clips[i].path) for i, _, _, _ in loaded]}
+        if loaded[0][3]:
+            batch["conditions"] = {r: torch.stack([c[r] for *_, c in loaded]) for r in loaded[0][3]}
+        return batch
 
     def _encoded_batch(self, members: list[tuple[int, str]], key: Bucket, encoders: MediaEncoders, cache: bool,
                        stats: Counter | None) -> dict[str, Any] | None:
@@ -257,18 +265,33 @@ class TrainingData:
         if not missing:
             return out
         key = self.clips[members[missing[0]]].bucket
-        pixels = []
-        decoded = []
+        groups: dict[tuple[str, ...], list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]] = {}
         for j in missing:
             px = self._load_pixels(members[j], remember=cache)
+            conditions = self._load_conditions(members[j]) if px is not None else None
+            if conditions is None:
+                px = None
             if px is not None and self.clips[members[j]].bucket == key:  # re-bucketed clips wait for their bucket
-                pixels.append(px)
-                decoded.append(j)
+                groups.setdefault(tuple(sorted(conditions)), []).append((j, px, conditions))
             elif stats is not None and px is None:
                 stats["clips_failed"] += 1
-        if not decoded:
-            return out
-        encoded = cachelib.split_batch(encoders.encode_media(torch.stack(pixels)), len(decoded), "encode_media")
+        # clips with the same control files encode together (a reference image adds a latent frame)
+        for roles, group in groups.items():
+            self._encode_group(group, roles, members, paths, out, encoders, cache, stats)
+        return out
+
+    def _encode_group(self, group: list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]], roles: tuple[str, ...],
+                      members: list[int], paths: list[Path], out: list, encoders: MediaEncoders, cache: bool,
+                      stats: Counter | None) -> None:
+        ident = encoders.encoder_identity
+        decoded = [j for j, _, _ in group]
+        pixels = torch.stack([px for _, px, _ in group])
+        if roles:
+            conditions = {r: torch.stack([c[r] for _, _, c in group]) for r in roles}
+            media = encoders.encode_media(pixels, conditions)  # type: ignore[call-arg]
+        else:
+            media = encoders.encode_media(pixels)
+        encoded = cachelib.split_batch(media, len(decoded), "encode_media")
         for j, entry in zip(decoded, encoded, strict=True):
             entry = {k: v.detach().to("cpu").clone() for k, v in entry.items()}
             c = self.clips[members[j]]
@@ -278,7 +301,6 @@ class TrainingData:
             out[j] = entry
         if stats is not None:
             stats["latents_encoded"] += len(decoded)
-        return out
 
     def _text_entries(self, captions: list[str], encoders: MediaEncoders, cache: bool,
                       stats: Counter | None) -> list[dict[str, torch.Tensor]]:
@@ -347,6 +369,24 @@ class TrainingData:
             raise MediaError(f"cannot decode the first frame of '{c.path}' ({decoded.error or 'no frames'})")
         return decoded.frames[0]
 
+    def sample_inputs(self, i: int, width: int, height: int, frames: int) -> dict[str, np.ndarray]:
+        """What a sample conditioned on clip ``i`` takes from it, at ``width`` x ``height`` (covered and cropped like
+        its training pixels), uint8: ``frames`` [F, H, W, 3] (the clip's first ``frames`` frames, fewer when it is
+        shorter), and each control file it has: ``control`` / ``mask`` [F, H, W, 3], ``ref`` [1, H, W, 3]. Raises
+        ``MediaError`` when a file cannot be read."""
+        c = self.clips[i]
+        indices = c.source_indices()[:frames] if c.kind == "video" else [0]
+        out: dict[str, np.ndarray] = {}
+        for role, path in [("frames", c.path), *sorted(c.controls.items())]:
+            if role == "ref" or (role == "frames" and c.kind == "image"):
+                out[role] = load_image(path, width, height)
+                continue
+            decoded = decode_video(path, indices, width, height, c.rotation)
+            if decoded.frames is None:
+                raise MediaError(f"cannot decode '{path}' for a sample ({decoded.error or 'no frames'})")
+            out[role] = decoded.frames
+        return out
+
     def _load_pixels(self, i: int, *, remember: bool) -> torch.Tensor | None:
         """Clip ``i`` as float32 ``[3, F, H, W]`` in [-1, 1]; None (after re-bucketing or skipping it) on failure."""
         c = self.clips[i]
@@ -368,6 +408,19 @@ class TrainingData:
             arr = decoded.frames
         px = torch.from_numpy(np.require(arr, requirements=["C", "W"])).permute(3, 0, 1, 2).float()
         return px.div_(127.5).sub_(1.0)
+
+    def _load_conditions(self, i: int) -> dict[str, torch.Tensor] | None:
+        """Clip ``i``'s control files as the encoders take them (``controls.load_conditions``): ``{}`` without
+        any; None (the clip skipped, as a clip that cannot be decoded) when one cannot be read."""
+        c = self.clips[i]
+        if not c.controls:
+            return {}
+        indices = c.source_indices() if c.kind == "video" else [0]
+        try:
+            return load_conditions(c.controls, indices, c.width, c.height, c.rotation)
+        except (MediaError, OSError) as exc:
+            self._disable(i, "skipped", str(exc))
+            return None
 
     def _disable(self, i: int, action: str, reason: str) -> None:
         c = self.clips[i]

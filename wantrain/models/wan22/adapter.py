@@ -25,7 +25,7 @@ from torch import nn
 from wantrain.core.errors import UserError
 from wantrain.core.optim_state import check_rescalable, rescale_state, state_kind
 from wantrain.core.sharding import like
-from wantrain.models.wan22 import adapter_forward, architecture, fp8
+from wantrain.models.wan22 import adapter_forward, architecture, control, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.attention import check_kernel, use_kernel
 from wantrain.models.wan22.compile import check_compiler, compile_blocks
@@ -189,7 +189,10 @@ class Wan22Adapter:
             transformer.enable_gradient_checkpointing()
         lora = self.lora_config
         # lora.include / lora.exclude, checked against the modules this transformer has
-        targets = select_modules([n for n, _ in transformer.named_modules()], lora.include, lora.exclude)
+        names = [n for n, _ in transformer.named_modules()]
+        if self.model_config.vace_blocks == "frozen":  # the VACE blocks stay as they are: no adapter on them
+            names = [n for n in names if not n.startswith("vace_blocks.")]
+        targets = select_modules(names, lora.include, lora.exclude)
         transformer.add_adapter(self.kind.peft_config(lora, targets), adapter_name=ADAPTER_NAME)
         for name, param in transformer.named_parameters():
             if f".{ADAPTER_NAME}." in name or name.endswith(f".{ADAPTER_NAME}"):
@@ -333,6 +336,10 @@ class Wan22Adapter:
         target = noise - x0
         timestep = (t * 1000).to(torch.float32)
         weight = None
+        extra = self._control_inputs(batch)
+        if "reference_frames" in batch:  # VACE: the reference's latent frame in front is no part of the loss
+            weight = torch.ones(b, 1, frames, 1, 1, device=self.device)
+            weight[:, :, :batch["reference_frames"].shape[1]] = 0.0  # a count in the shape: no host sync
         if self.spec.conditioning == "i2v":
             x_t = torch.cat([x_t, batch["cond_latents"].to(self.device, torch.float32, non_blocking=True)], dim=1)
         elif self.spec.conditioning == "ti2v":
@@ -346,7 +353,7 @@ class Wan22Adapter:
         with self._offload.active() if self._offload is not None else contextlib.nullcontext():
             pred = self._transformers[expert](
                 hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text,
-                return_dict=False,
+                return_dict=False, **extra,
             )[0].to(torch.float32)
         err = (pred - target) ** 2
         if weight is None:
@@ -403,9 +410,20 @@ class Wan22Adapter:
         elif self.spec.conditioning == "ti2v":  # per-token timesteps, as the model is trained and sampled
             timestep = timestep[:, None].repeat_interleave(frames * (height // 2) * (width // 2), dim=1)
         pred = self._transformers[expert](
-            hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text, return_dict=False
+            hidden_states=x_t.to(self.compute_dtype), timestep=timestep, encoder_hidden_states=text, return_dict=False,
+            **self._control_inputs(batch),
         )[0].to(torch.float32)
-        return ((pred - (noise - x0)) ** 2).mean()
+        err = (pred - (noise - x0)) ** 2
+        if "reference_frames" in batch:  # VACE: as in training, the reference's latent frame is left out
+            return err[:, :, batch["reference_frames"].shape[1]:].mean()
+        return err.mean()
+
+    def _control_inputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The transformer's control arguments of a cached ``batch``: VACE's ``control_hidden_states`` (the
+        ``vace_context`` the cache holds, ``control.vace_context``), nothing for the other variants."""
+        if not self.spec.vace:
+            return {}
+        return {"control_hidden_states": batch["vace_context"].to(self.device, self.compute_dtype, non_blocking=True)}
 
     @property
     def boundary_ratio(self) -> float | None:
@@ -541,6 +559,8 @@ class Wan22Adapter:
         An A14B variant needs both experts: trained ones, or one trained and the other added by
         :meth:`add_sampling_expert`. The caller places the experts (:meth:`activate`)."""
         WanPipeline, WanImageToVideoPipeline = architecture.wan_pipelines()
+        if self.spec.vace:  # WanVACEPipeline: a control video, mask and reference images (none: its defaults)
+            WanPipeline = architecture.vace_pipeline()
         parts: dict[str, Any] = dict(tokenizer=None, text_encoder=None, vae=vae, scheduler=self.sampling_scheduler())
         if self.spec.boundary_ratio is None:
             parts.update(transformer=self._transformers[None], expand_timesteps=True)
@@ -558,7 +578,8 @@ class Wan22Adapter:
     @torch.no_grad()
     def encode_batch(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """A raw batch (``pixels``, ``captions``) in cached form."""
-        return {**self.encode_media(batch["pixels"]), **self.encode_text(list(batch["captions"]))}
+        media = self.encode_media(batch["pixels"], batch.get("conditions"))
+        return {**media, **self.encode_text(list(batch["captions"]))}
 
     def _vae_model(self):
         if self._vae is None:
@@ -573,15 +594,32 @@ class Wan22Adapter:
         return (z - mean) / std
 
     @torch.no_grad()
-    def encode_media(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+    def encode_media(self, pixels: torch.Tensor, conditions: Mapping[str, torch.Tensor] | None = None
+                     ) -> dict[str, torch.Tensor]:
         """``pixels`` [B, 3, F, H, W] in [-1, 1] (F = 4k+1) -> ``latents`` [B, C, 1+(F-1)//4, h, w], normalized,
         float32 on the adapter's device. For i2v-a14b also ``cond_latents`` [B, 20, f, h, w]: channels 0-3 are
         the mask (1 on latent frame 0, 0 elsewhere), channels 4-19 the normalized latents of the clip
-        ``[first frame, zeros...]`` encoded as a whole (encoding zeros does not give zero latents)."""
+        ``[first frame, zeros...]`` encoded as a whole (encoding zeros does not give zero latents); with
+        ``model.condition = "first_last"`` ``control.first_last_condition``. For a VACE variant ``latents`` and
+        ``vace_context`` (``control.vace_context``) from ``conditions`` (``control`` video, ``mask``, ``reference``
+        image: the clip's control files, ``data.controls``), and with a reference ``reference_frames`` [B, R]
+        (zeros: R, the reference's latent frames in front, is in the shape)."""
         vae = self._vae_model()
         x = pixels.to(self.device, vae.dtype)
-        out = {"latents": self._encode_normalized(vae, x).float()}
-        if self.spec.conditioning == "i2v":
+
+        def encode(video: torch.Tensor) -> torch.Tensor:
+            return self._encode_normalized(vae, video.to(self.device, vae.dtype)).float()
+
+        if self.spec.vace:
+            conditions = {k: v.to(self.device, vae.dtype) for k, v in (conditions or {}).items()}
+            out = control.vace_context(encode, x, conditions, stride=2 ** len(vae.temperal_downsample))
+            if "reference" in conditions:  # their number is the shape's (read without a device sync)
+                out["reference_frames"] = torch.zeros(x.shape[0], conditions["reference"].shape[2])
+            return out
+        out = {"latents": encode(x)}
+        if self.spec.conditioning == "i2v" and self.model_config.condition == "first_last":
+            out["cond_latents"] = control.first_last_condition(encode, x)
+        elif self.spec.conditioning == "i2v":
             first = torch.cat([x[:, :, :1], torch.zeros_like(x[:, :, 1:])], dim=2)
             y = self._encode_normalized(vae, first).float()
             mask = torch.zeros(y.shape[0], 4, *y.shape[2:], device=y.device, dtype=y.dtype)

@@ -43,7 +43,10 @@ DIFFUSERS_TO_WAN = {
     "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v",
     "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
 }
-_BLOCK_LINEAR = re.compile(r"^blocks\.(\d+)\.(.+)$")
+# A VACE block (``vace_blocks.N``, WanVACETransformer3DModel) has a main block's 10 Linears plus ``proj_in`` (block
+# 0 only) and ``proj_out``, which the original Wan / ComfyUI names call ``before_proj`` / ``after_proj``.
+VACE_TO_WAN = {**DIFFUSERS_TO_WAN, "proj_in": "before_proj", "proj_out": "after_proj"}
+_BLOCK_LINEAR = re.compile(r"^(blocks|vace_blocks)\.(\d+)\.(.+)$")
 F32_EPS = float(torch.finfo(torch.float32).eps)
 
 
@@ -274,16 +277,21 @@ def adapted_layers(transformer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 # -- module selection (lora.include / lora.exclude) ----------------------------------------------------------------
 def wan_name(diffusers_name: str) -> str | None:
-    """``blocks.3.attn2.to_out.0`` -> ``blocks.3.cross_attn.o``; None for a module no adapter targets."""
+    """``blocks.3.attn2.to_out.0`` -> ``blocks.3.cross_attn.o``, ``vace_blocks.0.proj_in`` ->
+    ``vace_blocks.0.before_proj``; None for a module no adapter targets."""
     match = _BLOCK_LINEAR.match(diffusers_name)
-    if match is None or match.group(2) not in DIFFUSERS_TO_WAN:
+    names = VACE_TO_WAN if match is not None and match.group(1) == "vace_blocks" else DIFFUSERS_TO_WAN
+    if match is None or match.group(3) not in names:
         return None
-    return f"blocks.{match.group(1)}.{DIFFUSERS_TO_WAN[match.group(2)]}"
+    return f"{match.group(1)}.{match.group(2)}.{names[match.group(3)]}"
 
 
-def candidate_modules(num_layers: int) -> list[str]:
-    """The diffusers names of the modules an adapter may target in a model of ``num_layers`` blocks."""
-    return [f"blocks.{i}.{m}" for i in range(num_layers) for m in DIFFUSERS_TO_WAN]
+def candidate_modules(num_layers: int, vace_blocks: int = 0) -> list[str]:
+    """The diffusers names of the modules an adapter may target in a model of ``num_layers`` blocks and
+    ``vace_blocks`` VACE blocks (``proj_in`` in VACE block 0 only, as diffusers builds them)."""
+    main = [f"blocks.{i}.{m}" for i in range(num_layers) for m in DIFFUSERS_TO_WAN]
+    vace = [f"vace_blocks.{i}.{m}" for i in range(vace_blocks) for m in VACE_TO_WAN if m != "proj_in" or i == 0]
+    return main + vace
 
 
 def select_modules(names: Iterable[str], include: Iterable[str], exclude: Iterable[str]) -> list[str]:

@@ -66,19 +66,47 @@ TINY_VOCAB: tuple[str, ...] = ("<pad>", "</s>", "<unk>", *dict.fromkeys(_TINY_WO
 
 
 def transformer_kwargs(spec: VariantSpec) -> dict[str, Any]:
-    """``WanTransformer3DModel`` constructor arguments of ``spec`` (one expert)."""
+    """Constructor arguments of ``spec``'s transformer class (:func:`transformer_class`; one expert). A VACE
+    variant adds ``vace_layers`` (a list, as diffusers' config.json has it) and ``vace_in_channels``."""
     if spec.tiny:
-        return dict(_TINY_TRANSFORMER, in_channels=spec.transformer_in_channels, out_channels=spec.latent_channels)
-    return dict(_REAL_TRANSFORMERS[spec.name])
+        kwargs = dict(_TINY_TRANSFORMER, in_channels=spec.transformer_in_channels, out_channels=spec.latent_channels)
+    else:
+        kwargs = dict(_REAL_TRANSFORMERS["t2v-a14b" if spec.vace else spec.name])
+    if spec.vace:
+        kwargs.update(vace_layers=list(spec.vace_layers), vace_in_channels=spec.vace_in_channels)
+    return kwargs
 
 
-def transformer_defaults() -> dict[str, Any]:
-    """diffusers' defaults of the ``WanTransformer3DModel`` constructor (what a config.json key left out means)."""
+def planner_kwargs(spec: VariantSpec) -> dict[str, Any]:
+    """``WanTransformer3DModel`` arguments the memory planner builds on ``meta`` for ``spec``: the transformer's own
+    (:func:`transformer_kwargs`), except that a VACE variant's VACE blocks count as main blocks of the same shape
+    (``num_layers`` + one per VACE layer): their weights, LoRA, swap and checkpointed inputs are a main block's
+    (each VACE block's two extra Linears, ``proj_in`` / ``proj_out``, are dim x dim: under 2 % of a block)."""
+    kwargs = transformer_kwargs(spec)
+    if spec.vace:
+        kwargs.pop("vace_layers")
+        kwargs.pop("vace_in_channels")
+        kwargs["num_layers"] += len(spec.vace_layers)
+    return kwargs
+
+
+def transformer_class(spec: VariantSpec) -> type:
+    """diffusers' transformer class of ``spec``: ``WanVACETransformer3DModel`` for the VACE variants (the main
+    blocks of ``WanTransformer3DModel`` plus ``vace_blocks``), else ``WanTransformer3DModel``."""
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
+
+    return WanVACETransformer3DModel if spec.vace else WanTransformer3DModel
+
+
+def transformer_defaults(spec: VariantSpec | None = None) -> dict[str, Any]:
+    """diffusers' defaults of the transformer constructor of ``spec`` (``WanTransformer3DModel`` without one):
+    what a config.json key left out means."""
     import inspect
 
     from diffusers import WanTransformer3DModel
 
-    params = inspect.signature(WanTransformer3DModel.__init__).parameters.values()
+    cls = transformer_class(spec) if spec is not None else WanTransformer3DModel
+    params = inspect.signature(cls.__init__).parameters.values()
     return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
 
@@ -94,11 +122,9 @@ def tiny_config_hash(spec: VariantSpec) -> str:
 
 def tiny_transformer(spec: VariantSpec, seed: int, expert: str | None):
     """A random tiny transformer; the same (seed, expert) always gives the same weights (float32)."""
-    from diffusers import WanTransformer3DModel
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_seeded(seed, f"transformer:{expert}"))
-        return WanTransformer3DModel(**transformer_kwargs(spec)).eval()
+        return transformer_class(spec)(**transformer_kwargs(spec)).eval()
 
 
 def cast_keeping_fp32_modules(transformer, dtype: torch.dtype):
@@ -147,6 +173,19 @@ def tiny_text_encoder(spec: VariantSpec, seed: int):
         return UMT5EncoderModel(config).eval()
 
 
+def vace_pipeline() -> type:
+    """diffusers' ``WanVACEPipeline`` (imported quietly, as :func:`wan_pipelines`)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        from diffusers import WanVACEPipeline
+    finally:
+        hf_logging.set_verbosity(level)
+    return WanVACEPipeline
+
+
 def wan_pipelines() -> tuple[type, type]:
     """diffusers' ``WanPipeline`` and ``WanImageToVideoPipeline``. Importing the second makes transformers log, once,
     that ``CLIPImageProcessor`` falls back to its PIL twin when torchvision is not installed; wantrain never builds
@@ -177,7 +216,7 @@ def write_tiny_diffusers_dir(spec: VariantSpec, seed: int, path) -> None:
     if spec.boundary_ratio is None:
         pipe = WanPipeline(**parts, transformer=tiny_transformer(spec, seed, None), expand_timesteps=True)
     else:
-        cls = WanImageToVideoPipeline if spec.conditioning == "i2v" else WanPipeline
+        cls = {"i2v": WanImageToVideoPipeline, "vace": vace_pipeline()}.get(spec.conditioning, WanPipeline)
         extra = dict(image_encoder=None, image_processor=None) if spec.conditioning == "i2v" else {}
         pipe = cls(**parts, **extra, transformer=tiny_transformer(spec, seed, "high_noise"),
                    transformer_2=tiny_transformer(spec, seed, "low_noise"), boundary_ratio=spec.boundary_ratio)

@@ -161,9 +161,10 @@ def _layerwise_casting(module: nn.Module):
 
 
 def compile_blocks(transformer: nn.Module, mode: str, dynamic: bool | None) -> int:
-    """Compile the ``forward`` of each of ``transformer.blocks`` (one compiled function shared by all blocks);
-    returns how many. Compilation itself happens on the first call; a compiler failure then is a ``UserError``
-    naming ``model.compile`` (:func:`_one_line`), not inductor's traceback."""
+    """Compile the ``forward`` of each of ``transformer.blocks`` (one compiled function shared by all blocks) and,
+    in a VACE variant, of each of its ``vace_blocks`` (one function of their own); returns how many blocks.
+    Compilation itself happens on the first call; a compiler failure then is a ``UserError`` naming
+    ``model.compile`` (:func:`_one_line`), not inductor's traceback."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -171,7 +172,8 @@ def compile_blocks(transformer: nn.Module, mode: str, dynamic: bool | None) -> i
                                                            RECOMPILE_LIMIT * 4)
     tensor_scaling(transformer)
     _traceable_peft()
-    for module in transformer.blocks.modules():
+    stacks = [list(transformer.blocks), list(getattr(transformer, "vace_blocks", ()))]
+    for module in (m for blocks in stacks for block in blocks for m in block.modules()):
         dropout = getattr(module, "module_dropout", None)
         if isinstance(dropout, dict) and hasattr(module, "_get_delta_activations"):  # peft's LyCORIS layers
             if any(dropout.values()):
@@ -185,13 +187,9 @@ def compile_blocks(transformer: nn.Module, mode: str, dynamic: bool | None) -> i
                                 f"{type(module).__name__} (model.base_dtype = 'fp8'); use model.base_dtype = "
                                 "'fp8_scaled' or model.compile = 'off'")
             module.forward = _cast_in_graph(module, casting.compute_dtype)
-    blocks = list(transformer.blocks)
-    if not blocks:
-        return 0
     options = {"mode": None if mode == "default" else mode} if BACKEND == "inductor" else {}
-    compiled = torch.compile(type(blocks[0]).forward, backend=BACKEND, dynamic=dynamic, **options)
 
-    def bound(block: nn.Module):
+    def bound(compiled, block: nn.Module):
         def forward(*args, **kwargs):
             try:
                 return compiled(block, *args, **kwargs)
@@ -199,9 +197,11 @@ def compile_blocks(transformer: nn.Module, mode: str, dynamic: bool | None) -> i
                 raise UserError(_one_line(mode, exc)) from None
         return forward
 
-    for block in blocks:
-        block.forward = bound(block)  # an instance attribute: __call__ (and its hooks) stay eager
-    return len(blocks)
+    for blocks in (b for b in stacks if b):
+        compiled = torch.compile(type(blocks[0]).forward, backend=BACKEND, dynamic=dynamic, **options)
+        for block in blocks:
+            block.forward = bound(compiled, block)  # an instance attribute: __call__ (and its hooks) stay eager
+    return sum(len(b) for b in stacks)
 
 
 def _one_line(mode: str, exc: BaseException) -> str:

@@ -97,6 +97,14 @@ class ModelConfig:
         "from the loss) instead of text-to-video. Single-frame samples always train text-to-video.",
         range=between(0.0, 1.0),
     )
+    condition: Literal["first_frame", "first_last"] = setting(
+        "first_frame", doc="I2V-A14B: what each clip is conditioned on: its first frame (`first_frame`), or its "
+        "first and last frames (`first_last`: first-last-frame video, as diffusers' `last_image`).",
+    )
+    vace_blocks: Literal["lora", "frozen"] = setting(
+        "lora", doc="VACE variants: `lora` adapts the VACE blocks' Linears as well as the main blocks' (what "
+        "`lora.include` / `lora.exclude` select among both); `frozen` leaves the VACE blocks as they are.",
+    )
     gradient_checkpointing: bool = setting(True, doc="Recompute transformer activations in the backward pass.")
     recompute: Literal["auto", "block", "lean"] = setting(
         "auto", doc="How each checkpointed block is recomputed in the backward pass (with gradient checkpointing; "
@@ -189,7 +197,11 @@ class ModelConfig:
     )
 
     def __attrs_post_init__(self) -> None:
+        from wantrain.models.wan22.control import problems as control_problems
+
         spec = VARIANTS[self.variant]
+        for problem in control_problems(self):
+            raise ConfigError(problem)
         _check_parallel(self)
         _check_sequence(self)
         try:

@@ -36,6 +36,7 @@ from wantrain.models.wan22.adapter_types import (
     AdapterType,
     adapted_layers,
     adapter_type,
+    wan_name,
 )
 
 __all__ = ["ADAPTER_NAME", "DIFFUSERS_TO_WAN", "LORA_TARGET_REGEX", "WAN_KEY", "Wan22Saver", "adapter_state_dict",
@@ -44,22 +45,24 @@ __all__ = ["ADAPTER_NAME", "DIFFUSERS_TO_WAN", "LORA_TARGET_REGEX", "WAN_KEY", "
 LORA_TARGET_REGEX = (
     r"blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|attn2\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))"
 )
-_BLOCK_MODULE = re.compile(r"^blocks\.(\d+)\.(.+)$")
 # the tensor names of one module in a file, every type: LoRA (both namings), DoRA's scale, LoHa's and LoKr's factors
 FILE_PARTS = (r"lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha|dora_scale|"
               r"hada_w[12]_[ab]|lokr_w[12]|lokr_w[12]_[ab]")
+# main blocks (``blocks.N``) and, in VACE variants, VACE blocks (``vace_blocks.N``, with before_proj / after_proj)
 WAN_KEY = re.compile(
-    r"^diffusion_model\.blocks\.(?P<block>\d+)\.(?P<module>(self_attn|cross_attn)\.[qkvo]|ffn\.[02])"
+    r"^diffusion_model\.(?P<stack>blocks|vace_blocks)\.(?P<block>\d+)\."
+    r"(?P<module>(self_attn|cross_attn)\.[qkvo]|ffn\.[02]|before_proj|after_proj)"
     r"\.(?P<part>" + FILE_PARTS + ")$"
 )
 
 
 def wan_module_name(diffusers_name: str) -> str:
-    """``blocks.3.attn2.to_out.0`` -> ``diffusion_model.blocks.3.cross_attn.o``."""
-    match = _BLOCK_MODULE.match(diffusers_name)
-    if match is None or match.group(2) not in DIFFUSERS_TO_WAN:
+    """``blocks.3.attn2.to_out.0`` -> ``diffusion_model.blocks.3.cross_attn.o`` (``vace_blocks.0.proj_in`` ->
+    ``diffusion_model.vace_blocks.0.before_proj``: the names ComfyUI's VACE model has)."""
+    name = wan_name(diffusers_name)
+    if name is None:
         raise ValueError(f"not a Wan 2.2 LoRA target: {diffusers_name}")
-    return f"diffusion_model.blocks.{match.group(1)}.{DIFFUSERS_TO_WAN[match.group(2)]}"
+    return f"diffusion_model.{name}"
 
 
 def lora_layers(transformer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -90,7 +93,7 @@ def adapter_state_dict(transformer: nn.Module, kind: AdapterType, dtype: torch.d
     block = None
     for name, layer in lora_layers(transformer):
         key = wan_module_name(name)
-        if before_block is not None and int(name.split(".")[1]) != block:
+        if before_block is not None and name.startswith("blocks.") and int(name.split(".")[1]) != block:
             block = int(name.split(".")[1])
             before_block(block)
         for part, tensor in kind.export(layer).items():

@@ -104,7 +104,7 @@ class WeightSource:
         the file leaves out take diffusers' defaults. A Wan 2.1 I2V-14B folder has the same 36 input channels as
         I2V-A14B but sets ``image_dim`` / ``added_kv_proj_dim`` (its CLIP image branch)."""
         config = self._read_config(folder)
-        defaults = architecture.transformer_defaults()
+        defaults = architecture.transformer_defaults(self.spec)
         differ = []
         for key, want in architecture.transformer_kwargs(self.spec).items():
             have = config.get(key, defaults.get(key))
@@ -181,20 +181,16 @@ class WeightSource:
         :meth:`transformer` would load it in (``dtype``; fp32 for ``_keep_in_fp32_modules``): what a rank other
         than 0 builds under ``model.parallel = "fsdp"`` before its shards are filled from rank 0's
         (``core.sharding.load_from_rank0``). Reads no file."""
-        from diffusers import WanTransformer3DModel
-
         with torch.device("meta"):
-            transformer = WanTransformer3DModel(**architecture.transformer_kwargs(self.spec))
+            transformer = architecture.transformer_class(self.spec)(**architecture.transformer_kwargs(self.spec))
         return architecture.cast_keeping_fp32_modules(transformer, dtype).eval()
 
     def check_expert_files(self) -> None:
         """The trained experts' ``model.*_file`` against the variant's transformer by tensor names (headers only):
         what loading them refuses first (a VAE given as an expert file), for ``wantrain check``."""
-        from diffusers import WanTransformer3DModel
-
         from wantrain.models.wan22.single_file import check_transformer_keys
 
-        kwargs = architecture.transformer_kwargs(self.spec)
+        kwargs, cls = architecture.transformer_kwargs(self.spec), architecture.transformer_class(self.spec)
         for expert in () if self.random else self.experts:
             file = self._expert_file(expert)
             if file is None:
@@ -202,7 +198,7 @@ class WeightSource:
             key = _EXPERT_FILE_KEY[expert]
             _refuse_wan21_image_branch(file, key, self.spec.name)
             reader = sharded.ShardReader(file, key) if file.is_dir() else None
-            check_transformer_keys(file, key, self.spec.name, lambda: WanTransformer3DModel(**kwargs), reader=reader)
+            check_transformer_keys(file, key, self.spec.name, lambda: cls(**kwargs), reader=reader)
 
     def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
         """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
@@ -214,14 +210,12 @@ class WeightSource:
         return self._stream(file, key, dtype)
 
     def _stream(self, source: Path, key: str, dtype: torch.dtype, key_map=None):
-        from diffusers import WanTransformer3DModel
-
         from wantrain.models.wan22.single_file import load_transformer
 
-        kwargs = architecture.transformer_kwargs(self.spec)
+        kwargs, cls = architecture.transformer_kwargs(self.spec), architecture.transformer_class(self.spec)
 
         def build():
-            return WanTransformer3DModel(**kwargs)
+            return cls(**kwargs)
 
         store = fp8_stored(build) if self.model.base_dtype == "fp8" else None
         reader = sharded.ShardReader(source, key) if source.is_dir() else None

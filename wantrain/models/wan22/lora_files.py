@@ -40,8 +40,10 @@ _DOWN = {"lora_A.weight": "A", "lora_down.weight": "A", "lora_B.weight": "B", "l
 # LoRA's parts in every naming, and the LyCORIS parts of the other types (DoRA's scale, LoHa's and LoKr's factors)
 _PART = (r"(?P<part>lora_A\.weight|lora_B\.weight|lora_down\.weight|lora_up\.weight|alpha|dora_scale|"
          r"hada_w[12]_[ab]|lokr_w[12]|lokr_w[12]_[ab])")
-_WAN = re.compile(r"^diffusion_model\.blocks\.(?P<block>\d+)\.(?P<module>(self_attn|cross_attn)\.[qkvo]|ffn\.[02])\."
-                  + _PART + "$")
+# wantrain's and ComfyUI's names; in a VACE variant also its VACE blocks (with before_proj / after_proj)
+_WAN = re.compile(r"^diffusion_model\.(?P<stack>blocks|vace_blocks)\.(?P<block>\d+)\."
+                  r"(?P<module>(self_attn|cross_attn)\.[qkvo]|ffn\.[02]|before_proj|after_proj)\." + _PART + "$")
+_VACE_WAN_TO_DIFFUSERS = {"before_proj": "proj_in", "after_proj": "proj_out"}
 _DIFFUSERS = re.compile(r"^(transformer\.)?blocks\.(?P<block>\d+)\.(?P<module>attn[12]\.(to_q|to_k|to_v|to_out\.0)|"
                         r"ffn\.net\.(0\.proj|2))\." + _PART + "$")
 _MUSUBI = re.compile(r"^lora_unet_blocks_(?P<block>\d+)_(?P<module>(self_attn|cross_attn)_[qkvo]|ffn_[02])\."
@@ -96,7 +98,11 @@ def _module_of(key: str) -> tuple[str, str, str] | None:
             continue
         module = match.group("module")
         if name == "wan":
-            module = WAN_TO_DIFFUSERS[module]
+            stack = match.group("stack")
+            if module in _VACE_WAN_TO_DIFFUSERS and stack != "vace_blocks":
+                return None
+            module = _VACE_WAN_TO_DIFFUSERS.get(module) or WAN_TO_DIFFUSERS[module]
+            return name, f"{stack}.{match.group('block')}.{module}", match.group("part")
         elif name == "musubi":
             module = WAN_TO_DIFFUSERS[_MUSUBI_TO_WAN[module]]
         return name, f"blocks.{match.group('block')}.{module}", match.group("part")
@@ -152,10 +158,13 @@ def read_lora_file(path: Path, *, key: str, spec: Any, expert: str | None) -> Lo
                             "ComfyUI, diffusers or musubi-tuner key format")
         fmt, module, part = found
         formats.add(fmt)
-        block = int(module.split(".")[1])
-        if block >= spec.num_layers:
-            raise UserError(f"{key} '{path}': key '{name}' names block {block}, but {spec.name} has blocks "
-                            f"0..{spec.num_layers - 1}; is this a LoRA for another model?")
+        stack, block = module.split(".")[0], int(module.split(".")[1])
+        count = spec.num_layers if stack == "blocks" else len(spec.vace_layers)
+        if block >= count:
+            what = "block" if stack == "blocks" else "VACE block"
+            raise UserError(f"{key} '{path}': key '{name}' names {what} {block}, but {spec.name} has "
+                            + (f"{what}s 0..{count - 1}" if count else f"no {what}s")
+                            + "; is this a LoRA for another model?")
         value = tensors[name]
         parts.setdefault(module, {})[part] = value
         if part == "alpha":

@@ -285,11 +285,11 @@ def attention_backward_bytes(variant: str, *, width: int, height: int, frames: i
     tokens, head_dim 128: 0.63 GiB. ``kernel``: ``model.attention`` (:data:`ATTENTION_BACKWARD_KERNELS`)."""
     if kernel not in ATTENTION_BACKWARD_KERNELS:
         raise ValueError(f"no attention backward buffer known for kernel {kernel!r}")
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
-    kwargs = transformer_kwargs(spec)
+    kwargs = planner_kwargs(spec)
     heads, head_dim = kwargs["num_attention_heads"], kwargs["attention_head_dim"]
     tokens = -(-tokens_of(spec, width, height, frames, 1) // ATTENTION_TOKENS_ROUND) * ATTENTION_TOKENS_ROUND
     dim = -(-head_dim // ATTENTION_HEAD_DIM_ROUND) * ATTENTION_HEAD_DIM_ROUND
@@ -303,10 +303,10 @@ def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tu
     import torch
     from diffusers import WanTransformer3DModel
 
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
+    kwargs = planner_kwargs(VARIANTS[variant])
     if layers is not None:
         kwargs["num_layers"] = layers
     with torch.device("meta"):
@@ -333,10 +333,10 @@ def _linear_bytes_bf16(variant: str, layers: int | None = None) -> float:
     import torch
     from diffusers import WanTransformer3DModel
 
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
+    kwargs = planner_kwargs(VARIANTS[variant])
     kwargs["num_layers"] = 1
     with torch.device("meta"):
         model = WanTransformer3DModel(**kwargs)
@@ -381,10 +381,10 @@ def recompute_block_bytes(tokens: float, width: float, ffn: float, text_tokens: 
 def adapter_transient_bytes(variant: str, adapter: AdapterSpec, tokens: float, path: str = "block") -> float:
     """What one block's recompute holds beyond LoRA's for ``adapter``'s type, bytes: ``ADAPTER_TRANSIENT``, or
     ``LEAN_ADAPTER_TRANSIENT`` on the lean recompute (``path``)."""
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
+    kwargs = planner_kwargs(VARIANTS[variant])
     d, f = kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"]
     table = LEAN_ADAPTER_TRANSIENT if path == "lean" else ADAPTER_TRANSIENT
     weights, per_width, per_ffn = table[adapter.type]
@@ -393,11 +393,11 @@ def adapter_transient_bytes(variant: str, adapter: AdapterSpec, tokens: float, p
 
 def _shapes_and_weights(variant: str, settings: MemorySettings, layers: int | None):
     """(spec, width, FFN width, block bytes, resident bytes, swap-ring bytes) of one expert under ``settings``."""
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
-    kwargs = transformer_kwargs(spec)
+    kwargs = planner_kwargs(spec)
     d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
     rest, blocks = weight_bytes(variant, settings.base_dtype, layers)
     n = len(blocks)
@@ -424,7 +424,8 @@ def lora_params(variant: str, rank: int, layers: int | None = None, adapter: Ada
     has twice LoRA's, LoKr a few per cent of them, DoRA LoRA's plus a magnitude per output row)."""
     from wantrain.models.wan22.variants import VARIANTS
 
-    n = layers if layers is not None else VARIANTS[variant].num_layers
+    spec = VARIANTS[variant]
+    n = layers if layers is not None else spec.num_layers + len(spec.vace_layers)  # VACE blocks: a block's LoRA
     return n * adapter_block(variant, rank, adapter)[0]
 
 
@@ -436,11 +437,11 @@ def adapter_block(variant: str, rank: int, adapter: AdapterSpec = LORA) -> tuple
     from diffusers import WanTransformer3DModel
 
     from wantrain.models.wan22.adapter_types import ADAPTER_NAME, adapter_type, candidate_modules
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.config import LoraConfig
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = dict(transformer_kwargs(VARIANTS[variant]), num_layers=1)
+    kwargs = dict(planner_kwargs(VARIANTS[variant]), num_layers=1)
     lora = LoraConfig(type=adapter.type, rank=rank, lokr_factor=adapter.lokr_factor,
                       lokr_decompose_both=adapter.lokr_decompose_both)
     with torch.device("meta"):
@@ -486,6 +487,8 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     transient = adapter_transient_bytes(variant, adapter, tokens, "lean" if lean else "block")
     if transient:  # without checkpointing every block keeps its own
         parts[ADAPTER_PART] = transient * (1 if gradient_checkpointing else n)
+    if spec.vace:  # each VACE block's hint (and, in the backward, its gradient) waits for the main block it feeds
+        parts["VACE hints"] = len(spec.vace_layers) * hidden
     parts["workspace"] = workspace
     sampling = sampling_parts(variant, settings, sample, rank=rank, layers=layers, adapter=adapter) \
         if sample is not None else {}
@@ -566,11 +569,11 @@ def available_host_bytes() -> float:
 def offload_host_tensors(variant: str, *, width: int, height: int, frames: int, batch: int = 1,
                          layers: int | None = None) -> list[int]:
     """Byte sizes of the host buffers activation offload fills in one step (see the comment above)."""
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
-    kwargs = transformer_kwargs(spec)
+    kwargs = planner_kwargs(spec)
     d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
     hidden = tokens_of(spec, width, height, frames, batch) * d * 2
     n = layers if layers is not None else kwargs["num_layers"]
@@ -593,11 +596,11 @@ def host_tensor_bytes(variant: str, base_dtype: str) -> tuple[tuple[int, ...], t
     import torch
     from diffusers import WanTransformer3DModel
 
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     with torch.device("meta"):
-        model = WanTransformer3DModel(**transformer_kwargs(VARIANTS[variant]))
+        model = WanTransformer3DModel(**planner_kwargs(VARIANTS[variant]))
     cast_keeping_fp32_modules(model, torch.float32 if base_dtype == "fp32" else torch.bfloat16)
     if base_dtype == "fp8":
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)

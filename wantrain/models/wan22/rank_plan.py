@@ -86,7 +86,7 @@ class Layout:
 def check_layout(variant: str, layout: Layout) -> None:
     """Refuse (one line) a layout the variant cannot run: degrees that do not divide the GPUs, two expert groups
     for a one-expert model, a sequence degree that does not divide the attention heads."""
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
@@ -105,7 +105,7 @@ def check_layout(variant: str, layout: Layout) -> None:
     if layout.expert_groups not in (1, len(spec.experts)):
         raise UserError(f"{variant} has {len(spec.experts)} expert(s): expert groups must be 1"
                         + (f" or {len(spec.experts)}" if len(spec.experts) > 1 else ""))
-    heads = transformer_kwargs(spec)["num_attention_heads"]
+    heads = planner_kwargs(spec)["num_attention_heads"]
     if heads % layout.sequence_degree:
         valid = [d for d in range(1, heads + 1) if heads % d == 0]
         raise UserError(f"sequence degree {layout.sequence_degree} does not divide the {heads} attention heads of "
@@ -121,10 +121,10 @@ def sharded_weight_bytes(variant: str, shard_degree: int, layers: int | None = N
     import torch
     from diffusers import WanTransformer3DModel
 
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
+    kwargs = planner_kwargs(VARIANTS[variant])
     if layers is not None:
         kwargs["num_layers"] = layers
     with torch.device("meta"):
@@ -146,10 +146,10 @@ def sharded_weight_bytes(variant: str, shard_degree: int, layers: int | None = N
 def lora_shard_params(variant: str, rank: int, shard_degree: int, layers: int | None = None) -> float:
     """LoRA parameters one GPU holds: every A [rank, in] and B [out, rank] matrix's rows rounded up to a multiple
     of ``shard_degree``."""
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
+    kwargs = planner_kwargs(VARIANTS[variant])
     d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
     f = kwargs["ffn_dim"]
     n = layers if layers is not None else kwargs["num_layers"]
@@ -169,10 +169,10 @@ def _expert_tensors(variant: str, dtype_name: str, layers: int | None) -> tuple[
     import torch
     from diffusers import WanTransformer3DModel
 
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
+    kwargs = planner_kwargs(VARIANTS[variant])
     if layers is not None:
         kwargs["num_layers"] = layers
     with torch.device("meta"):
@@ -225,10 +225,10 @@ def load_peak(variant: str, shard_degree: int, rank: int, *, dtype_name: str = "
 
 def _lora_sizes(variant: str, rank: int) -> list[int]:
     """The element counts of one block's LoRA matrices (A [rank, in], B [out, rank])."""
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
+    kwargs = planner_kwargs(VARIANTS[variant])
     d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
     f = kwargs["ffn_dim"]
     return [rank * i for i, _ in [(d, d), (d, f), (f, d)]] + [o * rank for _, o in [(d, d), (d, f), (f, d)]]
@@ -268,10 +268,10 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
     gathered = 2.0 * largest * (1.0 - 1.0 / s) if s > 1 else 0.0
     # the token-proportional parts at this GPU's share of the tokens (the text tokens' share of a recomputed block
     # is counted split too: a few percent of it at 832x480x81); the workspace keeps its fixed part whole
-    from wantrain.models.wan22.architecture import transformer_kwargs
+    from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = transformer_kwargs(VARIANTS[variant])
+    kwargs = planner_kwargs(VARIANTS[variant])
     d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
     tokens = memory.tokens_of(VARIANTS[variant], width, height, frames, batch) / q
     p = single.parts

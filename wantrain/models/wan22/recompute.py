@@ -45,6 +45,7 @@ import functools
 
 import torch
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+from diffusers.models.transformers.transformer_wan_vace import WanVACETransformerBlock
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -172,16 +173,36 @@ class LeanWanTransformerBlock(WanTransformerBlock):
         return lean_block_forward(self, hidden_states, encoder_hidden_states, temb, rotary_emb)
 
 
+class LeanWanVACETransformerBlock(WanVACETransformerBlock):
+    """A VACE block (``WanVACETransformerBlock``: a main block's arithmetic on the control stream, between
+    ``proj_in`` and ``proj_out``) whose body is :func:`lean_block_forward` (same parameters, same state dict)."""
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                control_hidden_states: torch.Tensor, temb: torch.Tensor,
+                rotary_emb: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self.proj_in is not None:
+            control_hidden_states = self.proj_in(control_hidden_states) + hidden_states
+        control_hidden_states = lean_block_forward(self, control_hidden_states, encoder_hidden_states, temb,
+                                                   rotary_emb)
+        hint = self.proj_out(control_hidden_states) if self.proj_out is not None else None
+        return hint, control_hidden_states
+
+
 def use_recompute(transformer: nn.Module, mode: str) -> int:
     """Give every block of ``transformer`` the recompute of ``mode``: ``block`` leaves diffusers' blocks as they are,
-    ``lean`` makes them :class:`LeanWanTransformerBlock` and lets their plain LoRA layers keep bf16 inputs
-    (:func:`lean_lora_inputs`). After the adapter is added (peft's layers exist) and before
-    ``compile.compile_blocks`` (which compiles ``type(block).forward``). Returns the number of lean blocks."""
+    ``lean`` makes them :class:`LeanWanTransformerBlock` (VACE blocks :class:`LeanWanVACETransformerBlock`) and
+    lets their plain LoRA layers keep bf16 inputs (:func:`lean_lora_inputs`). After the adapter is added (peft's
+    layers exist) and before ``compile.compile_blocks`` (which compiles ``type(block).forward``). Returns the number
+    of lean main blocks."""
     if mode not in ("block", "lean"):
         raise ValueError(f"recompute mode {mode!r} is not 'block' or 'lean' ('auto' is resolved by the planner)")
     if mode == "lean":
         for block in transformer.blocks:
             if type(block) is WanTransformerBlock:
                 block.__class__ = LeanWanTransformerBlock
+                lean_lora_inputs(block)
+        for block in getattr(transformer, "vace_blocks", ()):  # VACE variants: the VACE blocks alike
+            if type(block) is WanVACETransformerBlock:
+                block.__class__ = LeanWanVACETransformerBlock
                 lean_lora_inputs(block)
     return sum(type(block) is LeanWanTransformerBlock for block in transformer.blocks)

@@ -228,8 +228,10 @@ def check_sections(validation: ValidationConfig, sample: SampleConfig, spec: Any
         image_key = (f"sample.prompts[{p.index}].image" if isinstance(own, SamplePrompt) and own.image is not None
                      else f"sample.images[{p.index}]")
         if p.image is not None:
-            if spec.conditioning == "t2v":
-                raise ConfigError(f"config key '{image_key}' is set but {spec.name} is text-to-video; remove it")
+            if spec.conditioning in ("t2v", "vace"):  # VACE samples take a clip's control files, not an image
+                raise ConfigError(f"config key '{image_key}' is set but {spec.name} is text-to-video"
+                                  + (" (its samples take a clip's control files)" if spec.conditioning == "vace"
+                                     else "") + "; remove it")
             if not Path(p.image).is_file():
                 raise ConfigError(f"config key '{image_key}' = '{p.image}' does not exist (an image file)")
             _check_image(image_key, Path(p.image))

@@ -28,6 +28,29 @@ def _check_stacked(adapter: Any, loras: Sequence[Any]) -> None:
             log.warning("stacked_lora_unmatched", detail=line)
 
 
+def _clip_conditions(spec: Any, data: Any, i: int, p: Any) -> dict[str, Any]:
+    """The pipeline arguments a sample takes from clip ``i`` of ``data`` at the prompt's size: for VACE
+    (``WanVACEPipeline``) its control video (``video``), ``mask`` and reference image (``reference_images``), those
+    it has; for first-last-frame I2V its last frame (``last_image``; the first is the prompt's ``image``)."""
+    from PIL import Image
+
+    inputs = data.sample_inputs(i, p.width, p.height, p.frames)
+    if spec.conditioning != "vace":
+        return {"last_image": Image.fromarray(inputs["frames"][-1])}
+    out: dict[str, Any] = {}
+    if "control" in inputs:
+        out["video"] = [Image.fromarray(f) for f in inputs["control"]]
+    if "mask" in inputs:
+        out["mask"] = [Image.fromarray(f).convert("L") for f in inputs["mask"]]
+        if "video" not in out:  # the clip, grey where the mask says generate: the input it trained with
+            keep = inputs["mask"].mean(axis=-1, keepdims=True) <= 127.5
+            grey = np.where(keep, inputs["frames"], np.uint8(128)).astype(np.uint8)
+            out["video"] = [Image.fromarray(f) for f in grey]
+    if "ref" in inputs:
+        out["reference_images"] = [Image.fromarray(inputs["ref"][0])]
+    return out
+
+
 def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, sync: Any = None,
                           clips: Sequence[tuple[Any, int, str]] = (),
                           prompt_embeds: Mapping[str, torch.Tensor] | None = None,
@@ -75,11 +98,17 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
             source = f"{clip.path} (frame {clip.start})" if clip.kind == "video" else str(clip.path)
             log.info("sample_first_frame", prompt=p.index, source=source,
                      reason=f"the prompt has no image: the first frame of a {kind}")
+        conditions = {}
+        if clips and (spec.conditioning == "vace" or getattr(cfg.model, "condition", None) == "first_last"):
+            data, i, kind = clips[p.index % len(clips)]
+            conditions = _clip_conditions(spec, data, i, p)
+            log.info("sample_conditions", prompt=p.index, source=str(data.clips[i].path), kind=kind,
+                     inputs=sorted(conditions))
         jobs.append(SampleJob(
             index=p.index, prompt_embeds=embed(p.prompt),
             negative_embeds=negative, width=p.width, height=p.height, frames=p.frames, seed=p.seed, steps=p.steps,
             guidance_scale=p.guidance_scale, guidance_scale_high_noise=p.guidance_scale_high_noise, image=image,
-            image_source=source, loras=p.loras,
+            image_source=source, loras=p.loras, conditions=conditions,
         ))
     _check_stacked(adapter, [lora for job in jobs for lora in job.loras])
     reference = None

@@ -94,6 +94,8 @@ class SampleJob:
     image: Any = None
     image_source: str | None = None
     loras: tuple = ()  # StackedLora settings: files applied under the trained LoRA for this video
+    # more pipeline arguments from a clip: VACE's video / mask / reference_images, first-last-frame's last_image
+    conditions: dict = attrs.field(factory=dict)
 
 
 class SampleVideos(Observer):
@@ -313,6 +315,7 @@ class SampleVideos(Observer):
             kwargs["negative_prompt_embeds"] = job.negative_embeds.to(device)
         if job.image is not None:
             kwargs["image"] = job.image
+        kwargs.update(job.conditions)
         return pipe(**kwargs).frames, final[-1]
 
     def close(self) -> None:

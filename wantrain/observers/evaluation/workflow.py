@@ -12,7 +12,10 @@ index]``), ComfyUI's built-in nodes only:
   ``ModelSamplingSD3`` with the shift of the sampling scheduler;
 * ``CLIPTextEncode`` for the prompt and the negative prompt;
 * the latent: ``EmptyHunyuanLatentVideo`` (T2V), ``WanImageToVideo`` with ``LoadImage`` (I2V A14B),
-  ``Wan22ImageToVideoLatent`` (TI2V-5B, with ``LoadImage`` when the prompt has an image);
+  ``WanFirstLastFrameToVideo`` with two ``LoadImage`` (I2V A14B with ``model.condition = "first_last"``:
+  ``first_frame.png``, ``last_frame.png``), ``WanVaceToVideo`` with the control video (``LoadVideo`` ->
+  ``GetVideoComponents``: ``control_video.mp4``) for the VACE variants, whose reference frames ``TrimVideoLatent``
+  cuts off after sampling, ``Wan22ImageToVideoLatent`` (TI2V-5B, with ``LoadImage`` when the prompt has an image);
 * A14B: two ``KSamplerAdvanced`` split at the expert boundary -- the high-noise expert denoises steps
   ``[0, k)`` and hands its leftover noise to the low-noise expert for ``[k, steps)``, where ``k`` is the number
   of the sampling scheduler's timesteps at or above ``boundary_ratio * 1000`` (diffusers' rule); the high-noise
@@ -54,7 +57,11 @@ COMFY_FILES: dict[str, dict[str, str]] = {
     "i2v": {"high_noise": "wan2.2_i2v_high_noise_14B_fp16.safetensors",
             "low_noise": "wan2.2_i2v_low_noise_14B_fp16.safetensors", "vae": "wan_2.1_vae.safetensors"},
     "ti2v": {"single": "wan2.2_ti2v_5B_fp16.safetensors", "vae": "wan2.2_vae.safetensors"},
+    "vace": {"high_noise": "wan2.2_fun_vace_high_noise_14B_bf16.safetensors",
+             "low_noise": "wan2.2_fun_vace_low_noise_14B_bf16.safetensors", "vae": "wan_2.1_vae.safetensors"},
 }
+COMFY_FILES["first_last"] = COMFY_FILES["i2v"]
+CONTROL_VIDEO = "control_video.mp4"  # the VACE workflow's control video (put it in ComfyUI's input folder)
 COMFY_TEXT_ENCODER = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
 
 
@@ -63,7 +70,7 @@ class WorkflowSettings:
     """What the graph renders: the first sample prompt's settings (``PromptSettings`` of ``[sample]``), the
     model files, the shift and the step at which the low-noise expert takes over (None: one transformer)."""
 
-    conditioning: str  # "t2v", "i2v" or "ti2v"
+    conditioning: str  # "t2v", "i2v", "first_last" (I2V on first and last frames), "ti2v" or "vace"
     sample: PromptSettings  # the first prompt's (image: the file name the LoadImage node reads)
     fps: float
     shift: float
@@ -126,7 +133,20 @@ def build_workflow(s: WorkflowSettings, loras: dict[str | None, str], prefix: st
             model = node("LoraLoaderModelOnly", f"{label} LoRA", model=model, lora_name=lora, strength_model=1.0)
         models[expert] = node("ModelSamplingSD3", f"{label} shift", model=model, shift=s.shift)
     size = dict(width=p.width, height=p.height, length=p.frames, batch_size=1)
-    if s.conditioning == "i2v":
+    trim = None
+    if s.conditioning == "first_last":
+        last = node("LoadImage", "Last frame (put it in ComfyUI's input folder)", image="last_frame.png")
+        latent_node = node("WanFirstLastFrameToVideo", "First and last frame to video", positive=positive,
+                           negative=negative, vae=vae, start_image=image, end_image=out(last, 0), **size)
+        positive, negative, latent = out(latent_node, 0), out(latent_node, 1), out(latent_node, 2)
+    elif s.conditioning == "vace":
+        video = node("LoadVideo", "Control video (put it in ComfyUI's input folder)", file=CONTROL_VIDEO)
+        frames_in = node("GetVideoComponents", "Control frames", video=video)
+        latent_node = node("WanVaceToVideo", "VACE", positive=positive, negative=negative, vae=vae, strength=1.0,
+                           control_video=out(frames_in, 0), **size)
+        positive, negative, latent = out(latent_node, 0), out(latent_node, 1), out(latent_node, 2)
+        trim = out(latent_node, 3)
+    elif s.conditioning == "i2v":
         latent_node = node("WanImageToVideo", "Image to video", positive=positive, negative=negative, vae=vae,
                            start_image=image, **size)
         positive, negative, latent = out(latent_node, 0), out(latent_node, 1), out(latent_node, 2)
@@ -147,6 +167,8 @@ def build_workflow(s: WorkflowSettings, loras: dict[str | None, str], prefix: st
                       add_noise="disable", noise_seed=p.seed, steps=p.steps, cfg=p.guidance_scale,
                       latent_image=latent, start_at_step=s.switch_step, end_at_step=END_OF_SCHEDULE,
                       return_with_leftover_noise="disable", **common)
+    if trim is not None:  # the reference image's latent frames (none here: no reference_image input)
+        latent = node("TrimVideoLatent", "Cut the reference frames", samples=latent, trim_amount=trim)
     frames = node("VAEDecode", "Decode", samples=latent, vae=vae)
     node("SaveAnimatedWEBP", "Save", images=frames, filename_prefix=prefix, fps=float(s.fps), lossless=False,
          quality=90, method="default")
@@ -190,6 +212,8 @@ def workflow_settings(cfg: Any, spec: Any, scheduler: Any) -> WorkflowSettings:
         (p,) = with_placeholder.resolved(spec)
     model = cfg.model
     family = spec.conditioning
+    if family == "i2v" and getattr(model, "condition", "first_frame") == "first_last":
+        family = "first_last"
     usual = COMFY_FILES[family]
     files, notes = {}, {}
     own = {"high_noise": model.high_noise_file, "low_noise": model.low_noise_file, "single": model.transformer_file,
@@ -204,7 +228,7 @@ def workflow_settings(cfg: Any, spec: Any, scheduler: Any) -> WorkflowSettings:
     if cfg.sample.other_expert_lora is not None:
         for expert in model.untrained_experts:
             other[expert] = Path(cfg.sample.other_expert_lora).name
-    image = p.image if p.image is not None or family != "i2v" else "first_frame.png"
+    image = p.image if p.image is not None or family not in ("i2v", "first_last") else "first_frame.png"
     shift = float(getattr(scheduler.config, "flow_shift", None) or getattr(scheduler.config, "shift", 1.0))
     return WorkflowSettings(
         conditioning=family, sample=attrs.evolve(p, image=Path(image).name if image is not None else None),
