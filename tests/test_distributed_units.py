@@ -12,7 +12,8 @@ from wantrain.app.preflight import check_parallel
 from wantrain.app.resume import ResumePoint, check_resume_world_size
 from wantrain.cli.main import main
 from wantrain.core.config import structure
-from wantrain.core.distributed import (
+from wantrain.core.errors import ConfigError, UserError
+from wantrain.core.parallel.distributed import (
     PER_RANK_STATE,
     SingleProcess,
     _decode_tree,
@@ -21,7 +22,6 @@ from wantrain.core.distributed import (
     detect_topology,
     rank_view,
 )
-from wantrain.core.errors import ConfigError, UserError
 
 
 def test_topology_comes_from_torchruns_environment():
@@ -123,7 +123,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from wantrain.core.control import Control
-    from wantrain.core.distributed import ProcessGroupSync, Topology
+    from wantrain.core.parallel.distributed import ProcessGroupSync, Topology
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     sync = ProcessGroupSync(Topology(rank=rank, world_size=2), torch.device("cpu"))
@@ -184,7 +184,7 @@ def test_the_initial_lora_broadcast_sends_only_tensors_on_the_groups_device(monk
     import torch.distributed as dist
 
     from tests.simulated_device import DEVICE, MetaAsDevice
-    from wantrain.core.distributed import ProcessGroupSync, Topology
+    from wantrain.core.parallel.distributed import ProcessGroupSync, Topology
 
     sent = []
     monkeypatch.setattr(dist, "broadcast",
@@ -205,7 +205,7 @@ def _cache_worker(rank: int, store: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from wantrain.core.distributed import ProcessGroupSync, Topology
+    from wantrain.core.parallel.distributed import ProcessGroupSync, Topology
 
     os.environ.update(MASTER_ADDR="127.0.0.1")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
@@ -235,7 +235,7 @@ def _waiting_worker(rank: int, store: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from wantrain.core.distributed import ProcessGroupSync, Topology
+    from wantrain.core.parallel.distributed import ProcessGroupSync, Topology
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))

@@ -1,5 +1,5 @@
-"""``core.expert_groups`` on four gloo ranks (two groups of two, forked from the test process): what travels inside
-a group (the LoRA's start from the group's leader, the averaged gradients, the non-finite flag) and what travels
+"""``core.parallel.expert_groups`` on four gloo ranks (two groups of two, forked from the test process): what travels
+inside a group (the LoRA's start from the group's leader, the averaged gradients, the non-finite flag) and what travels
 across all ranks (the metrics; the state and LoRA files that reach rank 0)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from wantrain.core.distributed import LEADER_KEY, Topology, rank_view
 from wantrain.core.errors import UserError
-from wantrain.core.expert_groups import ExpertGroups, expert_groups_of
+from wantrain.core.parallel.distributed import LEADER_KEY, Topology, rank_view
+from wantrain.core.parallel.expert_groups import ExpertGroups, expert_groups_of
 
 
 def _worker(rank: int, store: str, out: str) -> None:
@@ -19,7 +19,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from wantrain.core.expert_groups import ExpertGroupSync, GroupSaver
+    from wantrain.core.parallel.expert_groups import ExpertGroupSync, GroupSaver
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=60))
@@ -111,7 +111,7 @@ def _relay_rank(rank: int, store: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from wantrain.core.expert_relay import ExpertRelay
+    from wantrain.core.parallel.expert_relay import ExpertRelay
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))

@@ -114,8 +114,8 @@ class RunConfig:
 
 def _check_expert_groups(cfg: RunConfig) -> None:
     """What one expert per group of GPUs cannot run (read time). Samples and validation run across the groups
-    (``core.expert_relay``, docs/distributed.md); these stay refused: the LR finder sweeps the experts one after
-    the other on every rank (a sequential sweep has nothing for the second group to do), and the low-noise group's
+    (``core.parallel.expert_relay``, docs/distributed.md); these stay refused: the LR finder sweeps the experts one
+    after the other on every rank (a sequential sweep has nothing for the second group to do), and the low-noise group's
     alpha controller would decide where rank 0's event log never sees it (replay could not reproduce it).
     ``sample.other_expert_lora`` has no expert to load into (the other group trains it)."""
     if cfg.model.expert_groups <= 1:

@@ -32,8 +32,8 @@ from wantrain.core.checkpoint import (
     read_checkpoint,
     remove_stale_temporaries,
 )
-from wantrain.core.distributed import checkpoint_world_size
 from wantrain.core.errors import UserError
+from wantrain.core.parallel.distributed import checkpoint_world_size
 
 log = structlog.get_logger("wantrain.run")
 

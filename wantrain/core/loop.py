@@ -31,7 +31,6 @@ from wantrain.core.checkpoint import (
 )
 from wantrain.core.context import Context, DeviceMetrics, Live
 from wantrain.core.control import Control
-from wantrain.core.distributed import SingleProcess
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import (
     CheckpointSaved,
@@ -48,7 +47,8 @@ from wantrain.core.events import (
 )
 from wantrain.core.inbox import Inbox
 from wantrain.core.interval import LORA_NORM, LORA_NORM_START, LogInterval
-from wantrain.core.sharding import is_sharded, whole
+from wantrain.core.parallel.distributed import SingleProcess
+from wantrain.core.parallel.sharding import is_sharded, whole
 from wantrain.core.state import RunParts, TrainState, capture, restore
 
 
@@ -122,7 +122,7 @@ class Trainer:
     :class:`ModelAdapter`, an iterable of batches (infinite, or at least long enough; with ``state_dict()`` /
     ``load_state_dict()`` its position is checkpointed), an optimizer over ``adapter.param_groups()``, a scheduler
     with ``step()`` (called once per optimizer step), a :class:`Saver` and an optional :class:`CheckpointPolicy`.
-    ``sync`` links the ranks of a torchrun launch (``core.distributed``; one process: nothing is exchanged); on
+    ``sync`` links the ranks of a torchrun launch (``core.parallel.distributed``; one process: nothing is exchanged); on
     ranks other than 0 the saver is a ``NullSaver`` and checkpoints are handed to rank 0, which writes them.
 
     :meth:`state_dict` / :meth:`load_state_dict` capture and restore everything needed to continue bitwise;
@@ -206,7 +206,7 @@ class Trainer:
             self.bus.emit(RunStarted(
                 step=state.step, run_dir=str(self.ctx.run_dir or ""), total_steps=s.max_steps,
                 grad_accum=s.grad_accum, log_every=s.log_every,
-                # the run's experts: this process's, or every expert group's (core.expert_groups)
+                # the run's experts: this process's, or every expert group's (core.parallel.expert_groups)
                 experts=tuple(getattr(self.sync, "experts", None) or self.adapter.experts),
                 resumed_from=self._resumed_from,
             ))

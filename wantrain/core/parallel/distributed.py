@@ -52,8 +52,8 @@ observers) is identical on every rank and saved once."""
 
 
 LEADER_KEY = "expert_group_leader"
-"""In a checkpoint written by expert groups (``core.expert_groups``), the per-rank entry of a rank that is not its
-group's leader holds only its own :data:`PER_RANK_STATE` and this key: the rank of the leader whose LoRA, optimizer
+"""In a checkpoint written by expert groups (``core.parallel.expert_groups``), the per-rank entry of a rank that is not
+its group's leader holds only its own :data:`PER_RANK_STATE` and this key: the rank of the leader whose LoRA, optimizer
 and scheduler it shares (:func:`rank_view` reads it)."""
 
 
@@ -92,7 +92,7 @@ def rank_view(tree: Mapping[str, Any], rank: int) -> dict[str, Any]:
     ranks = tree.get("ranks")
     if ranks:
         own = dict(ranks[rank] if rank < len(ranks) else ranks[0])
-        leader = own.pop(LEADER_KEY, None)  # core.expert_groups: the group leader's LoRA, optimizer, scheduler
+        leader = own.pop(LEADER_KEY, None)  # core.parallel.expert_groups: the group leader's LoRA, optimizer, scheduler
         if leader is not None:
             out.update(ranks[leader])
         out.update(own)
@@ -173,8 +173,8 @@ class ProcessGroupSync:
         self.sharded = False  # model.parallel = "fsdp": FSDP2 reduces the gradients and each rank holds its shard
 
     def shard(self) -> None:
-        """The model is sharded with FSDP2 (``core.sharding``): :meth:`average_gradients` then exchanges only the
-        non-finite flag (FSDP2 has reduce-scattered the gradients in the backward pass) and
+        """The model is sharded with FSDP2 (``core.parallel.sharding``): :meth:`average_gradients` then exchanges only
+        the non-finite flag (FSDP2 has reduce-scattered the gradients in the backward pass) and
         :meth:`broadcast_parameters` nothing (each rank's shard is its own, cut from the same seeded LoRA)."""
         self.sharded = True
 
