@@ -351,6 +351,7 @@ class PreparedRun:
                 meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain),
                       "data_files": file_fingerprints(data.clips)},
             )
+        sync.watch_checkpoints(policy.directory if policy is not None else None)  # a failure's resume hint
         trainer = Trainer(
             adapter=inject_faults(model, optimizer, cfg.faults, state, rank, checkpoints=policy),
             batches=data.stream(adapter, pin_memory=self.device.type == "cuda"), optimizer=optimizer,

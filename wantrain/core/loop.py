@@ -228,7 +228,7 @@ class Trainer:
                 # the stream on every rank: none drew more than another (a host copy of the state, no sync)
                 draws = self.generator.get_state() if self.sync.exchanges_gradients else None
                 ended = self._accumulate(step, expert, is_log_step, batches)
-                ended = self.sync.agree_step(ended, control)  # a stop or an out-of-memory error on any rank
+                ended = self.sync.agree_step(ended, control, step)  # a stop or an out-of-memory error on any rank
                 if ended is not None and draws is not None:
                     self.generator.set_state(draws)
                 if ended == "stopped":

@@ -131,7 +131,9 @@ class ExpertGroupSync(ProcessGroupSync):
             made = dist.new_group(groups.members(g), timeout=datetime.timedelta(seconds=timeout_s))
             if g == groups.group:
                 own = made
-        return cls(topology, device, groups, own, base._patient, experts)
+        sync = cls(topology, device, groups, own, base._patient, experts)
+        sync.watch = base.watch
+        return sync
 
     @property
     def group_process_group(self) -> Any:

@@ -199,7 +199,8 @@ class SampleVideos(Observer):
         """Expert groups: this rank holds ``expert`` for rank 0's pipeline (``core.parallel.expert_relay``), in eval
         mode under ``torch.no_grad`` as a one-process round would run it, with each video's stacked LoRAs for it (rank 0
         sends them before the video: :meth:`_tell_relays`)."""
-        with ctx.control.evaluation() as bring_in, contextlib.ExitStack() as stacked:
+        # relay.serving(): a failure here (bringing the expert in, a stacked LoRA) reaches rank 0's calls
+        with relay.serving(), ctx.control.evaluation() as bring_in, contextlib.ExitStack() as stacked:
             bring_in(expert)
 
             def video(values: dict) -> None:

@@ -1,0 +1,70 @@
+"""No rank waits forever (``core.parallel.failures``, docs/distributed.md "When a rank fails"): under a layout whose
+forward exchanges with the other ranks (``model.parallel = "fsdp"``, ``model.sequence_degree = 2``) an
+out-of-memory error on rank 1 alone ends both ranks within seconds, each with one line naming rank 1, the cause
+and the checkpoint to resume from; the run then resumes from it. (Data parallel and expert groups skip such a step
+together: tests/test_distributed.py, tests/test_expert_groups_run.py.)"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from test_distributed import FSDP, SHARDED, only_run_dir, torchrun
+from test_end_to_end import copy_examples
+
+from wantrain.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+ENDS_WITHIN_S = 60.0
+"""The issue's bound for every rank to exit after the fault, on gloo (measured: see docs/distributed.md)."""
+
+OOM_AT_3 = ["--set", "faults.oom_at_steps=[3]"]  # after FSDP's settings (which switch the faults off): rank 1 only
+ULYSSES = ["--set", "model.sequence_degree=2", "--set", "data.resolutions=[32]"]  # even token counts per clip
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("failures")
+    config = copy_examples(tmp)
+    shutil.copy(Path(__file__).parent / "distributed_probe.py", tmp / "distributed_probe.py")
+    assert main(["cache", str(config)]) == 0
+    return tmp
+
+
+def failed_and_resumed(workspace: Path, name: str, layout: list[str]) -> tuple[str, float, Path]:
+    """Rank 1 runs out of memory at step 3 (a checkpoint at step 2); then the run resumes without the fault."""
+    started = time.monotonic()
+    failed = torchrun(workspace, name, *FSDP, *layout, *OOM_AT_3)
+    took = time.monotonic() - started
+    assert failed.returncode != 0, failed.stderr[-3000:]
+    run_dir = only_run_dir(workspace / name)
+    resumed = torchrun(workspace, name, *FSDP, *layout, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return failed.stderr, took, run_dir
+
+
+def assert_one_line_per_rank(stderr: str, run_dir: Path, layout: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.startswith("wantrain run: error: rank 1 failed: out of "
+                                                                     "memory at step 3")]
+    assert len(lines) == 2, stderr[-3000:]  # rank 1's own line and rank 0's, ended by its watch
+    for line in lines:
+        assert layout in line
+        assert f"resume from '{run_dir / 'checkpoints' / 'step_000002'}' (step 2) with --resume auto" in line
+    assert "]: Traceback" not in stderr  # no rank's traceback ("[rank0]: Traceback"; torchrun's own stays)
+
+
+def test_an_out_of_memory_error_on_one_fsdp_rank_ends_both_ranks_and_the_run_resumes(workspace):
+    stderr, took, run_dir = failed_and_resumed(workspace, "fsdp_oom", SHARDED)
+    assert_one_line_per_rank(stderr, run_dir, 'model.parallel = "fsdp"')
+    assert took < ENDS_WITHIN_S + 30  # the launch's start included (~20 s on 2 cores)
+    assert (run_dir / "checkpoints" / "step_000004").is_dir()  # resumed from step 2, trained on to the end
+
+
+def test_an_out_of_memory_error_on_one_ulysses_rank_ends_both_ranks_and_the_run_resumes(workspace):
+    stderr, took, run_dir = failed_and_resumed(workspace, "ulysses_oom", ULYSSES)
+    assert_one_line_per_rank(stderr, run_dir, "model.sequence_degree > 1")
+    assert took < ENDS_WITHIN_S + 30
+    assert (run_dir / "checkpoints" / "step_000004").is_dir()
