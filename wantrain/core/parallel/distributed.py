@@ -43,6 +43,7 @@ from typing import Any
 import attrs
 import torch
 
+from wantrain.core.errors import UserError
 from wantrain.core.parallel.failures import RankFailed, failure_line, first_line, watch_default_group
 
 PATIENT_TIMEOUT_S = 7 * 24 * 3600.0
@@ -277,7 +278,7 @@ class ProcessGroupSync:
         ``exc`` and ends within seconds, and None (raise ``exc``). Not for Ctrl-C, which every rank receives."""
         if isinstance(exc, KeyboardInterrupt) or self.watch is None:
             return None
-        other = self.watch.other_failure()
+        other = None if isinstance(exc, UserError) else self.watch.other_failure()  # a refusal keeps its line
         if other is not None:
             return other
         if not isinstance(exc, RankFailed) and not self.watch.announced:
