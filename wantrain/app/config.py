@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from wantrain.app.layouts import problems as layout_problems
 from wantrain.app.migration import peer_file_problem, peer_hint, table_markdown
 from wantrain.core.config import ConfigError, config_reference, name_sections, section, setting, structure, unstructure
 from wantrain.core.errors import UserError
@@ -98,9 +99,8 @@ class RunConfig:
                 f"dequantize (model.base_dtype = '{self.model.base_dtype}'"
                 + (", which a VRAM budget may turn into fp8" if self.model.base_dtype == "auto" else "")
                 + "); set model.base_dtype = 'bf16' or use another lora.type")
-        if self.model.parallel == "fsdp" and self.lora.type == "dora":
-            raise ConfigError("lora.type = 'dora' reads the base weights outside their forward pass, which "
-                              "model.parallel = 'fsdp' holds sharded there; use another lora.type or parallel = 'dp'")
+        for problem in layout_problems(self)[:1]:  # fsdp with DoRA, 8-bit AdamW, Adafactor, the alpha schedule
+            raise ConfigError(problem)
         if self.lora.include or self.lora.exclude:  # against the variant's module names, before anything is written
             try:
                 select_modules(candidate_modules(VARIANTS[self.model.variant].num_layers), self.lora.include,
