@@ -6,6 +6,7 @@ together: tests/test_distributed.py, tests/test_expert_groups_run.py.)"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -68,3 +69,21 @@ def test_an_out_of_memory_error_on_one_ulysses_rank_ends_both_ranks_and_the_run_
     assert_one_line_per_rank(stderr, run_dir, "model.sequence_degree > 1")
     assert took < ENDS_WITHIN_S + 30
     assert (run_dir / "checkpoints" / "step_000004").is_dir()
+
+
+def test_data_parallel_skips_the_step_together_and_keeps_the_ranks_data_in_step_under_accumulation(workspace):
+    """Data parallel (the forward exchanges nothing): rank 1's out-of-memory error at step 2's first micro-step
+    (``train.grad_accum = 2``) skips the step on both ranks, and both pass the step's two batches, so the ranks'
+    data positions stay equal (before: rank 1 had drawn one batch fewer for good)."""
+    from wantrain.core.checkpoint import read_checkpoint
+
+    done = torchrun(workspace, "dp_accum", *FSDP, "--max-steps", "3", "--set", "faults.oom_at_steps=[2]",
+                    "--set", "train.grad_accum=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = only_run_dir(workspace / "dp_accum")
+    tree = read_checkpoint(run_dir / "checkpoints" / "step_000002").tree
+    positions = [(r["data"]["epoch"], r["data"]["index"]) for r in tree["ranks"]]
+    assert positions[0] == positions[1] == (0, 4), positions  # 2 steps x 2 micro-steps, the skipped one passed
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r["skip_reason"] for r in events if r["_type"] == "OptimizerStepped"}
+    assert steps == {1: None, 2: "out of memory", 3: None}  # rank 0's log: skipped with rank 1

@@ -33,6 +33,7 @@ from wantrain.core.context import Context, DeviceMetrics, Live
 from wantrain.core.control import Control
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import (
+    BatchDrawn,
     CheckpointSaved,
     ControlRequested,
     ExpertSwitched,
@@ -231,6 +232,8 @@ class Trainer:
                 ended = self.sync.agree_step(ended, control, step)  # a stop or an out-of-memory error on any rank
                 if ended is not None and draws is not None:
                     self.generator.set_state(draws)
+                    for _ in range(s.grad_accum - self._drawn):  # every rank passes the step's batches alike
+                        next(batches)
                 if ended == "stopped":
                     self.optimizer.zero_grad(set_to_none=True)
                     break  # stopped mid-accumulation: the partial step is dropped, not applied
@@ -361,7 +364,8 @@ class Trainer:
         applied, ``"stopped"`` (a stop request between micro-steps) or ``"out of memory"``."""
         state, control, s, live, bus = self.state, self.ctx.control, self.settings, self.ctx.live, self.bus
         self._step_losses = []
-        started, computed = bus.wants(StepStarted), bus.wants(LossComputed)
+        started, computed, drawn = bus.wants(StepStarted), bus.wants(LossComputed), bus.wants(BatchDrawn)
+        self._drawn = 0  # batches drawn in this step (torchrun: a step ended early passes the rest, in run())
         for index in range(1, s.grad_accum + 1):
             state.micro_step += 1
             ends = index == s.grad_accum
@@ -376,6 +380,9 @@ class Trainer:
             phase, failure = "forward", None
             try:
                 batch = next(batches)
+                self._drawn += 1
+                if drawn and "trained" in batch:  # what the global batch trains, every rank's rows (read only)
+                    bus.emit(BatchDrawn(step=step, micro_step=state.micro_step, samples=batch["trained"]))
                 loss = self.adapter.loss(batch, expert, self.generator)
                 live.loss, live.batch = loss.detach(), batch
                 if computed:

@@ -349,6 +349,14 @@ class Wan22Adapter:
                 return_dict=False,
             )[0].to(torch.float32)
         err = (pred - target) ** 2
+        rows = batch.get("row_weights")  # a padded short global batch (TrainingData.row_weights): per-row weights
+        if rows is not None:
+            rows = torch.tensor(rows, dtype=torch.float32).to(self.device, non_blocking=True)
+            if weight is None:
+                return (err.flatten(1).mean(dim=1) * rows).sum()
+            weight = weight.expand_as(err)
+            per_row = (err * weight).flatten(1).sum(dim=1) / weight.flatten(1).sum(dim=1).clamp_min(1.0)
+            return (per_row * rows).sum()
         if weight is None:
             return err.mean()
         weight = weight.expand_as(err)
