@@ -12,23 +12,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import test_distributed
 from test_distributed import FSDP, SHARDED, only_run_dir, torchrun
-from test_end_to_end import copy_examples
-
-from wantrain.cli.main import main
 
 pytestmark = pytest.mark.slow
 
+workspace = test_distributed.workspace  # its module fixture: the examples copied, the cache filled
+
 STOP_AT = 2
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("coverage")
-    config = copy_examples(tmp)
-    shutil.copy(Path(__file__).parent / "distributed_probe.py", tmp / "distributed_probe.py")
-    assert main(["cache", str(config)]) == 0
-    return tmp
 
 
 def drawn(run_dir: Path) -> list[tuple[int, list[tuple[int, str, int, int]]]]:

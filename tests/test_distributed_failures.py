@@ -7,32 +7,22 @@ together: tests/test_distributed.py, tests/test_expert_groups_run.py.)"""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import pytest
+import test_distributed
 from test_distributed import FSDP, SHARDED, only_run_dir, torchrun
-from test_end_to_end import copy_examples
-
-from wantrain.cli.main import main
 
 pytestmark = pytest.mark.slow
+
+workspace = test_distributed.workspace  # its module fixture: the examples copied, the cache filled
 
 ENDS_WITHIN_S = 60.0
 """The issue's bound for every rank to exit after the fault, on gloo (measured: see docs/distributed.md)."""
 
 OOM_AT_3 = ["--set", "faults.oom_at_steps=[3]"]  # after FSDP's settings (which switch the faults off): rank 1 only
 ULYSSES = ["--set", "model.sequence_degree=2", "--set", "data.resolutions=[32]"]  # even token counts per clip
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("failures")
-    config = copy_examples(tmp)
-    shutil.copy(Path(__file__).parent / "distributed_probe.py", tmp / "distributed_probe.py")
-    assert main(["cache", str(config)]) == 0
-    return tmp
 
 
 def failed_and_resumed(workspace: Path, name: str, layout: list[str]) -> tuple[str, float, Path]:
