@@ -77,3 +77,20 @@ def test_data_parallel_skips_the_step_together_and_keeps_the_ranks_data_in_step_
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     steps = {r["step"]: r["skip_reason"] for r in events if r["_type"] == "OptimizerStepped"}
     assert steps == {1: None, 2: "out of memory", 3: None}  # rank 0's log: skipped with rank 1
+
+
+def test_a_peer_killed_without_a_word_ends_the_other_rank_and_the_run_resumes(workspace):
+    """Rank 1 is SIGKILLed after step 3 under fsdp: rank 0, waiting in step 4's all-gather, ends within seconds
+    (its collective fails: the peer's end, not a traceback of its own) and the run resumes from step 2."""
+    started = time.monotonic()
+    killed = torchrun(workspace, "fsdp_killed", *FSDP, *SHARDED,
+                      env={"WANTRAIN_PROBE_KILL_AT": "3", "WANTRAIN_PROBE_STOP_RANK": "1"})
+    took = time.monotonic() - started
+    assert killed.returncode != 0 and took < ENDS_WITHIN_S + 30, killed.stderr[-3000:]
+    assert "]: Traceback" not in killed.stderr, killed.stderr[-3000:]
+    assert "failed: its collective lost a peer rank that ended without a word" in killed.stderr
+    assert "resume from '" in killed.stderr and "step_000002' (step 2) with --resume auto" in killed.stderr
+    run_dir = only_run_dir(workspace / "fsdp_killed")
+    resumed = torchrun(workspace, "fsdp_killed", *FSDP, *SHARDED, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "step_000004").is_dir()

@@ -51,6 +51,10 @@ PATIENT_TIMEOUT_S = 7 * 24 * 3600.0
 of samples): far beyond any such job, so in practice no timeout, while a rank 0 that died still ends the wait
 (torchrun also ends the others)."""
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What a collective raises when a peer process is gone (gloo's TCP transport): :meth:`ProcessGroupSync.fail`
+reports it as the peer's end, not as this rank's bug."""
+
 PER_RANK_STATE = ("train_state", "generator", "rng", "data", "metrics", "interval")
 """Keys of ``Trainer.state_dict()`` that differ between ranks (each rank's random streams, data position, micro-step
 counter, pending metric sums and the log interval's losses); everything else (LoRA weights, optimizer, scheduler,
@@ -281,6 +285,9 @@ class ProcessGroupSync:
         other = None if isinstance(exc, UserError) else self.watch.other_failure()  # a refusal keeps its line
         if other is not None:
             return other
+        if not isinstance(exc, UserError) and any(words in str(exc) for words in PEER_LOST):
+            return self.watch.announce("its collective lost a peer rank that ended without a word (killed, out of "
+                                       f"host memory, or its machine lost): {first_line(exc)}")
         if not isinstance(exc, RankFailed) and not self.watch.announced:
             self.watch.announce(first_line(exc))
         return None
