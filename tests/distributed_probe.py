@@ -5,7 +5,8 @@ every rank. With ``WANTRAIN_PROBE_DIR`` set it writes, outside the run directory
 ``model.parallel = "fsdp"`` its shard of them), and ``rank<R>_start.safetensors``, the same at ``RunStarted`` (a
 resumed run's LoRA as restored). On ranks other than 0 it records, through an audit hook, every
 write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the run's output folder).
-``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only.
+``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only;
+``WANTRAIN_PROBE_KILL_AT``: SIGKILL that rank after that step instead (a peer that dies without a word).
 The record also holds ``block_numel``: the elements of the trained experts' block parameters this rank holds
 (its shards under fsdp) and their whole count.
 ``rank<R>_grads.safetensors``: the first optimizer step's gradients as ``GradsReady`` sees them (averaged over the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -40,6 +42,7 @@ class RankProbe(Observer):
         self.directory = Path(directory) if directory else None
         self.stop_at = int(os.environ.get("WANTRAIN_PROBE_STOP_AT", "0"))
         self.stop_rank = int(os.environ.get("WANTRAIN_PROBE_STOP_RANK", "-1"))
+        self.kill_at = int(os.environ.get("WANTRAIN_PROBE_KILL_AT", "0"))
         self.record: dict = {"rank": self.rank, "steps": [], "losses": {}, "keys": [], "writes": []}
         watch = os.environ.get("WANTRAIN_PROBE_WATCH")
         if watch and self.rank != 0:
@@ -83,6 +86,8 @@ class RankProbe(Observer):
         self.record["steps"].append([event.step, event.skipped, event.skip_reason])
         if event.step == self.stop_at and self.rank == self.stop_rank:
             ctx.control.request_stop(f"probe on rank {self.rank}")
+        if event.step == self.kill_at and self.rank == self.stop_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @on(MetricsLogged)
     def logged(self, event: MetricsLogged, ctx) -> None:

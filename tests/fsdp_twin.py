@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from wantrain.core import sharding
+from wantrain.core.parallel import sharding
 from wantrain.models.wan22 import LoraConfig, ModelConfig, build_adapter
 
 STEPS = 4

@@ -24,7 +24,8 @@ def main() -> None:
         signal.signal(signum, lambda received, _frame: os.kill(proc.pid, received))
     code = proc.wait()
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 

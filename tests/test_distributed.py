@@ -335,7 +335,8 @@ def test_two_torchrun_launchers_meet_through_a_c10d_rendezvous_as_two_nodes(tmp_
 GROUP_SETTINGS = ["train.max_steps=6", "train.log_every=2", "checkpoint.every=4", "observers.progress=false"]
 """The expert-group run and its two one-expert references: the same seed, data and schedule. Rank 0 (group 0)
 draws as a one-process run of the high-noise expert and rank 1 (group 1) as one of the low-noise expert (the run
-seed, the whole data stream: ``core.expert_groups``), so the LoRA files are compared byte for byte (tolerance 0)."""
+seed, the whole data stream: ``core.parallel.expert_groups``), so the LoRA files are compared byte for byte
+(tolerance 0)."""
 
 
 def one_expert_run(workspace: Path, expert: str) -> Path:

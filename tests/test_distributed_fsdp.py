@@ -1,5 +1,5 @@
-"""Sharded base weights (``wantrain.core.sharding``, docs/distributed.md): two gloo ranks under torchrun shard the
-tiny TI2V twin per block with FSDP2 and train its LoRA (tests/fsdp_twin.py); one process with the same global batch
+"""Sharded base weights (``wantrain.core.parallel.sharding``, docs/distributed.md): two gloo ranks under torchrun shard
+the tiny TI2V twin per block with FSDP2 and train its LoRA (tests/fsdp_twin.py); one process with the same global batch
 and draws is the reference. One launch gives the uninterrupted run, its checkpoint at step 2 and, in the same ranks,
 a run resumed from it; the test process resumes the same checkpoint at world size 1."""
 

@@ -1,5 +1,5 @@
-"""FSDP inside expert groups, at library level (``core.sharding.group_shard_mesh`` and ``load_from_leader``): four
-forked gloo ranks split into two groups of two; group 0 (ranks 0, 1) trains the tiny T2V twin's high-noise expert,
+"""FSDP inside expert groups, at library level (``core.parallel.sharding.group_shard_mesh`` and ``load_from_leader``):
+four forked gloo ranks split into two groups of two; group 0 (ranks 0, 1) trains the tiny T2V twin's high-noise expert,
 group 1 (ranks 2, 3) its low-noise one, each expert sharded over its own group's mesh and loaded from the group's
 leader (the other rank builds it on ``meta``). Each group's LoRA must equal a one-process run of its expert with
 the same global batch and draws. ``wantrain run`` wires them (tests/test_expert_groups_fsdp_run.py)."""
@@ -51,7 +51,7 @@ def _rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from wantrain.core import sharding
+    from wantrain.core.parallel import sharding
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
     group, in_group = divmod(rank, 2)

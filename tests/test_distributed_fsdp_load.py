@@ -1,8 +1,9 @@
-"""Loading a sharded expert from rank 0 (``model.parallel = "fsdp"``, ``core.sharding.load_from_rank0``): two forked
-gloo ranks build the tiny TI2V twin the way ``wantrain run`` does under torchrun (rank 0 loads it whole on the host,
-rank 1 builds it on ``meta``; both shard it per block and fill the shards from rank 0), and each measures the bytes
-it allocates (tests/live_bytes.py) against the planner's load peak (``rank_plan.load_peak``). A second pair starts
-the LoRA from a file (``lora.init_from``): rank 0 copies its values into the host copy, both ranks take its alpha."""
+"""Loading a sharded expert from rank 0 (``model.parallel = "fsdp"``, ``core.parallel.sharding.load_from_rank0``): two
+forked gloo ranks build the tiny TI2V twin the way ``wantrain run`` does under torchrun (rank 0 loads it whole on
+the host, rank 1 builds it on ``meta``; both shard it per block and fill the shards from rank 0), and each measures
+the bytes it allocates (tests/live_bytes.py) against the planner's load peak (``rank_plan.load_peak``). A second
+pair starts the LoRA from a file (``lora.init_from``): rank 0 copies its values into the host copy, both ranks take
+its alpha."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _rank(rank: int, world: int, store: str, out: str, init_from: str | None = N
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from wantrain.core.sharding import local_bytes
+    from wantrain.core.parallel.sharding import local_bytes
     from wantrain.models.wan22.export import lora_layers
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

@@ -12,7 +12,8 @@ from wantrain.app.preflight import check_parallel
 from wantrain.app.resume import ResumePoint, check_resume_world_size
 from wantrain.cli.main import main
 from wantrain.core.config import structure
-from wantrain.core.distributed import (
+from wantrain.core.errors import ConfigError, UserError
+from wantrain.core.parallel.distributed import (
     PER_RANK_STATE,
     SingleProcess,
     _decode_tree,
@@ -21,7 +22,6 @@ from wantrain.core.distributed import (
     detect_topology,
     rank_view,
 )
-from wantrain.core.errors import ConfigError, UserError
 
 
 def test_topology_comes_from_torchruns_environment():
@@ -123,7 +123,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
     from wantrain.core.control import Control
-    from wantrain.core.distributed import ProcessGroupSync, Topology
+    from wantrain.core.parallel.distributed import ProcessGroupSync, Topology
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     sync = ProcessGroupSync(Topology(rank=rank, world_size=2), torch.device("cpu"))
@@ -184,7 +184,7 @@ def test_the_initial_lora_broadcast_sends_only_tensors_on_the_groups_device(monk
     import torch.distributed as dist
 
     from tests.simulated_device import DEVICE, MetaAsDevice
-    from wantrain.core.distributed import ProcessGroupSync, Topology
+    from wantrain.core.parallel.distributed import ProcessGroupSync, Topology
 
     sent = []
     monkeypatch.setattr(dist, "broadcast",
@@ -205,7 +205,7 @@ def _cache_worker(rank: int, store: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from wantrain.core.distributed import ProcessGroupSync, Topology
+    from wantrain.core.parallel.distributed import ProcessGroupSync, Topology
 
     os.environ.update(MASTER_ADDR="127.0.0.1")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
@@ -235,7 +235,7 @@ def _waiting_worker(rank: int, store: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from wantrain.core.distributed import ProcessGroupSync, Topology
+    from wantrain.core.parallel.distributed import ProcessGroupSync, Topology
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -349,3 +349,43 @@ def test_a_rank_new_to_a_checkpoint_restores_rank_0s_counters():
                                          {"data": {"entry": 3}, "generator": "g1"}]}
     assert rank_view(tree, 1)["generator"] == "g1"
     assert rank_view(tree, 3) == {"model": {"w": 1}, "data": {"entry": 3}, "generator": "g0"}
+
+
+def test_the_padded_rows_of_a_short_global_batch_weigh_nothing():
+    """3 clips on 2 ranks of batch 2 (issue #57): rank 1 repeats clip 0 to step with rank 0. Each rank's loss is
+    the weighted sum of its rows' losses and the ranks' gradients are averaged, so a sample's weight in the global
+    loss is the sum of its rows' weights over the ranks, divided by the ranks: 1/3 each (before: 1/2, 1/4, 1/4)."""
+    from types import SimpleNamespace
+
+    from wantrain.data.training import TrainingData
+
+    class Report:
+        buckets, steps_per_epoch, verification = [], 0, []
+
+    clips = [SimpleNamespace(path=f"clip{i}.mp4", active=False, start=0, frames=9) for i in range(3)]
+    data = TrainingData(clips, Report(), batch_size=2, remainder="drop", shuffle=False, seed=0, spec=None)
+    samples = [(i, "text") for i in range(3)]
+    weight = {0: 0.0, 1: 0.0, 2: 0.0}
+    for rank in range(2):
+        data.shard(rank, 2)
+        share = data.rank_share(samples)
+        rows = data.row_weights(3, share, [f"clip{i}.mp4" for i, _ in share])
+        for (i, _), w in zip(share, rows, strict=True):
+            weight[i] += w / 2
+    assert weight == pytest.approx({0: 1 / 3, 1: 1 / 3, 2: 1 / 3})
+    assert data.row_weights(4, samples[:2], ["clip0.mp4", "clip1.mp4"]) is None  # a full global batch: no weights
+    # the event log's rows: every rank's, padding left out
+    assert data.trained_samples(samples) == (
+        (0, "clip0.mp4", 0, 9), (0, "clip1.mp4", 0, 9), (1, "clip2.mp4", 0, 9))
+
+
+def test_the_rest_of_an_epoch_is_regrouped_for_another_global_batch_each_sample_once():
+    from wantrain.data.regroup import regroup, remaining_samples
+
+    plan = [((32, 32, 9), [0, 1]), ((16, 16, 1), [5, 6]), ((32, 32, 9), [2, 3]), ((16, 16, 1), [7])]
+    rest = remaining_samples(plan, 1, {(32, 32, 9): [4]})  # one global batch of 2 trained; sample 4 was carried
+    assert rest == {(16, 16, 1): [5, 6, 7], (32, 32, 9): [2, 3, 4]}
+    tail = regroup(rest, 3, seed=7, epoch=0, shuffle=True)
+    assert sorted(i for _, idx in tail for i in idx) == [2, 3, 4, 5, 6, 7]  # each remaining sample once
+    assert all(len(idx) <= 3 and len({(key, i) for i in idx}) == len(idx) for key, idx in tail)
+    assert sorted(len(idx) for _, idx in regroup(rest, 2, seed=7, epoch=0, shuffle=False)) == [1, 1, 2, 2]

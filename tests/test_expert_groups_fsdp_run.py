@@ -20,8 +20,8 @@ SETTINGS = ["train.max_steps=4", "train.log_every=2", "checkpoint.every=2", "obs
 GROUPS = [*SETTINGS, "model.expert_groups=2"]
 TOLERANCE = 0.0
 """Of each LoRA tensor against its two-rank one-expert FSDP run: a group's two ranks draw as that run's two ranks
-(``core.expert_groups``) and FSDP2 reduce-scatters over a mesh of two in both, so the same operations in the same
-order: the files are compared bit for bit (measured: equal)."""
+(``core.parallel.expert_groups``) and FSDP2 reduce-scatters over a mesh of two in both, so the same operations in the
+same order: the files are compared bit for bit (measured: equal)."""
 
 
 BOTH = {"variant": "tiny-t2v", "parallel": "fsdp", "expert_groups": 2}

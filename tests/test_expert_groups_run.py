@@ -1,6 +1,6 @@
 """One expert per group of GPUs (``model.expert_groups = 2``) with what crosses the groups: sample videos whose
-low-noise steps are relayed to the other group (``core.expert_relay``), on gloo ranks forked from the test process
-(no fresh interpreter)."""
+low-noise steps are relayed to the other group (``core.parallel.expert_relay``), on gloo ranks forked from the test
+process (no fresh interpreter)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from tests.models.wan22_helpers import make_adapter
 from tests.observers.test_stacked_loras import distillation_lora
 from wantrain.core.adapter import evaluation_session
-from wantrain.core.distributed import Topology
-from wantrain.core.expert_groups import ExpertGroups, ExpertGroupSync
-from wantrain.core.expert_relay import RelayedExpert
+from wantrain.core.parallel.distributed import Topology
+from wantrain.core.parallel.expert_groups import ExpertGroups, ExpertGroupSync
+from wantrain.core.parallel.expert_relay import RelayedExpert
 from wantrain.observers.evaluation import samples as samples_module
 from wantrain.observers.evaluation.config import StackedLora
 from wantrain.observers.evaluation.samples import SampleJob, SampleVideos
@@ -115,8 +115,8 @@ def test_a_sample_across_two_expert_groups_equals_the_one_process_two_expert_sam
 RUN_SETTINGS = ["train.max_steps=4", "train.log_every=2", "observers.progress=false", "checkpoint.enabled=false",
                 "optimizer.lr=3e-3"]
 """The expert-group run and its references. Inside a group of two ranks, rank ``r`` draws as rank ``r mod 2`` of a
-two-rank data-parallel run of that expert (``core.expert_groups``) and the group's gradients are averaged as that
-run's are (one all-reduce of two), so the LoRA files are compared byte for byte (tolerance 0)."""
+two-rank data-parallel run of that expert (``core.parallel.expert_groups``) and the group's gradients are averaged as
+that run's are (one all-reduce of two), so the LoRA files are compared byte for byte (tolerance 0)."""
 
 
 def _launch_rank(rank: int, world: int, port: int, args: list[str], out: str) -> None:

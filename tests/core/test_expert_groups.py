@@ -1,17 +1,18 @@
-"""``core.expert_groups`` on four gloo ranks (two groups of two, forked from the test process): what travels inside
-a group (the LoRA's start from the group's leader, the averaged gradients, the non-finite flag) and what travels
+"""``core.parallel.expert_groups`` on four gloo ranks (two groups of two, forked from the test process): what travels
+inside a group (the LoRA's start from the group's leader, the averaged gradients, the non-finite flag) and what travels
 across all ranks (the metrics; the state and LoRA files that reach rank 0)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
-from wantrain.core.distributed import LEADER_KEY, Topology, rank_view
 from wantrain.core.errors import UserError
-from wantrain.core.expert_groups import ExpertGroups, expert_groups_of
+from wantrain.core.parallel.distributed import LEADER_KEY, Topology, rank_view
+from wantrain.core.parallel.expert_groups import ExpertGroups, expert_groups_of
 
 
 def _worker(rank: int, store: str, out: str) -> None:
@@ -19,7 +20,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from wantrain.core.expert_groups import ExpertGroupSync, GroupSaver
+    from wantrain.core.parallel.expert_groups import ExpertGroupSync, GroupSaver
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=60))
@@ -111,7 +112,7 @@ def _relay_rank(rank: int, store: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from wantrain.core.expert_relay import ExpertRelay
+    from wantrain.core.parallel.expert_relay import ExpertRelay
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -158,3 +159,72 @@ def test_a_relayed_call_returns_the_serving_ranks_output_and_its_error_fails_bot
                                "scale")
     assert server["raised"] == "a negative scale"  # raised on the serving rank once rank 0 said done
     assert caller["calls"] == server["calls"] == 2
+
+
+def _failing_server(rank: int, store: str, out: str, point: str) -> None:
+    """Rank 0 sends a video's context and calls the expert twice; rank 1 fails at ``point`` (module test below)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from wantrain.core.parallel.expert_relay import ExpertRelay
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    relay = ExpertRelay(lambda: None, rank, 1, "low_noise", torch.device("cpu"))
+    result: dict = {"errors": []}
+    try:
+        if rank == 0:
+            relay.context(loras=[["missing.safetensors", 1.0, "low_noise"]])
+            for _ in range(2):
+                try:
+                    relay.call(x=torch.ones(2))
+                except RuntimeError as exc:
+                    result["errors"].append(str(exc))
+            relay.done()
+        else:
+            if point == "inputs":
+                relay.device = "no such device"  # type: ignore[assignment] -- copying the inputs there fails
+
+            def context(values: dict) -> None:
+                if point == "context":
+                    raise FileNotFoundError("stacked LoRA missing.safetensors")
+
+            def expert(*, x: torch.Tensor) -> tuple[torch.Tensor]:
+                return (x * 2,)
+
+            try:
+                with relay.serving():
+                    if point == "bring_in":
+                        raise MemoryError("bringing the low_noise expert in")
+                    relay.serve(expert, context=context)
+            except Exception as exc:
+                result["raised"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        with open(f"{out}.{rank}", "w") as fh:
+            json.dump(result, fh)
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("point", "cause"), [
+    ("bring_in", "MemoryError: bringing the low_noise expert in"),
+    ("context", "FileNotFoundError: stacked LoRA missing.safetensors"),
+    ("inputs", "RuntimeError:"),
+])
+def test_a_serving_rank_that_fails_anywhere_in_a_round_tells_rank_0_and_neither_waits(tmp_path, point, cause):
+    """Each failure point of the serving rank outside its expert (issue #57): rank 0's calls get the cause, the
+    server raises it once done arrives, and both processes end (a hang fails the join's timeout)."""
+    import torch.multiprocessing as mp
+
+    spawned = mp.start_processes(_failing_server, args=(str(tmp_path / "store"), str(tmp_path / "out"), point),
+                                 nprocs=2, start_method="fork", join=False)
+    deadline = time.monotonic() + 60
+    while not spawned.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in spawned.processes:
+                process.kill()
+            pytest.fail(f"a rank still waits 60 s after the {point} failure")
+    caller, server = (json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1))
+    assert len(caller["errors"]) == 2 and all(cause in e for e in caller["errors"]), caller
+    assert server["raised"].startswith(cause), server
+

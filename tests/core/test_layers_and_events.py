@@ -48,6 +48,8 @@ def _example(cls: type[Event]) -> Event:
             values[f.name] = "high_noise"
         elif "dict" in tp:
             values[f.name] = {"train/loss": 0.5}
+        elif "tuple[tuple[int, str, int, int]" in tp:  # BatchDrawn's samples
+            values[f.name] = ((0, "clip_000.mp4", 0, 9), (1, "image_000.png", 0, 1))
         elif "tuple[float" in tp:
             values[f.name] = (1e-4, 2e-4)
         elif "tuple[str | None" in tp:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from wantrain.core.errors import UserError
-from wantrain.core.sharding import shard_per_block
+from wantrain.core.parallel.sharding import shard_per_block
 from wantrain.models.wan22.memory import LORA_BYTES_PER_PARAM
 from wantrain.models.wan22.rank_plan import Layout, check_layout, lora_shard_params, rank_estimate, sharded_weight_bytes
 

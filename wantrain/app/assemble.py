@@ -1,5 +1,5 @@
 """The one place that assembles a run from a config: ``wantrain run``, resume, the LR finder's mode
-(``wantrain.app.lr_finder``) and torchrun (``core.distributed``) all go through :func:`prepare` and
+(``wantrain.app.lr_finder``) and torchrun (``core.parallel.distributed``) all go through :func:`prepare` and
 :meth:`PreparedRun.execute`; replay builds its observers from the same table (``wantrain.app.observers``). The
 assembly has no mode branch: a mode changes it only through :class:`RunOptions`, and it never calls a mode.
 
@@ -60,19 +60,19 @@ from wantrain.core.adapter import NullSaver, check_needs
 from wantrain.core.atomic import atomic_write, critical_section, is_storage_error, storage_error
 from wantrain.core.bus import Bus
 from wantrain.core.checkpoint import latest_complete, step_dir_name
-from wantrain.core.distributed import (
+from wantrain.core.errors import UserError
+from wantrain.core.events import RunStarted
+from wantrain.core.events.log import event_log_path
+from wantrain.core.faults import inject_faults
+from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
+from wantrain.core.parallel.distributed import (
     ProcessGroupSync,
     SingleProcess,
     detect_topology,
     rank_view,
 )
-from wantrain.core.errors import UserError
-from wantrain.core.events import RunStarted
-from wantrain.core.events.log import event_log_path
-from wantrain.core.expert_groups import ExpertGroupSync, GroupSaver, expert_groups_of
-from wantrain.core.expert_relay import RelayedExpert
-from wantrain.core.faults import inject_faults
-from wantrain.core.loop import CheckpointPolicy, LoopSettings, Trainer
+from wantrain.core.parallel.expert_groups import ExpertGroupSync, GroupSaver, expert_groups_of
+from wantrain.core.parallel.expert_relay import RelayedExpert
 from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
 from wantrain.core.state import TrainState
 from wantrain.core.state_check import check_state_tree
@@ -204,7 +204,7 @@ class PreparedRun:
     extra_observers: list[type]
     resume: ResumePoint | None = None
     validation_data: Any = None  # the [validation] clips (build_validation_data)
-    sync: Any = attrs.field(factory=SingleProcess)  # core.distributed: SingleProcess, or ProcessGroupSync (torchrun)
+    sync: Any = attrs.field(factory=SingleProcess)  # core.parallel.distributed: SingleProcess or ProcessGroupSync
     data_changes: tuple[str, ...] = ()  # media changed since the resumed checkpoint (--allow-data-changes)
     lock: RunDirLock | None = None  # the run directory's lock (a resume takes it in prepare(), a fresh run in execute)
     encoded: EncodedFirst | None = None  # one process: the cache filled before the experts loaded (prepare())
@@ -351,6 +351,7 @@ class PreparedRun:
                 meta={"config": _without_faults(self.plain), "config_hash": config_hash(self.plain),
                       "data_files": file_fingerprints(data.clips)},
             )
+        sync.watch_checkpoints(policy.directory if policy is not None else None)  # a failure's resume hint
         trainer = Trainer(
             adapter=inject_faults(model, optimizer, cfg.faults, state, rank, checkpoints=policy),
             batches=data.stream(adapter, pin_memory=self.device.type == "cuda"), optimizer=optimizer,
@@ -376,7 +377,7 @@ class PreparedRun:
 
     def _saver(self, run_dir: Path) -> Any:
         """The LoRA files' writer: rank 0's (the other ranks write nothing); with expert groups every rank's
-        ``GroupSaver``, through which the group leaders' files reach rank 0 (``core.expert_groups``); sharded
+        ``GroupSaver``, through which the group leaders' files reach rank 0 (``core.parallel.expert_groups``); sharded
         (fsdp), every rank's saver, which gathers the whole LoRA, rank 0's alone writing."""
         sync = self.sync
         if isinstance(sync, ExpertGroupSync):  # sharded: every rank of a group gathers, its leader keeps the files
@@ -631,19 +632,19 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
 def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_degree: int | None,
                   sequence_degree: int = 1, groups: ExpertGroupSync | None = None) -> None:
     """model.parallel = "fsdp" under torchrun: ``fully_shard`` every block of each trained expert, then the
-    expert's root (``core.sharding.shard_per_block``), on the mesh of ``shard_degree`` ranks per copy (HSDP across
-    the groups). After the LoRA is injected and before the optimizer is built: it is built over the ``DTensor``
+    expert's root (``core.parallel.sharding.shard_per_block``), on the mesh of ``shard_degree`` ranks per copy (HSDP
+    across the groups). After the LoRA is injected and before the optimizer is built: it is built over the ``DTensor``
     parameters that replace the originals. The transformers were built on ``meta`` (``build_adapter(shard_load=)``):
     each rank then allocates its shards only and fills them from rank 0's host copy, which is dropped after
-    (``core.sharding.load_from_rank0``). With ``sequence_degree`` > 1 (Ulysses already on the experts:
+    (``core.parallel.sharding.load_from_rank0``). With ``sequence_degree`` > 1 (Ulysses already on the experts:
     :func:`split_sequences`) the sequence groups are folded into the shard mesh and FSDP2's gradient sum over every
     rank is divided by the data-parallel size, as ``ProcessGroupSync.split_sequences`` divides its all-reduce.
 
     With expert groups (``groups``, the run's sync; refused with a sequence degree): each group shards its own expert
-    over its own ranks (``core.sharding.group_shard_mesh``; ``shard_degree`` of them per copy, unset: the whole
-    group) and fills it from the group leader's host copy over the group only (``core.sharding.load_from_leader``):
-    the groups load side by side."""
-    from wantrain.core import sharding
+    over its own ranks (``core.parallel.sharding.group_shard_mesh``; ``shard_degree`` of them per copy, unset: the whole
+    group) and fills it from the group leader's host copy over the group only
+    (``core.parallel.sharding.load_from_leader``): the groups load side by side."""
+    from wantrain.core.parallel import sharding
 
     if groups is None:
         mesh = sharding.shard_mesh(device.type, world_size, shard_degree)

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from wantrain.app.layouts import problems as layout_problems
 from wantrain.app.migration import peer_file_problem, peer_hint, peer_key_problems, table_markdown
 from wantrain.core.config import (
     ConfigError,
@@ -110,9 +111,8 @@ class RunConfig:
                 f"dequantize (model.base_dtype = '{self.model.base_dtype}'"
                 + (", which a VRAM budget may turn into fp8" if self.model.base_dtype == "auto" else "")
                 + "); set model.base_dtype = 'bf16' or use another lora.type")
-        if self.model.parallel == "fsdp" and self.lora.type == "dora":
-            raise ConfigError("lora.type = 'dora' reads the base weights outside their forward pass, which "
-                              "model.parallel = 'fsdp' holds sharded there; use another lora.type or parallel = 'dp'")
+        for problem in layout_problems(self)[:1]:  # fsdp with DoRA, 8-bit AdamW, Adafactor, the alpha schedule
+            raise ConfigError(problem)
         if self.lora.include or self.lora.exclude:  # against the variant's module names, before anything is written
             try:
                 spec = VARIANTS[self.model.variant]
@@ -127,8 +127,8 @@ class RunConfig:
 
 def _check_expert_groups(cfg: RunConfig) -> None:
     """What one expert per group of GPUs cannot run (read time). Samples and validation run across the groups
-    (``core.expert_relay``, docs/distributed.md); these stay refused: the LR finder sweeps the experts one after
-    the other on every rank (a sequential sweep has nothing for the second group to do), and the low-noise group's
+    (``core.parallel.expert_relay``, docs/distributed.md); these stay refused: the LR finder sweeps the experts one
+    after the other on every rank (a sequential sweep has nothing for the second group to do), and the low-noise group's
     alpha controller would decide where rank 0's event log never sees it (replay could not reproduce it).
     ``sample.other_expert_lora`` has no expert to load into (the other group trains it)."""
     if cfg.model.expert_groups <= 1:

@@ -454,7 +454,7 @@ def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict, *, gpus: i
     The figures are one rank's; with ranks (``gpus``, or torchrun's ``LOCAL_WORLD_SIZE`` per machine) the
     machine's sum follows (:func:`_ranks_on_host`), and under ``model.parallel = "fsdp"`` the loading rank (rank 0,
     or each expert group's leader) holds the expert whole while loading, the others none of it."""
-    from wantrain.core.distributed import detect_topology
+    from wantrain.core.parallel.distributed import detect_topology
     from wantrain.models.wan22.memory import host_estimate
     from wantrain.models.wan22.placement import host_experts, pin_budget
 
@@ -485,7 +485,7 @@ def _ranks_on_host(gpus: int | None) -> tuple[int, int]:
     its ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE``; else one process."""
     import os
 
-    from wantrain.core.distributed import detect_topology
+    from wantrain.core.parallel.distributed import detect_topology
 
     if gpus is not None:
         return gpus, gpus

@@ -32,8 +32,8 @@ from wantrain.core.checkpoint import (
     read_checkpoint,
     remove_stale_temporaries,
 )
-from wantrain.core.distributed import checkpoint_world_size
 from wantrain.core.errors import UserError
+from wantrain.core.parallel.distributed import checkpoint_world_size
 
 log = structlog.get_logger("wantrain.run")
 
@@ -342,10 +342,11 @@ def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: boo
     its own, so they cannot be split or merged exactly. With ``model.parallel = "fsdp"`` (``sharded``) a run may
     resume on fewer or more ranks: its checkpoint holds the whole LoRA and optimizer state, which the new layout
     reshards (a shard degree that does not divide the new ranks is refused by ``preflight.check_parallel``); rank
-    ``r`` continues rank ``r``'s streams and the data position (in entries of the global batch plan, now
-    ``train.batch_size`` x the new world size); a rank the checkpoint never had starts from rank 0's counters and
-    random streams (every rank draws the whole global batch's timesteps and noise from one stream and keeps its
-    rows). Returns that note, for the log. ``expert_groups`` > 1 (sharded or not): refused, the hint says why."""
+    ``r`` continues rank ``r``'s streams, and the data the interrupted epoch's samples not yet trained, regrouped
+    into global batches of ``train.batch_size`` x the new world size (``data.regroup``: each once); a rank the
+    checkpoint never had starts from rank 0's counters and random streams (every rank draws the whole global
+    batch's timesteps and noise from one stream and keeps its rows). Returns that note, for the log.
+    ``expert_groups`` > 1 (sharded or not): refused, the hint says why."""
     saved = checkpoint_world_size(point.tree)
     if saved == world_size:
         return None
@@ -360,8 +361,9 @@ def check_resume_world_size(point: ResumePoint, world_size: int, *, sharded: boo
                    else f"{which} {'continues' if one else 'continue'} rank 0's random streams (every rank draws the "
                         "global batch's timesteps and noise from the same stream)")
         return (f"checkpoint '{point.checkpoint}' was written by {launch(saved)}, this run has {world_size}: the "
-                f"LoRA, optimizer, schedule and counters continue exactly; {streams}, and the data continues from "
-                f"the same entry of a plan of {world_size}/{saved} the global batch")
+                f"LoRA, optimizer, schedule and counters continue exactly; {streams}, and the interrupted epoch's "
+                f"samples not yet trained are regrouped into global batches {world_size}/{saved} the size (each "
+                "trained once)")
     hint = (f" (with model.expert_groups = {expert_groups} each rank's group and data follow from the number of "
             "ranks)" if expert_groups > 1 else " (model.parallel = 'fsdp' resumes on another number of ranks)")
     raise UserError(

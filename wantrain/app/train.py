@@ -58,6 +58,11 @@ def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | No
                               Path(cfg.run.output_dir), ())
         try:
             return run_lr_finder(prepared) if cfg.lr_finder.active else prepared.execute()
+        except BaseException as exc:
+            other = prepared.sync.fail(exc)  # torchrun: the other ranks learn it and end (core.parallel.failures)
+            if other is not None:  # this rank's collective failed because another rank failed first: say that
+                raise other from None
+            raise
         finally:
             prepared.release()  # the run directory's lock, should execute not have run
             prepared.sync.close()  # torchrun: leave the process group (one process: nothing to do)

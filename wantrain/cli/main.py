@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, what the shell reports for a tool killed by a closed pipe
     except UserError as exc:
         print(f"wantrain {args.command}: error: {exc}", file=sys.stderr)
-        return FAILED if isinstance(exc, StorageError) else UserError.exit_code
+        return FAILED if isinstance(exc, StorageError) else exc.exit_code  # RankFailed: 1
     except KeyboardInterrupt as exc:  # a run's abort says what it saved (wantrain.app.signals.describe_abort)
         print(f"wantrain {args.command}: {exc or 'aborted (Ctrl-C)'}", file=sys.stderr)
         return 130

@@ -125,7 +125,7 @@ class SamplingCapable(Evaluating, Protocol):
 @runtime_checkable
 class ExpertServing(Protocol):
     """An expert called for another rank (``model.expert_groups``: its group's leader serves rank 0's sampling
-    pipeline, ``core.expert_relay``). ``transformer_for(expert)`` is the module the pipeline would call."""
+    pipeline, ``core.parallel.expert_relay``). ``transformer_for(expert)`` is the module the pipeline would call."""
 
     def transformer_for(self, expert: str | None) -> Any: ...
 

@@ -31,9 +31,9 @@ from wantrain.core.checkpoint import (
 )
 from wantrain.core.context import Context, DeviceMetrics, Live
 from wantrain.core.control import Control
-from wantrain.core.distributed import SingleProcess
 from wantrain.core.errors import CriticalObserverError
 from wantrain.core.events import (
+    BatchDrawn,
     CheckpointSaved,
     ControlRequested,
     ExpertSwitched,
@@ -48,7 +48,8 @@ from wantrain.core.events import (
 )
 from wantrain.core.inbox import Inbox
 from wantrain.core.interval import LORA_NORM, LORA_NORM_START, LogInterval
-from wantrain.core.sharding import is_sharded, whole
+from wantrain.core.parallel.distributed import SingleProcess
+from wantrain.core.parallel.sharding import is_sharded, whole
 from wantrain.core.state import RunParts, TrainState, capture, restore
 
 
@@ -122,7 +123,7 @@ class Trainer:
     :class:`ModelAdapter`, an iterable of batches (infinite, or at least long enough; with ``state_dict()`` /
     ``load_state_dict()`` its position is checkpointed), an optimizer over ``adapter.param_groups()``, a scheduler
     with ``step()`` (called once per optimizer step), a :class:`Saver` and an optional :class:`CheckpointPolicy`.
-    ``sync`` links the ranks of a torchrun launch (``core.distributed``; one process: nothing is exchanged); on
+    ``sync`` links the ranks of a torchrun launch (``core.parallel.distributed``; one process: nothing is exchanged); on
     ranks other than 0 the saver is a ``NullSaver`` and checkpoints are handed to rank 0, which writes them.
 
     :meth:`state_dict` / :meth:`load_state_dict` capture and restore everything needed to continue bitwise;
@@ -206,7 +207,7 @@ class Trainer:
             self.bus.emit(RunStarted(
                 step=state.step, run_dir=str(self.ctx.run_dir or ""), total_steps=s.max_steps,
                 grad_accum=s.grad_accum, log_every=s.log_every,
-                # the run's experts: this process's, or every expert group's (core.expert_groups)
+                # the run's experts: this process's, or every expert group's (core.parallel.expert_groups)
                 experts=tuple(getattr(self.sync, "experts", None) or self.adapter.experts),
                 resumed_from=self._resumed_from,
             ))
@@ -228,9 +229,11 @@ class Trainer:
                 # the stream on every rank: none drew more than another (a host copy of the state, no sync)
                 draws = self.generator.get_state() if self.sync.exchanges_gradients else None
                 ended = self._accumulate(step, expert, is_log_step, batches)
-                ended = self.sync.agree_step(ended, control)  # a stop or an out-of-memory error on any rank
+                ended = self.sync.agree_step(ended, control, step)  # a stop or an out-of-memory error on any rank
                 if ended is not None and draws is not None:
                     self.generator.set_state(draws)
+                    for _ in range(s.grad_accum - self._drawn):  # every rank passes the step's batches alike
+                        next(batches)
                 if ended == "stopped":
                     self.optimizer.zero_grad(set_to_none=True)
                     break  # stopped mid-accumulation: the partial step is dropped, not applied
@@ -361,7 +364,8 @@ class Trainer:
         applied, ``"stopped"`` (a stop request between micro-steps) or ``"out of memory"``."""
         state, control, s, live, bus = self.state, self.ctx.control, self.settings, self.ctx.live, self.bus
         self._step_losses = []
-        started, computed = bus.wants(StepStarted), bus.wants(LossComputed)
+        started, computed, drawn = bus.wants(StepStarted), bus.wants(LossComputed), bus.wants(BatchDrawn)
+        self._drawn = 0  # batches drawn in this step (torchrun: a step ended early passes the rest, in run())
         for index in range(1, s.grad_accum + 1):
             state.micro_step += 1
             ends = index == s.grad_accum
@@ -376,6 +380,9 @@ class Trainer:
             phase, failure = "forward", None
             try:
                 batch = next(batches)
+                self._drawn += 1
+                if drawn and "trained" in batch:  # what the global batch trains, every rank's rows (read only)
+                    bus.emit(BatchDrawn(step=step, micro_step=state.micro_step, samples=batch["trained"]))
                 loss = self.adapter.loss(batch, expert, self.generator)
                 live.loss, live.batch = loss.detach(), batch
                 if computed:

@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import torch
 
-from wantrain.core.sharding import is_sharded, like, whole
+from wantrain.core.parallel.sharding import is_sharded, like, whole
 
 
 @attrs.define

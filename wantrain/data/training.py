@@ -32,6 +32,7 @@ from wantrain.data.clips import Bucket, Clip, MediaEncoders
 from wantrain.data.controls import load_conditions
 from wantrain.data.media import MediaError, decode_video, load_image
 from wantrain.data.plan import pick_frame_bucket, retimed_count
+from wantrain.data.regroup import regroup, remaining_samples, tail_from_state, tail_state
 from wantrain.data.report import BucketRow, PreflightReport
 
 log = structlog.get_logger("wantrain.data")
@@ -100,6 +101,35 @@ class TrainingData:
                 positions.append((self.rank * per + offset) % size)
         return tuple(positions), size
 
+    def rows(self, size: int) -> list[tuple[int, int, bool]]:
+        """(rank, position in the global batch, padded) of every row of a global batch of ``size`` samples, rank by
+        rank: :meth:`rank_share`'s split, whose repeated samples (``padded``) only keep the ranks in step."""
+        per = -(-size // self.ranks)
+        return [(r, (r * per + o) % size, r * per + o >= size) for r in range(self.ranks) for o in range(per)]
+
+    def trained_samples(self, samples: list[tuple[int, str]]) -> tuple[tuple[int, str, int, int], ...]:
+        """What a global batch of ``samples`` trains, rank by rank: (rank, clip path, first frame, frames) of each
+        row that is not padding (the event log's ``BatchDrawn``)."""
+        out = []
+        for rank, position, padded in self.rows(len(samples)):
+            if not padded:
+                clip = self.clips[samples[position][0]]
+                out.append((rank, str(clip.path), int(clip.start), int(clip.frames)))
+        return tuple(out)
+
+    def row_weights(self, size: int, share: list[Any], kept: list[str]) -> tuple[float, ...] | None:
+        """Each kept row's weight in this rank's loss when the global batch of ``size`` is padded (None when it is
+        not): a repeated row 0, a real one ``ranks / size``, so the mean over the ranks of their weighted sums is
+        the mean over the ``size`` samples -- each sample once, as one process trains the short batch."""
+        per = -(-size // self.ranks)
+        if self.ranks == 1 or per * self.ranks == size:
+            return None
+        weights: list[float] = []
+        for offset, (i, _) in enumerate(share):
+            if len(weights) < len(kept) and str(self.clips[i].path) == kept[len(weights)]:
+                weights.append(0.0 if self.rank * per + offset >= size else self.ranks / size)
+        return tuple(weights)
+
     def _members(self) -> dict[Bucket, list[int]]:
         """Clip indices per bucket, each repeated ``repeats`` times; active clips only; buckets sorted."""
         members: dict[Bucket, list[int]] = {}
@@ -124,14 +154,15 @@ class TrainingData:
         self.report.buckets = rows
         self.report.steps_per_epoch = self.steps_per_epoch = steps
 
-    def _epoch(self, epoch: int, carry: dict[Bucket, list[int]]) -> tuple[list[tuple[Bucket, list[int]]], dict]:
+    def _epoch(self, epoch: int, carry: dict[Bucket, list[int]],
+               plan_batch: int | None = None) -> tuple[list[tuple[Bucket, list[int]]], dict]:
         rng = np.random.default_rng(_epoch_seed(self.seed, epoch))
-        bs = self.plan_batch_size
+        bs = plan_batch or self.plan_batch_size
         out: list[tuple[Bucket, list[int]]] = []
         new_carry: dict[Bucket, list[int]] = {}
         for key, entries in self._members().items():
             fresh = [entries[j] for j in rng.permutation(len(entries))] if self.shuffle else list(entries)
-            if not self._carries(len(entries)):
+            if not (self.remainder == "carry" and len(entries) >= bs):
                 fresh = _separate_repeats(fresh, bs)
                 out.extend((key, fresh[i:i + bs]) for i in range(0, len(fresh), bs))
                 continue
@@ -557,12 +588,20 @@ class BatchStream:
         self.epoch = 0
         self.index = 0
         self.carry: dict[Bucket, list[int]] = {}
+        self.tail: list[tuple[Bucket, list[int]]] | None = None  # the current epoch's plan, when regrouped
         self.consumed = 0  # batches yielded (informative)
+
+    def _plan(self, epoch: int, carry: dict[Bucket, list[int]]) -> tuple[list[tuple[Bucket, list[int]]], dict]:
+        """The plan of ``epoch``: its tail when the stream holds one (data.regroup), else the seeded plan."""
+        if epoch == self.epoch and self.tail is not None:
+            return self.tail, {}
+        return self.data._usable_epoch(epoch, carry)
 
     def state_dict(self) -> dict[str, Any]:
         # the caption draws are keyed by (seed, epoch, index): restoring the position restores the caption stream
         return {"epoch": self.epoch, "index": self.index, "consumed": self.consumed,
                 "carry": [[list(key), list(idx)] for key, idx in sorted(self.carry.items())],
+                "plan_batch": self.data.plan_batch_size, "tail": tail_state(self.tail),
                 "seed": self.data.seed, "fingerprint": self.data.fingerprint(),
                 "caption_stream": f"philox:{CAPTION_STREAM:x}:seed,epoch,index"}
 
@@ -573,16 +612,28 @@ class BatchStream:
                             "new run")
         self.epoch, self.index, self.consumed = int(state["epoch"]), int(state["index"]), int(state["consumed"])
         self.carry = {tuple(key): list(idx) for key, idx in state["carry"]}  # type: ignore[misc]
+        self.tail = tail_from_state(state.get("tail"))
+        saved_batch = int(state.get("plan_batch", self.data.plan_batch_size))
+        if saved_batch != self.data.plan_batch_size:  # another world size: the epoch's untrained samples, anew
+            if self.tail is not None:
+                batches, carry_out = self.tail, {}
+            else:
+                batches, carry_out = self.data._epoch(self.epoch, self.carry, saved_batch)
+            rest = remaining_samples(batches, self.index, carry_out)
+            self.tail = regroup(rest, self.data.plan_batch_size, self.data.seed, self.epoch, self.data.shuffle)
+            self.index, self.carry = 0, {}
+            if not self.tail:  # the epoch was trained through: the next one, as planned
+                self.epoch, self.tail = self.epoch + 1, None
 
     def seek(self, entries: int) -> None:
         """Advance the position by ``entries`` plan entries without decoding anything."""
         while entries > 0:
-            batches, next_carry = self.data._usable_epoch(self.epoch, self.carry)
+            batches, next_carry = self._plan(self.epoch, self.carry)
             step = min(entries, len(batches) - self.index)
             self.index += step
             entries -= step
             if self.index >= len(batches):
-                self.epoch, self.index, self.carry = self.epoch + 1, 0, next_carry
+                self.epoch, self.index, self.carry, self.tail = self.epoch + 1, 0, next_carry, None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.plan_entries():
@@ -599,7 +650,7 @@ class BatchStream:
         epoch, skip, carry = self.epoch, self.index, self.carry
         empty_in_a_row = 0
         while True:
-            batches, next_carry = data._usable_epoch(epoch, carry)
+            batches, next_carry = self._plan(epoch, carry)
             for index in range(skip, len(batches)):
                 key, idx = batches[index]
                 self.epoch, self.index, self.carry = epoch, index + 1, carry
@@ -608,6 +659,11 @@ class BatchStream:
                 batch = data._batch_for(key, share, self.encoders, self.cache)
                 if batch is not None and data.ranks > 1:  # one process: the batch is the global batch
                     batch["global_draws"] = data.global_draws(len(samples), share, batch["paths"])
+                    weights = data.row_weights(len(samples), share, batch["paths"])
+                    if weights is not None:  # a short global batch: its padded rows weigh nothing
+                        batch["row_weights"] = weights
+                if batch is not None:
+                    batch["trained"] = data.trained_samples(samples)  # every rank's rows, for the event log
                 if batch is None:
                     empty_in_a_row += 1
                     if empty_in_a_row > max(1, 2 * data.steps_per_epoch) + 1:
@@ -618,4 +674,4 @@ class BatchStream:
                 self.consumed += 1
                 yield batch
             epoch, skip, carry = epoch + 1, 0, next_carry
-            self.epoch, self.index, self.carry = epoch, 0, carry
+            self.epoch, self.index, self.carry, self.tail = epoch, 0, carry, None

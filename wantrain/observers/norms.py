@@ -33,7 +33,7 @@ import torch
 
 from wantrain.core.bus import Observer, Priority, on
 from wantrain.core.events import ExpertSwitched, GradsReady, OptimizerStepped, RunStarted
-from wantrain.core.sharding import is_sharded, summed_over_shards
+from wantrain.core.parallel.sharding import is_sharded, summed_over_shards
 
 
 def sum_of_squares(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ Python)::
         for micro in 1 .. grad_accum:          # gradient accumulation
             emit StepStarted                   # may: request stop, set LR (applies at this step's optimizer step)
                                                #   set the generator state for this forward's draws
+            emit BatchDrawn                    # what the global batch trains, every rank's rows (read only)
             loss = adapter.loss(batch, expert)     # forward
             emit LossComputed                  # ctx.live.loss holds the detached device loss: may accumulate it
                                                #   on the device; must NOT call .item()/float()/bool() on it
@@ -131,6 +132,17 @@ class StepStarted(Event):
 
 
 @attrs.frozen(slots=True, kw_only=True)
+class BatchDrawn(Event):
+    """A micro-step's batch was drawn, before its forward: ``samples`` is what its global batch trains, every
+    rank's rows (rank, clip path, first frame, frames), padding left out -- the data plug-in's ``batch["trained"]``
+    (no event when a batch has none). A step skipped afterwards (out of memory, a stop between micro-steps) did not
+    train them: its ``OutOfMemory`` or the run's end follows."""
+
+    micro_step: int
+    samples: tuple[tuple[int, str, int, int], ...]
+
+
+@attrs.frozen(slots=True, kw_only=True)
 class LossComputed(Event):
     """The forward pass of a micro-step produced its loss; ``ctx.live.loss`` holds it (detached, on the device)."""
 
@@ -244,6 +256,7 @@ CATALOGUE: tuple[type[Event], ...] = (
     RunStarted,
     ExpertSwitched,
     StepStarted,
+    BatchDrawn,
     LossComputed,
     GradsReady,
     OptimizerStepped,
@@ -315,6 +328,7 @@ def from_record(record: dict[str, Any]) -> Event:
 __all__ = [
     "CATALOGUE",
     "SCHEMA_VERSION",
+    "BatchDrawn",
     "CheckpointSaved",
     "ControlRequested",
     "Event",

@@ -27,8 +27,8 @@ def build_adapter(
     """Load (or, for tiny variants without a path, randomly build from ``seed``) the trained transformers, add one
     LoRA per trained expert, and return the adapter. The VAE and text encoder are not loaded until first used.
     ``shard_load`` (``model.parallel = "fsdp"`` under torchrun): the transformers are built on ``meta``, to be
-    sharded and filled from rank 0 (``core.sharding.load_from_rank0``); ``"rank0"`` also loads them whole on the
-    host as the source (``adapter.host_sources``), ``"meta"`` (the other ranks) reads no weight.
+    sharded and filled from rank 0 (``core.parallel.sharding.load_from_rank0``); ``"rank0"`` also loads them whole on
+    the host as the source (``adapter.host_sources``), ``"meta"`` (the other ranks) reads no weight.
 
     Raises ``UserError`` (one line) for a missing/incomplete model directory, a bad single file, or fp8 on CPU.
     """

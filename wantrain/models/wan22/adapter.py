@@ -24,7 +24,7 @@ from torch import nn
 
 from wantrain.core.errors import UserError
 from wantrain.core.optim_state import check_rescalable, rescale_state, state_kind
-from wantrain.core.sharding import like
+from wantrain.core.parallel.sharding import like
 from wantrain.models.wan22 import adapter_forward, architecture, control, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.attention import check_kernel, use_kernel
@@ -139,8 +139,8 @@ class Wan22Adapter:
             self.attention_kernel = check_kernel(model.attention, self.device, self.compute_dtype)
             check_compiler(model.compile, self.device)
         # model.parallel = "fsdp" (shard_load): every rank builds its trained transformer on meta, to be sharded and
-        # filled from rank 0's (core.sharding.load_from_rank0); rank 0 ("rank0") also loads it whole on the host,
-        # prepared alike (LoRA included), as the source: no other rank ever holds a whole expert
+        # filled from rank 0's (core.parallel.sharding.load_from_rank0); rank 0 ("rank0") also loads it whole on the
+        # host, prepared alike (LoRA included), as the source: no other rank ever holds a whole expert
         self.host_sources: dict[str | None, nn.Module] = {}
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
             init_seed = lora_init_seed(seed, expert)
@@ -356,6 +356,14 @@ class Wan22Adapter:
                 return_dict=False, **extra,
             )[0].to(torch.float32)
         err = (pred - target) ** 2
+        rows = batch.get("row_weights")  # a padded short global batch (TrainingData.row_weights): per-row weights
+        if rows is not None:
+            rows = torch.tensor(rows, dtype=torch.float32).to(self.device, non_blocking=True)
+            if weight is None:
+                return (err.flatten(1).mean(dim=1) * rows).sum()
+            weight = weight.expand_as(err)
+            per_row = (err * weight).flatten(1).sum(dim=1) / weight.flatten(1).sum(dim=1).clamp_min(1.0)
+            return (per_row * rows).sum()
         if weight is None:
             return err.mean()
         weight = weight.expand_as(err)
@@ -487,7 +495,7 @@ class Wan22Adapter:
         return expert
 
     def add_relayed_expert(self, expert: str, stand_in: nn.Module) -> None:
-        """With ``model.expert_groups``: ``stand_in`` (``core.expert_relay.RelayedExpert``) takes the place of
+        """With ``model.expert_groups``: ``stand_in`` (``core.parallel.expert_relay.RelayedExpert``) takes the place of
         ``expert``, which another group of ranks holds, in the sampling pipeline and for ``validation_loss``;
         :meth:`activate` of it moves nothing (this rank's expert stays on the device). Not placed, trained or
         saved, like a sampling-only expert."""

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
-from wantrain.core.sharding import whole
+from wantrain.core.parallel.sharding import whole
 
 ADAPTER_NAME = "wantrain"
 ADAPTER_TYPES = ("lora", "lokr", "loha", "dora")

@@ -136,8 +136,8 @@ class Wan22Saver:
 
     def files(self, step: int, final: bool) -> list[tuple[str, dict[str, torch.Tensor], dict[str, str]]]:
         """Each trained expert's file as (name in ``run_dir``, tensors, metadata), written by :meth:`write` (with
-        ``model.expert_groups`` a group leader's travel to rank 0 first: ``core.expert_groups.GroupSaver``). A rank
-        that does not write (``writes=False``) still gathers every expert's tensors and returns no file."""
+        ``model.expert_groups`` a group leader's travel to rank 0 first: ``core.parallel.expert_groups.GroupSaver``). A
+        rank that does not write (``writes=False``) still gathers every expert's tensors and returns no file."""
         dtype = torch.float32 if self.adapter.lora_config.save_dtype == "fp32" else torch.bfloat16
         out = []
         for expert in self.adapter.experts:

@@ -180,7 +180,7 @@ class WeightSource:
         """The architecture of this variant's transformer built on ``meta`` (no storage), each tensor in the dtype
         :meth:`transformer` would load it in (``dtype``; fp32 for ``_keep_in_fp32_modules``): what a rank other
         than 0 builds under ``model.parallel = "fsdp"`` before its shards are filled from rank 0's
-        (``core.sharding.load_from_rank0``). Reads no file."""
+        (``core.parallel.sharding.load_from_rank0``). Reads no file."""
         with torch.device("meta"):
             transformer = architecture.transformer_class(self.spec)(**architecture.transformer_kwargs(self.spec))
         return architecture.cast_keeping_fp32_modules(transformer, dtype).eval()

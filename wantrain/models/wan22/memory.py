@@ -754,7 +754,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     * one batch read from the cache (latents and text embeddings; the cache is read per step, not held);
     * while loading: one file window and one tensor in flight; under ``model.parallel = "fsdp"`` (``load_source``:
       ``rank_plan.load_peak``'s ``rank0_host``) the loading rank (rank 0, or each expert group's leader) holds the
-      expert and its LoRA whole as well, the others nothing (built on ``meta``, ``core.sharding.load_from_rank0``);
+      expert and its LoRA whole as well, the others nothing (built on ``meta``,
+      ``core.parallel.sharding.load_from_rank0``);
       ``ranks_on_host`` ranks sharing the host (``loaders_on_host`` of them loading) add up per machine;
       while the cache fills (``encoders``): UMT5 in the
       compute dtype and the VAE in float32, loaded on the host before they move to the device (a

@@ -147,7 +147,7 @@ class ExpertPlacement:
 
     def add_sharded(self, experts: dict[str | None, nn.Module]) -> None:
         """Take ``experts`` built on ``meta`` for ``model.parallel = "fsdp"``: sharding puts their shards on the
-        training device (``core.sharding.load_from_rank0``) and they never move, so nothing moves here."""
+        training device (``core.parallel.sharding.load_from_rank0``) and they never move, so nothing moves here."""
         self._transformers = dict(experts)
         self.where.update(dict.fromkeys(experts, self.device))
 
@@ -271,7 +271,7 @@ class ExpertPlacement:
                 group["params"] = [remap.get(id(p), p) for p in group["params"]]
 
 
-# -- one expert per group of GPUs (model.expert_groups; core.expert_groups) ------------------------------------------
+# -- one expert per group of GPUs (model.expert_groups; core.parallel.expert_groups) -----------------------------------
 def expert_group_config(model: Any, lora: Any, group: int) -> tuple[Any, Any]:
     """The ``[model]`` and ``[lora]`` sections expert group ``group`` trains with ``model.expert_groups = 2``: the
     ``group``-th expert alone, exactly as a one-expert run of it (``experts = 'high_noise'`` / ``'low_noise'``), so
@@ -293,7 +293,7 @@ def host_experts(model: Any, sampling: bool) -> tuple[tuple[Any, ...], tuple[str
     """(the experts one rank trains, those it loads for sampling only), as the host-memory plan counts them:
     with ``model.expert_groups`` > 1 one expert per rank (its group's; the A14B experts are the same size, so the
     first stands for either) and nothing loaded for sampling (the other group's expert is called there:
-    ``core.expert_relay``); else the run's trained experts and, with ``[sample]`` on, the untrained one."""
+    ``core.parallel.expert_relay``); else the run's trained experts and, with ``[sample]`` on, the untrained one."""
     if model.expert_groups > 1:
         return model.trained_experts[:1], ()
     return model.trained_experts, model.untrained_experts if sampling else ()

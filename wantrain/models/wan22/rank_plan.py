@@ -9,8 +9,8 @@ A layout of ``gpus`` GPUs (:class:`Layout`) has three degrees; each expert group
   attention exchanges heads for tokens (an all-to-all), so the degree must divide the heads (40 for A14B, 24 for
   TI2V-5B); ``gpus / (expert_groups x sequence_degree)`` clips train at once per group (data parallel);
 * ``shard_degree``: FSDP2 shards each block's frozen weights, the LoRA, its gradients and AdamW's moments over this
-  many GPUs of a group (``core.sharding``), across the sequence and data-parallel GPUs alike (torchtitan folds its
-  context-parallel ranks into the shard dimension the same way); it divides the group's GPUs, and the shards are
+  many GPUs of a group (``core.parallel.sharding``), across the sequence and data-parallel GPUs alike (torchtitan folds
+  its context-parallel ranks into the shard dimension the same way); it divides the group's GPUs, and the shards are
   replicated ``gpus / (expert_groups x shard_degree)`` times (HSDP: shard inside a machine, replicate across).
 
 Parts per GPU (bytes), beside :func:`memory.estimate`'s one-GPU parts (``bf16`` base, no block swap):
@@ -26,8 +26,8 @@ Parts per GPU (bytes), beside :func:`memory.estimate`'s one-GPU parts (``bf16`` 
 * ``workspace``: as one GPU, at this GPU's tokens.
 
 The load's peak under FSDP (:func:`load_peak`, printed by ``wantrain check``) is apart from the step's: each GPU
-holds its shards of the weights and the fp32 LoRA, the buffers and one tensor whole (``core.sharding``'s load from
-rank 0); rank 0's host holds the expert whole. Checked against the bytes two gloo ranks allocate while loading the
+holds its shards of the weights and the fp32 LoRA, the buffers and one tensor whole (``core.parallel.sharding``'s load
+from rank 0); rank 0's host holds the expert whole. Checked against the bytes two gloo ranks allocate while loading the
 tiny twin (tests/test_distributed_fsdp_load.py: within 0.1 %).
 
 The weights, LoRA and optimizer parts are checked against ``FSDPMemTracker`` under fake tensors on a fake process
@@ -184,7 +184,8 @@ def _expert_tensors(variant: str, dtype_name: str, layers: int | None) -> tuple[
 
 @attrs.frozen
 class LoadPeak:
-    """The load of one expert under ``model.parallel = "fsdp"`` (``core.sharding.load_from_rank0``), in bytes."""
+    """The load of one expert under ``model.parallel = "fsdp"`` (``core.parallel.sharding.load_from_rank0``), in
+    bytes."""
 
     per_gpu: float  # each GPU: its shards of the weights and the LoRA, the buffers, and one tensor whole
     rank0_host: float  # rank 0's host: the whole expert and its LoRA (fp32), the source of every shard
@@ -200,7 +201,7 @@ class LoadPeak:
 
 def load_peak(variant: str, shard_degree: int, rank: int, *, dtype_name: str = "bf16",
               layers: int | None = None) -> LoadPeak:
-    """The peak of loading one expert sharded over ``shard_degree`` GPUs from rank 0 (``core.sharding``,
+    """The peak of loading one expert sharded over ``shard_degree`` GPUs from rank 0 (``core.parallel.sharding``,
     ``load_from_rank0``): every GPU allocates its shards (dim 0 rounded up to a multiple of the degree, FSDP2's
     padding) of the frozen weights and of the fp32 LoRA, the buffers whole, and receives each tensor whole, one at a
     time, before slicing it: its peak is the shards, the buffers and the largest tensor. Rank 0's host holds the

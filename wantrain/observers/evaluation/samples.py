@@ -32,7 +32,8 @@ device like an inactive trained expert.
 
 Under torchrun rank 0 samples and the other ranks wait (``sync.wait_for_rank0``: a barrier without the process
 group's timeout). With ``model.expert_groups`` rank 0 holds the high-noise expert only: the pipeline's calls of
-the low-noise one go to that group's leader, which serves them until rank 0's round ends (``core.expert_relay``;
+the low-noise one go to that group's leader, which serves them until rank 0's round ends
+(``core.parallel.expert_relay``;
 the adapter's ``add_relayed_expert``), so the video is the one-process run's, bit for bit. Each round logs
 ``samples_written`` with its wall time in the run log and emits ``SamplesWritten`` (the wandb observer logs the
 videos from it). The files: ``sample_files.py``.
@@ -100,7 +101,7 @@ class SampleJob:
 
 class SampleVideos(Observer):
     """Writes sample videos (see the module docstring). ``jobs``: one :class:`SampleJob` per prompt (empty on
-    torchrun ranks other than 0, which only wait). ``sync``: the run's ``core.distributed`` link (None: one
+    torchrun ranks other than 0, which only wait). ``sync``: the run's ``core.parallel.distributed`` link (None: one
     process). ``note``: a line logged with the first round (the tiny twins' noise)."""
 
     priority = Priority.SINK
@@ -197,10 +198,11 @@ class SampleVideos(Observer):
 
     @staticmethod
     def _serve(relay: Any, expert: str | None, ctx) -> None:
-        """Expert groups: this rank holds ``expert`` for rank 0's pipeline (``core.expert_relay``), in eval mode
-        under ``torch.no_grad`` as a one-process round would run it, with each video's stacked LoRAs for it (rank 0
+        """Expert groups: this rank holds ``expert`` for rank 0's pipeline (``core.parallel.expert_relay``), in eval
+        mode under ``torch.no_grad`` as a one-process round would run it, with each video's stacked LoRAs for it (rank 0
         sends them before the video: :meth:`_tell_relays`)."""
-        with ctx.control.evaluation() as bring_in, contextlib.ExitStack() as stacked:
+        # relay.serving(): a failure here (bringing the expert in, a stacked LoRA) reaches rank 0's calls
+        with relay.serving(), ctx.control.evaluation() as bring_in, contextlib.ExitStack() as stacked:
             bring_in(expert)
 
             def video(values: dict) -> None:

@@ -55,7 +55,8 @@ def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], t
     """The ``val/*`` metrics of ``adapter`` on ``batches`` (cached batches: ``latents``, ``text_embeds``, ...).
 
     ``clip_indices``: each batch's index in the whole validation set (its noise seed; default 0, 1, ...). Under
-    torchrun each rank passes its share and ``sync`` (``core.distributed``) adds up the ranks' sums: per timestep
+    torchrun each rank passes its share and ``sync`` (``core.parallel.distributed``) adds up the ranks' sums: per
+    timestep
     the float64 sum of the per-clip losses (each clip's loss a float32 mean over its elements) and the clip count,
     so the mean is the same as one process's up to the order of that float64 sum. Timesteps whose expert is not
     trained are left out. Experts are visited in the adapter's order starting with the active one, brought in by

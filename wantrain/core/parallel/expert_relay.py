@@ -16,6 +16,8 @@ collective timeout while a round of samples takes minutes), between rank 0 (the 
 * ``{"done": true}`` ends a :meth:`ExpertRelay.serve` loop; rank 0 sends it when its round ends, also on an error;
 * an error of the server's expert goes back as ``{"error": ...}``: rank 0 raises it (its round ends, done is
   sent) and the server raises its own exception once done arrives: both ranks fail with the cause, none hangs.
+  So does any failure on the server during a round, inside :meth:`ExpertRelay.serve` (a context's stacked LoRA,
+  copying the inputs, packing the reply) or around it (bringing the expert in: :meth:`ExpertRelay.serving`).
 
 Every other rank waits in the round's barrier (``sync.wait_for_rank0``) meanwhile; the server reaches it after
 its loop ends. The output is computed by the same weights on the same kind of device as a one-process run would,
@@ -42,6 +44,7 @@ class ExpertRelay:
                  device: torch.device) -> None:
         self._group, self.rank, self.server, self.expert, self.device = group, rank, server, expert, device
         self.calls = 0  # relayed calls made (rank 0) or served (the server), over the run
+        self._finished = True  # the server: rank 0's done of the current round arrived (serving())
 
     @property
     def serves(self) -> bool:
@@ -119,35 +122,61 @@ class ExpertRelay:
         self._send({"done": True}, [], self.server)
 
     # -- the server -------------------------------------------------------------------------------------------
-    def serve(self, run: Callable[..., Any], context: Callable[[dict[str, Any]], None] | None = None) -> int:
+    def serve(self, run: Callable[..., Any], context: Callable[[dict[str, Any]], None] | None = None, *,
+              failed: BaseException | None = None) -> int:
         """Answer rank 0's calls with ``run(**kwargs)`` (a transformer: its output's tensors go back) until rank 0
         sends done; returns the number of calls answered. The inputs arrive on :attr:`device`. ``context``:
-        called with the values of each :meth:`context` message."""
-        answered, failed = 0, None
+        called with the values of each :meth:`context` message. Whatever fails after a message arrived (a
+        context's stacked LoRA, copying the inputs, the expert, packing the reply) is answered to rank 0's call
+        as an error and raised here once done arrives (after a context's failure every later call is answered with
+        it); ``failed``: a failure from before the loop (every call is answered with it)."""
+        answered, blocking = 0, failed  # blocking: every later call fails with it (no expert, a LoRA not applied)
         while True:
             header, tensors = self._receive(0)
             if header.get("done"):
+                self._finished = True
                 if failed is not None:
                     raise failed
                 return answered
-            if "context" in header:
-                if context is not None and failed is None:
-                    context(header["context"])
-                continue
-            kwargs = dict(header["kwargs"])
-            for spec, t in zip(header["tensors"], tensors, strict=True):
-                kwargs[spec["name"]] = t.to(self.device)
+            is_call = "context" not in header
             try:
+                if blocking is not None:
+                    raise blocking
+                if not is_call:
+                    if context is not None:
+                        context(header["context"])
+                    continue
+                kwargs = dict(header["kwargs"])
+                for spec, t in zip(header["tensors"], tensors, strict=True):
+                    kwargs[spec["name"]] = t.to(self.device)
                 out = run(**kwargs)
+                outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                           if isinstance(t, torch.Tensor)]
+                reply, _ = self._pack({str(i): t for i, t in enumerate(outputs)})
             except Exception as exc:  # noqa: BLE001 -- said to rank 0 (which ends its round), raised here after done
                 failed = failed or exc
-                self._send({"error": f"{type(exc).__name__}: {exc}"}, [], 0)
+                if not is_call:  # the video's context is not in place: its calls would compute something else
+                    blocking = blocking or exc
+                if is_call:
+                    self._send({"error": f"{type(exc).__name__}: {exc}"}, [], 0)
                 continue
-            outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-            reply, _ = self._pack({str(i): t for i, t in enumerate(outputs)})
             self._send(reply, outputs, 0)
             answered += 1
             self.calls += 1
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """On the serving rank, around everything it does for rank 0's round (bringing its expert in, applying a
+        video's stacked LoRAs, :meth:`serve`): an exception raised inside before rank 0's done arrived is
+        answered to each of rank 0's remaining calls and raised once done arrives, so rank 0's round ends with
+        the cause and neither rank waits for the other."""
+        self._finished = False
+        try:
+            yield
+        except Exception as exc:
+            if not self._finished:
+                self.serve(lambda **_: None, failed=exc)  # drains rank 0's messages; raises exc at done
+            raise
 
 
 class RelayedExpert(nn.Module):

@@ -8,7 +8,10 @@ called at fixed points of ``Trainer.run``, by every rank in the same order, so t
 ====================  =============================================  ===============================================
 when                  method                                         what travels
 ====================  =============================================  ===============================================
-after the micro-steps :meth:`~ProcessGroupSync.agree_step`           two host flags (stopped, out of memory), MAX
+after the micro-steps :meth:`~ProcessGroupSync.agree_step`           two host flags (stopped, out of memory), MAX;
+                                                                     where the forward exchanges (fsdp, Ulysses) an
+                                                                     out-of-memory error fails every rank instead
+                                                                     (``core.parallel.failures``)
 before GradsReady     :meth:`~ProcessGroupSync.average_gradients`    the active expert's LoRA gradients and the
                                                                      non-finite-loss flag, one flat buffer per dtype
 at log steps only     :meth:`~ProcessGroupSync.reduce_metrics`       the names (JSON) and values of
@@ -40,10 +43,17 @@ from typing import Any
 import attrs
 import torch
 
+from wantrain.core.errors import UserError
+from wantrain.core.parallel.failures import RankFailed, failure_line, first_line, watch_default_group
+
 PATIENT_TIMEOUT_S = 7 * 24 * 3600.0
 """How long ranks wait for rank 0's own work (:meth:`ProcessGroupSync.wait_for_rank0`: filling the cache, a round
 of samples): far beyond any such job, so in practice no timeout, while a rank 0 that died still ends the wait
 (torchrun also ends the others)."""
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What a collective raises when a peer process is gone (gloo's TCP transport): :meth:`ProcessGroupSync.fail`
+reports it as the peer's end, not as this rank's bug."""
 
 PER_RANK_STATE = ("train_state", "generator", "rng", "data", "metrics", "interval")
 """Keys of ``Trainer.state_dict()`` that differ between ranks (each rank's random streams, data position, micro-step
@@ -52,8 +62,8 @@ observers) is identical on every rank and saved once."""
 
 
 LEADER_KEY = "expert_group_leader"
-"""In a checkpoint written by expert groups (``core.expert_groups``), the per-rank entry of a rank that is not its
-group's leader holds only its own :data:`PER_RANK_STATE` and this key: the rank of the leader whose LoRA, optimizer
+"""In a checkpoint written by expert groups (``core.parallel.expert_groups``), the per-rank entry of a rank that is not
+its group's leader holds only its own :data:`PER_RANK_STATE` and this key: the rank of the leader whose LoRA, optimizer
 and scheduler it shares (:func:`rank_view` reads it)."""
 
 
@@ -92,7 +102,7 @@ def rank_view(tree: Mapping[str, Any], rank: int) -> dict[str, Any]:
     ranks = tree.get("ranks")
     if ranks:
         own = dict(ranks[rank] if rank < len(ranks) else ranks[0])
-        leader = own.pop(LEADER_KEY, None)  # core.expert_groups: the group leader's LoRA, optimizer, scheduler
+        leader = own.pop(LEADER_KEY, None)  # core.parallel.expert_groups: the group leader's LoRA, optimizer, scheduler
         if leader is not None:
             out.update(ranks[leader])
         out.update(own)
@@ -112,8 +122,14 @@ class SingleProcess:
     exchanges_gradients = False  # the trainer skips average_gradients (and its flag bookkeeping) altogether
     sharded = False  # no FSDP2 in one process
 
-    def agree_step(self, ended: str | None, control: Any) -> str | None:
+    def agree_step(self, ended: str | None, control: Any, step: int = 0) -> str | None:
         return ended
+
+    def fail(self, exc: BaseException) -> Any:
+        return None
+
+    def watch_checkpoints(self, directory: Any) -> None:
+        return None
 
     def average_gradients(self, params: Sequence[torch.nn.Parameter], nonfinite: torch.Tensor) -> None:
         return None
@@ -171,10 +187,19 @@ class ProcessGroupSync:
         self._grads_source = 0
         self._patient = patient  # a gloo group with a long timeout, for wait_for_rank0 (created lazily if None)
         self.sharded = False  # model.parallel = "fsdp": FSDP2 reduces the gradients and each rank holds its shard
+        self._sequence_degree = 1
+        self.watch: Any = None  # core.parallel.failures.FailureWatch: the side channel of failures (start())
+
+    @property
+    def forward_exchanges(self) -> bool:
+        """Whether a rank's forward and backward exchange with the other ranks (FSDP2's all-gathers and
+        reduce-scatters, Ulysses' all-to-alls): one rank that fails inside them leaves the others waiting there,
+        so such a step cannot be skipped together (:meth:`agree_step` fails the run instead)."""
+        return self.sharded or self._sequence_degree > 1
 
     def shard(self) -> None:
-        """The model is sharded with FSDP2 (``core.sharding``): :meth:`average_gradients` then exchanges only the
-        non-finite flag (FSDP2 has reduce-scattered the gradients in the backward pass) and
+        """The model is sharded with FSDP2 (``core.parallel.sharding``): :meth:`average_gradients` then exchanges only
+        the non-finite flag (FSDP2 has reduce-scattered the gradients in the backward pass) and
         :meth:`broadcast_parameters` nothing (each rank's shard is its own, cut from the same seeded LoRA)."""
         self.sharded = True
 
@@ -183,6 +208,7 @@ class ProcessGroupSync:
         each rank's gradients are its tokens' share, so :meth:`average_gradients` sums over every rank and divides
         by the data-parallel size (the sum over each sequence group, the mean over the groups)."""
         self._grads_world = self.topology.world_size // degree
+        self._sequence_degree = degree
 
     @classmethod
     def start(cls, topology: Topology, device: torch.device, *, timeout_s: float = 1800.0,
@@ -195,11 +221,15 @@ class ProcessGroupSync:
                                     timeout=datetime.timedelta(seconds=timeout_s))
         # Every rank creates it, in the same order: a host-side group whose barrier may wait for hours.
         patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=patient_timeout_s))
-        return cls(topology, device, patient)
+        sync = cls(topology, device, patient)
+        sync.watch = watch_default_group(topology.rank)
+        return sync
 
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self.watch is not None:
+            self.watch.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -212,9 +242,18 @@ class ProcessGroupSync:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [v > 0 for v in t.tolist()]
 
-    def agree_step(self, ended: str | None, control: Any) -> str | None:
+    def agree_step(self, ended: str | None, control: Any, step: int = 0) -> str | None:
         """The end of this step's micro-steps as every rank sees it: ``"stopped"`` when any rank was stopped
-        between micro-steps, else ``"out of memory"`` when any rank ran out of memory, else None."""
+        between micro-steps, else ``"out of memory"`` when any rank ran out of memory, else None.
+
+        Where the forward exchanges (:attr:`forward_exchanges`) a rank that ran out of memory does not come here
+        with the others (they wait in the forward's collective for it): it announces the failure
+        (:meth:`fail`) and raises :class:`~wantrain.core.parallel.failures.RankFailed`; the others' watches end
+        them."""
+        if ended == "out of memory" and self.forward_exchanges:
+            layout = "model.parallel = \"fsdp\"" if self.sharded else "model.sequence_degree > 1"
+            raise self._announce(f"out of memory at step {step} ({layout}: every forward exchanges with the "
+                                 "other ranks, so one rank cannot skip a step alone)")
         stopped, oom = self._any([ended == "stopped", ended == "out of memory"])
         if stopped:
             control.request_stop("stop requested on another rank")
@@ -230,6 +269,33 @@ class ProcessGroupSync:
         if save:
             control.request_save("save requested on another rank")
         self._stop_agreed = stop
+
+    def _announce(self, cause: str) -> RankFailed:
+        """Tell every rank this one failed (the side channel, ``core.parallel.failures``); the error to raise."""
+        if self.watch is None:
+            return RankFailed(failure_line(self.topology.rank, cause, None))
+        return self.watch.announce(cause)
+
+    def fail(self, exc: BaseException) -> RankFailed | None:
+        """This rank leaves the run with ``exc``. When another rank failed first (this rank's collective failed
+        because that one left), that rank's failure as this rank's error; else every other rank learns of
+        ``exc`` and ends within seconds, and None (raise ``exc``). Not for Ctrl-C, which every rank receives."""
+        if isinstance(exc, KeyboardInterrupt) or self.watch is None:
+            return None
+        other = None if isinstance(exc, UserError) else self.watch.other_failure()  # a refusal keeps its line
+        if other is not None:
+            return other
+        if not isinstance(exc, UserError) and any(words in str(exc) for words in PEER_LOST):
+            return self.watch.announce("its collective lost a peer rank that ended without a word (killed, out of "
+                                       f"host memory, or its machine lost): {first_line(exc)}")
+        if not isinstance(exc, RankFailed) and not self.watch.announced:
+            self.watch.announce(first_line(exc))
+        return None
+
+    def watch_checkpoints(self, directory: Any) -> None:
+        """Where the run's checkpoints are, for the line a failure prints (the one to resume from)."""
+        if self.watch is not None:
+            self.watch.checkpoints = directory
 
     def should_stop(self, control: Any) -> bool:
         """The loop's stop test: the stop agreed at the last :meth:`agree_requests` (or :meth:`agree_step`), never

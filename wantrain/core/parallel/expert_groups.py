@@ -6,7 +6,7 @@ group 0 (ranks ``0 .. W/count - 1``) trains the run's first expert, group 1 the 
 data parallel; between groups nothing but the decisions and the metrics travel. Each rank builds only its own
 group's expert, so it trains that expert every step and never holds, waits for or swaps the other one.
 
-:class:`ExpertGroupSync` is :class:`~wantrain.core.distributed.ProcessGroupSync` with these changes:
+:class:`ExpertGroupSync` is :class:`~wantrain.core.parallel.distributed.ProcessGroupSync` with these changes:
 
 ====================  =============================================  ===============================================
 method                scope                                          why
@@ -46,7 +46,8 @@ from typing import Any
 import attrs
 import torch
 
-from wantrain.core.distributed import (
+from wantrain.core.errors import UserError
+from wantrain.core.parallel.distributed import (
     LEADER_KEY,
     PATIENT_TIMEOUT_S,
     PER_RANK_STATE,
@@ -55,8 +56,7 @@ from wantrain.core.distributed import (
     _decode_tree,
     _encode_tree,
 )
-from wantrain.core.errors import UserError
-from wantrain.core.expert_relay import ExpertRelay
+from wantrain.core.parallel.expert_relay import ExpertRelay
 
 
 @attrs.frozen
@@ -131,7 +131,9 @@ class ExpertGroupSync(ProcessGroupSync):
             made = dist.new_group(groups.members(g), timeout=datetime.timedelta(seconds=timeout_s))
             if g == groups.group:
                 own = made
-        return cls(topology, device, groups, own, base._patient, experts)
+        sync = cls(topology, device, groups, own, base._patient, experts)
+        sync.watch = base.watch
+        return sync
 
     @property
     def group_process_group(self) -> Any:
@@ -181,8 +183,8 @@ class ExpertGroupSync(ProcessGroupSync):
 
     # -- the other groups' experts, called from rank 0 (samples) ----------------------------------------------
     def relays(self) -> dict[str | None, ExpertRelay]:
-        """Rank 0's link to each other group's expert, by expert (``core.expert_relay``): on rank 0 the callers,
-        on those groups' leaders the servers, on every rank the same dict (the same objects serve both ends).
+        """Rank 0's link to each other group's expert, by expert (``core.parallel.expert_relay``): on rank 0 the
+        callers, on those groups' leaders the servers, on every rank the same dict (the same objects serve both ends).
         Point to point on the host-side gloo group."""
         if self._relays is None:
             self._relays = {self.experts[g]: ExpertRelay(self._patient_group, self.topology.rank,

@@ -8,7 +8,8 @@ Model-free: the caller names the blocks (for a Wan transformer, ``transformer.bl
   base weight and trainable LoRA alike, becomes a ``DTensor`` holding ``1/N`` of the rows on each of the ``N``
   ranks; a block's full weights exist only between its all-gather and its reshard (forward, and again in the
   backward). Gradients are reduce-scattered (averaged over the ranks) in ``reduce_dtype``: the one-process gradient
-  of the global batch, each rank holding its rows. No flat all-reduce of ``core.distributed`` is needed for them.
+  of the global batch, each rank holding its rows. No flat all-reduce of ``core.parallel.distributed`` is needed for
+  them.
 - :func:`save_trainable` / :func:`load_trainable` write and read the trainable parameters and the optimizer state by
   their global names and shapes (DCP: one safetensors file per rank), so a checkpoint written by ``N`` ranks is
   read by ``M`` (one process included, without a process group): the resharding is DCP's.
