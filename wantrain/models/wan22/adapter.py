@@ -40,6 +40,7 @@ from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
+from wantrain.models.wan22.waiting import WaitingOnDisk, qualified_names
 
 GROUP_NAME = {"high_noise": "high_noise", "low_noise": "low_noise", None: "lora"}
 # fp8 storage works functionally on the CPU too (tests use that), but it is only worth its cost on CUDA.
@@ -109,7 +110,7 @@ class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
     def __init__(self, model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float,
-                 transformers: bool = True, shard_load: str | None = None):
+                 transformers: bool = True, shard_load: str | None = None, waiting_folder: Path | None = None):
         self.spec: VariantSpec = VARIANTS[model.variant]
         self.model_config = model
         # lora.init_from*: rank and alpha come from the files (read and checked before any weight loads)
@@ -138,10 +139,20 @@ class Wan22Adapter:
         if transformers:  # model.attention / model.compile this device cannot run: refused before any weight loads
             self.attention_kernel = check_kernel(model.attention, self.device, self.compute_dtype)
             check_compiler(model.compile, self.device)
+        # model.waiting_expert = "disk": each expert's frozen base written once to its waiting file (waiting.py), read
+        # back at each switch instead of held; "auto" left unresolved (no host plan ran) is resident
+        self.waiting: WaitingOnDisk | None = None
+        if transformers and shard_load is None and model.waiting_expert == "disk" and len(self.experts) > 1:
+            if waiting_folder is None:
+                raise ValueError("model.waiting_expert = 'disk' needs a waiting_folder (the cache folder's)")
+            self.waiting = WaitingOnDisk(waiting_folder)
         # model.parallel = "fsdp" (shard_load): every rank builds its trained transformer on meta, to be sharded and
         # filled from rank 0's (core.sharding.load_from_rank0); rank 0 ("rank0") also loads it whole on the host,
         # prepared alike (LoRA included), as the source: no other rank ever holds a whole expert
         self.host_sources: dict[str | None, nn.Module] = {}
+        self.placement = ExpertPlacement(self.device, torch.device(model.offload_device),
+                                         pin_limit=pin_budget(model.host_ram_budget_gb) if model.pin_host_copies else 0,
+                                         disk=self.waiting)
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
             init_seed = lora_init_seed(seed, expert)
             if shard_load is None:
@@ -156,20 +167,28 @@ class Wan22Adapter:
             self._transformers[expert] = self._prepare(transformer, storage=model.base_dtype, init_seed=init_seed)
             if expert in init_files:
                 self._start_from(expert, init_files[expert], self.host_sources.get(expert))
+            if self.waiting is not None:  # every frozen tensor still on the module: before the swap takes some
+                self.waiting.keep(expert, self.source.transformer_identity(expert), model.base_dtype,
+                                  self._transformers[expert])
             if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
                 blocks = self._transformers[expert].blocks
                 self._swaps[expert] = BlockSwap(self._transformers[expert], blocks,
                                                 range(len(blocks) - model.blocks_to_swap, len(blocks)), self.device,
                                                 pin=model.pin_host_copies)
+            if self.waiting is not None:  # on disk now: no expert is held whole beside the next one loading
+                with self._swapped_blocks_excluded():
+                    self.placement.park(expert, self._transformers[expert])
+                if expert in self._swaps:
+                    self._swaps[expert].drop_host()
         # The first expert starts on the training device; the others wait off it (activate() swaps them). The
         # swapped blocks' frozen tensors are no part of the placement: their host copies are the BlockSwap's.
-        self.placement = ExpertPlacement(self.device, torch.device(model.offload_device),
-                                         pin_limit=pin_budget(model.host_ram_budget_gb) if model.pin_host_copies else 0)
         if transformers and shard_load is not None:  # on meta: placed when sharded and filled
             self.placement.add_sharded(self._transformers)
         elif transformers:
             with self._swapped_blocks_excluded():
                 self.placement.add(self._transformers, first=self.experts[0])
+            if self.waiting is not None and self.experts[0] in self._swaps:
+                self._read_swapped(self.experts[0], self._swaps[self.experts[0]])
         self.active: str | None = self.experts[0]
         self.sampling_only: tuple[str, ...] = ()  # experts loaded for sampling only (add_sampling_expert)
         self.relayed: tuple[str, ...] = ()  # experts another group of ranks holds (add_relayed_expert)
@@ -290,11 +309,23 @@ class Wan22Adapter:
         for e, swap in self._swaps.items():
             if e != expert:
                 swap.release()  # the expert not training keeps no swapped block on the device
+                if self.waiting is not None:
+                    swap.drop_host()  # ... and, waiting on disk, no host copy (dropped before the next is read)
+        swap = self._swaps.get(expert)
+        if swap is not None and swap.dropped:
+            self._read_swapped(expert, swap)
         moves = (any(e != expert for e in self.placement.resident())
                  or self.placement.where.get(expert) != self.placement.device)
         with self._swapped_blocks_excluded() if moves else contextlib.nullcontext():
             self.placement.activate(expert, optimizer)
         self.active = expert
+
+    def _read_swapped(self, expert: str | None, swap: BlockSwap) -> None:
+        """The host copies of ``expert``'s swapped blocks, back from its waiting file (``waiting.py``)."""
+        assert self.waiting is not None
+        name = qualified_names(self._transformers[expert])
+        with self.waiting.reader(expert) as read:
+            swap.restore_host(lambda module, attr: read(name(module, attr)))
 
     @contextlib.contextmanager
     def _swapped_blocks_excluded(self) -> Iterator[None]:

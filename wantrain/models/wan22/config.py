@@ -16,6 +16,7 @@ from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
 from wantrain.models.wan22.adapter_types import check_pattern
 from wantrain.models.wan22.variants import VARIANTS
+from wantrain.models.wan22.waiting import problems as waiting_problems
 
 FP8_DTYPES = ("fp8", "fp8_scaled")  # base dtypes that store the blocks' Linears in float8_e4m3fn
 
@@ -141,6 +142,14 @@ class ModelConfig:
         "one line before the run starts. Unset: this machine's available RAM. Set it to plan for another "
         "machine.", range=above(0.0),
     )
+    waiting_expert: Literal["auto", "resident", "disk"] = setting(
+        "auto", doc="With `experts = \"both\"` (A14B): where the frozen base of the expert not training waits "
+        "between switches. `resident`: a copy in host memory (fast switches); `disk`: nowhere in memory, read back at "
+        "each switch from a copy in its storage format that the run writes once into `waiting_experts/` of the cache "
+        "folder (memory-mapped: the page cache keeps it while RAM allows); its LoRA and optimizer state stay in "
+        "memory, and the run is bitwise the resident one. `auto`: the host plan takes `resident` where it fits "
+        "`host_ram_budget_gb`, else `disk` (docs/models.md, Host memory).",
+    )
     pin_host_copies: bool = setting(
         True, doc="Pin the host copies that travel to CUDA (swapped blocks, the waiting expert, offloaded "
         "activations) so that their copies run asynchronously; the host plan turns it off when pinned memory "
@@ -258,6 +267,8 @@ class ModelConfig:
                    else f"model.experts = {self.experts!r} trains one") + "; set model.expert_groups = 1"
                 + ("" if spec.boundary_ratio is None else " or model.experts = 'both'")
             )
+        for problem in waiting_problems(self):
+            raise ConfigError(problem)
         if self.min_t is not None and self.max_t is not None and self.min_t >= self.max_t:
             raise ConfigError(f"model.min_t = {self.min_t:g} must be below model.max_t = {self.max_t:g}")
         low, high = _trained_range(spec.boundary_ratio, self.experts)

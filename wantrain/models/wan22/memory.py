@@ -658,6 +658,7 @@ class HostEstimate:
     # under fsdp the loading ranks (rank 0, each group's leader), while the cache fills rank 0 (the others find it
     # filled and load no encoder: app.assemble)
     few: dict[str, int] = attrs.field(factory=dict)
+    switch_read: Any = None  # waiting.SwitchRead: the waiting expert on disk, what each switch reads
 
     def phase_total(self, phase: str) -> float:
         held = self.parts.get(RUNTIME_PART, 0.0) if phase in self.before_experts else sum(self.parts.values())
@@ -705,6 +706,8 @@ class HostEstimate:
                        else ", each loading its own expert")
             out.append(f"  this machine ({self.ranks_on_host} ranks{loading}): {self.machine_total(LOADING) / GIB:.2f}"
                        f" GiB while loading, {self.machine_total(phase) / GIB:.2f} GiB at its peak ({phase})")
+        if self.switch_read is not None:
+            out.append(self.switch_read.line())
         out.append(f"  order: {self.order}")
         return out
 
@@ -724,6 +727,7 @@ class HostEstimate:
                 "peak_gib": self.peak / GIB, "peak_phase": self.peak_phase, "dominant": self.dominant,
                 "before_experts": list(self.before_experts), "order": self.order,
                 "ranks_on_host": self.ranks_on_host,
+                "waiting_on_disk": self.switch_read.to_json() if self.switch_read is not None else None,
                 "machine_peak_gib": max(self.machine_total(p) for p in self.phases) / GIB}
 
 
@@ -732,7 +736,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
                   pin_budget: float | None = None, encoders: bool = True, pin: bool = True,
                   sampling_only: tuple[str, ...] = (), encoders_first: bool = True,
                   adapter: AdapterSpec = LORA, ranks_on_host: int = 1, load_source: float | None = None,
-                  loaders_on_host: int = 1) -> HostEstimate:
+                  loaders_on_host: int = 1, waiting: str = "resident", switch_every: int = 10,
+                  read_rate: float | None = None) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -742,6 +747,11 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
       in ``pin_budget`` (half the host's memory, ``placement.pin_budget``); pinned copies are carved from
       power-of-two slabs (``pinned.slab_layout``, per expert for the swap and for the placement), whose unused ends
       are counted;
+    * ``waiting = "disk"`` (``model.waiting_expert``, two trained experts; ``waiting.py``): no waiting copy; of
+      the experts' frozen tensors the host holds the training expert's swapped blocks only (the expert that leaves
+      drops its copies before the next is read), and while loading one expert whole until its waiting file is
+      written; each switch reads one expert from its file (``HostEstimate.switch_read``, at ``read_rate`` bytes per
+      second, ``waiting.DEFAULT_READ_RATE`` unless given, every ``switch_every`` steps);
     * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
     * ``sampling_only``: the other A14B expert loaded frozen to sample with one trained expert (a host copy like a
       trained one's, no LoRA state);
@@ -769,7 +779,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     swap = min(settings.blocks_to_swap, n)
     swapped = [s for block in blocks[n - swap:] for s in block]
     held_experts = (*experts, *sampling_only)
-    placed = [*rest, *(s for block in blocks[: n - swap] for s in block)] if len(held_experts) > 1 else []
+    on_disk = waiting == "disk" and len(experts) > 1 and not sampling_only
+    whole = float(sum(rest) + sum(s for block in blocks for s in block))
+    placed = [*rest, *(s for block in blocks[: n - swap] for s in block)] \
+        if len(held_experts) > 1 and not on_disk else []
     if pin_budget is None:
         from wantrain.models.wan22.placement import pin_budget as host_pin_budget
 
@@ -778,9 +791,11 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     pin_swap = cuda and pin
     parts: dict[str, float] = {}
     rounding = 0.0
-    for expert in held_experts:
+    for expert in held_experts[:1] if on_disk else held_experts:
         held = float(sum(placed) + sum(swapped))
-        if held:
+        if on_disk and held:
+            parts[f"training expert's swap copy ({settings.base_dtype})"] = held
+        elif held:
             kind = ", sampling only" if expert in sampling_only else ""
             parts[f"{_EXPERT_NAME[expert]} host copy ({settings.base_dtype}{kind})"] = held
         if pin_swap:
@@ -804,6 +819,9 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if filling and encoders_first:
         phases["while the cache fills"] = filling
     phases[LOADING] = {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}
+    if on_disk:  # the expert loading is held whole until its waiting file is written (its swapped blocks: parts)
+        phases[LOADING] = {"one expert, until on disk": whole - float(sum(swapped)),
+                           **phases[LOADING]}
     if load_source is not None:
         phases[LOADING] = {"loading rank: expert + LoRA": float(load_source), **phases[LOADING]}
     if filling and not encoders_first:
@@ -821,14 +839,22 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         pinned = "nothing pinned (not training on CUDA)"
     elif not pin:
         pinned = "nothing pinned (model.pin_host_copies = false)"
+    elif on_disk:
+        pinned = "swap copies pinned; no waiting copy (on disk)" if swap else "no waiting copy (on disk)"
     elif pin_placed:
         pinned = "swap and waiting copies pinned"
     elif swap:
         pinned = "swap copies pinned; waiting copies pageable (over half the host's memory)"
     else:
         pinned = "waiting copies pageable (over half the host's memory)" if placed else "nothing pinned"
+    if on_disk:
+        from wantrain.models.wan22.waiting import DEFAULT_READ_RATE, SwitchRead
+
+        switch = SwitchRead(whole, read_rate or DEFAULT_READ_RATE, switch_every, read_rate is not None)
+    else:
+        switch = None
     return HostEstimate(parts, phases, pinned, ("while the cache fills",) if filling and encoders_first else (),
-                        ranks_on_host=ranks_on_host,
+                        ranks_on_host=ranks_on_host, switch_read=switch,
                         few={**({LOADING: loaders_on_host} if load_source is not None else {}),
                              **({"while the cache fills": 1} if filling and not encoders_first else {})})
 
