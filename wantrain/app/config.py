@@ -91,13 +91,11 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         _check_alpha_schedule(self)
-        if self.lora.type == "dora" and (self.model.base_dtype in FP8_DTYPES or (
-                self.model.vram_budget_gb is not None and self.model.base_dtype == "auto")):
+        if self.lora.type == "dora" and self.model.base_dtype in FP8_DTYPES:  # "auto" plans without fp8 for DoRA
             raise ConfigError(
                 f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 storage does not "
-                f"dequantize (model.base_dtype = '{self.model.base_dtype}'"
-                + (", which a VRAM budget may turn into fp8" if self.model.base_dtype == "auto" else "")
-                + "); set model.base_dtype = 'bf16' or use another lora.type")
+                f"dequantize (model.base_dtype = '{self.model.base_dtype}'); set model.base_dtype = 'bf16' or use "
+                "another lora.type")
         if self.model.parallel == "fsdp" and self.lora.type == "dora":
             raise ConfigError("lora.type = 'dora' reads the base weights outside their forward pass, which "
                               "model.parallel = 'fsdp' holds sharded there; use another lora.type or parallel = 'dp'")

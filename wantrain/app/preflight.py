@@ -18,6 +18,7 @@ from wantrain.data.cache import describe_entries, remove_entries
 from wantrain.data.dataset import NoUsableSample
 from wantrain.data.report import PreflightReport
 from wantrain.models.wan22 import build_encoders, check_model_files
+from wantrain.models.wan22.adapter_types import adapter_type
 from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.models.wan22.waiting import problems as waiting_problems
@@ -338,6 +339,8 @@ def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
     dtype = model.base_dtype
     if dtype == "auto" and spec.tiny:
         dtype = "fp32"
+    if dtype == "auto" and adapter_type(cfg.lora.type).reads_base:  # DoRA: the budget plans bf16, never fp8
+        dtype = "bf16"
     # model.recompute 'auto' without a budget is the whole block (recompute.py); with one the planner chooses
     recompute = "lean" if model.recompute == "lean" and model.gradient_checkpointing else "block"
     if model.vram_budget_gb is None:
