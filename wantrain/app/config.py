@@ -23,7 +23,7 @@ from wantrain.core.settings import (
 )
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.adapter_types import candidate_modules, select_modules
-from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
+from wantrain.models.wan22.config import QUANTISED_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
@@ -91,11 +91,11 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         _check_alpha_schedule(self)
-        if self.lora.type == "dora" and self.model.base_dtype in FP8_DTYPES:  # "auto" plans without fp8 for DoRA
+        if self.lora.type == "dora" and self.model.base_dtype in QUANTISED_DTYPES:  # "auto" plans bf16 for DoRA
             raise ConfigError(
-                f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 storage does not "
-                f"dequantize (model.base_dtype = '{self.model.base_dtype}'); set model.base_dtype = 'bf16' or use "
-                "another lora.type")
+                f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 and low-bit "
+                f"storage do not dequantize there (model.base_dtype = '{self.model.base_dtype}'); set "
+                "model.base_dtype = 'bf16' or use another lora.type")
         if self.model.parallel == "fsdp" and self.lora.type == "dora":
             raise ConfigError("lora.type = 'dora' reads the base weights outside their forward pass, which "
                               "model.parallel = 'fsdp' holds sharded there; use another lora.type or parallel = 'dp'")

@@ -29,10 +29,11 @@ from wantrain.models.wan22 import adapter_forward, architecture, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.attention import check_kernel, use_kernel
 from wantrain.models.wan22.compile import check_compiler, compile_blocks
-from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
+from wantrain.models.wan22.config import FP8_DTYPES, LOW_BIT_DTYPES, QUANTISED_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.export import ADAPTER_NAME, Wan22Saver, lora_layers
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.lora_files import LoraFile, check_fits, describe, resolve_init
+from wantrain.models.wan22.lowbit import to_low_bit
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.placement import ExpertPlacement, pin_budget
 from wantrain.models.wan22.recompute import use_recompute
@@ -54,6 +55,8 @@ def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device, 
     choice = model.base_dtype
     if choice == "auto":
         choice = "fp32" if spec.tiny else "bf16"
+    if choice in LOW_BIT_DTYPES:  # loaded in bf16, stored low-bit by _store_base (lowbit.py: CPU or CUDA)
+        return torch.bfloat16, torch.bfloat16
     if choice in FP8_DTYPES:
         if training and device.type not in FP8_DEVICE_TYPES:
             raise UserError(f"model.base_dtype = '{choice}' needs a CUDA device (training device is {device.type}); "
@@ -82,7 +85,7 @@ def init_adapter_in_fp32(transformer: nn.Module, seed: int, kind: AdapterType) -
         kind.init_fp32(layer, generator)
 
 
-def _store_base(transformer: nn.Module, storage: str) -> None:
+def _store_base(transformer: nn.Module, storage: str, device: torch.device | None = None) -> None:
     """Store the frozen base Linears as ``model.base_dtype`` says: ``fp8`` through diffusers' layerwise casting,
     ``fp8_scaled`` as ``fp8.ScaledFp8Linear`` (a streamed file or folder comes converted already:
     ``single_file.py``; the tiny twins are converted here). Call before the LoRA is added."""
@@ -90,6 +93,8 @@ def _store_base(transformer: nn.Module, storage: str) -> None:
         transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     elif storage == "fp8_scaled":
         fp8.to_scaled_fp8(transformer)
+    elif storage in LOW_BIT_DTYPES:  # quantised on the training device where it is CUDA (seconds, not minutes)
+        to_low_bit(transformer, storage, device=device if device is not None and device.type == "cuda" else None)
 
 
 def _load_lora_file(transformer: nn.Module, path: Path, expert: str) -> None:
@@ -199,11 +204,11 @@ class Wan22Adapter:
         self._stacked: dict[Path, tuple[dict[str, Any], list[str]]] = {}  # stacked_loras(): files read, by path
 
     def _prepare(self, transformer: nn.Module, storage: str, init_seed: int) -> nn.Module:
-        if self.kind.reads_base and storage in FP8_DTYPES:  # the config refuses it first; a planner's choice lands here
+        if self.kind.reads_base and storage in QUANTISED_DTYPES:  # the config refuses it first
             raise UserError(f"lora.type = 'dora' cannot train on model.base_dtype = '{storage}' (peft's DoRA reads the "
                             "base weights undequantized); set model.base_dtype = 'bf16'")
         transformer.requires_grad_(False)
-        _store_base(transformer, storage)  # before the LoRA is added, so that only base Linears are stored in fp8
+        _store_base(transformer, storage, self.device)  # before the LoRA: only base Linears are stored quantised
         if self.model_config.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         lora = self.lora_config

@@ -19,6 +19,8 @@ from wantrain.models.wan22.variants import VARIANTS
 from wantrain.models.wan22.waiting import problems as waiting_problems
 
 FP8_DTYPES = ("fp8", "fp8_scaled")  # base dtypes that store the blocks' Linears in float8_e4m3fn
+LOW_BIT_DTYPES = ("int8", "nf4")  # ... as bitsandbytes codes (lowbit.py)
+QUANTISED_DTYPES = FP8_DTYPES + LOW_BIT_DTYPES  # compute from a dequantised bf16 copy of each Linear
 
 
 @section
@@ -107,12 +109,15 @@ class ModelConfig:
         "about 26 % more FLOPs per step. `auto`: with `vram_budget_gb` the planner takes `lean` only where "
         "`block` does not fit; without a budget, `block`.",
     )
-    base_dtype: Literal["auto", "fp32", "bf16", "fp8", "fp8_scaled"] = setting(
+    base_dtype: Literal["auto", "fp32", "bf16", "fp8", "fp8_scaled", "int8", "nf4"] = setting(
         "auto",
         doc="Storage dtype of the frozen base transformer: `auto` is fp32 for tiny variants and bf16 for real "
         "ones; `fp8` casts the blocks' Linears to float8_e4m3fn and computes in bf16; `fp8_scaled` stores them "
         "in float8_e4m3fn with one float32 scale per output row (max|row|/448; a ComfyUI fp8_scaled file keeps "
-        "its own) and computes in bf16: less error than `fp8`, same memory (both CUDA only).",
+        "its own) and computes in bf16: less error than `fp8`, same memory (both CUDA only); `int8` and `nf4` store "
+        "them as bitsandbytes' blockwise 8-bit codes (1.06 bytes a weight) or 4-bit NormalFloat (0.56 bytes a "
+        "weight), one float32 absmax per 64 weights, dequantised to bf16 in each forward (CPU or CUDA; "
+        "docs/models.md, Memory).",
     )
     offload_device: str = setting(
         "cpu", doc="Where the inactive expert and its optimizer state wait while the other one trains."
@@ -229,9 +234,9 @@ class ModelConfig:
                 "model.vram_budget_gb chooses blocks_to_swap and offload_activations itself; remove those two keys "
                 "or the budget"
             )
-        if self.base_dtype in FP8_DTYPES and not self.gradient_checkpointing:
-            # both fp8 storages compute each Linear from a bf16 copy of its weight, and autograd keeps that copy
-            # for the backward in every block: more memory than bf16 storage (tests/data/test_vram_estimate.py)
+        if self.base_dtype in QUANTISED_DTYPES and not self.gradient_checkpointing:
+            # fp8 and low-bit storages compute each Linear from a bf16 copy of its weight, and autograd keeps that
+            # copy for the backward in every block: more memory than bf16 storage (tests/data/test_vram_estimate.py)
             raise ConfigError(
                 f"model.base_dtype = '{self.base_dtype}' with model.gradient_checkpointing = false keeps a bf16 copy "
                 "of every frozen Linear for the backward (more memory than 'bf16'); set gradient_checkpointing = "
@@ -332,8 +337,8 @@ def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[s
     if model.vram_budget_gb is not None:
         return (f"model.vram_budget_gb = {model.vram_budget_gb:g} (it picks block swap and fp8 storage)",
                 f"remove vram_budget_gb or set {undo}")
-    if model.base_dtype in FP8_DTYPES:
-        return f"model.base_dtype = '{model.base_dtype}' (fp8 layerwise storage)", f"set base_dtype = 'bf16' or {undo}"
+    if model.base_dtype in QUANTISED_DTYPES:
+        return f"model.base_dtype = '{model.base_dtype}' (quantised storage)", f"set base_dtype = 'bf16' or {undo}"
     if model.compile != "off":
         return f"model.compile = '{model.compile}'", f"set compile = 'off' or {undo}"
     return None

@@ -128,7 +128,7 @@ VIDEO_BYTES_PER_PIXEL = 12.5
 
 @attrs.frozen
 class MemorySettings:
-    base_dtype: str  # "fp32", "bf16", "fp8" or "fp8_scaled"
+    base_dtype: str  # "fp32", "bf16", "fp8", "fp8_scaled", "int8" or "nf4"
     blocks_to_swap: int = 0
     offload_activations: bool = False
     recompute: str = "block"  # model.recompute: "block" or "lean" (recompute.py)
@@ -297,9 +297,10 @@ def attention_backward_bytes(variant: str, *, width: int, height: int, frames: i
 
 
 @functools.lru_cache(maxsize=16)
-def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tuple[float, tuple[float, ...]]:
-    """(bytes outside the blocks, bytes of each block) of one expert's frozen base in ``base_dtype``, counted on a
-    ``meta`` build (fp8: with diffusers' layerwise casting applied, as the adapter applies it)."""
+def stored_meta_build(variant: str, base_dtype: str, layers: int | None = None):
+    """A ``meta`` build of one expert stored as the adapter stores it in ``base_dtype`` (``_keep_in_fp32_modules`` in
+    fp32; fp8: diffusers' layerwise casting; fp8_scaled: float8 weights, bf16 biases and float32 scales; int8 / nf4:
+    bitsandbytes codes, bf16 biases and float32 absmax, ``lowbit.py``)."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -311,14 +312,24 @@ def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tu
         kwargs["num_layers"] = layers
     with torch.device("meta"):
         model = WanTransformer3DModel(**kwargs)
-    dtype = torch.float32 if base_dtype == "fp32" else torch.bfloat16
-    cast_keeping_fp32_modules(model, dtype)
+    cast_keeping_fp32_modules(model, torch.float32 if base_dtype == "fp32" else torch.bfloat16)
     if base_dtype == "fp8":
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    elif base_dtype == "fp8_scaled":  # float8 weights, bf16 biases and the float32 scales, as the adapter stores them
+    elif base_dtype == "fp8_scaled":
         from wantrain.models.wan22.fp8 import to_scaled_fp8
 
         to_scaled_fp8(model)
+    elif base_dtype in ("int8", "nf4"):
+        from wantrain.models.wan22.lowbit import to_low_bit
+
+        to_low_bit(model, base_dtype)
+    return model
+
+
+def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tuple[float, tuple[float, ...]]:
+    """(bytes outside the blocks, bytes of each block) of one expert's frozen base in ``base_dtype``, counted on a
+    ``meta`` build stored as the adapter stores it (:func:`stored_meta_build`)."""
+    model = stored_meta_build(variant, base_dtype, layers)
 
     def size(module) -> float:
         return float(sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]))
@@ -471,7 +482,7 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     hidden = tokens * d * 2.0
     lean = gradient_checkpointing and settings.recompute == "lean"
     per_block = recompute_block_bytes(tokens, d, f, batch * spec.text_len, "lean" if lean else "block")
-    if settings.base_dtype in ("fp8", "fp8_scaled"):  # both compute from bf16 copies of the block's Linears
+    if settings.base_dtype in ("fp8", "fp8_scaled", "int8", "nf4"):  # all compute from bf16 copies of the Linears
         per_block += _linear_bytes_bf16(variant, layers) * (LEAN_FP8_COPIES if lean else 1.0)
     if not gradient_checkpointing:
         inputs, per_block = 0.0, per_block * n
@@ -590,17 +601,7 @@ def _slab_waste(sizes: list[int], max_slab: int | None = None) -> float:
 def host_tensor_bytes(variant: str, base_dtype: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """(byte sizes of the frozen tensors outside the blocks, per block the byte sizes of its frozen tensors) of one
     expert in ``base_dtype`` storage: what the waiting copies and the swap's host copies hold, tensor by tensor."""
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
-    from wantrain.models.wan22.variants import VARIANTS
-
-    with torch.device("meta"):
-        model = WanTransformer3DModel(**transformer_kwargs(VARIANTS[variant]))
-    cast_keeping_fp32_modules(model, torch.float32 if base_dtype == "fp32" else torch.bfloat16)
-    if base_dtype == "fp8":
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    model = stored_meta_build(variant, base_dtype)
 
     def sizes(module) -> tuple[int, ...]:
         return tuple(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
