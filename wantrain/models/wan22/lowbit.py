@@ -37,6 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 LOW_BIT_DTYPES = ("int8", "nf4")
+# What each quantised storage costs per Linear of a real-width A14B block against the exact (float32) product, the
+# worst of its six shapes, measured by bench/measure_lowbit_error.py (256 tokens; docs/models.md, Memory): relative
+# output error with log-normal row gains, the same with 0.5 % outlier input channels (x10), and the cosine of the
+# gradient the layer passes back to its input (what the LoRAs before it receive) with those outliers. bf16's own
+# rounding: 0.17 %, cosine 0.99998.
+BASE_ERROR = {"fp8": (0.0899, 0.0751, 0.99727), "fp8_scaled": (0.0257, 0.0266, 0.99964),
+              "int8": (0.0070, 0.0106, 0.99993), "nf4": (0.0914, 0.1269, 0.99214)}
 BLOCK = 64  # weights per absmax: 64 consecutive inputs of one output row
 ABSMAX_NAME = "weight_absmax"
 BYTES_PER_WEIGHT = {"int8": 1.0 + 4.0 / BLOCK, "nf4": 0.5 + 4.0 / BLOCK}
@@ -145,3 +152,14 @@ def to_low_bit(model: nn.Module, kind: str, compute_dtype: torch.dtype = torch.b
         layer = LowBitLinear(codes, absmax, bias, (linear.out_features, linear.in_features), kind)
         setattr(model.get_submodule(parent), attr, layer)
     return model
+
+
+def error_line(base_dtype: str) -> str | None:
+    """``check``'s line on what ``base_dtype`` costs in quality (:data:`BASE_ERROR`), None for bf16 / fp32."""
+    figures = BASE_ERROR.get(base_dtype)
+    if figures is None:
+        return None
+    rows, columns, cosine = figures
+    return (f"  base quality: {base_dtype} moves a real-width A14B Linear's output {100 * rows:.2f} % from exact "
+            f"({100 * columns:.2f} % with outlier input channels; bf16: 0.17 %), input-gradient cosine {cosine:.5f} "
+            "(bench/measure_lowbit_error.py)")

@@ -241,7 +241,11 @@ class MemoryEstimate:
         return card_gib(self.larger_peak)
 
     def lines(self) -> list[str]:
+        from wantrain.models.wan22.lowbit import error_line
+
         out = [f"  adapter: {self.adapter}"] if self.adapter else []
+        quality = error_line(self.settings.base_dtype)
+        out += [quality] if quality else []
         out.append(f"  recompute: {RECOMPUTE_WORDS[self.settings.recompute]}")
         out.append("  training step:")
         out += [f"    {name:<26} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
@@ -753,6 +757,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
       drops its copies before the next is read), and while loading one expert whole until its waiting file is
       written; each switch reads one expert from its file (``HostEstimate.switch_read``, at ``read_rate`` bytes per
       second, ``waiting.DEFAULT_READ_RATE`` unless given, every ``switch_every`` steps);
+    * int8 / nf4 storage (``lowbit.py``): an expert loads in bf16 and is quantised once loaded, so while loading
+      the host holds its bf16 copy beyond its stored one;
     * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
     * ``sampling_only``: the other A14B expert loaded frozen to sample with one trained expert (a host copy like a
       trained one's, no LoRA state);
@@ -823,6 +829,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if on_disk:  # the expert loading is held whole until its waiting file is written (its swapped blocks: parts)
         phases[LOADING] = {"one expert, until on disk": whole - float(sum(swapped)),
                            **phases[LOADING]}
+    if settings.base_dtype in ("int8", "nf4"):  # loaded in bf16, then quantised Linear by Linear (lowbit.py)
+        bf16_rest, bf16_blocks = host_tensor_bytes(variant, "bf16")
+        phases[LOADING] = {"one expert in bf16, until quantised": float(sum(bf16_rest) + sum(
+            s for block in bf16_blocks for s in block)) - whole, **phases[LOADING]}
     if load_source is not None:
         phases[LOADING] = {"loading rank: expert + LoRA": float(load_source), **phases[LOADING]}
     if filling and not encoders_first:
