@@ -44,6 +44,7 @@ from torch import nn
 
 from wantrain.core.devices import resolve_device, same_device
 from wantrain.models.wan22 import pinned
+from wantrain.models.wan22.single_file import trim_heap
 from wantrain.models.wan22.waiting import WaitingOnDisk, qualified_names
 
 _DROPPED = torch.device("meta")  # where the base weights of an expert waiting on disk are: nowhere (placeholders)
@@ -170,6 +171,7 @@ class ExpertPlacement:
         self._move_trainable(expert, self.offload_device, None)
         self._move_base(expert, _DROPPED)
         self.where[expert] = _DROPPED
+        trim_heap()
 
     def add_sharded(self, experts: dict[str | None, nn.Module]) -> None:
         """Take ``experts`` built on ``meta`` for ``model.parallel = "fsdp"``: sharding puts their shards on the
@@ -268,6 +270,7 @@ class ExpertPlacement:
             self._move_base(expert, _DROPPED)
             self._move_trainable(expert, self.offload_device, optimizer)
             self.where[expert] = _DROPPED
+            trim_heap()  # the freed tensors' pages go back to the system, not into glibc's heap
             return
         if waiting is None:
             self._move_base(expert, self.offload_device)

@@ -30,6 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from wantrain.core.devices import resolve_device
 from wantrain.models.wan22 import pinned
+from wantrain.models.wan22.single_file import trim_heap
 
 
 def _in_backward() -> bool:
@@ -210,6 +211,7 @@ class BlockSwap:
         for entries in self._host.values():
             entries[:] = [(m, n, p, torch.empty_like(h, device="meta")) for m, n, p, h in entries]
         self.dropped = True
+        trim_heap()  # the freed copies' pages back to the system (pinned slabs: torch's host allocator keeps them)
 
     def restore_host(self, read: Callable[[nn.Module, str], torch.Tensor]) -> None:
         """New host copies after :meth:`drop_host`: ``read(module, name)`` gives each tensor (from the waiting
