@@ -40,6 +40,13 @@ def test_the_dequantised_weight_is_near_the_original(kind, bound):
     assert 0 < error < bound
 
 
+def test_compiled_blocks_on_a_low_bit_base_are_refused_in_one_line():
+    from wantrain.models.wan22 import ModelConfig
+
+    with pytest.raises(ConfigError, match="model.base_dtype = 'nf4' with model.compile = 'default': bitsandbytes"):
+        ModelConfig(variant="tiny-t2v", base_dtype="nf4", compile="default")
+
+
 def test_dora_on_a_low_bit_base_is_refused_in_one_line(tmp_path):
     from wantrain.app.config import load_config
 

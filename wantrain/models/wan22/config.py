@@ -15,6 +15,7 @@ import torch
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
 from wantrain.models.wan22.adapter_types import check_pattern
+from wantrain.models.wan22.lowbit import problems as low_bit_problems
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.models.wan22.waiting import problems as waiting_problems
 
@@ -272,7 +273,7 @@ class ModelConfig:
                    else f"model.experts = {self.experts!r} trains one") + "; set model.expert_groups = 1"
                 + ("" if spec.boundary_ratio is None else " or model.experts = 'both'")
             )
-        for problem in waiting_problems(self):
+        for problem in [*waiting_problems(self), *low_bit_problems(self)]:
             raise ConfigError(problem)
         if self.min_t is not None and self.max_t is not None and self.min_t >= self.max_t:
             raise ConfigError(f"model.min_t = {self.min_t:g} must be below model.max_t = {self.max_t:g}")

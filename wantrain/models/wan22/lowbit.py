@@ -49,6 +49,15 @@ ABSMAX_NAME = "weight_absmax"
 BYTES_PER_WEIGHT = {"int8": 1.0 + 4.0 / BLOCK, "nf4": 0.5 + 4.0 / BLOCK}
 
 
+def problems(model) -> list[str]:
+    """What ``model.base_dtype = "int8"`` / ``"nf4"`` refuses in ``model`` (a ``ModelConfig``), one line each."""
+    if model.base_dtype not in LOW_BIT_DTYPES or model.compile == "off":
+        return []
+    return [f"model.base_dtype = '{model.base_dtype}' with model.compile = '{model.compile}': bitsandbytes' "
+            "dequantisation inside compiled blocks is not verified yet (no GPU has run it); set model.compile = "
+            "'off' or base_dtype = 'bf16' / 'fp8_scaled'"]
+
+
 def _functional():
     """bitsandbytes' functional module, imported quietly (it logs about optional CPU kernels it cannot fetch)."""
     quiet = logging.getLogger("bitsandbytes")
