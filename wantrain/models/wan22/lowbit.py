@@ -14,7 +14,8 @@ in time in each forward (``bitsandbytes.functional.dequantize_*``), rounded once
 * ``nf4``: bitsandbytes' 4-bit NormalFloat (``quantize_4bit``, two weights per byte, 64-weight blocks): 0.56 bytes
   per weight.
 
-Why bitsandbytes rather than torchao: it is a dependency already (the 8-bit optimizers), its quantise and
+Why bitsandbytes rather than torchao: it is a dependency already (the 8-bit optimizers' extra; without it these
+storages are a one-line error), its quantise and
 dequantise run on the CPU as well as CUDA (the tiny-twin tests run on a CPU), and both formats are plain tensors
 (``uint8`` codes and ``float32`` absmax) that block swap, the expert placement, the waiting file and the checkpoint
 move and write like any frozen tensor. No fused low-bit matmul is used: the weight is dequantised to bf16 and the
@@ -35,6 +36,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from wantrain.core.errors import UserError
 
 LOW_BIT_DTYPES = ("int8", "nf4")
 # What each quantised storage costs per Linear of a real-width A14B block against the exact (float32) product, the
@@ -64,6 +67,9 @@ def _functional():
     level, quiet.level = quiet.level, logging.ERROR
     try:
         import bitsandbytes.functional as bnb_functional
+    except ImportError as exc:  # an optional dependency (the "optimizers" extra)
+        raise UserError(f"model.base_dtype = 'int8' / 'nf4' needs bitsandbytes >= 0.45 ({exc}); install it (pip "
+                        "install 'wantrain[optimizers]') or use base_dtype = 'bf16' / 'fp8_scaled'") from None
     finally:
         quiet.level = level
     return bnb_functional
