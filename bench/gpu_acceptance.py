@@ -20,8 +20,9 @@ a. ``tiny_t2v_resume``: tiny-t2v on CUDA with the default fused AdamW, both expe
    (``placement.follows_parameter``) on its parameter's device.
 e. ``sync_debug``: ``torch.cuda.set_sync_debug_mode("warn")`` over three non-log steps of a tiny run: the list of
    synchronising calls (file:line of the innermost wantrain frame) — the loop promises none.
-r. ``rows``: one step each of ``fp8_scaled`` T2V-A14B and bf16 I2V-A14B at 832x480x81 and bf16 TI2V-5B at
-   1280x704x121 (s/step, MFU, peak against the planner), each skipped at the deadline; then issue 44's rows:
+r. ``rows``: one step each of ``fp8_scaled``, ``int8`` and ``nf4`` T2V-A14B (issue 56's low-bit bases) and bf16
+   I2V-A14B at 832x480x81 and bf16 TI2V-5B at 1280x704x121 (s/step, MFU, peak against the planner), each skipped
+   at the deadline; then issue 44's rows:
    compiled blocks and the flash kernel at 832x480x81 beside eager bf16 (``s_per_step_vs_bf16``, ``same_as_bf16``,
    ``first_step_s`` the compiling step), reported, not judged (skipped in ``--smoke``).
 b. ``expert_switch_memory``: two experts of A14B width (d=5120) with a few blocks in bf16, placed as a run places
@@ -317,6 +318,9 @@ def section_plan(device: str, smoke: bool, deadline: Deadline) -> dict:
 ROWS = (("fp8_scaled t2v-a14b 832x480x81", ["--variant", "t2v-a14b", "--settings", "fp8_scaled",
                                             "--size", "832x480x81"], 45),
         ("bf16 i2v-a14b 832x480x81", ["--variant", "i2v-a14b", "--settings", "bf16", "--size", "832x480x81"], 45),
+        # issue 56: the low-bit bases (bitsandbytes codes dequantised per Linear) beside fp8_scaled's row above
+        ("int8 t2v-a14b 832x480x81", ["--variant", "t2v-a14b", "--settings", "int8", "--size", "832x480x81"], 45),
+        ("nf4 t2v-a14b 832x480x81", ["--variant", "t2v-a14b", "--settings", "nf4", "--size", "832x480x81"], 45),
         ("bf16 ti2v-5b 1280x704x121", ["--variant", "ti2v-5b", "--settings", "bf16", "--size", "1280x704x121"], 40))
 # Issue 44's rows: regional torch.compile of the blocks and the flash-attn kernel, each beside plain bf16 eager
 # built from the same weights (its s/step ratio and first-step equality); a kernel the machine lacks is the row's

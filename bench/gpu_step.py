@@ -27,7 +27,8 @@ Linear's backward is 1x its forward; the LoRA weight gradients are negligible), 
 counted, as usual for MFU. The peak comes from ``--peak-tflops`` or a table of known GPUs.
 
 The model is built on ``meta`` in its storage dtypes (bf16, or float8 Linears for ``fp8``; ``fp8_scaled``: bf16
-quantised per row into wantrain's ``ScaledFp8Linear``, unswapped) and materialised afterwards with random weights
+quantised per row into wantrain's ``ScaledFp8Linear``; ``int8`` / ``nf4``: into bitsandbytes codes,
+``lowbit.LowBitLinear``; these three unswapped) and materialised afterwards with random weights
 drawn on the device, one generator per tensor from a fixed seed (:func:`fill_random`; swapped blocks' tensors are
 copied to the host from there), and the peak-memory counter is reset after the build: the peak is that of
 training. Every setting of a variant has the same weights and inputs, so a bf16 setting run after plain ``bf16``
@@ -100,13 +101,14 @@ def fill_random(model, device: torch.device, seed: int, *, lora: bool = False) -
 
 
 def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: bool, rank: int, swap: int = 0,
-                 variant: str = "t2v-a14b", fp8_scaled: bool = False, seed: int = 0):
+                 variant: str = "t2v-a14b", storage: str | None = None, seed: int = 0):
     """One expert of ``variant`` with random weights (:func:`fill_random`), built on ``meta`` in its storage dtypes
     and only then materialised: the frozen tensors of the last ``swap`` blocks straight on the host (where
     ``BlockSwap`` keeps them), everything else on ``device``. The device never holds the model in another dtype,
     nor a swapped block outside the ring (a 24 GiB card could not hold the 28.6 GB bf16 expert even for a moment).
-    ``fp8_scaled``: bf16 weights quantised per output row into ``ScaledFp8Linear`` (``base_dtype = "fp8_scaled"``)
-    after materialising, so only with ``swap = 0``."""
+    ``storage`` ``"fp8_scaled"``: bf16 weights quantised per output row into ``ScaledFp8Linear`` (``base_dtype =
+    "fp8_scaled"``), ``"int8"`` / ``"nf4"``: into bitsandbytes codes (``lowbit.LowBitLinear``), after materialising,
+    so only with ``swap = 0``."""
     from diffusers import WanTransformer3DModel
     from peft import LoraConfig
 
@@ -122,11 +124,16 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
     for module in model.modules():
         module.to_empty(device="cpu" if id(module) in host_blocks else device, recurse=False)
     fill_random(model, device, seed)
-    if fp8_scaled:
+    if storage is not None:
         from wantrain.models.wan22.fp8 import to_scaled_fp8
+        from wantrain.models.wan22.lowbit import to_low_bit
 
-        assert not swap and not fp8, "fp8_scaled is built on the device, unswapped"
-        to_scaled_fp8(model, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        assert not swap and not fp8, f"{storage} is built on the device, unswapped"
+        compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+        if storage == "fp8_scaled":
+            to_scaled_fp8(model, compute_dtype=compute)
+        else:
+            to_low_bit(model, storage, compute_dtype=compute)
     # RoPE frequencies are buffers computed in __init__: rebuild them on the device (to_empty left them blank)
     model.rope = type(model.rope)(model.rope.attention_head_dim, model.rope.patch_size,
                                   model.rope.max_seq_len).to(device)
@@ -176,7 +183,7 @@ def settings_table(smoke: bool) -> dict[str, dict]:
     if smoke:
         return {"bf16": dict(fp8=False, swap=0, offload=False), "bf16-swap1": dict(fp8=False, swap=1, offload=False),
                 "bf16-swap1-offload": dict(fp8=False, swap=1, offload=True),
-                "fp8_scaled": dict(fp8=False, swap=0, offload=False, fp8_scaled=True)}
+                "fp8_scaled": dict(fp8=False, swap=0, offload=False, storage="fp8_scaled")}
     out = {}
     for fp8 in (False, True):
         for swap in (0, 20, 38):
@@ -187,15 +194,17 @@ def settings_table(smoke: bool) -> dict[str, dict]:
 
 
 def parse_setting(name: str, blocks: int) -> dict | None:
-    """``bf16``, ``fp8-swap38``, ``bf16-swap39-offload``, ``fp8_scaled``, ... -> (fp8, blocks_to_swap, offload);
-    None if not one (``fp8_scaled`` is built on the device: no swap)."""
+    """``bf16``, ``fp8-swap38``, ``bf16-swap39-offload``, ``fp8_scaled``, ``int8``, ``nf4``, ... -> (fp8,
+    blocks_to_swap, offload, storage); None if not one (``fp8_scaled``, ``int8`` and ``nf4`` are built on the
+    device: no swap)."""
     import re
 
-    match = re.fullmatch(r"(bf16|fp8_scaled|fp8)(?:-swap(\d+))?(-offload)?", name)
-    if match is None or int(match.group(2) or 0) > blocks or (match.group(1) == "fp8_scaled" and match.group(2)):
+    match = re.fullmatch(r"(bf16|fp8_scaled|fp8|int8|nf4)(?:-swap(\d+))?(-offload)?", name)
+    built_on_device = match is not None and match.group(1) in ("fp8_scaled", "int8", "nf4")
+    if match is None or int(match.group(2) or 0) > blocks or (built_on_device and match.group(2)):
         return None
     return dict(fp8=match.group(1) == "fp8", swap=int(match.group(2) or 0), offload=bool(match.group(3)),
-                fp8_scaled=match.group(1) == "fp8_scaled")
+                storage=match.group(1) if built_on_device else None)
 
 
 def swap_blocks(model, swap: int, device: torch.device, on_copy) -> BlockSwap | None:
@@ -235,7 +244,7 @@ def planned(setting: dict, shape: tuple[int, int, int], rank: int, variant: str)
 
     height, width, frames = shape
     tiny = variant.startswith("tiny-")
-    dtype = "fp32" if tiny else ("fp8" if setting["fp8"] else "fp8_scaled" if setting.get("fp8_scaled") else "bf16")
+    dtype = "fp32" if tiny else ("fp8" if setting["fp8"] else setting.get("storage") or "bf16")
     return estimate(variant, MemorySettings(dtype, setting["swap"], setting["offload"]),
                     width=width, height=height, frames=frames, rank=rank)
 
@@ -254,7 +263,7 @@ def model_variant(variant: str, tiny: bool) -> str:
 def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape: tuple[int, int, int],
                steps: int, warmup: int, rank: int, peak_tflops: float | None, swap: int = 0,
                offload: bool = False, bandwidth: float | None = None, cap_gib: float | None = None,
-               variant: str = "t2v-a14b", fp8_scaled: bool = False, first_grads: dict | None = None) -> dict:
+               variant: str = "t2v-a14b", storage: str | None = None, first_grads: dict | None = None) -> dict:
     """One setting's steps and figures (JSON-ready). ``first_grads``, when given, receives the LoRA gradients of
     the first step (before clipping) on the host, and the result its loss: runs of the same variant and seed
     have the same weights and inputs, so a placement that moves data wrongly shows as a different gradient."""
@@ -270,7 +279,7 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
         fraction = (cap_gib * 2**30 - outside) / total if cap_gib else 1.0
         torch.cuda.set_per_process_memory_fraction(min(1.0, max(fraction, 0.0)), device)
     model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank, swap=swap,
-                                      variant=variant, fp8_scaled=fp8_scaled)
+                                      variant=variant, storage=storage)
     traffic = {"bytes": 0}
     block_bytes: dict[int, int] = {}
 
@@ -364,7 +373,7 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     if first_grads is not None:
         out["first_step_loss"] = first_loss
     out["memory_cap_gib"], out["context_gib"] = cap_gib, context_gib
-    est = planned({"fp8": fp8, "swap": swap, "offload": offload, "fp8_scaled": fp8_scaled}, shape, rank,
+    est = planned({"fp8": fp8, "swap": swap, "offload": offload, "storage": storage}, shape, rank,
                   model_variant(variant, tiny))
     out["planned_allocated_gib"] = round(est.training_peak / 2**30, 2)
     out["planned_link_bytes_per_step"] = est.link_bytes
@@ -417,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     for w in wanted:
         setting = table.get(w) or parse_setting(split_speed(w)[0], blocks)
         if setting is None:
-            parser.error(f"unknown setting {w!r}; use bf16|fp8|fp8_scaled[-swapN][-offload] with N <= {blocks} "
-                         f"(fp8_scaled: no swap), e.g. "
+            parser.error(f"unknown setting {w!r}; use bf16|fp8|fp8_scaled|int8|nf4[-swapN][-offload] with N <= "
+                         f"{blocks} (fp8_scaled, int8, nf4: no swap), e.g. "
                          f"{', '.join(table)}")
         table[w] = setting
     bandwidth = link_bandwidth(device, 1 << 20 if args.smoke else 1 << 30)

@@ -63,6 +63,7 @@ def test_the_gpu_acceptance_script_runs_every_section_on_the_cpu_and_writes_each
     # speed rows say they do not run on a CPU
     by_row = {r["row"].split(" ")[0] + " " + r["row"].split(" ")[1]: r for r in report["rows"]["rows"]}
     assert by_row["fp8_scaled t2v-a14b"]["config"] == "fp8_scaled"
+    assert by_row["int8 t2v-a14b"]["config"] == "int8" and by_row["nf4 t2v-a14b"]["config"] == "nf4"
     assert by_row["bf16 i2v-a14b"]["variant"] == "i2v-a14b" and by_row["bf16 ti2v-5b"]["latents"][1] == 48
     assert all(r["final_loss"] > 0 and r["s_per_step"] > 0 for r in report["rows"]["rows"] if "config" in r)
     assert [r["skipped"].split(":")[0] for r in report["rows"]["rows"] if "skipped" in r] == ["smoke", "smoke"]
@@ -77,7 +78,7 @@ def test_the_gpu_acceptance_script_runs_every_section_on_the_cpu_and_writes_each
 def test_gpu_step_refuses_an_unknown_setting_in_one_line(capsys):
     """``bench/gpu_step.py``'s settings (the smoke above runs bf16, a swap with offload and fp8_scaled)."""
     gpu_step = _load("gpu_step")
-    for bad in ("bf16-swap9", "fp8_scaled-swap1"):
+    for bad in ("bf16-swap9", "fp8_scaled-swap1", "nf4-swap1"):
         with pytest.raises(SystemExit) as exit_:
             gpu_step.main(["--smoke", "--settings", bad])
         assert exit_.value.code == 2 and f"unknown setting {bad!r}" in capsys.readouterr().err
@@ -161,10 +162,11 @@ def test_the_rows_stop_at_the_deadline_and_say_which_were_skipped(monkeypatch):
     now[0] = 100.0 - acceptance.ROWS[0][2]  # time for the first row; after it, too little for the others
     rows = acceptance.section_rows("cuda", False, deadline)["rows"]
     assert len(ran) == 1 and rows[0] == {"row": acceptance.ROWS[0][0], "s_per_step": 1.0}
-    assert [r["skipped"].split(",")[0] for r in rows[1:3]] == [f"skipped: needs ~{row[2]} s"
-                                                               for row in acceptance.ROWS[1:]]
-    assert [r["row"] for r in rows[3:]] == [row[0] for row in acceptance.SPEED_ROWS]
-    assert all(r["skipped"].startswith("skipped: needs ~") for r in rows[3:]) and len(ran) == 1
+    last = len(acceptance.ROWS)
+    assert [r["skipped"].split(",")[0] for r in rows[1:last]] == [f"skipped: needs ~{row[2]} s"
+                                                                  for row in acceptance.ROWS[1:]]
+    assert [r["row"] for r in rows[last:]] == [row[0] for row in acceptance.SPEED_ROWS]
+    assert all(r["skipped"].startswith("skipped: needs ~") for r in rows[last:]) and len(ran) == 1
 
 
 def test_the_compile_and_kernel_rows_report_each_beside_eager_bf16_from_the_same_run(monkeypatch):

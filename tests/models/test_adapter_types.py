@@ -207,6 +207,19 @@ def test_dora_on_fp8_bases_is_refused_when_the_config_loads(tmp_path):
         load_config(config)
 
 
+def test_dora_with_a_vram_budget_is_planned_in_bf16_instead_of_refused(tmp_path, capsys, monkeypatch):
+    from tests.models.test_memory_plan import a14b_config
+    from wantrain.cli.main import main
+
+    monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)  # no A14B weights here
+    monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
+    config = a14b_config(tmp_path, 20)
+    config.write_text(config.read_text() + '\n[lora]\ntype = "dora"\nrank = 32\n')
+    assert main(["check", str(config)]) == 0  # bf16 plans it (fp8 would fit in less)
+    out = capsys.readouterr().out
+    assert "budget 20 GiB: bf16 base," in out and "fp8" not in out.split("memory plan for")[1].split("\n")[0]
+
+
 @pytest.mark.parametrize("case, title", [("lora", "LoRA"), ("dora", "DoRA"), ("loha", "LoHa"),
                                          ("lokr", "LoKr (factors full"), ("lokr-decomposed", "LoKr")])
 def test_inspect_lora_names_the_type_and_checks_every_module(case, title, tmp_path):

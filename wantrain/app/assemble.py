@@ -45,6 +45,7 @@ from wantrain.app.preflight import (
     plan_memory,
     resolve_device,
     speed_plan,
+    waiting_experts_dir,
 )
 from wantrain.app.resume import (
     ResumePoint,
@@ -589,7 +590,8 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     # sharded: the weights are read by one rank (rank 0, or with expert groups each group's leader), on meta elsewhere
     source = groups.is_leader if groups is not None else topology.is_main
     adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr,
-                            shard_load=("rank0" if source else "meta") if sharded else None)
+                            shard_load=("rank0" if source else "meta") if sharded else None,
+                            waiting_folder=waiting_experts_dir(data))
     for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
     if point is not None:  # the tensors against the model: one that does not fit is damage (auto: an older one)

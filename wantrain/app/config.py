@@ -36,7 +36,7 @@ from wantrain.core.settings import (
 )
 from wantrain.data.config import DataConfig
 from wantrain.models.wan22.adapter_types import candidate_modules, select_modules
-from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
+from wantrain.models.wan22.config import QUANTISED_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
@@ -104,13 +104,11 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         _check_alpha_schedule(self)
-        if self.lora.type == "dora" and (self.model.base_dtype in FP8_DTYPES or (
-                self.model.vram_budget_gb is not None and self.model.base_dtype == "auto")):
+        if self.lora.type == "dora" and self.model.base_dtype in QUANTISED_DTYPES:  # "auto" plans bf16 for DoRA
             raise ConfigError(
-                f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 storage does not "
-                f"dequantize (model.base_dtype = '{self.model.base_dtype}'"
-                + (", which a VRAM budget may turn into fp8" if self.model.base_dtype == "auto" else "")
-                + "); set model.base_dtype = 'bf16' or use another lora.type")
+                f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 and low-bit "
+                f"storage do not dequantize there (model.base_dtype = '{self.model.base_dtype}'); set "
+                "model.base_dtype = 'bf16' or use another lora.type")
         for problem in layout_problems(self)[:1]:  # fsdp with DoRA, 8-bit AdamW, Adafactor, the alpha schedule
             raise ConfigError(problem)
         if self.lora.include or self.lora.exclude:  # against the variant's module names, before anything is written

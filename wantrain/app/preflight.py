@@ -18,8 +18,10 @@ from wantrain.data.cache import describe_entries, remove_entries
 from wantrain.data.dataset import NoUsableSample
 from wantrain.data.report import PreflightReport
 from wantrain.models.wan22 import build_encoders, check_model_files
+from wantrain.models.wan22.adapter_types import adapter_type
 from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
+from wantrain.models.wan22.waiting import problems as waiting_problems
 from wantrain.observers.evaluation.config import check_sections, sample_size
 from wantrain.schedulers import check_scheduler
 
@@ -301,6 +303,13 @@ def compile_cache_dir(data: Any) -> Path | None:
     return Path(clips[0].cache_dir) / "torch_compile" if clips else None
 
 
+def waiting_experts_dir(data: Any) -> Path | None:
+    """``waiting_experts/`` in the cache folder of the run's first clip: where ``model.waiting_expert = "disk"``
+    keeps the experts' waiting files (``models/wan22/waiting.py``)."""
+    clips = getattr(data, "clips", None)
+    return Path(clips[0].cache_dir) / "waiting_experts" if clips else None
+
+
 LARGEST_DEVICE_GIB = 288.0
 """About the memory of the largest single accelerators sold (B300, MI355X: 288 GB): a plan that needs more with its
 smallest setting fits no device, and is refused by ``check`` and ``run`` alike."""
@@ -330,6 +339,8 @@ def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
     dtype = model.base_dtype
     if dtype == "auto" and spec.tiny:
         dtype = "fp32"
+    if dtype == "auto" and adapter_type(cfg.lora.type).reads_base:  # DoRA: the budget plans bf16, never fp8
+        dtype = "bf16"
     # model.recompute 'auto' without a budget is the whole block (recompute.py); with one the planner chooses
     recompute = "lean" if model.recompute == "lean" and model.gradient_checkpointing else "block"
     if model.vram_budget_gb is None:
@@ -381,7 +392,8 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
               gpus: int | None = None) -> tuple[Any, Any, dict]:
     """Fit the host plan to the host RAM budget (``model.host_ram_budget_gb``, else this machine's available RAM):
     the VRAM plan ``chosen`` as it is, then (``base_dtype = "auto"``) its fp8 counterpart, each pinned and then
-    pageable. Returns (the model section to run with, the device estimate, the host lines for ``check``); nothing
+    pageable; then (``model.waiting_expert = "auto"`` with two trained experts) the same with the waiting expert on
+    disk. Returns (the model section to run with, the device estimate, the host lines for ``check``); nothing
     that fits is a one-line ``UserError`` naming the smallest plan and what would fit."""
     from wantrain.models.wan22.memory import GIB, available_host_bytes, estimate, plan
 
@@ -405,19 +417,32 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
                                    offload_activations=fp8_est.settings.offload_activations,
                                    recompute=fp8_est.settings.recompute), fp8_est
 
+    # the waiting expert on disk (models/wan22/waiting.py) last: each switch then reads an expert from the disk
+    wait = ("resident", "disk") if model.waiting_expert == "auto" and not waiting_problems(model, "disk") \
+        else (model.waiting_expert,)
+    pins = (True, False) if model.pin_host_copies else (False,)
+    seen, fresh = [], options()
+
+    def each_option():  # options(), each planned once and only when reached
+        yield from seen
+        for item in fresh:
+            seen.append(item)
+            yield item
+
     tried = []
-    for option, device_est in options():
-        for pin in (True, False) if model.pin_host_copies else (False,):
-            candidate = attrs.evolve(option, pin_host_copies=pin)
-            est = host_estimate_of(cfg, candidate, device_est.settings, size, gpus=gpus)
-            tried.append((candidate, est))
-            if est.peak <= budget:
-                changes = _host_changes(model, candidate)
-                head = [f"  budget {budget / GIB:.2f} GiB ({where}): fits"
-                        + (f" with {changes} (the plan as configured needs {tried[0][1].peak / GIB:.1f} GiB)"
-                           if changes else "")]
-                return candidate, device_est, {"budget_gib": budget / GIB, "lines": head + est.lines(),
-                                               "cuda": _trains_on_cuda(cfg, model), **est.to_json()}
+    for waiting in wait:
+        for option, device_est in each_option():
+            for pin in pins:
+                candidate = attrs.evolve(option, pin_host_copies=pin, waiting_expert=waiting)
+                est = host_estimate_of(cfg, candidate, device_est.settings, size, gpus=gpus)
+                tried.append((candidate, est))
+                if est.peak <= budget:
+                    changes = _host_changes(model, candidate)
+                    head = [f"  budget {budget / GIB:.2f} GiB ({where}): fits"
+                            + (f" with {changes} (the plan as configured needs {tried[0][1].peak / GIB:.1f} GiB)"
+                               if changes else "")]
+                    return candidate, device_est, {"budget_gib": budget / GIB, "lines": head + est.lines(),
+                                                   "cuda": _trains_on_cuda(cfg, model), **est.to_json()}
     first, smallest = tried[0], min(tried, key=lambda t: t[1].peak)
     best = _host_changes(model, smallest[0])
     raise UserError(
@@ -437,6 +462,8 @@ def _host_changes(configured: Any, chosen: Any) -> str:
         out.append(f'base_dtype = "{chosen.base_dtype}"')
     if chosen.pin_host_copies != configured.pin_host_copies:
         out.append("pin_host_copies = false")
+    if chosen.waiting_expert == "disk" and configured.waiting_expert != "disk":
+        out.append('waiting_expert = "disk"')
     return " and ".join(out)
 
 
@@ -477,7 +504,8 @@ def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict, *, gpus: i
     return host_estimate(model.variant, settings, experts=experts, cuda=_trains_on_cuda(cfg, model),
                          sampling_only=other, pin=model.pin_host_copies,
                          pin_budget=pin_budget(model.host_ram_budget_gb), encoders_first=not launched,
-                         ranks_on_host=on_host, **load, **{k: v for k, v in size.items() if k != "sample"})
+                         ranks_on_host=on_host, waiting=model.waiting_expert, switch_every=model.switch_every,
+                         **load, **{k: v for k, v in size.items() if k != "sample"})
 
 
 def _ranks_on_host(gpus: int | None) -> tuple[int, int]:

@@ -54,6 +54,7 @@ RESUME_RULES: dict[str, str] = {
     "train.divergence_factor": "free",
     "observers.": "free", "checkpoint.": "free", "faults.": "free", "model.gradient_checkpointing": "free",
     "model.recompute": "free", "model.offload_device": "free", "lora.save_dtype": "free", "data.cache_dir": "free",
+    "model.waiting_expert": "free",  # the waiting expert's base read back bit for bit (models/wan22/waiting.py)
     "lr_finder.": "free", "train.save_every_epochs": "free",
     "lora.init_from": "free", "lora.init_from_high_noise": "free", "lora.init_from_low_noise": "free",  # the
     # checkpoint's LoRA replaces the one a run starts from

@@ -9,6 +9,8 @@ Public API used by the core, the data code and the CLI::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from wantrain.models.wan22.adapter import Wan22Adapter
@@ -22,17 +24,20 @@ __all__ = ["VARIANTS", "LoraConfig", "ModelConfig", "VariantSpec", "Wan22Adapter
 
 def build_adapter(
     model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float,
-    shard_load: str | None = None,
+    shard_load: str | None = None, waiting_folder: Path | None = None,
 ) -> Wan22Adapter:
     """Load (or, for tiny variants without a path, randomly build from ``seed``) the trained transformers, add one
     LoRA per trained expert, and return the adapter. The VAE and text encoder are not loaded until first used.
     ``shard_load`` (``model.parallel = "fsdp"`` under torchrun): the transformers are built on ``meta``, to be
     sharded and filled from rank 0 (``core.parallel.sharding.load_from_rank0``); ``"rank0"`` also loads them whole on
     the host as the source (``adapter.host_sources``), ``"meta"`` (the other ranks) reads no weight.
+    ``waiting_folder``: where ``model.waiting_expert = "disk"`` writes the experts' waiting files (``waiting.py``;
+    the run gives ``waiting_experts/`` of its cache folder).
 
     Raises ``UserError`` (one line) for a missing/incomplete model directory, a bad single file, or fp8 on CPU.
     """
-    return Wan22Adapter(model, lora, seed=seed, device=torch.device(device), base_lr=base_lr, shard_load=shard_load)
+    return Wan22Adapter(model, lora, seed=seed, device=torch.device(device), base_lr=base_lr, shard_load=shard_load,
+                        waiting_folder=waiting_folder)
 
 
 def check_model_files(model: ModelConfig, *, sampling: bool = False) -> None:

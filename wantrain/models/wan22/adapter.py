@@ -29,10 +29,11 @@ from wantrain.models.wan22 import adapter_forward, architecture, control, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.attention import check_kernel, use_kernel
 from wantrain.models.wan22.compile import check_compiler, compile_blocks
-from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
+from wantrain.models.wan22.config import FP8_DTYPES, LOW_BIT_DTYPES, QUANTISED_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.export import ADAPTER_NAME, Wan22Saver, lora_layers
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.lora_files import LoraFile, check_fits, describe, resolve_init
+from wantrain.models.wan22.lowbit import to_low_bit
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.placement import ExpertPlacement, pin_budget
 from wantrain.models.wan22.recompute import use_recompute
@@ -40,6 +41,7 @@ from wantrain.models.wan22.swap import BlockSwap
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
+from wantrain.models.wan22.waiting import WaitingOnDisk, qualified_names
 
 GROUP_NAME = {"high_noise": "high_noise", "low_noise": "low_noise", None: "lora"}
 # fp8 storage works functionally on the CPU too (tests use that), but it is only worth its cost on CUDA.
@@ -53,6 +55,8 @@ def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device, 
     choice = model.base_dtype
     if choice == "auto":
         choice = "fp32" if spec.tiny else "bf16"
+    if choice in LOW_BIT_DTYPES:  # loaded in bf16, stored low-bit by _store_base (lowbit.py: CPU or CUDA)
+        return torch.bfloat16, torch.bfloat16
     if choice in FP8_DTYPES:
         if training and device.type not in FP8_DEVICE_TYPES:
             raise UserError(f"model.base_dtype = '{choice}' needs a CUDA device (training device is {device.type}); "
@@ -81,7 +85,7 @@ def init_adapter_in_fp32(transformer: nn.Module, seed: int, kind: AdapterType) -
         kind.init_fp32(layer, generator)
 
 
-def _store_base(transformer: nn.Module, storage: str) -> None:
+def _store_base(transformer: nn.Module, storage: str, device: torch.device | None = None) -> None:
     """Store the frozen base Linears as ``model.base_dtype`` says: ``fp8`` through diffusers' layerwise casting,
     ``fp8_scaled`` as ``fp8.ScaledFp8Linear`` (a streamed file or folder comes converted already:
     ``single_file.py``; the tiny twins are converted here). Call before the LoRA is added."""
@@ -89,6 +93,8 @@ def _store_base(transformer: nn.Module, storage: str) -> None:
         transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     elif storage == "fp8_scaled":
         fp8.to_scaled_fp8(transformer)
+    elif storage in LOW_BIT_DTYPES:  # quantised on the training device where it is CUDA (seconds, not minutes)
+        to_low_bit(transformer, storage, device=device if device is not None and device.type == "cuda" else None)
 
 
 def _load_lora_file(transformer: nn.Module, path: Path, expert: str) -> None:
@@ -109,7 +115,7 @@ class Wan22Adapter:
     """Built by :func:`wantrain.models.wan22.build_adapter`. See the module docstring and docs/models.md."""
 
     def __init__(self, model: ModelConfig, lora: LoraConfig, *, seed: int, device: torch.device, base_lr: float,
-                 transformers: bool = True, shard_load: str | None = None):
+                 transformers: bool = True, shard_load: str | None = None, waiting_folder: Path | None = None):
         self.spec: VariantSpec = VARIANTS[model.variant]
         self.model_config = model
         # lora.init_from*: rank and alpha come from the files (read and checked before any weight loads)
@@ -138,10 +144,20 @@ class Wan22Adapter:
         if transformers:  # model.attention / model.compile this device cannot run: refused before any weight loads
             self.attention_kernel = check_kernel(model.attention, self.device, self.compute_dtype)
             check_compiler(model.compile, self.device)
+        # model.waiting_expert = "disk": each expert's frozen base written once to its waiting file (waiting.py), read
+        # back at each switch instead of held; "auto" left unresolved (no host plan ran) is resident
+        self.waiting: WaitingOnDisk | None = None
+        if transformers and shard_load is None and model.waiting_expert == "disk" and len(self.experts) > 1:
+            if waiting_folder is None:
+                raise ValueError("model.waiting_expert = 'disk' needs a waiting_folder (the cache folder's)")
+            self.waiting = WaitingOnDisk(waiting_folder)
         # model.parallel = "fsdp" (shard_load): every rank builds its trained transformer on meta, to be sharded and
         # filled from rank 0's (core.parallel.sharding.load_from_rank0); rank 0 ("rank0") also loads it whole on the
         # host, prepared alike (LoRA included), as the source: no other rank ever holds a whole expert
         self.host_sources: dict[str | None, nn.Module] = {}
+        self.placement = ExpertPlacement(self.device, torch.device(model.offload_device),
+                                         pin_limit=pin_budget(model.host_ram_budget_gb) if model.pin_host_copies else 0,
+                                         disk=self.waiting)
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
             init_seed = lora_init_seed(seed, expert)
             if shard_load is None:
@@ -156,20 +172,28 @@ class Wan22Adapter:
             self._transformers[expert] = self._prepare(transformer, storage=model.base_dtype, init_seed=init_seed)
             if expert in init_files:
                 self._start_from(expert, init_files[expert], self.host_sources.get(expert))
+            if self.waiting is not None:  # every frozen tensor still on the module: before the swap takes some
+                self.waiting.keep(expert, self.source.transformer_identity(expert), model.base_dtype,
+                                  self._transformers[expert])
             if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
                 blocks = self._transformers[expert].blocks
                 self._swaps[expert] = BlockSwap(self._transformers[expert], blocks,
                                                 range(len(blocks) - model.blocks_to_swap, len(blocks)), self.device,
                                                 pin=model.pin_host_copies)
+            if self.waiting is not None:  # on disk now: no expert is held whole beside the next one loading
+                with self._swapped_blocks_excluded():
+                    self.placement.park(expert, self._transformers[expert])
+                if expert in self._swaps:
+                    self._swaps[expert].drop_host()
         # The first expert starts on the training device; the others wait off it (activate() swaps them). The
         # swapped blocks' frozen tensors are no part of the placement: their host copies are the BlockSwap's.
-        self.placement = ExpertPlacement(self.device, torch.device(model.offload_device),
-                                         pin_limit=pin_budget(model.host_ram_budget_gb) if model.pin_host_copies else 0)
         if transformers and shard_load is not None:  # on meta: placed when sharded and filled
             self.placement.add_sharded(self._transformers)
         elif transformers:
             with self._swapped_blocks_excluded():
                 self.placement.add(self._transformers, first=self.experts[0])
+            if self.waiting is not None and self.experts[0] in self._swaps:
+                self._read_swapped(self.experts[0], self._swaps[self.experts[0]])
         self.active: str | None = self.experts[0]
         self.sampling_only: tuple[str, ...] = ()  # experts loaded for sampling only (add_sampling_expert)
         self.relayed: tuple[str, ...] = ()  # experts another group of ranks holds (add_relayed_expert)
@@ -180,11 +204,11 @@ class Wan22Adapter:
         self._stacked: dict[Path, tuple[dict[str, Any], list[str]]] = {}  # stacked_loras(): files read, by path
 
     def _prepare(self, transformer: nn.Module, storage: str, init_seed: int) -> nn.Module:
-        if self.kind.reads_base and storage in FP8_DTYPES:  # the config refuses it first; a planner's choice lands here
+        if self.kind.reads_base and storage in QUANTISED_DTYPES:  # the config refuses it first
             raise UserError(f"lora.type = 'dora' cannot train on model.base_dtype = '{storage}' (peft's DoRA reads the "
                             "base weights undequantized); set model.base_dtype = 'bf16'")
         transformer.requires_grad_(False)
-        _store_base(transformer, storage)  # before the LoRA is added, so that only base Linears are stored in fp8
+        _store_base(transformer, storage, self.device)  # before the LoRA: only base Linears are stored quantised
         if self.model_config.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         lora = self.lora_config
@@ -293,11 +317,23 @@ class Wan22Adapter:
         for e, swap in self._swaps.items():
             if e != expert:
                 swap.release()  # the expert not training keeps no swapped block on the device
+                if self.waiting is not None:
+                    swap.drop_host()  # ... and, waiting on disk, no host copy (dropped before the next is read)
+        swap = self._swaps.get(expert)
+        if swap is not None and swap.dropped:
+            self._read_swapped(expert, swap)
         moves = (any(e != expert for e in self.placement.resident())
                  or self.placement.where.get(expert) != self.placement.device)
         with self._swapped_blocks_excluded() if moves else contextlib.nullcontext():
             self.placement.activate(expert, optimizer)
         self.active = expert
+
+    def _read_swapped(self, expert: str | None, swap: BlockSwap) -> None:
+        """The host copies of ``expert``'s swapped blocks, back from its waiting file (``waiting.py``)."""
+        assert self.waiting is not None
+        name = qualified_names(self._transformers[expert])
+        with self.waiting.reader(expert) as read:
+            swap.restore_host(lambda module, attr: read(name(module, attr)))
 
     @contextlib.contextmanager
     def _swapped_blocks_excluded(self) -> Iterator[None]:

@@ -15,9 +15,13 @@ import torch
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
 from wantrain.models.wan22.adapter_types import check_pattern
+from wantrain.models.wan22.lowbit import problems as low_bit_problems
 from wantrain.models.wan22.variants import VARIANTS
+from wantrain.models.wan22.waiting import problems as waiting_problems
 
 FP8_DTYPES = ("fp8", "fp8_scaled")  # base dtypes that store the blocks' Linears in float8_e4m3fn
+LOW_BIT_DTYPES = ("int8", "nf4")  # ... as bitsandbytes codes (lowbit.py)
+QUANTISED_DTYPES = FP8_DTYPES + LOW_BIT_DTYPES  # compute from a dequantised bf16 copy of each Linear
 
 
 @section
@@ -114,12 +118,15 @@ class ModelConfig:
         "about 26 % more FLOPs per step. `auto`: with `vram_budget_gb` the planner takes `lean` only where "
         "`block` does not fit; without a budget, `block`.",
     )
-    base_dtype: Literal["auto", "fp32", "bf16", "fp8", "fp8_scaled"] = setting(
+    base_dtype: Literal["auto", "fp32", "bf16", "fp8", "fp8_scaled", "int8", "nf4"] = setting(
         "auto",
         doc="Storage dtype of the frozen base transformer: `auto` is fp32 for tiny variants and bf16 for real "
         "ones; `fp8` casts the blocks' Linears to float8_e4m3fn and computes in bf16; `fp8_scaled` stores them "
         "in float8_e4m3fn with one float32 scale per output row (max|row|/448; a ComfyUI fp8_scaled file keeps "
-        "its own) and computes in bf16: less error than `fp8`, same memory (both CUDA only).",
+        "its own) and computes in bf16: less error than `fp8`, same memory (both CUDA only); `int8` and `nf4` store "
+        "them as bitsandbytes' blockwise 8-bit codes (1.06 bytes a weight) or 4-bit NormalFloat (0.56 bytes a "
+        "weight), one float32 absmax per 64 weights, dequantised to bf16 in each forward (CPU or CUDA; "
+        "docs/models.md, Memory).",
     )
     offload_device: str = setting(
         "cpu", doc="Where the inactive expert and its optimizer state wait while the other one trains."
@@ -148,6 +155,14 @@ class ModelConfig:
         "`base_dtype = \"auto\"`) and pageable copies when RAM is short, and refuse a plan that does not fit in "
         "one line before the run starts. Unset: this machine's available RAM. Set it to plan for another "
         "machine.", range=above(0.0),
+    )
+    waiting_expert: Literal["auto", "resident", "disk"] = setting(
+        "auto", doc="With `experts = \"both\"` (A14B): where the frozen base of the expert not training waits "
+        "between switches. `resident`: a copy in host memory (fast switches); `disk`: nowhere in memory, read back at "
+        "each switch from a copy in its storage format that the run writes once into `waiting_experts/` of the cache "
+        "folder (memory-mapped: the page cache keeps it while RAM allows); its LoRA and optimizer state stay in "
+        "memory, and the run is bitwise the resident one. `auto`: the host plan takes `resident` where it fits "
+        "`host_ram_budget_gb`, else `disk` (docs/models.md, Host memory).",
     )
     pin_host_copies: bool = setting(
         True, doc="Pin the host copies that travel to CUDA (swapped blocks, the waiting expert, offloaded "
@@ -232,9 +247,9 @@ class ModelConfig:
                 "model.vram_budget_gb chooses blocks_to_swap and offload_activations itself; remove those two keys "
                 "or the budget"
             )
-        if self.base_dtype in FP8_DTYPES and not self.gradient_checkpointing:
-            # both fp8 storages compute each Linear from a bf16 copy of its weight, and autograd keeps that copy
-            # for the backward in every block: more memory than bf16 storage (tests/data/test_vram_estimate.py)
+        if self.base_dtype in QUANTISED_DTYPES and not self.gradient_checkpointing:
+            # fp8 and low-bit storages compute each Linear from a bf16 copy of its weight, and autograd keeps that
+            # copy for the backward in every block: more memory than bf16 storage (tests/data/test_vram_estimate.py)
             raise ConfigError(
                 f"model.base_dtype = '{self.base_dtype}' with model.gradient_checkpointing = false keeps a bf16 copy "
                 "of every frozen Linear for the backward (more memory than 'bf16'); set gradient_checkpointing = "
@@ -270,6 +285,8 @@ class ModelConfig:
                    else f"model.experts = {self.experts!r} trains one") + "; set model.expert_groups = 1"
                 + ("" if spec.boundary_ratio is None else " or model.experts = 'both'")
             )
+        for problem in [*waiting_problems(self), *low_bit_problems(self)]:
+            raise ConfigError(problem)
         if self.min_t is not None and self.max_t is not None and self.min_t >= self.max_t:
             raise ConfigError(f"model.min_t = {self.min_t:g} must be below model.max_t = {self.max_t:g}")
         low, high = _trained_range(spec.boundary_ratio, self.experts)
@@ -333,8 +350,8 @@ def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[s
     if model.vram_budget_gb is not None:
         return (f"model.vram_budget_gb = {model.vram_budget_gb:g} (it picks block swap and fp8 storage)",
                 f"remove vram_budget_gb or set {undo}")
-    if model.base_dtype in FP8_DTYPES:
-        return f"model.base_dtype = '{model.base_dtype}' (fp8 layerwise storage)", f"set base_dtype = 'bf16' or {undo}"
+    if model.base_dtype in QUANTISED_DTYPES:
+        return f"model.base_dtype = '{model.base_dtype}' (quantised storage)", f"set base_dtype = 'bf16' or {undo}"
     if model.compile != "off":
         return f"model.compile = '{model.compile}'", f"set compile = 'off' or {undo}"
     return None

@@ -158,6 +158,24 @@ class WeightSource:
                 digest.update(f"{file.relative_to(self.path)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
         return f"wan22:{self.spec.name}:{self.path.resolve()}:{digest.hexdigest()[:16]}"
 
+    def transformer_identity(self, expert: str | None) -> str:
+        """What decides ``expert``'s loaded base weights, read without loading them: the tiny twin's variant, seed
+        and architecture hash, or every file of its source (``model.*_file``, a folder of shards, its folder in
+        ``model.path``) with its resolved path, size and modification time."""
+        if self.random:
+            arch = architecture.tiny_config_hash(self.spec)
+            return f"wan22:{self.spec.name}:{expert}:tiny-random:seed={self.seed}:arch={arch}"
+        source = self._expert_file(expert)
+        if source is None:
+            assert self.path is not None
+            source = self.path / EXPERT_FOLDER[expert]
+        files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
+        digest = hashlib.sha256()
+        for file in files:
+            stat = file.stat()
+            digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+        return f"wan22:{self.spec.name}:{expert}:{digest.hexdigest()[:16]}"
+
     # -- loading -------------------------------------------------------------------------------------------
     def transformer(self, expert: str | None, dtype: torch.dtype):
         """A fresh base transformer of ``expert`` in ``dtype`` on the CPU (call again for an identical copy). Files

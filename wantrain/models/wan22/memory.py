@@ -128,7 +128,7 @@ VIDEO_BYTES_PER_PIXEL = 12.5
 
 @attrs.frozen
 class MemorySettings:
-    base_dtype: str  # "fp32", "bf16", "fp8" or "fp8_scaled"
+    base_dtype: str  # "fp32", "bf16", "fp8", "fp8_scaled", "int8" or "nf4"
     blocks_to_swap: int = 0
     offload_activations: bool = False
     recompute: str = "block"  # model.recompute: "block" or "lean" (recompute.py)
@@ -241,7 +241,11 @@ class MemoryEstimate:
         return card_gib(self.larger_peak)
 
     def lines(self) -> list[str]:
+        from wantrain.models.wan22.lowbit import error_line
+
         out = [f"  adapter: {self.adapter}"] if self.adapter else []
+        quality = error_line(self.settings.base_dtype)
+        out += [quality] if quality else []
         out.append(f"  recompute: {RECOMPUTE_WORDS[self.settings.recompute]}")
         out.append("  training step:")
         out += [f"    {name:<26} {value / GIB:7.2f} GiB" for name, value in self.parts.items()]
@@ -297,9 +301,10 @@ def attention_backward_bytes(variant: str, *, width: int, height: int, frames: i
 
 
 @functools.lru_cache(maxsize=16)
-def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tuple[float, tuple[float, ...]]:
-    """(bytes outside the blocks, bytes of each block) of one expert's frozen base in ``base_dtype``, counted on a
-    ``meta`` build (fp8: with diffusers' layerwise casting applied, as the adapter applies it)."""
+def stored_meta_build(variant: str, base_dtype: str, layers: int | None = None):
+    """A ``meta`` build of one expert stored as the adapter stores it in ``base_dtype`` (``_keep_in_fp32_modules`` in
+    fp32; fp8: diffusers' layerwise casting; fp8_scaled: float8 weights, bf16 biases and float32 scales; int8 / nf4:
+    bitsandbytes codes, bf16 biases and float32 absmax, ``lowbit.py``)."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -311,14 +316,24 @@ def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tu
         kwargs["num_layers"] = layers
     with torch.device("meta"):
         model = WanTransformer3DModel(**kwargs)
-    dtype = torch.float32 if base_dtype == "fp32" else torch.bfloat16
-    cast_keeping_fp32_modules(model, dtype)
+    cast_keeping_fp32_modules(model, torch.float32 if base_dtype == "fp32" else torch.bfloat16)
     if base_dtype == "fp8":
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    elif base_dtype == "fp8_scaled":  # float8 weights, bf16 biases and the float32 scales, as the adapter stores them
+    elif base_dtype == "fp8_scaled":
         from wantrain.models.wan22.fp8 import to_scaled_fp8
 
         to_scaled_fp8(model)
+    elif base_dtype in ("int8", "nf4"):
+        from wantrain.models.wan22.lowbit import to_low_bit
+
+        to_low_bit(model, base_dtype)
+    return model
+
+
+def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tuple[float, tuple[float, ...]]:
+    """(bytes outside the blocks, bytes of each block) of one expert's frozen base in ``base_dtype``, counted on a
+    ``meta`` build stored as the adapter stores it (:func:`stored_meta_build`)."""
+    model = stored_meta_build(variant, base_dtype, layers)
 
     def size(module) -> float:
         return float(sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]))
@@ -472,7 +487,7 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
     hidden = tokens * d * 2.0
     lean = gradient_checkpointing and settings.recompute == "lean"
     per_block = recompute_block_bytes(tokens, d, f, batch * spec.text_len, "lean" if lean else "block")
-    if settings.base_dtype in ("fp8", "fp8_scaled"):  # both compute from bf16 copies of the block's Linears
+    if settings.base_dtype in ("fp8", "fp8_scaled", "int8", "nf4"):  # all compute from bf16 copies of the Linears
         per_block += _linear_bytes_bf16(variant, layers) * (LEAN_FP8_COPIES if lean else 1.0)
     if not gradient_checkpointing:
         inputs, per_block = 0.0, per_block * n
@@ -593,17 +608,7 @@ def _slab_waste(sizes: list[int], max_slab: int | None = None) -> float:
 def host_tensor_bytes(variant: str, base_dtype: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """(byte sizes of the frozen tensors outside the blocks, per block the byte sizes of its frozen tensors) of one
     expert in ``base_dtype`` storage: what the waiting copies and the swap's host copies hold, tensor by tensor."""
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, planner_kwargs
-    from wantrain.models.wan22.variants import VARIANTS
-
-    with torch.device("meta"):
-        model = WanTransformer3DModel(**planner_kwargs(VARIANTS[variant]))
-    cast_keeping_fp32_modules(model, torch.float32 if base_dtype == "fp32" else torch.bfloat16)
-    if base_dtype == "fp8":
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    model = stored_meta_build(variant, base_dtype)
 
     def sizes(module) -> tuple[int, ...]:
         return tuple(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
@@ -661,6 +666,7 @@ class HostEstimate:
     # under fsdp the loading ranks (rank 0, each group's leader), while the cache fills rank 0 (the others find it
     # filled and load no encoder: app.assemble)
     few: dict[str, int] = attrs.field(factory=dict)
+    switch_read: Any = None  # waiting.SwitchRead: the waiting expert on disk, what each switch reads
 
     def phase_total(self, phase: str) -> float:
         held = self.parts.get(RUNTIME_PART, 0.0) if phase in self.before_experts else sum(self.parts.values())
@@ -708,6 +714,8 @@ class HostEstimate:
                        else ", each loading its own expert")
             out.append(f"  this machine ({self.ranks_on_host} ranks{loading}): {self.machine_total(LOADING) / GIB:.2f}"
                        f" GiB while loading, {self.machine_total(phase) / GIB:.2f} GiB at its peak ({phase})")
+        if self.switch_read is not None:
+            out.append(self.switch_read.line())
         out.append(f"  order: {self.order}")
         return out
 
@@ -727,6 +735,7 @@ class HostEstimate:
                 "peak_gib": self.peak / GIB, "peak_phase": self.peak_phase, "dominant": self.dominant,
                 "before_experts": list(self.before_experts), "order": self.order,
                 "ranks_on_host": self.ranks_on_host,
+                "waiting_on_disk": self.switch_read.to_json() if self.switch_read is not None else None,
                 "machine_peak_gib": max(self.machine_total(p) for p in self.phases) / GIB}
 
 
@@ -735,7 +744,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
                   pin_budget: float | None = None, encoders: bool = True, pin: bool = True,
                   sampling_only: tuple[str, ...] = (), encoders_first: bool = True,
                   adapter: AdapterSpec = LORA, ranks_on_host: int = 1, load_source: float | None = None,
-                  loaders_on_host: int = 1) -> HostEstimate:
+                  loaders_on_host: int = 1, waiting: str = "resident", switch_every: int = 10,
+                  read_rate: float | None = None) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -745,6 +755,13 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
       in ``pin_budget`` (half the host's memory, ``placement.pin_budget``); pinned copies are carved from
       power-of-two slabs (``pinned.slab_layout``, per expert for the swap and for the placement), whose unused ends
       are counted;
+    * ``waiting = "disk"`` (``model.waiting_expert``, two trained experts; ``waiting.py``): no waiting copy; of
+      the experts' frozen tensors the host holds the training expert's swapped blocks only (the expert that leaves
+      drops its copies before the next is read), and while loading one expert whole until its waiting file is
+      written; each switch reads one expert from its file (``HostEstimate.switch_read``, at ``read_rate`` bytes per
+      second, ``waiting.DEFAULT_READ_RATE`` unless given, every ``switch_every`` steps);
+    * int8 / nf4 storage (``lowbit.py``): an expert loads in bf16 and is quantised once loaded, so while loading
+      the host holds its bf16 copy beyond its stored one;
     * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
     * ``sampling_only``: the other A14B expert loaded frozen to sample with one trained expert (a host copy like a
       trained one's, no LoRA state);
@@ -773,7 +790,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     swap = min(settings.blocks_to_swap, n)
     swapped = [s for block in blocks[n - swap:] for s in block]
     held_experts = (*experts, *sampling_only)
-    placed = [*rest, *(s for block in blocks[: n - swap] for s in block)] if len(held_experts) > 1 else []
+    on_disk = waiting == "disk" and len(experts) > 1 and not sampling_only
+    whole = float(sum(rest) + sum(s for block in blocks for s in block))
+    placed = [*rest, *(s for block in blocks[: n - swap] for s in block)] \
+        if len(held_experts) > 1 and not on_disk else []
     if pin_budget is None:
         from wantrain.models.wan22.placement import pin_budget as host_pin_budget
 
@@ -782,9 +802,11 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     pin_swap = cuda and pin
     parts: dict[str, float] = {}
     rounding = 0.0
-    for expert in held_experts:
+    for expert in held_experts[:1] if on_disk else held_experts:
         held = float(sum(placed) + sum(swapped))
-        if held:
+        if on_disk and held:
+            parts[f"training expert's swap copy ({settings.base_dtype})"] = held
+        elif held:
             kind = ", sampling only" if expert in sampling_only else ""
             parts[f"{_EXPERT_NAME[expert]} host copy ({settings.base_dtype}{kind})"] = held
         if pin_swap:
@@ -808,6 +830,13 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if filling and encoders_first:
         phases["while the cache fills"] = filling
     phases[LOADING] = {"file window + one tensor": float(LOAD_WINDOW + 2 * largest)}
+    if on_disk:  # the expert loading is held whole until its waiting file is written (its swapped blocks: parts)
+        phases[LOADING] = {"one expert, until on disk": whole - float(sum(swapped)),
+                           **phases[LOADING]}
+    if settings.base_dtype in ("int8", "nf4"):  # loaded in bf16, then quantised Linear by Linear (lowbit.py)
+        bf16_rest, bf16_blocks = host_tensor_bytes(variant, "bf16")
+        phases[LOADING] = {"one expert in bf16, until quantised": float(sum(bf16_rest) + sum(
+            s for block in bf16_blocks for s in block)) - whole, **phases[LOADING]}
     if load_source is not None:
         phases[LOADING] = {"loading rank: expert + LoRA": float(load_source), **phases[LOADING]}
     if filling and not encoders_first:
@@ -825,14 +854,22 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
         pinned = "nothing pinned (not training on CUDA)"
     elif not pin:
         pinned = "nothing pinned (model.pin_host_copies = false)"
+    elif on_disk:
+        pinned = "swap copies pinned; no waiting copy (on disk)" if swap else "no waiting copy (on disk)"
     elif pin_placed:
         pinned = "swap and waiting copies pinned"
     elif swap:
         pinned = "swap copies pinned; waiting copies pageable (over half the host's memory)"
     else:
         pinned = "waiting copies pageable (over half the host's memory)" if placed else "nothing pinned"
+    if on_disk:
+        from wantrain.models.wan22.waiting import DEFAULT_READ_RATE, SwitchRead
+
+        switch = SwitchRead(whole, read_rate or DEFAULT_READ_RATE, switch_every, read_rate is not None)
+    else:
+        switch = None
     return HostEstimate(parts, phases, pinned, ("while the cache fills",) if filling and encoders_first else (),
-                        ranks_on_host=ranks_on_host,
+                        ranks_on_host=ranks_on_host, switch_read=switch,
                         few={**({LOADING: loaders_on_host} if load_source is not None else {}),
                              **({"while the cache fills": 1} if filling and not encoders_first else {})})
 

@@ -23,7 +23,11 @@ bitsandbytes' paged state (tensors with ``is_paged``) is unified memory the driv
 where it is, so that it stays paged.
 
 With one trained expert (or when the training and offload devices are the same) nothing ever moves and no
-waiting copy is kept. A run that trains one A14B expert and samples adds the other one as a *frozen* expert
+waiting copy is kept, unless the waiting expert waits on disk: with ``disk`` (``model.waiting_expert = "disk"``,
+``waiting.py``) no waiting copy is kept at all; an expert moving out drops its base weights (``meta`` placeholders,
+on any devices, the same device included) and one moving in reads them back from its waiting file, so the host
+holds no frozen tensor of an expert that is not on the device. Its LoRA, gradients and optimizer state move as
+above (they stay in memory). A run that trains one A14B expert and samples adds the other one as a *frozen* expert
 (:meth:`ExpertPlacement.add_frozen`: no LoRA of its own to train, no optimizer state): it waits on the offload device
 like an inactive trained expert, its waiting copy being the host tensors it was loaded into, and the same rules
 hold for both. All transfers are issued from the host thread; a non-blocking host->device copy from pinned
@@ -40,7 +44,10 @@ from torch import nn
 
 from wantrain.core.devices import resolve_device, same_device
 from wantrain.models.wan22 import pinned
+from wantrain.models.wan22.single_file import trim_heap
+from wantrain.models.wan22.waiting import WaitingOnDisk, qualified_names
 
+_DROPPED = torch.device("meta")  # where the base weights of an expert waiting on disk are: nowhere (placeholders)
 _PIN_SHARE = 0.5  # pin the waiting copies only if they fill at most this share of the host's memory
 
 
@@ -102,8 +109,11 @@ class ExpertPlacement:
     (:meth:`add_frozen`; see the module docstring). ``where[e]`` is the device of expert ``e``'s base weights;
     :meth:`resident` lists those on the training device."""
 
-    def __init__(self, device: torch.device, offload_device: torch.device, *, pin_limit: int | None = None) -> None:
-        """``pin_limit``: bytes of waiting copies that may be pinned (0: none; default :func:`pin_budget`)."""
+    def __init__(self, device: torch.device, offload_device: torch.device, *, pin_limit: int | None = None,
+                 disk: WaitingOnDisk | None = None) -> None:
+        """``pin_limit``: bytes of waiting copies that may be pinned (0: none; default :func:`pin_budget`).
+        ``disk``: the waiting files: the waiting experts' base weights are read back from there instead of held
+        (module docstring); the caller wrote each expert's file first (``WaitingOnDisk.keep``)."""
         self.device = resolve_device(device)  # cuda -> cuda:N: the device its tensors report
         self._offload_device = resolve_device(offload_device)
         self.where: dict[str | None, torch.device] = {}
@@ -112,6 +122,7 @@ class ExpertPlacement:
         self._waiting: dict[str | None, list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
         self.pinned = False
         self.pin_limit = pin_limit
+        self.disk = disk
 
     @property
     def offload_device(self) -> torch.device:
@@ -128,6 +139,12 @@ class ExpertPlacement:
     def add(self, experts: dict[str | None, nn.Module], first: str | None) -> None:
         """Take the freshly built ``experts`` (base weights on the host) and put ``first`` on the training device.
         With more than one expert and distinct devices, the loaded tensors become the waiting copies."""
+        if self.disk is not None:  # each one parked as it was built: the first is read back onto the device
+            missing = [e for e in experts if self.where.get(e) != _DROPPED]
+            if missing:
+                raise ValueError(f"add: with the waiting expert on disk every expert is parked first ({missing})")
+            self._move_in(first, None)
+            return
         self._transformers = dict(experts)
         moves = len(experts) > 1 and self._moves()
         if moves:
@@ -144,6 +161,17 @@ class ExpertPlacement:
                 self.where[expert] = target
         if moves:
             self._move_in(first, None)
+
+    def park(self, expert: str | None, transformer: nn.Module) -> None:
+        """With the waiting expert on disk (``disk``; its file written): take the freshly built ``transformer`` and
+        drop its base weights at once (its LoRA to the offload device), so that no expert is held whole while the
+        next one loads; :meth:`add` then reads the first one back onto the device."""
+        assert self.disk is not None and expert in self.disk.files
+        self._transformers[expert] = transformer
+        self._move_trainable(expert, self.offload_device, None)
+        self._move_base(expert, _DROPPED)
+        self.where[expert] = _DROPPED
+        trim_heap()
 
     def add_sharded(self, experts: dict[str | None, nn.Module]) -> None:
         """Take ``experts`` built on ``meta`` for ``model.parallel = "fsdp"``: sharding puts their shards on the
@@ -226,7 +254,9 @@ class ExpertPlacement:
     # -- moves -------------------------------------------------------------------------------------------------
     def _move_in(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
         waiting = self._waiting.get(expert)
-        if waiting is None:  # no waiting copy (one device, or an offload device changed after the build)
+        if self.where.get(expert) == _DROPPED:
+            self._read_base(expert)
+        elif waiting is None:  # no waiting copy (one device, or an offload device changed after the build)
             self._move_base(expert, self.device)
         else:
             for owner, attr, copy, is_param in waiting:
@@ -236,6 +266,12 @@ class ExpertPlacement:
 
     def _move_out(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
         waiting = self._waiting.get(expert)
+        if self.disk is not None:
+            self._move_base(expert, _DROPPED)
+            self._move_trainable(expert, self.offload_device, optimizer)
+            self.where[expert] = _DROPPED
+            trim_heap()  # the freed tensors' pages go back to the system, not into glibc's heap
+            return
         if waiting is None:
             self._move_base(expert, self.offload_device)
         else:
@@ -245,8 +281,19 @@ class ExpertPlacement:
         self.where[expert] = self.offload_device
 
     def _move_base(self, expert: str | None, target: torch.device) -> None:
+        """Every base tensor of ``expert`` to ``target`` (``meta``: dropped, an empty placeholder of its shape)."""
         for owner, attr, tensor, is_param in list(_tensors(self._transformers[expert], trainable=False)):
-            _place(owner, attr, tensor.to(target), is_param)
+            _place(owner, attr, torch.empty_like(tensor, device="meta") if target == _DROPPED else tensor.to(target),
+                   is_param)
+
+    def _read_base(self, expert: str | None) -> None:
+        """``expert``'s base tensors from its waiting file onto the training device, one tensor at a time."""
+        assert self.disk is not None
+        transformer = self._transformers[expert]
+        name = qualified_names(transformer)
+        with self.disk.reader(expert) as read:
+            for owner, attr, _, is_param in list(_tensors(transformer, trainable=False)):
+                _place(owner, attr, read(name(owner, attr)).to(self.device), is_param)
 
     def _move_trainable(self, expert: str | None, target: torch.device, optimizer: torch.optim.Optimizer | None
                         ) -> None:

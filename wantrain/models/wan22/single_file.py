@@ -89,7 +89,7 @@ def wan_key_map(file_keys: Iterable[str]) -> dict[str, str]:
     return {new: old for new, old in converted.items() if isinstance(old, str)}
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the free pages inside glibc's heap back to the system (``malloc_trim``; a no-op elsewhere). The tensors
     converted and freed one by one while loading are under glibc's mmap threshold once it has risen (up to 32 MiB),
     so they live in the heap, between the tensors kept, and their free pages stayed in RSS: an fp32 file into fp8
@@ -147,7 +147,7 @@ class _Reader:
     def get(self, key: str) -> torch.Tensor:
         if self._read > _REOPEN_BYTES:
             self._close()
-            _trim_heap()
+            trim_heap()
             self._open()
         tensor = self._handle.get_tensor(key)
         self._read += tensor.numel() * tensor.element_size()

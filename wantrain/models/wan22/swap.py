@@ -30,6 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from wantrain.core.devices import resolve_device
 from wantrain.models.wan22 import pinned
+from wantrain.models.wan22.single_file import trim_heap
 
 
 def _in_backward() -> bool:
@@ -68,6 +69,7 @@ class BlockSwap:
         for (i, module, name, is_param), host in zip(entries, self._host_copies(entries), strict=True):
             self._host[i].append((module, name, is_param, host))
         self._loaded: list[int] = []  # least recently used first
+        self.dropped = False  # the host copies were dropped (drop_host): the expert waits on disk
         self._refs: dict[int, list[StorageWeakRef]] = {}
         self._events: dict[int, torch.cuda.Event] = {}
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -200,6 +202,35 @@ class BlockSwap:
         finally:
             for k in self.swapped:
                 self._set(k, None)
+
+    # -- the waiting expert on disk (model.waiting_expert = "disk", waiting.py) ------------------------------
+    def drop_host(self) -> None:
+        """Evict every block and drop the host copies (empty ``meta`` placeholders keep their shapes and dtypes):
+        the expert leaves for disk. :meth:`restore_host` brings them back."""
+        self.release()
+        for entries in self._host.values():
+            entries[:] = [(m, n, p, torch.empty_like(h, device="meta")) for m, n, p, h in entries]
+        self.dropped = True
+        trim_heap()  # the freed copies' pages back to the system (pinned slabs: torch's host allocator keeps them)
+
+    def restore_host(self, read: Callable[[nn.Module, str], torch.Tensor]) -> None:
+        """New host copies after :meth:`drop_host`: ``read(module, name)`` gives each tensor (from the waiting
+        file), copied into pinned slabs as at the build (``pinned.py``; the slabs the expert that left dropped are
+        what torch's pinned allocator hands out again: same sizes), else kept as read."""
+        if not self.dropped:
+            return
+        entries = [(i, k, entry) for i, rows in self._host.items() for k, entry in enumerate(rows)]
+        pin = self.pin and pinned.pinnable(self.device)
+        views = pinned.PinnedSlabs("block swap").views([(tuple(e[3].shape), e[3].dtype) for *_, e in entries]) \
+            if pin else ((index, None) for index in range(len(entries)))
+        for index, view in views:
+            i, k, (module, name, is_param, _) = entries[index]
+            value = read(module, name)
+            if view is not None:
+                view.copy_(value)
+                value = view
+            self._host[i][k] = (module, name, is_param, value)
+        self.dropped = False
 
     # -- inspection ----------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,180 @@
+"""Low-bit storage of the frozen base Linears through bitsandbytes (``model.base_dtype = "int8"`` or ``"nf4"``,
+docs/models.md "Memory").
+
+The same Linears as fp8 (:func:`fp8.targets`: every Linear inside the blocks) are stored as bitsandbytes codes with
+one float32 absmax per block of :data:`BLOCK` consecutive weights of a row (64 of its inputs), and dequantised just
+in time in each forward (``bitsandbytes.functional.dequantize_*``), rounded once to the input's dtype, then
+``F.linear``; the LoRA (peft wraps a :class:`LowBitLinear` as any ``nn.Linear``) adds its update on top.
+
+* ``int8``: bitsandbytes' blockwise 8-bit quantisation (``quantize_blockwise``: one byte per weight, an index into
+  its signed dynamic code of 256 values, scaled by the block's absmax): 1.06 bytes per weight. Chosen over the
+  symmetric per-row int8 (``int8_vectorwise_quant``, what its int8 matmul uses) by measurement: on a real-width
+  layer whose weights have outlier input channels a row's absmax is the outlier's, and per-row int8 moved the
+  output by 6.5 % where 64-weight blocks moved it 0.9 % (bench/measure_lowbit_error.py, docs/models.md).
+* ``nf4``: bitsandbytes' 4-bit NormalFloat (``quantize_4bit``, two weights per byte, 64-weight blocks): 0.56 bytes
+  per weight.
+
+Why bitsandbytes rather than torchao: it is a dependency already (the 8-bit optimizers' extra; without it these
+storages are a one-line error), its quantise and
+dequantise run on the CPU as well as CUDA (the tiny-twin tests run on a CPU), and both formats are plain tensors
+(``uint8`` codes and ``float32`` absmax) that block swap, the expert placement, the waiting file and the checkpoint
+move and write like any frozen tensor. No fused low-bit matmul is used: the weight is dequantised to bf16 and the
+matmul is bf16's, so the activations are never quantised (the LoRA's gradients see only the weight's error).
+
+The codes are the Linear's frozen ``weight_codes`` parameter (``uint8``: ``[out, in]`` for int8, ``[out, in / 2]``
+for nf4) and the absmax its ``weight_absmax`` buffer; the bias stays in the compute dtype. Its ``weight`` is a
+stand-in that holds no memory (a bf16 scalar expanded to ``[out, in]`` on the codes' device): what peft reads of a
+base layer's weight (its shape for LoHa's and LoKr's factors, its device) is right, and its values (zeros) are never
+computed with, because DoRA, the only adapter that reads them, is refused on these storages.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wantrain.core.errors import UserError
+
+LOW_BIT_DTYPES = ("int8", "nf4")
+# What each quantised storage costs per Linear of a real-width A14B block against the exact (float32) product, the
+# worst of its six shapes, measured by bench/measure_lowbit_error.py (256 tokens; docs/models.md, Memory): relative
+# output error with log-normal row gains, the same with 0.5 % outlier input channels (x10), and the cosine of the
+# gradient the layer passes back to its input (what the LoRAs before it receive) with those outliers. bf16's own
+# rounding: 0.17 %, cosine 0.99998.
+BASE_ERROR = {"fp8": (0.0899, 0.0751, 0.99727), "fp8_scaled": (0.0257, 0.0266, 0.99964),
+              "int8": (0.0070, 0.0106, 0.99993), "nf4": (0.0914, 0.1269, 0.99214)}
+BLOCK = 64  # weights per absmax: 64 consecutive inputs of one output row
+ABSMAX_NAME = "weight_absmax"
+BYTES_PER_WEIGHT = {"int8": 1.0 + 4.0 / BLOCK, "nf4": 0.5 + 4.0 / BLOCK}
+
+
+def problems(model) -> list[str]:
+    """What ``model.base_dtype = "int8"`` / ``"nf4"`` refuses in ``model`` (a ``ModelConfig``), one line each."""
+    if model.base_dtype not in LOW_BIT_DTYPES or model.compile == "off":
+        return []
+    return [f"model.base_dtype = '{model.base_dtype}' with model.compile = '{model.compile}': bitsandbytes' "
+            "dequantisation inside compiled blocks is not verified yet (no GPU has run it); set model.compile = "
+            "'off' or base_dtype = 'bf16' / 'fp8_scaled'"]
+
+
+def _functional():
+    """bitsandbytes' functional module, imported quietly (it logs about optional CPU kernels it cannot fetch)."""
+    quiet = logging.getLogger("bitsandbytes")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        import bitsandbytes.functional as bnb_functional
+    except ImportError as exc:  # an optional dependency (the "optimizers" extra)
+        raise UserError(f"model.base_dtype = 'int8' / 'nf4' needs bitsandbytes >= 0.45 ({exc}); install it (pip "
+                        "install 'wantrain[optimizers]') or use base_dtype = 'bf16' / 'fp8_scaled'") from None
+    finally:
+        quiet.level = level
+    return bnb_functional
+
+
+@functools.lru_cache(maxsize=8)
+def _code(kind: str, device: torch.device) -> torch.Tensor:
+    """The 256 (int8) or 16 (nf4) values the codes index, on ``device``."""
+    bnb = _functional()
+    probe = torch.zeros(BLOCK, dtype=torch.float32, device=device)
+    _, state = bnb.quantize_blockwise(probe, blocksize=BLOCK) if kind == "int8" else \
+        bnb.quantize_4bit(probe, blocksize=BLOCK, quant_type="nf4")
+    return state.code
+
+
+def quantise(weight: torch.Tensor, kind: str, device: torch.device | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 codes, float32 absmax per :data:`BLOCK` weights) of ``weight`` ``[out, in]`` in ``kind``, computed on
+    ``device`` (default: the weight's; a CUDA device quantises an A14B expert in seconds where a CPU takes
+    minutes) and returned on the weight's device. On ``meta`` only the shapes."""
+    out_features, in_features = weight.shape
+    shape = (out_features, in_features if kind == "int8" else in_features // 2)
+    if weight.is_meta:
+        return (torch.empty(shape, dtype=torch.uint8, device="meta"),
+                torch.empty(weight.numel() // BLOCK, dtype=torch.float32, device="meta"))
+    bnb = _functional()
+    work = weight.to(device) if device is not None else weight
+    if kind == "int8":
+        codes, state = bnb.quantize_blockwise(work.contiguous(), blocksize=BLOCK)
+    else:
+        codes, state = bnb.quantize_4bit(work.contiguous(), blocksize=BLOCK, quant_type="nf4")
+    return codes.reshape(shape).to(weight.device), state.absmax.to(torch.float32).to(weight.device)
+
+
+def dequantise(codes: torch.Tensor, absmax: torch.Tensor, kind: str, shape: tuple[int, int],
+               dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``[out, in]`` in ``dtype`` from its codes and absmax (bitsandbytes' own dequantisation)."""
+    bnb = _functional()
+    state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape), code=_code(kind, codes.device), blocksize=BLOCK,
+                           quant_type="nf4" if kind == "nf4" else None, dtype=dtype)
+    if kind == "int8":
+        return bnb.dequantize_blockwise(codes, state).reshape(shape)
+    return bnb.dequantize_4bit(codes.reshape(-1, 1), state)
+
+
+class LowBitLinear(nn.Linear):
+    """An ``nn.Linear`` whose frozen ``weight`` is bitsandbytes ``uint8`` codes of ``kind`` with a float32
+    ``weight_absmax`` buffer. Built by :func:`to_low_bit`."""
+
+    def __init__(self, codes: torch.Tensor, absmax: torch.Tensor, bias: torch.Tensor | None,
+                 shape: tuple[int, int], kind: str) -> None:
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a weight of its own
+        self.out_features, self.in_features = shape
+        self.kind = kind
+        self.weight_codes = nn.Parameter(codes, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer(ABSMAX_NAME, absmax)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A stand-in of the weight's shape on the codes' device, holding no memory (module docstring)."""
+        return torch.zeros((), dtype=torch.bfloat16, device=self.weight_codes.device).expand(
+            self.out_features, self.in_features)
+
+    def dequantised(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[out, in]`` as it computes, in ``dtype``."""
+        return dequantise(self.weight_codes, self.weight_absmax, self.kind, (self.out_features, self.in_features),
+                          dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.dequantised(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} (bitsandbytes)"
+
+
+@torch.no_grad()
+def to_low_bit(model: nn.Module, kind: str, compute_dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | None = None) -> nn.Module:
+    """Replace every Linear of ``fp8.targets`` by a :class:`LowBitLinear` of ``kind``, in place, one at a time (the
+    extra memory is one Linear's), quantising on ``device`` (see :func:`quantise`). Biases go to
+    ``compute_dtype``. Call before the LoRA is added. Works on ``meta`` (the memory planner counts bytes)."""
+    from wantrain.models.wan22.fp8 import targets
+
+    if kind not in LOW_BIT_DTYPES:
+        raise ValueError(f"low-bit storage is one of {LOW_BIT_DTYPES}, not {kind!r}")
+    for name in targets(model):
+        linear = model.get_submodule(name)
+        if isinstance(linear, LowBitLinear):
+            continue
+        codes, absmax = quantise(linear.weight.data, kind, device)
+        bias = linear.bias.data.to(compute_dtype) if linear.bias is not None else None
+        parent, _, attr = name.rpartition(".")
+        layer = LowBitLinear(codes, absmax, bias, (linear.out_features, linear.in_features), kind)
+        setattr(model.get_submodule(parent), attr, layer)
+    return model
+
+
+def error_line(base_dtype: str) -> str | None:
+    """``check``'s line on what ``base_dtype`` costs in quality (:data:`BASE_ERROR`), None for bf16 / fp32."""
+    figures = BASE_ERROR.get(base_dtype)
+    if figures is None:
+        return None
+    rows, columns, cosine = figures
+    return (f"  base quality: {base_dtype} moves a real-width A14B Linear's output {100 * rows:.2f} % from exact "
+            f"({100 * columns:.2f} % with outlier input channels; bf16: 0.17 %), input-gradient cosine {cosine:.5f} "
+            "(bench/measure_lowbit_error.py)")
