@@ -19,9 +19,10 @@ is a whole run (``PreparedRun.execute``) of N and of 3N steps, counted from the 
 per-step figure is the difference over 2N steps, so the run's start and end (files opened, the final save, the
 flush) cancel. Work an observer does every N seconds (MemoryProbe's scan of ``/proc``, TensorBoard's flush) is set
 to happen once per run, as valgrind's ~50x slower clock would otherwise trigger it ~50x too often. Building the
-model and the data (``prepare``) and a warm-up run of each variant are not counted. Counts repeat to about 0.15 %
-between processes (``bench/callgrind.py``), so a ratio within 0.002 of the target is read as noise: rerun.
-"""
+model and the data (``prepare``) and a warm-up run of each variant are not counted. The same code counted in two
+processes gave observer costs 0.11 M instructions per step apart (each run loads data and builds a model, so the C
+heap differs more than in ``bench_overhead.py``): a ratio within 0.003 of the target is noise; rerun, or use
+``--steps 20``."""
 
 from __future__ import annotations
 
