@@ -142,3 +142,31 @@ def test_children_are_listed_again_only_after_children_refresh_s(refresh_s):
         assert added > 50 / 1024  # listed again at the second log step: the new worker is counted
     else:
         assert abs(added) < 10 / 1024  # the cached list (no worker yet) is read until the next refresh
+
+
+def test_descendants_are_listed_without_scanning_every_process(monkeypatch):
+    """A worker's own child counts too, and the listing reads the process tree from the kernel's per-thread
+    ``children`` files: psutil's scan of every process in /proc (3 ms on a busy machine) is not used."""
+    def no_scan():
+        raise AssertionError("every process in /proc was scanned")
+
+    grandparent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', "
+                               "\"import time; b = bytearray(80 << 20); b[::4096] = b'x' * len(b[::4096]); "
+                               "print('ready', flush=True); time.sleep(30)\"], stdout=sys.stdout); c.wait()"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    grandchildren = []
+    try:
+        assert grandparent.stdout.readline().strip() == "ready"
+        grandchildren = psutil.Process(grandparent.pid).children()
+        monkeypatch.setattr(psutil, "_ppid_map", no_scan)  # what Process.children(recursive=True) scans with
+        bus, ctx = make_bus(LoraAdapter(experts=(None,)))
+        bus.emit(stepped(2))
+        values = ctx.metrics.gather()
+    finally:
+        for child in grandchildren:
+            child.kill()
+        grandparent.kill()
+        grandparent.wait()
+    assert values["memory/ram_total_gb"] - values["memory/ram_main_process_gb"] > 80 / 1024
