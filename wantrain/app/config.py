@@ -13,7 +13,7 @@ from typing import Any
 
 from wantrain.app.migration import peer_file_problem, peer_hint, table_markdown
 from wantrain.core.config import ConfigError, config_reference, name_sections, section, setting, structure, unstructure
-from wantrain.core.errors import UserError
+from wantrain.core.problems import Problem, refuse
 from wantrain.core.settings import (
     CheckpointConfig,
     FaultsConfig,
@@ -22,14 +22,11 @@ from wantrain.core.settings import (
     TrainConfig,
 )
 from wantrain.data.config import DataConfig
-from wantrain.models.wan22.adapter_types import candidate_modules, select_modules
-from wantrain.models.wan22.config import FP8_DTYPES, LoraConfig, ModelConfig
-from wantrain.models.wan22.variants import VARIANTS
+from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
-from wantrain.observers.lr_finder.config import LrFinderConfig, check_run_id
+from wantrain.observers.lr_finder.config import LrFinderConfig
 from wantrain.optimizers.config import OptimizerConfig
-from wantrain.optimizers.registry import check_lr_multiplier
 from wantrain.schedulers.config import SchedulerConfig
 
 
@@ -41,16 +38,6 @@ class LoraSection(LoraConfig):
     # the model plug-in's keys (LoraConfig) plus the alpha controller's table, which only that observer reads
     alpha_schedule: AlphaScheduleConfig | None = setting(
         None, doc="Progressive alpha phases (docs/alpha_schedule.md); absent or `enabled = false` changes nothing.")
-
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        schedule = self.alpha_schedule
-        if self.schedule_enabled and self.alpha is not None and self.alpha != schedule.phases[0].alpha:
-            raise ConfigError(
-                f"lora.alpha = {self.alpha:g} conflicts with lora.alpha_schedule: its first phase "
-                f"({schedule.phases[0].name!r}) sets alpha {schedule.phases[0].alpha:g} from the first step; remove "
-                "lora.alpha or make the two equal"
-            )
 
     @property
     def schedule_enabled(self) -> bool:
@@ -85,108 +72,19 @@ class RunConfig:
     sample: SampleConfig = setting(factory=SampleConfig, doc="Sample videos during training.")
 
     def __attrs_post_init__(self) -> None:
-        for key in ("lr_high_noise", "lr_low_noise"):  # per-expert LRs multiply an adaptive optimizer's estimate too
-            try:
-                check_lr_multiplier(self.optimizer.type, f"model.{key}", getattr(self.model, key))
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        _check_alpha_schedule(self)
-        if self.lora.type == "dora" and (self.model.base_dtype in FP8_DTYPES or (
-                self.model.vram_budget_gb is not None and self.model.base_dtype == "auto")):
-            raise ConfigError(
-                f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 storage does not "
-                f"dequantize (model.base_dtype = '{self.model.base_dtype}'"
-                + (", which a VRAM budget may turn into fp8" if self.model.base_dtype == "auto" else "")
-                + "); set model.base_dtype = 'bf16' or use another lora.type")
-        if self.model.parallel == "fsdp" and self.lora.type == "dora":
-            raise ConfigError("lora.type = 'dora' reads the base weights outside their forward pass, which "
-                              "model.parallel = 'fsdp' holds sharded there; use another lora.type or parallel = 'dp'")
-        if self.lora.include or self.lora.exclude:  # against the variant's module names, before anything is written
-            try:
-                select_modules(candidate_modules(VARIANTS[self.model.variant].num_layers), self.lora.include,
-                               self.lora.exclude)
-            except UserError as exc:
-                raise ConfigError(str(exc)) from None
-        _check_expert_groups(self)
-        if self.lr_finder.active:
-            check_run_id(self.run.run_id)  # the sweep's run directory adds __lr_finder to the id
+        # the rules across sections, each declared by the capability that cannot take the other (app.preflight
+        # lists them): refused when the config is built, or reported with the document's other problems
+        from wantrain.app.preflight import config_problems
 
+        refuse(config_problems(self))
+        if self.lora.schedule_enabled and not stability_applicable(self.model.trained_experts,
+                                                                   self.model.switch_every):
+            import logging
 
-def _check_expert_groups(cfg: RunConfig) -> None:
-    """What one expert per group of GPUs cannot run (read time). Samples and validation run across the groups
-    (``core.expert_relay``, docs/distributed.md); these stay refused: the LR finder sweeps the experts one after
-    the other on every rank (a sequential sweep has nothing for the second group to do), and the low-noise group's
-    alpha controller would decide where rank 0's event log never sees it (replay could not reproduce it).
-    ``sample.other_expert_lora`` has no expert to load into (the other group trains it)."""
-    if cfg.model.expert_groups <= 1:
-        return
-    groups = f"model.expert_groups = {cfg.model.expert_groups}"
-    for on, key in ((cfg.lr_finder.active, "lr_finder"), (cfg.lora.schedule_enabled, "lora.alpha_schedule")):
-        if on:
-            raise ConfigError(f"{groups} does not run with {key} (each group holds one expert; the sweep and the "
-                              f"alpha decisions run on one rank): turn {key} off, or set model.expert_groups = 1")
-    if cfg.sample.enabled and cfg.sample.other_expert_lora is not None:
-        raise ConfigError(f"config key 'sample.other_expert_lora' does nothing with {groups}: the other group "
-                          "trains that expert and samples with it; remove the key, or set model.expert_groups = 1")
-
-
-def _check_alpha_schedule(cfg: RunConfig) -> None:
-    """The alpha schedule against the other tables (read time, before anything is written)."""
-    if not cfg.lora.schedule_enabled:
-        return
-    schedule = cfg.lora.alpha_schedule
-    if schedule.signal == "validation":
-        _check_validation_signal(cfg)
-    if schedule.transition == "preserve_output":
-        from wantrain.core.optim_state import STATE_MAPS
-        from wantrain.optimizers.registry import EXTERNAL, TYPES
-
-        if cfg.optimizer.type == EXTERNAL:
-            import torch
-
-            cls = cfg.optimizer.optimizer_class()
-            known = issubclass(cls, torch.optim.Adam | torch.optim.AdamW | torch.optim.SGD)
-            what = f"optimizer.class = {cfg.optimizer.class_path!r}"
-        else:
-            known = TYPES[cfg.optimizer.type].state_kind in STATE_MAPS
-            what = f"optimizer.type = {cfg.optimizer.type!r}"
-        if not known:
-            why = (" (Prodigy's step size d is one estimate over A and B together)" if cfg.optimizer.type == "prodigy"
-                   else "")
-            mapped = ", ".join(name for name, spec in TYPES.items() if spec.state_kind in STATE_MAPS)
-            raise ConfigError(
-                f"lora.alpha_schedule.transition = 'preserve_output' cannot carry the state of {what} across an "
-                f"alpha change{why}; use transition = 'jump' or optimizer.type = one of {mapped}"
-            )
-    if not stability_applicable(cfg.model.trained_experts, cfg.model.switch_every):
-        import logging
-
-        logging.getLogger("wantrain.alpha").warning(
-            "lora.alpha_schedule: with model.switch_every = 1 and two experts every stint is one step, so gradient "
-            "stability has no samples; min_gradient_stability is not applied (raise switch_every to use it)")
-
-
-def _check_validation_signal(cfg: RunConfig) -> None:
-    """``signal = "validation"`` needs validation losses of every trained expert."""
-    if not cfg.validation.enabled:
-        raise ConfigError(
-            "lora.alpha_schedule.signal = 'validation' needs the validation loss, but [validation] is not enabled; "
-            "set validation.enabled = true (with validation.path or validation.from_training) or use signal = 'train'"
-        )
-    from wantrain.models.wan22.variants import VARIANTS
-
-    spec = VARIANTS.get(cfg.model.variant)
-    boundary = spec.boundary_ratio if spec is not None else None
-    if boundary is None:
-        return
-    owned = {"high_noise" if t >= boundary else "low_noise" for t in cfg.validation.timesteps}
-    missing = [e for e in cfg.model.trained_experts if e not in owned]
-    if missing:
-        raise ConfigError(
-            f"lora.alpha_schedule.signal = 'validation': validation.timesteps = {list(cfg.validation.timesteps)} "
-            f"has no timestep of the {missing[0]} expert (high_noise owns t >= {boundary:g}), so its phase could "
-            "never end; add one to validation.timesteps"
-        )
+            logging.getLogger("wantrain.alpha").warning(
+                "lora.alpha_schedule: with model.switch_every = 1 and two experts every stint is one step, so "
+                "gradient stability has no samples; min_gradient_stability is not applied (raise switch_every to "
+                "use it)")
 
 
 name_sections(RunConfig)  # code-built sections name their keys in errors (``validation.every``)
@@ -279,10 +177,11 @@ def _drop_replaced(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return data
 
 
-def _peer_keys_in_argument_tables(data: dict[str, Any]) -> None:
+def peer_key_problems(data: dict[str, Any]) -> list[Problem]:
     """[optimizer] and [lr_scheduler] hand the keys they do not know to the class as its arguments; another
-    trainer's name there (``learning_rate``) is refused with the wantrain key, unless the table names a class of
-    the user's own (whose arguments may be called anything)."""
+    trainer's name there (``learning_rate``) is a problem naming the wantrain key, unless the table names a class
+    of the user's own (whose arguments may be called anything). Every one, for the loader's one report."""
+    out = []
     for name in ("optimizer", "lr_scheduler"):
         table = data.get(name)
         if not isinstance(table, dict) or "class" in table or "class_path" in table:
@@ -290,42 +189,47 @@ def _peer_keys_in_argument_tables(data: dict[str, Any]) -> None:
         for key in table:
             hint = peer_hint(key, table[key])
             if hint:
-                raise ConfigError(f"unknown config key '{name}.{key}': {hint}")
+                out.append(Problem(keys=(f"{name}.{key}",), what=f"unknown config key '{name}.{key}': {hint}"))
+    return out
 
 
 def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read, override and validate a run config. Paths in it may start with ``~`` (the home folder, expanded
-    when the key is read); relative paths are resolved against the file's folder. An override of a key in
+    """Read, override and validate a run config: every problem of it in one :class:`Refused` (unknown and peer
+    keys, wrong types and values, the rules across keys). Paths in it may start with ``~`` (the home folder,
+    expanded when the key is read); a relative path in the file is resolved against the file's folder, one given
+    with ``--set`` against the current directory (as a shell user expects). An override of a key in
     :data:`EITHER_OR` replaces its other-unit twin from the file (``train.max_steps`` replaces ``max_epochs``)."""
     path = Path(path)
     data = apply_overrides(_drop_replaced(read_toml(path), list(overrides)), list(overrides))
-    _peer_keys_in_argument_tables(data)
-    cfg = structure(RunConfig, data, hint=peer_hint)
-    return resolve_paths(cfg, path.parent)
+    cfg = structure(RunConfig, data, hint=peer_hint, found=peer_key_problems(data))
+    typed = {".".join(_parse_override(item)[0]) for item in overrides}
+    return resolve_paths(cfg, path.parent, typed=typed)
 
 
-def resolve_paths(cfg: RunConfig, base: Path) -> RunConfig:
-    """Make relative paths of the config relative to ``base`` (the config file's folder). ``~`` was expanded
-    when the config was structured, so a home-relative path is absolute here."""
+def resolve_paths(cfg: RunConfig, base: Path, *, typed: set[str] | frozenset[str] = frozenset()) -> RunConfig:
+    """Make relative paths of the config relative to ``base`` (the config file's folder), those of the keys in
+    ``typed`` (given on the command line: ``data.path``, ``data.datasets.0.path``) relative to the current
+    directory. ``~`` was expanded when the config was structured, so a home-relative path is absolute here."""
     import attrs
 
-    def fix(obj: Any) -> Any:
+    def fix(obj: Any, key: str) -> Any:
         if attrs.has(type(obj)):
             changes = {}
             for f in attrs.fields(type(obj)):
                 v = getattr(obj, f.name)
-                nv = fix(v)
+                nv = fix(v, f"{key}.{f.name}" if key else f.name)
                 if nv is not v:
                     changes[f.name] = nv
             return attrs.evolve(obj, **changes) if changes else obj
         if isinstance(obj, Path) and not obj.is_absolute():
-            return (base / obj).resolve()
+            typed_here = any(key == t or key.startswith(t + ".") for t in typed)
+            return ((Path.cwd() if typed_here else base) / obj).resolve()
         if isinstance(obj, list):
-            new = [fix(v) for v in obj]
+            new = [fix(v, f"{key}.{i}") for i, v in enumerate(obj)]
             return new if any(a is not b for a, b in zip(new, obj, strict=True)) else obj
         return obj
 
-    return fix(cfg)
+    return fix(cfg, "")
 
 
 def to_plain(cfg: RunConfig) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import numpy as np
 import structlog
 
 from wantrain.core.errors import UserError
+from wantrain.core.problems import Problem, Rule, refuse
 from wantrain.data import cache as cachelib
 from wantrain.data.captions import caption_texts, split_variants
 from wantrain.data.clips import Clip
@@ -105,6 +106,40 @@ class NoUsableSample(UserError):
         self.report = report
 
 
+DATA_RULES = (
+    FRAME_MULTIPLE := Rule("frame-bucket-multiple", ("data.frames", "model.variant"),
+                           "a frame bucket that is not of the variant's form (4k+1)"),
+    I2V_SINGLE_FRAME := Rule("i2v-single-frame-bucket", ("data.frames", "model.variant"),
+                             "a 1-frame bucket for an image-to-video variant",
+                             ("data.frames containing 1", "model.variant = an i2v variant")),
+)
+
+
+def frame_bucket_problems(cfg: DataConfig, spec: Any) -> list[Problem]:
+    """Every dataset's frame buckets against the variant ``spec`` (a ``VariantSpec``): counts of its form, and no
+    1-frame bucket for a variant conditioned on a clip's first frame. From the config alone."""
+    out: list[Problem] = []
+    for ds in cfg.dataset_list():
+        r = cfg.resolved(ds)
+        for p in _frame_problems(sorted(set(r.frames or [spec.default_frames])), spec):
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def _frame_problems(frame_buckets: list[int], spec: Any) -> list[Problem]:
+    out = []
+    bad = [f for f in frame_buckets if (f - 1) % spec.frame_multiple]
+    if bad:
+        out.append(FRAME_MULTIPLE.problem(f"frame bucket {bad[0]} in 'data.frames' does not suit {spec.name}: frame "
+                                          f"counts must be {spec.frame_multiple}k+1", ""))
+    if spec.conditioning == "i2v" and 1 in frame_buckets:
+        out.append(I2V_SINGLE_FRAME.problem(
+            f"frame bucket 1 in 'data.frames' does not suit {spec.name}: it conditions on a clip's first frame, so a "
+            f"clip needs more than one; use 5, 9, ..., {spec.default_frames}", ""))
+    return out
+
+
 def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, warn_skipped: bool = True,
                   ) -> TrainingData:
     """Scan, probe and bucket every dataset of ``cfg`` for the variant ``spec`` (a ``VariantSpec``). Skipped files
@@ -134,13 +169,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
         default_side = round(math.sqrt(spec.default_resolution[0] * spec.default_resolution[1]))
         sides = sorted(set(r.resolutions or [default_side]))
         frame_buckets = sorted(set(r.frames or [spec.default_frames]))
-        bad = [f for f in frame_buckets if (f - 1) % spec.frame_multiple]
-        if bad:
-            raise UserError(f"frame bucket {bad[0]} in 'data.frames' does not suit {spec.name}: frame counts must be "
-                            f"{spec.frame_multiple}k+1")
-        if spec.conditioning == "i2v" and 1 in frame_buckets:
-            raise UserError(f"frame bucket 1 in 'data.frames' does not suit {spec.name}: it conditions on a clip's "
-                            f"first frame, so a clip needs more than one; use 5, 9, ..., {spec.default_frames}")
+        refuse(_frame_problems(frame_buckets, spec))  # app.preflight asked these before: a guard for callers in code
         sizes = {s: size_buckets(s, cfg.aspect_ratios, spec.spatial_multiple) for s in sides}
         home = r.path.parent if r.metadata else r.path  # a metadata dataset's cache sits next to its file
         cache_dir = (cfg.cache_dir or (home / cachelib.CACHE_DIRNAME)).resolve()
