@@ -180,16 +180,18 @@ def _drop_replaced(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def peer_key_problems(data: dict[str, Any]) -> list[Problem]:
     """[optimizer] and [lr_scheduler] hand the keys they do not know to the class as its arguments; another
     trainer's name there (``learning_rate``) is a problem naming the wantrain key, unless the table names a class
-    of the user's own (whose arguments may be called anything). Every one, for the loader's one report."""
+    of the user's own (whose arguments may be called anything). Every one, for the loader's one report; each is
+    taken out of ``data`` (the table's class would refuse it a second time, as an argument it does not take)."""
     out = []
     for name in ("optimizer", "lr_scheduler"):
         table = data.get(name)
         if not isinstance(table, dict) or "class" in table or "class_path" in table:
             continue
-        for key in table:
+        for key in list(table):
             hint = peer_hint(key, table[key])
             if hint:
                 out.append(Problem(keys=(f"{name}.{key}",), what=f"unknown config key '{name}.{key}': {hint}"))
+                del table[key]
     return out
 
 

@@ -54,7 +54,7 @@ def device_note(cfg: Any, machine: Machine) -> str | None:
     the card the run will have, and ``run`` here would refuse."""
     if str(cfg.train.device).startswith("cuda") and not machine.cuda:
         return ("this machine has no CUDA GPU, so it cannot run this config (train.device = "
-                f"{cfg.train.device!r}); the plan below is for the GPU the run will have")
+                f"{cfg.train.device!r}); the plan is for the GPU the run will have (wantrain run refuses here)")
     return None
 
 

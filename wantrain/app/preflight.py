@@ -20,10 +20,11 @@ from wantrain.app.launch import (
     layout_problems,
     lr_finder_launch_problems,
     parallel_notes,
+    sequence_bucket_problems,
 )
 from wantrain.app.observers import require_wandb, resolve_extra_observers
 from wantrain.core.errors import UserError
-from wantrain.core.problems import Machine, Problem, refuse
+from wantrain.core.problems import Machine, Problem, Rule, refuse
 from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.cache import describe_entries, remove_entries
 from wantrain.data.dataset import NoUsableSample, frame_bucket_problems
@@ -76,6 +77,24 @@ LAUNCH_CHECKS: tuple[Callable[[Any, Machine], list[Problem]], ...] = (
 """The rules of the config against the machine and the launch (ranks, devices, installed kernels, --resume)."""
 
 
+def declared_rules() -> tuple[Rule, ...]:
+    """Every refusal rule the capabilities declare (``core.problems.Rule``): what the pre-flight can report, and
+    the source of docs/config.md's compose table (its pairs)."""
+    from wantrain.app.launch import LAUNCH_RULES
+    from wantrain.data.dataset import DATA_RULES
+    from wantrain.models.wan22.attention import KERNEL_RULES
+    from wantrain.models.wan22.compile import COMPILE_RULES
+    from wantrain.models.wan22.config import ADAPTER_RULES, LORA_RULES, MODEL_RULES
+    from wantrain.observers.alpha.config import ALPHA_RULES
+    from wantrain.observers.evaluation.config import EVALUATION_RULES
+    from wantrain.observers.lr_finder.config import LR_FINDER_RULES
+    from wantrain.optimizers.registry import OPTIMIZER_RULES
+    from wantrain.schedulers import SCHEDULER_RULES
+
+    return (*MODEL_RULES, *LORA_RULES, *ADAPTER_RULES, *KERNEL_RULES, *COMPILE_RULES, *DATA_RULES, *OPTIMIZER_RULES,
+            *SCHEDULER_RULES, *ALPHA_RULES, *LR_FINDER_RULES, *EVALUATION_RULES, *LAUNCH_RULES)
+
+
 def config_problems(cfg: Any) -> list[Problem]:
     """Every problem of the run config ``cfg`` across its sections (:data:`CONFIG_CHECKS`)."""
     return [p for check in CONFIG_CHECKS for p in check(cfg)]
@@ -117,15 +136,22 @@ def resolved_config(cfg: Any) -> Any:
 def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None = None,
                      gpus: int | None = None) -> PreflightReport:
     """The pre-flight data report of ``wantrain check`` (``verify``: decode every clip first), with the memory plan
-    (:func:`plan_memory`: training and, with ``[sample]`` on, sampling, part by part). First the checks ``wantrain
-    run`` makes before it loads anything (the schedule, users' observers, the model files, [validation]/[sample]):
-    the same one-line refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys
-    go. ``gpus`` (``check --gpus N``): the host plan is that of N torchrun ranks on one machine."""
+    (:func:`plan_memory`: training and, with ``[sample]`` on, sampling, part by part). First the pre-flight that
+    ``wantrain run`` makes (:func:`problems`, every problem at once), then the checks of files and code it makes
+    before it loads anything (users' observers, the model files, [validation]/[sample] files), so ``check`` passes
+    only a config that ``run`` accepts as far as files and keys go. ``check`` plans for the machine the run will
+    have: without the weights (from the variant's architecture), without the data (from the config's buckets,
+    when a data folder is not there: one line says so) and for ``train.device = "cuda"`` on a machine without CUDA
+    (one line says this machine cannot run it). ``gpus`` (``check --gpus N``): the launch and the host plan are
+    those of N torchrun ranks on one machine."""
     from wantrain.app.epochs import uses_epochs
+    from wantrain.app.launch import device_note
+    from wantrain.data.dataset import missing_data, planned_data
 
+    machine = Machine.here(world_size=gpus or 1, planning=True)
+    refuse(problems(cfg, machine))
+    notes = [note] if (note := device_note(cfg, machine)) else []
     given = cfg
-    if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
-        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     resolve_extra_observers(cfg, config_dir)
     if cfg.observers.wandb:
         require_wandb()
@@ -133,25 +159,37 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     if not missing:  # weights still to download: the plan below is made from the variant's architecture alone
         check_model_files(cfg.model, sampling=cfg.sample.enabled)
     check_sections(cfg.validation, cfg.sample, variant_spec(cfg.model.variant), cfg.model.trained_experts)
-    data = dataset(cfg)
-    if verify:
-        data.verify_all()
-    if uses_epochs(cfg):
-        cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
-        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
-    data.report.warnings.extend(config_warnings(cfg, given))  # an epoch-length run with an idle expert refuses here
-    data.report.warnings.extend(data_warnings(data))
+    absent = missing_data(cfg.data)
+    if absent:  # the data is not there yet: the plan is made from the config's buckets
+        data = planned_data(cfg.data, spec=variant_spec(cfg.model.variant), batch_size=cfg.train.batch_size)
+        notes.append(f"data not found ({', '.join(absent)}): the plan is made from the config's buckets "
+                     f"({len(data.report.buckets)}, every size and frame count of [data]), the largest counted")
+    else:
+        data = dataset(cfg)
+        if verify:
+            data.verify_all()
+        if uses_epochs(cfg):
+            cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
+            check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
+        refuse(sequence_bucket_problems(cfg, data.report.buckets))
+        data.report.warnings.extend(config_warnings(cfg, given))  # an epoch-length run with an idle expert refuses
+        data.report.warnings.extend(data_warnings(data))
+    data.report.warnings[:0] = notes
     if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
     data.report.model_files = [f"problem: {line}" for line in missing] if missing else model_plan(cfg)
-    speed_plan(cfg, data, resolve_device(cfg.train.device))
+    speed_plan(cfg, data, planned_device(cfg.train.device))
     try:
         plan_memory(cfg, data, gpus=gpus)
     except UserError as exc:
-        if not missing:
+        if notes and device_note(cfg, machine) and str(exc).startswith("host memory:"):
+            # planned for the machine the run will have: this one's RAM is no refusal, but worth a line
+            data.report.warnings.append(f"on this machine: {exc}")
+        elif not missing:
             raise
-        raise MissingModelFiles(data.report, missing, also=str(exc)) from None  # the device plan stays in the report
+        else:
+            raise MissingModelFiles(data.report, missing, also=str(exc)) from None  # the device plan stays
     if missing:
         raise MissingModelFiles(data.report, missing)
     return data.report

@@ -396,7 +396,9 @@ class _Structurer:
                     raise InvalidValue(section_key(cls), f.name, *problem).at(key_path)
             except ConfigError as exc:  # every key is read: the report names each problem at once
                 self.fail(key_path, str(exc))
-            if len(self.errors) > before:  # the key (or a key of its table) is wrong: the section takes its default
+            if len(self.errors) > before and (not attrs.has(type(kwargs.get(f.name))) or f.name not in kwargs):
+                # the key is wrong (or its table could not be built): the section takes its default; a table built
+                # from its valid keys stays (its wrong keys are named, and the rules reading them dropped)
                 kwargs.pop(f.name, None)
                 self.error_keys[before:] = [k if k.startswith(key_path) else key_path for k in self.error_keys[before:]]
         if extra_field is not None:
@@ -412,11 +414,15 @@ class _Structurer:
         try:
             return cls(**kwargs)
         except InvalidValue as exc:  # a key's own check (its attrs validator): name it by its path here
-            raise exc.at(f"{path}.{exc.field}" if path else exc.field) from None
-        except ConfigError:
-            raise
+            problem = exc.at(f"{path}.{exc.field}" if path else exc.field)
+        except ConfigError as exc:
+            problem = exc
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"[{path or 'config'}]: {exc}") from None
+            problem = ConfigError(f"[{path or 'config'}]: {exc}")
+        if not path:
+            raise problem
+        self.fail(path, str(problem))  # a section that refuses itself: the others are still read and judged
+        return None
 
     def fail(self, key: str, message: str) -> None:
         """Record one problem of the document at ``key`` (an empty message marks ``key`` as unreliable only)."""

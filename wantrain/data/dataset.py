@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import structlog
 
@@ -33,7 +34,7 @@ from wantrain.data.plan import (
     retimed_count,
     size_buckets,
 )
-from wantrain.data.report import PreflightReport, display_path
+from wantrain.data.report import BucketRow, PreflightReport, display_path
 from wantrain.data.training import TrainingData
 
 log = structlog.get_logger("wantrain.data")
@@ -107,8 +108,6 @@ class NoUsableSample(UserError):
 
 
 DATA_RULES = (
-    FRAME_MULTIPLE := Rule("frame-bucket-multiple", ("data.frames", "model.variant"),
-                           "a frame bucket that is not of the variant's form (4k+1)"),
     I2V_SINGLE_FRAME := Rule("i2v-single-frame-bucket", ("data.frames", "model.variant"),
                              "a 1-frame bucket for an image-to-video variant",
                              ("data.frames containing 1", "model.variant = an i2v variant")),
@@ -116,8 +115,8 @@ DATA_RULES = (
 
 
 def frame_bucket_problems(cfg: DataConfig, spec: Any) -> list[Problem]:
-    """Every dataset's frame buckets against the variant ``spec`` (a ``VariantSpec``): counts of its form, and no
-    1-frame bucket for a variant conditioned on a clip's first frame. From the config alone."""
+    """Every dataset's frame buckets against the variant ``spec`` (a ``VariantSpec``): no 1-frame bucket for a
+    variant conditioned on a clip's first frame. From the config alone."""
     out: list[Problem] = []
     for ds in cfg.dataset_list():
         r = cfg.resolved(ds)
@@ -128,11 +127,7 @@ def frame_bucket_problems(cfg: DataConfig, spec: Any) -> list[Problem]:
 
 
 def _frame_problems(frame_buckets: list[int], spec: Any) -> list[Problem]:
-    out = []
-    bad = [f for f in frame_buckets if (f - 1) % spec.frame_multiple]
-    if bad:
-        out.append(FRAME_MULTIPLE.problem(f"frame bucket {bad[0]} in 'data.frames' does not suit {spec.name}: frame "
-                                          f"counts must be {spec.frame_multiple}k+1", ""))
+    out = []  # counts of Wan's 4k+1 form: data.frames refuses others itself (every variant's frame multiple is 4)
     if spec.conditioning == "i2v" and 1 in frame_buckets:
         out.append(I2V_SINGLE_FRAME.problem(
             f"frame bucket 1 in 'data.frames' does not suit {spec.name}: it conditions on a clip's first frame, so a "
@@ -268,6 +263,45 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
                                    if report.source_frames_total else 0.0)
     return TrainingData(clips, report, batch_size=batch_size, remainder=cfg.remainder, shuffle=cfg.shuffle,
                         seed=seed, spec=spec)
+
+
+def missing_data(cfg: DataConfig) -> list[str]:
+    """The data folders and metadata files the config names that are not there (the placeholder of a shipped
+    example, ``/path/to/dataset``, or a dataset still to be copied), one each; empty when every one is there."""
+    out = []
+    for ds in cfg.dataset_list():
+        r = cfg.resolved(ds)
+        if not (r.path.is_file() if r.metadata else r.path.is_dir()):
+            out.append(str(r.path))
+    return out
+
+
+@attrs.frozen
+class PlannedData:
+    """The data as the config describes it, for a plan without the media (``wantrain check`` before the dataset is
+    there): no clips; the report's buckets are every bucket the config's sizes and frame counts make."""
+
+    report: PreflightReport
+    clips: tuple = ()
+
+
+def planned_data(cfg: DataConfig, *, spec: Any, batch_size: int) -> PlannedData:
+    """Every bucket of ``cfg`` for the variant ``spec`` (each dataset's area budgets x aspect ratios x frame counts,
+    or the variant's defaults), with no clip in any: what the memory plan needs when the media are not there."""
+    target_fps = None if cfg.retime == "off" else float(cfg.fps or spec.target_fps)
+    report = PreflightReport(variant=spec.name, target_fps=target_fps, retime=cfg.retime, batch_size=batch_size,
+                             remainder_policy=cfg.remainder)
+    seen = set()
+    for ds in cfg.dataset_list():
+        r = cfg.resolved(ds)
+        default_side = round(math.sqrt(spec.default_resolution[0] * spec.default_resolution[1]))
+        for side in sorted(set(r.resolutions or [default_side])):
+            for size in size_buckets(side, cfg.aspect_ratios, spec.spatial_multiple):
+                for frames in sorted(set(r.frames or [spec.default_frames])):
+                    if (size.width, size.height, frames) not in seen:
+                        seen.add((size.width, size.height, frames))
+                        report.buckets.append(BucketRow(size.width, size.height, frames, 0, 0, 0, 0))
+    return PlannedData(report)
 
 
 def _reason_kind(reason: str) -> str:

@@ -55,7 +55,6 @@ def _importable(module: str) -> bool:
 
 
 KERNEL_RULES = (
-    KERNEL_UNKNOWN := Rule("attention-kernel-unknown", ("model.attention",), "a kernel that cannot train"),
     KERNEL_PACKAGE := Rule("attention-kernel-package", ("model.attention",), "a kernel whose package is missing"),
     KERNEL_CUDA_ONLY := Rule("attention-kernel-cuda-only", ("model.attention", "train.device"),
                              "a CUDA-only kernel on another device", ("model.attention = flash / xformers",
@@ -69,8 +68,8 @@ def kernel_problems(name: str, device: torch.device, compute_dtype: torch.dtype 
     """What keeps ``model.attention = name`` from running on ``device``: its package missing, the device unable to
     run it, or (``compute_dtype`` given) a dtype it cannot compute in."""
     kernel = KERNELS.get(name)
-    if kernel is None:  # 'sage' and anything else the config lets through by mistake
-        return [KERNEL_UNKNOWN.problem(f"model.attention = {name!r} cannot train", f"use one of {', '.join(KERNELS)}")]
+    if kernel is None:  # the config's choices and its 'sage' rule let no other name through: a bug
+        raise ValueError(f"model.attention = {name!r} is no kernel ({', '.join(KERNELS)})")
     out = []
     if kernel.package is not None and not _importable(kernel.package):
         out.append(KERNEL_PACKAGE.problem(f"model.attention = {name!r} needs the {kernel.install!r} package, which "

@@ -7,6 +7,7 @@ Whether files exist is checked later, by :func:`wantrain.models.wan22.build_adap
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -554,6 +555,8 @@ def adapter_problems(cfg: Any) -> list[Problem]:
             select_modules(candidate_modules(VARIANTS[model.variant].num_layers), lora.include, lora.exclude)
         except UserError as exc:
             out.append(MODULES_MATCH.problem(str(exc)))
+        except re.error:  # a pattern that is no regular expression: the [lora] rule module-pattern says so
+            pass
     return out
 
 
