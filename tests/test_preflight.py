@@ -197,3 +197,11 @@ def test_a_set_path_resolves_against_the_current_directory(tmp_path, monkeypatch
     typed = load_config("configs/run.toml", ["data.path=mine"])
     assert typed.data.path == tmp_path / "mine"  # as typed in the shell, not configs/mine
     assert load_config("configs/run.toml").data.path == tmp_path / "configs" / "media"  # the file's: its folder
+
+
+def test_the_compose_table_of_docs_config_md_lists_every_refused_pair():
+    page = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    pairs = [r for r in declared_rules() if r.pair is not None]
+    assert len(pairs) >= 20
+    for rule in pairs:
+        assert f"| {rule.pair[0]} | {rule.pair[1]} | `{rule.id}` |" in page, rule.id

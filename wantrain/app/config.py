@@ -245,14 +245,18 @@ def reference_markdown() -> str:
         "Every key is checked: an unknown or misplaced key, a wrong type or an out-of-range value stops wantrain\n"
         "with one line naming the key and what would be valid (exit code 2). `--set section.key=value` overrides\n"
         "any key from the command line (the value is read as TOML; a bare word is a string). A relative path is\n"
-        "relative to the config file's folder; a path may start with `~` (your home folder).\n\n"
+        "relative to the config file's folder (one given with `--set`: to the current directory, as a shell user\n"
+        "expects); a path may start with `~` (your home folder). Every problem of a config is reported at once,\n"
+        "one line each, grouped by table: unknown keys, wrong values and the pairs below.\n\n"
         "Values are checked for what they mean, too: NaN and infinities are refused in every number key (and in\n"
         "the numbers of an optimizer's or scheduler's own arguments); `lora.rank` may not exceed the width of the\n"
         "layers it adapts (24 for the tiny models, 5120 for the A14B ones, 3072 for TI2V-5B); a learning rate above\n"
         "1 is refused for the optimizers whose `lr` is the step size itself (every type but `prodigy`, whose `lr`\n"
         "is a multiplier of about 1); a plan that no accelerator's memory holds is refused by `check` and `run`.\n\n"
     )
-    return header + config_reference(RunConfig) + "\n" + table_markdown()
+    from wantrain.app.preflight import compose_markdown
+
+    return header + config_reference(RunConfig) + "\n" + compose_markdown() + "\n" + table_markdown()
 
 
 if __name__ == "__main__":
