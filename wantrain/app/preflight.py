@@ -324,8 +324,8 @@ def model_plan(cfg: Any) -> list[str]:
 def speed_plan(cfg: Any, data: Any, device: torch.device) -> dict[str, Any]:
     """The attention kernel (``model.attention``) and the compile plan (``model.compile``) of a run on ``device``,
     into ``data.report.speed`` (``check`` prints its lines; the run's ``preflight.json``). A kernel whose package is
-    missing or that the device cannot run, or a compile the toolchain cannot do, is a one-line ``UserError`` here,
-    before the run directory exists. The compile cache is ``torch_compile/`` in the data's cache folder."""
+    missing or that the device cannot run, or a compile the toolchain cannot do, was reported by the pre-flight
+    (:func:`problems`) already; refused here too for a caller in code. The compile cache is ``torch_compile/`` in the data's cache folder."""
     from wantrain.models.wan22.architecture import transformer_kwargs
     from wantrain.models.wan22.attention import check_kernel
     from wantrain.models.wan22.compile import CompilePlan, check_compiler
