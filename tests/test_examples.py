@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from wantrain.cli.common import load_run_config
-from wantrain.cli.main import COMMANDS, build_parser
+from wantrain.cli.main import COMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
@@ -43,3 +43,16 @@ def test_documented_command_line_parses_and_its_config_validates(path):
         args.config = str(ROOT / args.config)  # the command is run from the repository root
         cfg = load_run_config(args)
         assert cfg.run.name
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_check_of_every_shipped_example_as_shipped_prints_a_memory_plan(path, capsys, monkeypatch):
+    """Issue 59: on a machine without CUDA, without the data (the placeholder data.path) and without the weights,
+    ``wantrain check`` of each example prints the memory plan of the card it is meant for."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # this machine: a laptop without a GPU
+    code = main(["check", str(path)])
+    out, err = capsys.readouterr()
+    assert "memory plan for " in out, (path.name, err[-600:])
+    assert "Traceback" not in err and code in (0, 2), err
+    if code == 2:  # only the weights the example names may be missing
+        assert err.startswith("wantrain check: error: 1 model file missing") and len(err.splitlines()) == 1, err

@@ -56,8 +56,10 @@ def test_max_steps_shortens_an_epoch_config_and_an_untrained_expert_is_named_in_
 
 
 @pytest.mark.parametrize("value", ['"/proc/wantrain_cache"', '"a_file"'])
-def test_a_cache_dir_that_cannot_be_written_is_one_line_from_check_cache_and_run(tmp_path, capsys, value):
+def test_a_cache_dir_that_cannot_be_written_is_one_line_from_check_cache_and_run(tmp_path, capsys, value,
+                                                                                 monkeypatch):
     config = workspace(tmp_path)
+    monkeypatch.chdir(tmp_path)  # a --set path is the shell's: relative to the current directory (issue 59)
     (tmp_path / "a_file").write_text("not a folder")
     for command in ("check", "cache", "run"):
         assert main([command, str(config), "--set", f"data.cache_dir={value}"]) == 2

@@ -40,7 +40,7 @@ REFUSALS = {
         "--set", "lora.alpha_schedule.enabled=true",
         "--set", 'lora.alpha_schedule.phases=[{name="only", alpha=4, min_steps=5}]'],
     "preserve_output with Prodigy": [
-        "--set", 'optimizer.type="prodigy"', "--set", "optimizer.lr=1.0", "--set", "lora.alpha=null",
+        "--set", 'optimizer.type="prodigy"', "--set", "optimizer.lr=1.0",  # the quickstart's lora.alpha is 4
         "--set", "lora.alpha_schedule.enabled=true",
         "--set", 'lora.alpha_schedule.phases=[{name="a", alpha=4}, {name="b", alpha=8}]'],
 }

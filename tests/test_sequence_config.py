@@ -68,12 +68,14 @@ def test_run_and_check_refuse_such_a_bucket_before_anything_is_written(tmp_path,
     assert main(["check", str(config), *odd]) == 2
     err = capsys.readouterr().err.strip()
     assert "has 9 tokens per clip, which model.sequence_degree = 2 does not divide" in err, err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    lines = err.splitlines()  # every bucket that does not divide, one line each (the 1-frame and the 9-frame one)
+    assert lines[0].endswith("2 problems in the config, all of them:") and "Traceback" not in err, err
+    assert [line.split()[2] for line in lines[1:]] == ["48x48x1", "48x48x9"], err
     monkeypatch.setenv("WORLD_SIZE", "2")  # rank 0 of a torchrun launch of 2: refused before the process group
     monkeypatch.setenv("RANK", "0")
     assert main(["run", str(config), *odd]) == 2
     err = capsys.readouterr().err.strip()
-    assert "tokens per clip, which model.sequence_degree = 2 does not divide" in err and len(err.splitlines()) == 1
+    assert "tokens per clip, which model.sequence_degree = 2 does not divide" in err and len(err.splitlines()) == 3
     assert not (tmp_path / "runs").exists()
     assert not list((tmp_path / "demo_data").rglob("*.safetensors"))  # nothing cached either
 

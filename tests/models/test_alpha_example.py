@@ -53,7 +53,8 @@ def test_the_shipped_example_makes_a_transition_per_expert_on_the_tiny_i2v_twin(
     scaled += ["lora.alpha_schedule.window=40", "lora.alpha_schedule.min_samples=30"]
     args = ["run", str(config), "--max-steps", "100", "--set", "model.variant='tiny-i2v'",
             "--set", f"model.path='{tiny_dir('tiny-i2v')}'", "--set", "model.base_dtype='auto'",
-            "--set", "data.path='demo_data'", "--set", "train.device='cpu'", "--set", f"run.output_dir='{tmp_path}'",
+            "--set", f"data.path='{tmp_path / 'demo_data'}'", "--set", "train.device='cpu'",
+            "--set", f"run.output_dir='{tmp_path}'",
             "--set", "train.save_every=100000", "--set", "observers.progress=false",
             "--set", "model.gradient_checkpointing=false",
             "--set", "observers.tensorboard=false", *[x for item in scaled for x in ("--set", item)]]

@@ -37,12 +37,13 @@ from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
 from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
 from wantrain.app.preflight import (
-    check_parallel,
     check_sequence_buckets,
     compile_cache_dir,
     config_warnings,
     data_warnings,
+    parallel_notes,
     plan_memory,
+    problems,
     resolve_device,
     speed_plan,
     waiting_experts_dir,
@@ -74,6 +75,7 @@ from wantrain.core.parallel.distributed import (
 )
 from wantrain.core.parallel.expert_groups import ExpertGroupSync, GroupSaver, expert_groups_of
 from wantrain.core.parallel.expert_relay import RelayedExpert
+from wantrain.core.problems import Machine, refuse
 from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
 from wantrain.core.state import TrainState
 from wantrain.core.state_check import check_state_tree
@@ -513,12 +515,13 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
     plain = to_plain(cfg)
-    if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
-        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)  # a warmup longer than the run, ... refused here
+    topology = detect_topology()
+    # the pre-flight: every capability's problems with this config on this launch, all at once, before anything
+    # is loaded or written (app.preflight lists the capabilities)
+    refuse(problems(cfg, Machine.here(world_size=topology.world_size, resuming=resume is not None)))
     extra_observers = resolve_extra_observers(cfg, config_dir)
     if cfg.observers.wandb:
         require_wandb()
-    topology = detect_topology()
     point, held = None, []
     if resume is not None:
         point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank), config_file=config_file)
@@ -541,7 +544,7 @@ def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | No
 def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topology: Any,
                   extra_observers: list[type], point: ResumePoint | None, held: list[RunDirLock],
                   allow_data_changes: bool) -> PreparedRun:
-    parallel_notes = check_parallel(cfg, topology.world_size)  # a shard degree the launch cannot split: refused
+    notes = parallel_notes(cfg, topology.world_size)
     device = resolve_device(cfg.train.device)
     if topology.distributed and device.type == "cuda":
         device = torch.device("cuda", topology.local_rank)  # one GPU per rank
@@ -567,7 +570,7 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     data_changes: tuple[str, ...] = ()
     # logged once the run's log exists (config_warning)
-    data.report.warnings.extend([*config_warnings(cfg, given), *parallel_notes, *data_warnings(data)])
+    data.report.warnings.extend([*config_warnings(cfg, given), *notes, *data_warnings(data)])
     if point is not None:
         if cfg.train.max_steps < point.step:  # it would report "completed" at more than 100 %
             raise UserError(f"train.max_steps = {cfg.train.max_steps} is below the step of checkpoint "

@@ -14,8 +14,7 @@ from typing import Any
 
 import attrs
 
-from wantrain.app.layouts import problems as layout_problems
-from wantrain.app.migration import peer_file_problem, peer_hint, peer_key_problems, table_markdown
+from wantrain.app.migration import peer_file_problem, peer_hint, table_markdown
 from wantrain.core.config import (
     ConfigError,
     check_value,
@@ -26,7 +25,7 @@ from wantrain.core.config import (
     structure,
     unstructure,
 )
-from wantrain.core.errors import UserError
+from wantrain.core.problems import Problem, refuse
 from wantrain.core.settings import (
     CheckpointConfig,
     FaultsConfig,
@@ -35,14 +34,11 @@ from wantrain.core.settings import (
     TrainConfig,
 )
 from wantrain.data.config import DataConfig
-from wantrain.models.wan22.adapter_types import candidate_modules, select_modules
-from wantrain.models.wan22.config import QUANTISED_DTYPES, LoraConfig, ModelConfig
-from wantrain.models.wan22.variants import VARIANTS
+from wantrain.models.wan22.config import LoraConfig, ModelConfig
 from wantrain.observers.alpha.config import AlphaScheduleConfig, stability_applicable
 from wantrain.observers.evaluation.config import SampleConfig, ValidationConfig
-from wantrain.observers.lr_finder.config import LrFinderConfig, check_run_id
+from wantrain.observers.lr_finder.config import LrFinderConfig
 from wantrain.optimizers.config import OptimizerConfig
-from wantrain.optimizers.registry import check_lr_multiplier
 from wantrain.schedulers.config import SchedulerConfig
 
 
@@ -54,16 +50,6 @@ class LoraSection(LoraConfig):
     # the model plug-in's keys (LoraConfig) plus the alpha controller's table, which only that observer reads
     alpha_schedule: AlphaScheduleConfig | None = setting(
         None, doc="Progressive alpha phases (docs/alpha_schedule.md); absent or `enabled = false` changes nothing.")
-
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        schedule = self.alpha_schedule
-        if self.schedule_enabled and self.alpha is not None and self.alpha != schedule.phases[0].alpha:
-            raise ConfigError(
-                f"lora.alpha = {self.alpha:g} conflicts with lora.alpha_schedule: its first phase "
-                f"({schedule.phases[0].name!r}) sets alpha {schedule.phases[0].alpha:g} from the first step; remove "
-                "lora.alpha or make the two equal"
-            )
 
     @property
     def schedule_enabled(self) -> bool:
@@ -98,106 +84,19 @@ class RunConfig:
     sample: SampleConfig = setting(factory=SampleConfig, doc="Sample videos during training.")
 
     def __attrs_post_init__(self) -> None:
-        for key in ("lr_high_noise", "lr_low_noise"):  # per-expert LRs multiply an adaptive optimizer's estimate too
-            try:
-                check_lr_multiplier(self.optimizer.type, f"model.{key}", getattr(self.model, key))
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-        _check_alpha_schedule(self)
-        if self.lora.type == "dora" and self.model.base_dtype in QUANTISED_DTYPES:  # "auto" plans bf16 for DoRA
-            raise ConfigError(
-                f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 and low-bit "
-                f"storage do not dequantize there (model.base_dtype = '{self.model.base_dtype}'); set "
-                "model.base_dtype = 'bf16' or use another lora.type")
-        for problem in layout_problems(self)[:1]:  # fsdp with DoRA, 8-bit AdamW, Adafactor, the alpha schedule
-            raise ConfigError(problem)
-        if self.lora.include or self.lora.exclude:  # against the variant's module names, before anything is written
-            try:
-                spec = VARIANTS[self.model.variant]
-                select_modules(candidate_modules(spec.num_layers, len(spec.vace_layers)), self.lora.include,
-                               self.lora.exclude)
-            except UserError as exc:
-                raise ConfigError(str(exc)) from None
-        _check_expert_groups(self)
-        if self.lr_finder.active:
-            check_run_id(self.run.run_id)  # the sweep's run directory adds __lr_finder to the id
+        # the rules across sections, each declared by the capability that cannot take the other (app.preflight
+        # lists them): refused when the config is built, or reported with the document's other problems
+        from wantrain.app.preflight import config_problems
 
+        refuse(config_problems(self))
+        if self.lora.schedule_enabled and not stability_applicable(self.model.trained_experts,
+                                                                   self.model.switch_every):
+            import logging
 
-def _check_expert_groups(cfg: RunConfig) -> None:
-    """What one expert per group of GPUs cannot run (read time). Samples and validation run across the groups
-    (``core.parallel.expert_relay``, docs/distributed.md); these stay refused: the LR finder sweeps the experts one
-    after the other on every rank (a sequential sweep has nothing for the second group to do), and the low-noise group's
-    alpha controller would decide where rank 0's event log never sees it (replay could not reproduce it).
-    ``sample.other_expert_lora`` has no expert to load into (the other group trains it)."""
-    if cfg.model.expert_groups <= 1:
-        return
-    groups = f"model.expert_groups = {cfg.model.expert_groups}"
-    for on, key in ((cfg.lr_finder.active, "lr_finder"), (cfg.lora.schedule_enabled, "lora.alpha_schedule")):
-        if on:
-            raise ConfigError(f"{groups} does not run with {key} (each group holds one expert; the sweep and the "
-                              f"alpha decisions run on one rank): turn {key} off, or set model.expert_groups = 1")
-    if cfg.sample.enabled and cfg.sample.other_expert_lora is not None:
-        raise ConfigError(f"config key 'sample.other_expert_lora' does nothing with {groups}: the other group "
-                          "trains that expert and samples with it; remove the key, or set model.expert_groups = 1")
-
-
-def _check_alpha_schedule(cfg: RunConfig) -> None:
-    """The alpha schedule against the other tables (read time, before anything is written)."""
-    if not cfg.lora.schedule_enabled:
-        return
-    schedule = cfg.lora.alpha_schedule
-    if schedule.signal == "validation":
-        _check_validation_signal(cfg)
-    if schedule.transition == "preserve_output":
-        from wantrain.core.optim_state import STATE_MAPS
-        from wantrain.optimizers.registry import EXTERNAL, TYPES
-
-        if cfg.optimizer.type == EXTERNAL:
-            import torch
-
-            cls = cfg.optimizer.optimizer_class()
-            known = issubclass(cls, torch.optim.Adam | torch.optim.AdamW | torch.optim.SGD)
-            what = f"optimizer.class = {cfg.optimizer.class_path!r}"
-        else:
-            known = TYPES[cfg.optimizer.type].state_kind in STATE_MAPS
-            what = f"optimizer.type = {cfg.optimizer.type!r}"
-        if not known:
-            why = (" (Prodigy's step size d is one estimate over A and B together)" if cfg.optimizer.type == "prodigy"
-                   else "")
-            mapped = ", ".join(name for name, spec in TYPES.items() if spec.state_kind in STATE_MAPS)
-            raise ConfigError(
-                f"lora.alpha_schedule.transition = 'preserve_output' cannot carry the state of {what} across an "
-                f"alpha change{why}; use transition = 'jump' or optimizer.type = one of {mapped}"
-            )
-    if not stability_applicable(cfg.model.trained_experts, cfg.model.switch_every):
-        import logging
-
-        logging.getLogger("wantrain.alpha").warning(
-            "lora.alpha_schedule: with model.switch_every = 1 and two experts every stint is one step, so gradient "
-            "stability has no samples; min_gradient_stability is not applied (raise switch_every to use it)")
-
-
-def _check_validation_signal(cfg: RunConfig) -> None:
-    """``signal = "validation"`` needs validation losses of every trained expert."""
-    if not cfg.validation.enabled:
-        raise ConfigError(
-            "lora.alpha_schedule.signal = 'validation' needs the validation loss, but [validation] is not enabled; "
-            "set validation.enabled = true (with validation.path or validation.from_training) or use signal = 'train'"
-        )
-    from wantrain.models.wan22.variants import VARIANTS
-
-    spec = VARIANTS.get(cfg.model.variant)
-    boundary = spec.boundary_ratio if spec is not None else None
-    if boundary is None:
-        return
-    owned = {"high_noise" if t >= boundary else "low_noise" for t in cfg.validation.timesteps}
-    missing = [e for e in cfg.model.trained_experts if e not in owned]
-    if missing:
-        raise ConfigError(
-            f"lora.alpha_schedule.signal = 'validation': validation.timesteps = {list(cfg.validation.timesteps)} "
-            f"has no timestep of the {missing[0]} expert (high_noise owns t >= {boundary:g}), so its phase could "
-            "never end; add one to validation.timesteps"
-        )
+            logging.getLogger("wantrain.alpha").warning(
+                "lora.alpha_schedule: with model.switch_every = 1 and two experts every stint is one step, so "
+                "gradient stability has no samples; min_gradient_stability is not applied (raise switch_every to "
+                "use it)")
 
 
 name_sections(RunConfig)  # code-built sections name their keys in errors (``validation.every``)
@@ -298,7 +197,7 @@ def _section_of(owner: type, name: str) -> type | None:
     return next((t for t in typing.get_args(hint) or (hint,) if isinstance(t, type) and attrs.has(t)), None)
 
 
-def _replaced_file_problems(data: dict[str, Any], overrides: list[str]) -> list[str]:
+def _replaced_file_problems(data: dict[str, Any], overrides: list[str]) -> list[Problem]:
     """A file value that an override replaces is still checked (``max_steps = "400"`` with ``--max-steps 2``): the
     override hides it for this run only. One line each, for keys of the schema's sections (not array items)."""
     problems = []
@@ -315,44 +214,68 @@ def _replaced_file_problems(data: dict[str, Any], overrides: list[str]) -> list[
         try:
             check_value(owner, parts[-1], table[parts[-1]], ".".join(parts))
         except ConfigError as exc:
-            problems.append(f"{exc} (in the file; the override replaces it for this run only)")
+            problems.append(Problem(keys=(".".join(parts),),
+                                    what=f"{exc} (in the file; the override replaces it for this run only)"))
     return problems
 
 
+def peer_key_problems(data: dict[str, Any]) -> list[Problem]:
+    """[optimizer] and [lr_scheduler] hand the keys they do not know to the class as its arguments; another
+    trainer's name there (``learning_rate``) is a problem naming the wantrain key, unless the table names a class
+    of the user's own (whose arguments may be called anything). Every one, for the loader's one report; each is
+    taken out of ``data`` (the table's class would refuse it a second time, as an argument it does not take)."""
+    out = []
+    for name in ("optimizer", "lr_scheduler"):
+        table = data.get(name)
+        if not isinstance(table, dict) or "class" in table or "class_path" in table:
+            continue
+        for key in list(table):
+            hint = peer_hint(key, table[key])
+            if hint:
+                out.append(Problem(keys=(f"{name}.{key}",), what=f"unknown config key '{name}.{key}': {hint}"))
+                del table[key]
+    return out
+
+
 def load_config(path: Path | str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read, override and validate a run config. Paths in it may start with ``~`` (the home folder, expanded
-    when the key is read); relative paths are resolved against the file's folder. An override of a key in
+    """Read, override and validate a run config: every problem of it in one :class:`Refused` (unknown and peer
+    keys, wrong types and values, the rules across keys). Paths in it may start with ``~`` (the home folder,
+    expanded when the key is read); a relative path in the file is resolved against the file's folder, one given
+    with ``--set`` against the current directory (as a shell user expects). An override of a key in
     :data:`EITHER_OR` replaces its other-unit twin from the file (``train.max_steps`` replaces ``max_epochs``)."""
     path = Path(path)
     data = read_toml(path)
     found = _replaced_file_problems(data, list(overrides))
     data = apply_overrides(_drop_replaced(data, list(overrides)), list(overrides))
     cfg = structure(RunConfig, data, hint=peer_hint, found=[*found, *peer_key_problems(data)])
-    return resolve_paths(cfg, path.parent)
+    typed = {".".join(_parse_override(item)[0]) for item in overrides}
+    return resolve_paths(cfg, path.parent, typed=typed)
 
 
-def resolve_paths(cfg: RunConfig, base: Path) -> RunConfig:
-    """Make relative paths of the config relative to ``base`` (the config file's folder). ``~`` was expanded
-    when the config was structured, so a home-relative path is absolute here."""
+def resolve_paths(cfg: RunConfig, base: Path, *, typed: set[str] | frozenset[str] = frozenset()) -> RunConfig:
+    """Make relative paths of the config relative to ``base`` (the config file's folder), those of the keys in
+    ``typed`` (given on the command line: ``data.path``, ``data.datasets.0.path``) relative to the current
+    directory. ``~`` was expanded when the config was structured, so a home-relative path is absolute here."""
     import attrs
 
-    def fix(obj: Any) -> Any:
+    def fix(obj: Any, key: str) -> Any:
         if attrs.has(type(obj)):
             changes = {}
             for f in attrs.fields(type(obj)):
                 v = getattr(obj, f.name)
-                nv = fix(v)
+                nv = fix(v, f"{key}.{f.name}" if key else f.name)
                 if nv is not v:
                     changes[f.name] = nv
             return attrs.evolve(obj, **changes) if changes else obj
         if isinstance(obj, Path) and not obj.is_absolute():
-            return (base / obj).resolve()
+            typed_here = any(key == t or key.startswith(t + ".") for t in typed)
+            return ((Path.cwd() if typed_here else base) / obj).resolve()
         if isinstance(obj, list):
-            new = [fix(v) for v in obj]
+            new = [fix(v, f"{key}.{i}") for i, v in enumerate(obj)]
             return new if any(a is not b for a, b in zip(new, obj, strict=True)) else obj
         return obj
 
-    return fix(cfg)
+    return fix(cfg, "")
 
 
 def to_plain(cfg: RunConfig) -> dict[str, Any]:
@@ -366,14 +289,18 @@ def reference_markdown() -> str:
         "Every key is checked: an unknown or misplaced key, a wrong type or an out-of-range value stops wantrain\n"
         "with one line naming the key and what would be valid (exit code 2). `--set section.key=value` overrides\n"
         "any key from the command line (the value is read as TOML; a bare word is a string). A relative path is\n"
-        "relative to the config file's folder; a path may start with `~` (your home folder).\n\n"
+        "relative to the config file's folder (one given with `--set`: to the current directory, as a shell user\n"
+        "expects); a path may start with `~` (your home folder). Every problem of a config is reported at once,\n"
+        "one line each, grouped by table: unknown keys, wrong values and the pairs below.\n\n"
         "Values are checked for what they mean, too: NaN and infinities are refused in every number key (and in\n"
         "the numbers of an optimizer's or scheduler's own arguments); `lora.rank` may not exceed the width of the\n"
         "layers it adapts (24 for the tiny models, 5120 for the A14B ones, 3072 for TI2V-5B); a learning rate above\n"
         "1 is refused for the optimizers whose `lr` is the step size itself (every type but `prodigy`, whose `lr`\n"
         "is a multiplier of about 1); a plan that no accelerator's memory holds is refused by `check` and `run`.\n\n"
     )
-    return header + config_reference(RunConfig) + "\n" + table_markdown()
+    from wantrain.app.preflight import compose_markdown
+
+    return header + config_reference(RunConfig) + "\n" + compose_markdown() + "\n" + table_markdown()
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 
 :func:`problems` is the layouts' one list of config-only refusals that span sections (the model's own keys are
 refused by ``models.wan22.config``; what depends on the launch's size by ``app.preflight.check_parallel``): each
-entry is one line naming the pair, why it fails and what would run. ``RunConfig`` refuses the first when the config
+entry is one line naming the pair, why it fails and what would run. ``RunConfig`` refuses them when the config
 is read, so ``wantrain check`` and ``wantrain run`` stop before anything loads or a run directory exists.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from wantrain.core.problems import Problem, Rule
 
 FSDP = "model.parallel = 'fsdp'"
 
@@ -20,19 +22,28 @@ FSDP_OPTIMIZERS = {
 """Optimizers that cannot step a LoRA that FSDP2 holds as ``DTensor`` shards, and why (each crashed at step 1)."""
 
 
-def problems(cfg: Any) -> list[str]:
-    """Every pair of ``cfg`` that a several-GPU layout cannot run, one line each (empty: none)."""
+LAYOUT_RULES = (
+    FSDP_OPTIMIZER := Rule("fsdp-optimizer", ("model.parallel", "optimizer.type"),
+                           "an optimizer that cannot step FSDP's sharded LoRA (8-bit AdamW, Adafactor)",
+                           ("model.parallel = fsdp", "optimizer.type = adamw8bit or adafactor")),
+    FSDP_ALPHA := Rule("fsdp-alpha-schedule", ("model.parallel", "lora.alpha_schedule"),
+                       "the alpha schedule's statistics over a sharded LoRA",
+                       ("model.parallel = fsdp", "lora.alpha_schedule")),
+)
+"""The rules of this module (``app.preflight.declared_rules`` lists them; fsdp with DoRA is the adapter's)."""
+
+
+def problems(cfg: Any) -> list[Problem]:
+    """Every pair of ``cfg`` that a several-GPU layout cannot run (empty: none)."""
     found = []
     if cfg.model.parallel == "fsdp":
-        if cfg.lora.type == "dora":
-            found.append("lora.type = 'dora' reads the base weights outside their forward pass, which "
-                         f"{FSDP} holds sharded there; use another lora.type or parallel = 'dp'")
         why = FSDP_OPTIMIZERS.get(cfg.optimizer.type)
         if why is not None:
-            found.append(f"optimizer.type = '{cfg.optimizer.type}' does not run with {FSDP} ({why}); use "
-                         "optimizer.type = 'adamw' or set model.parallel = 'dp'")
+            found.append(FSDP_OPTIMIZER.problem(f"optimizer.type = '{cfg.optimizer.type}' does not run with {FSDP} "
+                                                f"({why}); use optimizer.type = 'adamw' or set model.parallel = 'dp'"))
         if cfg.lora.schedule_enabled:
-            found.append(f"lora.alpha_schedule does not run with {FSDP} yet (the controller's statistics read the "
-                         "whole LoRA's values, which FSDP holds as shards on each rank); turn the schedule off "
-                         "or set model.parallel = 'dp'")
+            found.append(FSDP_ALPHA.problem(
+                f"lora.alpha_schedule does not run with {FSDP} yet (the controller's statistics read the whole "
+                "LoRA's values, which FSDP holds as shards on each rank); turn the schedule off or set "
+                "model.parallel = 'dp'"))
     return found

@@ -37,7 +37,6 @@ import torch
 from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome, build_validation_data
 from wantrain.app.config import to_plain
 from wantrain.core.checkpoint import copy_tree
-from wantrain.core.errors import UserError
 from wantrain.data import ensure_cache
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.validation import cached_batches, validate
@@ -46,19 +45,6 @@ from wantrain.observers.lr_finder.observer import LrFinder, Probe, summary_lines
 from wantrain.optimizers import TYPES
 
 log = structlog.get_logger("wantrain.lr_finder")
-
-
-def check_lr_finder(cfg: Any, resume: Any) -> None:
-    """Refusals that depend on the config only (``wantrain.app.train`` calls this before ``prepare()``)."""
-    if resume is not None:
-        raise UserError("the LR finder (--lr-finder, lr_finder.enabled / then_train) cannot run with --resume: it "
-                        "starts from a fresh run; resume without it (a then-train run's config.toml holds the "
-                        "suggested LR)")
-    spec = TYPES.get(cfg.optimizer.type)
-    if spec is not None and spec.adaptive_lr:
-        raise UserError(f"the LR finder sweeps the learning rate, but optimizer.type = {cfg.optimizer.type!r} "
-                        "estimates its own step size (its lr is a multiplier); run the finder with "
-                        "optimizer.type = 'adamw', or train without it")
 
 
 class SweepOrder:

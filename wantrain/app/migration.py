@@ -233,23 +233,6 @@ def peer_hint(key: str, value: Any = None) -> str | None:
     return f"'{key}' is {entry.peer}'s name; wantrain's key for it is '{entry.wantrain}'{note}"
 
 
-def peer_key_problems(data: dict[str, Any]) -> list[str]:
-    """One line for each peer key in ``[optimizer]`` and ``[lr_scheduler]``, the tables that hand the keys they do
-    not know to their class as its arguments (so the schema never calls them unknown), unless the table names a class
-    of the user's own (``class``/``class_path``: its arguments may be called anything). Every such key at once; a
-    peer key anywhere else is an unknown key, named by the schema walk beside these."""
-    problems = []
-    for name in ("optimizer", "lr_scheduler"):
-        table = data.get(name)
-        if not isinstance(table, dict) or "class" in table or "class_path" in table:
-            continue
-        for key, value in table.items():
-            hint = peer_hint(key, value)
-            if hint:
-                problems.append(f"unknown config key '{name}.{key}': {hint}")
-    return problems
-
-
 def peer_arguments(extra: list[str]) -> list[str]:
     """For command-line arguments argparse did not know (``--network_dim 32 --learning_rate 1e-4``): the ``--set``
     each peer argument is in wantrain, one string each; empty when none is a peer's."""

@@ -4,26 +4,139 @@ carries the full report (every skipped and ignored file) for ``wantrain check`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
 import torch
 
 from wantrain.app.epochs import resolve_epochs
+from wantrain.app.launch import (
+    check_parallel,
+    check_sequence_buckets,
+    device_problems,
+    layout_problems,
+    lr_finder_launch_problems,
+    parallel_notes,
+    sequence_bucket_problems,
+)
+from wantrain.app.layouts import problems as layout_config_problems
 from wantrain.app.observers import require_wandb, resolve_extra_observers
 from wantrain.core.errors import UserError
+from wantrain.core.problems import Machine, Problem, Rule, refuse
 from wantrain.data import CacheStats, build_dataset, ensure_cache
 from wantrain.data.cache import describe_entries, remove_entries
-from wantrain.data.dataset import NoUsableSample
+from wantrain.data.dataset import NoUsableSample, frame_bucket_problems
 from wantrain.data.report import PreflightReport
 from wantrain.models.wan22 import build_encoders, check_model_files
 from wantrain.models.wan22.adapter_types import adapter_type
+from wantrain.models.wan22.config import adapter_problems, lora_problems, model_problems
 from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.models.wan22.waiting import problems as waiting_problems
-from wantrain.observers.evaluation.config import check_sections, sample_size
-from wantrain.schedulers import check_scheduler
+from wantrain.observers.alpha.config import alpha_schedule_problems
+from wantrain.observers.evaluation.config import check_sections, evaluation_problems, sample_size
+from wantrain.observers.lr_finder.config import lr_finder_problems
+from wantrain.optimizers.registry import optimizer_problems
+from wantrain.schedulers import check_scheduler, scheduler_problems
+
+SECTION_CHECKS: tuple[Callable[..., list[Problem]], ...] = (model_problems, lora_problems)
+"""The rules of one section's keys among themselves: asked when the section is built (``ModelConfig(...)``)."""
+
+CONFIG_CHECKS: tuple[Callable[[Any], list[Problem]], ...] = (
+    adapter_problems,  # the model plug-in: the adapter type against the weights' storage and layout
+    optimizer_problems,  # per-expert LRs, an alpha change carrying the optimizer's state
+    alpha_schedule_problems,
+    lr_finder_problems,
+    evaluation_problems,
+    layout_config_problems,  # the several-GPU layouts against the optimizer and the alpha schedule
+    lambda cfg: frame_bucket_problems(cfg.data, variant_spec(cfg.model.variant)),
+)
+"""The rules across sections, each declared by the capability that cannot take the other: asked when the run
+config is built (``RunConfig``), so that the loader reports them with the document's other problems."""
+
+
+def _scheduler_problems(cfg: Any, machine: Machine) -> list[Problem]:
+    from wantrain.app.epochs import uses_epochs
+
+    return [] if uses_epochs(cfg) else scheduler_problems(cfg.lr_scheduler, cfg.train.max_steps)
+
+
+def _speed_problems(cfg: Any, machine: Machine) -> list[Problem]:
+    """The attention kernel and the compile on the run's device (``check`` plans: CUDA when the config says so)."""
+    from wantrain.models.wan22.attention import kernel_problems
+    from wantrain.models.wan22.compile import compiler_problems
+
+    if device_problems(cfg, machine):
+        return []  # no device to judge them on: its own problem says so
+    device = planned_device(cfg.train.device)
+    return [*kernel_problems(cfg.model.attention, device, compute_dtype(cfg.model)),
+            *compiler_problems(cfg.model.compile, device)]
+
+
+LAUNCH_CHECKS: tuple[Callable[[Any, Machine], list[Problem]], ...] = (
+    device_problems, layout_problems, _speed_problems, _scheduler_problems, lr_finder_launch_problems)
+"""The rules of the config against the machine and the launch (ranks, devices, installed kernels, --resume)."""
+
+
+def declared_rules() -> tuple[Rule, ...]:
+    """Every refusal rule the capabilities declare (``core.problems.Rule``): what the pre-flight can report, and
+    the source of docs/config.md's compose table (its pairs)."""
+    from wantrain.app.launch import LAUNCH_RULES
+    from wantrain.app.layouts import LAYOUT_RULES
+    from wantrain.data.dataset import DATA_RULES
+    from wantrain.models.wan22.attention import KERNEL_RULES
+    from wantrain.models.wan22.compile import COMPILE_RULES
+    from wantrain.models.wan22.config import ADAPTER_RULES, LORA_RULES, MODEL_RULES
+    from wantrain.observers.alpha.config import ALPHA_RULES
+    from wantrain.observers.evaluation.config import EVALUATION_RULES
+    from wantrain.observers.lr_finder.config import LR_FINDER_RULES
+    from wantrain.optimizers.registry import OPTIMIZER_RULES
+    from wantrain.schedulers import SCHEDULER_RULES
+
+    return (*MODEL_RULES, *LORA_RULES, *ADAPTER_RULES, *KERNEL_RULES, *COMPILE_RULES, *DATA_RULES, *OPTIMIZER_RULES,
+            *SCHEDULER_RULES, *ALPHA_RULES, *LR_FINDER_RULES, *EVALUATION_RULES, *LAUNCH_RULES,
+            *LAYOUT_RULES)
+
+
+def compose_markdown() -> str:
+    """docs/config.md's table of what composes with what, generated from the rules that refuse a pair
+    (:func:`declared_rules`; a test keeps the page equal to it)."""
+    rows = sorted((r for r in declared_rules() if r.pair is not None), key=lambda r: (r.pair[0], r.pair[1]))
+    lines = ["## What composes with what", "",
+             "Every pair of settings the pre-flight refuses (generated from the capabilities' declared rules; any",
+             "pair not listed composes). `wantrain check` reports each one it finds, with the others, before",
+             "anything is loaded or written; the rule id names the rule in the code.", "",
+             "| setting | does not compose with | rule | why |", "|---|---|---|---|"]
+    lines += [f"| {r.pair[0]} | {r.pair[1]} | `{r.id}` | {r.summary} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def config_problems(cfg: Any) -> list[Problem]:
+    """Every problem of the run config ``cfg`` across its sections (:data:`CONFIG_CHECKS`)."""
+    return [p for check in CONFIG_CHECKS for p in check(cfg)]
+
+
+def problems(cfg: Any, machine: Machine) -> list[Problem]:
+    """The pre-flight: every problem of ``cfg`` on ``machine``, from every capability at once (the sections' own
+    rules, the rules across sections, the launch's), before anything is loaded or written. ``prepare`` refuses
+    with all of them; ``wantrain check`` prints them."""
+    sections = [p for check, section in zip(SECTION_CHECKS, (cfg.model, cfg.lora), strict=True) for p in check(section)]
+    return [*sections, *config_problems(cfg), *(p for check in LAUNCH_CHECKS for p in check(cfg, machine))]
+
+
+def compute_dtype(model: Any) -> torch.dtype:
+    """The dtype the blocks compute in: fp32 for ``base_dtype = "fp32"`` (and ``auto`` on a tiny twin), else bf16."""
+    fp32 = model.base_dtype == "fp32" or (model.base_dtype == "auto" and variant_spec(model.variant).tiny)
+    return torch.float32 if fp32 else torch.bfloat16
+
+
+def planned_device(name: str) -> torch.device:
+    """The device the run trains on, as planned: ``auto`` is CUDA where this machine has it; a named device as
+    named, whether or not this machine has it (``device_problems`` judges that)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else torch.device(name)
 
 
 def dataset(cfg: Any) -> Any:
@@ -42,15 +155,22 @@ def resolved_config(cfg: Any) -> Any:
 def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None = None,
                      gpus: int | None = None) -> PreflightReport:
     """The pre-flight data report of ``wantrain check`` (``verify``: decode every clip first), with the memory plan
-    (:func:`plan_memory`: training and, with ``[sample]`` on, sampling, part by part). First the checks ``wantrain
-    run`` makes before it loads anything (the schedule, users' observers, the model files, [validation]/[sample]):
-    the same one-line refusals, so ``check`` passes only a config that ``run`` accepts as far as files and keys
-    go. ``gpus`` (``check --gpus N``): the host plan is that of N torchrun ranks on one machine."""
+    (:func:`plan_memory`: training and, with ``[sample]`` on, sampling, part by part). First the pre-flight that
+    ``wantrain run`` makes (:func:`problems`, every problem at once), then the checks of files and code it makes
+    before it loads anything (users' observers, the model files, [validation]/[sample] files), so ``check`` passes
+    only a config that ``run`` accepts as far as files and keys go. ``check`` plans for the machine the run will
+    have: without the weights (from the variant's architecture), without the data (from the config's buckets,
+    when a data folder is not there: one line says so) and for ``train.device = "cuda"`` on a machine without CUDA
+    (one line says this machine cannot run it). ``gpus`` (``check --gpus N``): the launch and the host plan are
+    those of N torchrun ranks on one machine."""
     from wantrain.app.epochs import uses_epochs
+    from wantrain.app.launch import device_note
+    from wantrain.data.dataset import missing_data, planned_data
 
+    machine = Machine.here(world_size=gpus or 1, planning=True)
+    refuse(problems(cfg, machine))
+    notes = [note] if (note := device_note(cfg, machine)) else []
     given = cfg
-    if not uses_epochs(cfg):  # with epochs the length is known once the data is planned (below)
-        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
     resolve_extra_observers(cfg, config_dir)
     if cfg.observers.wandb:
         require_wandb()
@@ -58,25 +178,37 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     if not missing:  # weights still to download: the plan below is made from the variant's architecture alone
         check_model_files(cfg.model, sampling=cfg.sample.enabled)
     check_sections(cfg.validation, cfg.sample, variant_spec(cfg.model.variant), cfg.model.trained_experts)
-    data = dataset(cfg)
-    if verify:
-        data.verify_all()
-    if uses_epochs(cfg):
-        cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
-        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
-    data.report.warnings.extend(config_warnings(cfg, given))  # an epoch-length run with an idle expert refuses here
-    data.report.warnings.extend(data_warnings(data))
+    absent = missing_data(cfg.data)
+    if absent:  # the data is not there yet: the plan is made from the config's buckets
+        data = planned_data(cfg.data, spec=variant_spec(cfg.model.variant), batch_size=cfg.train.batch_size)
+        notes.append(f"data not found ({', '.join(absent)}): the plan is made from the config's buckets "
+                     f"({len(data.report.buckets)}, every size and frame count of [data]), the largest counted")
+    else:
+        data = dataset(cfg)
+        if verify:
+            data.verify_all()
+        if uses_epochs(cfg):
+            cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
+            check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
+        refuse(sequence_bucket_problems(cfg, data.report.buckets))
+        data.report.warnings.extend(config_warnings(cfg, given))  # an epoch-length run with an idle expert refuses
+        data.report.warnings.extend(data_warnings(data))
+    data.report.warnings[:0] = notes
     if cfg.lora.starts_from_files:  # rank and alpha of the lora.init_from* files (their headers; no model loads)
         lora, _ = resolve_init(cfg.lora, cfg.model)
         cfg = attrs.evolve(cfg, lora=lora)
     data.report.model_files = [f"problem: {line}" for line in missing] if missing else model_plan(cfg)
-    speed_plan(cfg, data, resolve_device(cfg.train.device))
+    speed_plan(cfg, data, planned_device(cfg.train.device))
     try:
         plan_memory(cfg, data, gpus=gpus)
     except UserError as exc:
-        if not missing:
+        if notes and device_note(cfg, machine) and str(exc).startswith("host memory:"):
+            # planned for the machine the run will have: this one's RAM is no refusal, but worth a line
+            data.report.warnings.append(f"on this machine: {exc}")
+        elif not missing:
             raise
-        raise MissingModelFiles(data.report, missing, also=str(exc)) from None  # the device plan stays in the report
+        else:
+            raise MissingModelFiles(data.report, missing, also=str(exc)) from None  # the device plan stays
     if missing:
         raise MissingModelFiles(data.report, missing)
     return data.report
@@ -125,80 +257,6 @@ def config_warnings(cfg: Any, given: Any) -> list[str]:
     return [line for line in found if line]
 
 
-def check_parallel(cfg: Any, world_size: int) -> list[str]:
-    """``model.parallel`` against this launch's ``world_size`` (``WORLD_SIZE``; 1 without torchrun): refused in one
-    line before anything is written, or the warnings a run logs. ``fsdp`` in one process trains unsharded (the
-    same arithmetic: a checkpoint of either resumes in the other); under torchrun the shard degree must divide the
-    ranks, and [validation] and [sample] are refused (each rank evaluates its own clips, rank 0 alone samples: a
-    sharded forward needs every rank in step)."""
-    model = cfg.model
-    check_sequence_launch(cfg, world_size)
-    if model.parallel != "fsdp":
-        return []
-    if world_size == 1:
-        return ["model.parallel = 'fsdp' in one process: nothing to shard, the run trains unsharded (launch it "
-                "with torchrun --nproc_per_node N to shard the weights over N GPUs)"]
-    groups = model.expert_groups
-    if groups > 1 and world_size % groups == 0:  # FSDP inside each expert group: the degree divides the group
-        size = world_size // groups
-        degree = model.shard_degree or size
-        if size % degree:
-            divisors = [d for d in range(1, size + 1) if size % d == 0]
-            raise UserError(f"model.shard_degree = {degree} does not divide the {size} ranks of an expert group "
-                            f"({world_size} ranks / model.expert_groups = {groups}); use one of "
-                            f"{', '.join(map(str, divisors))} (unset: all {size} of the group)")
-    degree = model.shard_degree or world_size
-    if groups <= 1 and world_size % degree:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise UserError(f"model.shard_degree = {degree} does not divide the {world_size} ranks of this launch; use "
-                        f"one of {', '.join(map(str, divisors))} (unset: all {world_size})")
-    _refuse_evaluation(cfg, "model.parallel = 'fsdp' under torchrun", "a sharded forward needs every rank in step")
-    return []
-
-
-def _refuse_evaluation(cfg: Any, layout: str, why: str) -> None:
-    """[validation] or [sample] enabled under ``layout``, which they do not run with yet: one line."""
-    for section in ("validation", "sample"):
-        if getattr(cfg, section).enabled:
-            raise UserError(f"[{section}] does not run with {layout} yet ({why}); set {section}.enabled = false, "
-                            "or evaluate the saved LoRA in a one-process run")
-
-
-def check_sequence_launch(cfg: Any, world_size: int) -> None:
-    """``model.sequence_degree`` against this launch's ``world_size`` (1 without torchrun): the degree must divide
-    the ranks, and [validation] and [sample] are refused (not built for sequence groups yet). One line, before
-    anything is written."""
-    degree = cfg.model.sequence_degree
-    if degree == 1:
-        return
-    if world_size == 1:
-        raise UserError(f"model.sequence_degree = {degree} splits each clip over {degree} GPUs and needs a torchrun "
-                        f"launch of a multiple of {degree} ranks (this run is one process); launch it with torchrun "
-                        f"--nproc_per_node {degree}, or set sequence_degree = 1")
-    if world_size % degree:
-        raise UserError(f"model.sequence_degree = {degree} does not divide the {world_size} ranks of this launch; "
-                        f"launch a multiple of {degree} ranks, or set sequence_degree to a divisor of {world_size}")
-    _refuse_evaluation(cfg, f"model.sequence_degree = {degree}",
-                       "the ranks of a sequence group would have to evaluate in step")
-
-
-def check_sequence_buckets(cfg: Any, buckets: Any) -> None:
-    """Every bucket's tokens per clip (latent frames x latent height x latent width over the patch) must split
-    evenly over ``model.sequence_degree`` GPUs: the first that does not is refused in one line, naming it."""
-    from wantrain.models.wan22.memory import tokens_of
-
-    degree = cfg.model.sequence_degree
-    if degree == 1:
-        return
-    spec = variant_spec(cfg.model.variant)
-    for row in buckets:
-        tokens = tokens_of(spec, row.width, row.height, row.frames, 1)
-        if tokens % degree:
-            raise UserError(f"bucket {row.width}x{row.height}x{row.frames} has {tokens} tokens per clip, which "
-                            f"model.sequence_degree = {degree} does not divide (each GPU takes an equal share); "
-                            "change data.resolutions or data.frames so every bucket's tokens divide, or the degree")
-
-
 def data_warnings(data: Any) -> list[str]:
     """One line when videos train as stills: shorter than every multi-frame bucket of their ``data.frames``, they
     fall to the 1-frame bucket (musubi's ``frames = [1, 25, 45]`` on clips of 14-22 frames) -- how many, their
@@ -235,17 +293,12 @@ def alpha_schedule_lines(cfg: Any) -> list[str]:
 
 
 def resolve_device(name: str) -> torch.device:
+    """``train.device`` as a device (``auto``: CUDA when this machine has it); its problems
+    (:func:`app.launch.device_problems`) refused."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(
-            f"config key 'train.device' = {name!r} is not a device; use 'auto', 'cpu' or 'cuda[:N]'"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("config key 'train.device' asks for CUDA but no CUDA GPU is available; use 'auto' or 'cpu'")
-    return device
+    refuse(device_problems(SimpleNamespace(train=SimpleNamespace(device=name)), Machine.here()))
+    return torch.device(name)
 
 
 def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
@@ -257,8 +310,9 @@ def fill_cache(cfg: Any) -> tuple[CacheStats, PreflightReport]:
     return ensure_cache(data, encoders, remove_orphans=False), data.report
 
 
-__all__ = ["NoUsableSample", "dataset", "describe_entries", "fill_cache", "plan_memory", "preflight_report",
-           "remove_entries", "resolve_device", "resolved_config"]
+__all__ = ["NoUsableSample", "check_parallel", "check_sequence_buckets", "dataset", "describe_entries",
+           "fill_cache", "parallel_notes", "plan_memory", "preflight_report", "remove_entries", "resolve_device",
+           "resolved_config"]
 
 
 def model_plan(cfg: Any) -> list[str]:
@@ -276,8 +330,9 @@ def model_plan(cfg: Any) -> list[str]:
 def speed_plan(cfg: Any, data: Any, device: torch.device) -> dict[str, Any]:
     """The attention kernel (``model.attention``) and the compile plan (``model.compile``) of a run on ``device``,
     into ``data.report.speed`` (``check`` prints its lines; the run's ``preflight.json``). A kernel whose package is
-    missing or that the device cannot run, or a compile the toolchain cannot do, is a one-line ``UserError`` here,
-    before the run directory exists. The compile cache is ``torch_compile/`` in the data's cache folder."""
+    missing or that the device cannot run, or a compile the toolchain cannot do, was reported by the pre-flight
+    (:func:`problems`) already; refused here too for a caller in code. The compile cache is ``torch_compile/`` in the
+    data's cache folder."""
     from wantrain.models.wan22.architecture import transformer_kwargs
     from wantrain.models.wan22.attention import check_kernel
     from wantrain.models.wan22.compile import CompilePlan, check_compiler

@@ -19,7 +19,7 @@ from typing import Any
 
 from wantrain.app.assemble import RunOutcome, prepare
 from wantrain.app.config import load_config
-from wantrain.app.lr_finder import check_lr_finder, run_lr_finder
+from wantrain.app.lr_finder import run_lr_finder
 from wantrain.app.signals import RunInterrupted
 from wantrain.core.trust import allowing_code
 
@@ -47,8 +47,6 @@ def train(config: Any, *, overrides: Sequence[str] = (), resume: str | Path | No
                 raise TypeError("overrides apply to a config file; pass a path, or change the RunConfig yourself")
             cfg = config
             config_file = None
-        if cfg.lr_finder.active:
-            check_lr_finder(cfg, resume)  # refusals of the config alone, before anything is prepared
         try:
             prepared = prepare(cfg, config_dir=config_dir, resume=resume, allow_data_changes=allow_data_changes,
                                config_file=config_file)

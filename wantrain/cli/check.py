@@ -1,8 +1,10 @@
 """``wantrain check CONFIG``: the pre-flight data report (buckets, skipped files, waste, steps, VRAM estimate).
 
-First the checks ``wantrain run`` makes before loading anything (model files, schedule, users' observers, the
-[validation]/[sample] sections), with the same one-line refusals and exit code 2. Probes and plans only (no
-decoding, no model loaded) unless ``--verify`` asks for every clip to be decoded.
+First the pre-flight ``wantrain run`` makes before loading anything (every capability's problems at once, one line
+each, exit code 2), then the files it reads (model files, users' observers, the [validation]/[sample] files). It
+plans for the machine the run will have: without the weights, without the data (from the config's buckets) and,
+for ``train.device = "cuda"``, on a machine without CUDA (``--vram-gb``: the card to plan for). Probes and plans only
+(no decoding, no model loaded) unless ``--verify`` asks for every clip to be decoded.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from wantrain.cli.common import add_config_arguments, load_run_config
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--vram-gb", type=float, default=None, metavar="GIB",
+                        help="plan for a card of this much usable memory (as model.vram_budget_gb: the planner picks "
+                        "block swap, activation offload and fp8 storage to fit it), e.g. the GPU you will rent")
     parser.add_argument("--verify", action="store_true",
                         help="decode every clip to verify frame counts (slow on large datasets)")
     layout = parser.add_argument_group("plan per GPU of a multi-GPU layout (docs/distributed.md)")
@@ -35,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     from wantrain.core.errors import UserError
 
     cfg = load_run_config(args)
+    if args.vram_gb is not None:  # the card to plan for, in place of the config's budget or settings
+        cfg = plan_for_card(cfg, args.vram_gb)
     layout = None
     if args.gpus is not None:  # refused first, before the data is probed
         from wantrain.app.preflight import check_parallel, planned_layout
@@ -59,14 +66,20 @@ def run(args: argparse.Namespace) -> int:
         _print_layout(cfg, exc.report, layout)
         raise UserError(str(exc)) from None
     _print(report, args.json)
-    from wantrain.app.preflight import check_sequence_buckets
-
-    check_sequence_buckets(cfg, report.buckets)  # model.sequence_degree: each bucket's tokens split evenly
     for line in alpha_schedule_lines(cfg):
         print(line)
     _print_placement(cfg, args.gpus)
     _print_layout(cfg, report, layout)
     return 0
+
+
+def plan_for_card(cfg, gib: float):
+    """``--vram-gb``: the config with ``model.vram_budget_gb = gib`` (the planner then chooses the block swap and
+    activation offload the config set, which a budget replaces)."""
+    import attrs
+
+    model = attrs.evolve(cfg.model, vram_budget_gb=gib, blocks_to_swap=0, offload_activations=False)
+    return attrs.evolve(cfg, model=model)
 
 
 def _print_placement(cfg, gpus) -> None:

@@ -16,6 +16,7 @@ import sys
 
 from wantrain.core.atomic import StorageError
 from wantrain.core.errors import UserError
+from wantrain.core.problems import Refused
 from wantrain.core.trust import allowing_code
 from wantrain.core.version import __version__
 
@@ -78,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what the shell reports for a tool killed by a closed pipe
-    except UserError as exc:
-        print(f"wantrain {args.command}: error: {exc}", file=sys.stderr)
+    except UserError as exc:  # several problems of one pass (core.problems.Refused): one line each, by section
+        lines = exc.lines() if isinstance(exc, Refused) else [str(exc)]
+        print(f"wantrain {args.command}: error: {lines[0]}", *lines[1:], sep="\n", file=sys.stderr)
         return FAILED if isinstance(exc, StorageError) else exc.exit_code  # RankFailed: 1
     except KeyboardInterrupt as exc:  # a run's abort says what it saved (wantrain.app.signals.describe_abort)
         print(f"wantrain {args.command}: {exc or 'aborted (Ctrl-C)'}", file=sys.stderr)

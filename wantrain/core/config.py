@@ -30,13 +30,14 @@ import difflib
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 
 from wantrain.core.errors import ConfigError
+from wantrain.core.problems import Problem, Refused, collecting
 
 _DOC = "wantrain_doc"
 _RANGE = "wantrain_range"
@@ -315,6 +316,7 @@ class _Structurer:
         # asked before the did-you-mean
         self.hint = hint
         self.errors: list[str] = []  # every problem of the document, in its order (one report: :func:`structure`)
+        self.error_keys: list[str] = []  # the key (or table) of each of them, for its section in the report
         self.index: dict[str, list[str]] = {}
         self._index(root, "")
 
@@ -380,31 +382,58 @@ class _Structurer:
                 extras[key] = value  # the section validates these itself (e.g. an external class's arguments)
                 continue
             if f is None:
-                self.errors.append(str(self.unknown_key(cls, key, path, value)))
+                self.fail(f"{path}.{key}" if path else key, str(self.unknown_key(cls, key, path, value)))
                 continue
             key_path = f"{path}.{key}" if path else key
             if f.name in kwargs:
-                self.errors.append(f"config key '{key_path}' is given twice (once under another accepted name)")
+                self.fail(key_path, f"config key '{key_path}' is given twice (once under another accepted name)")
                 continue
+            before = len(self.errors)
             try:
                 kwargs[f.name] = self.value(hints[f.name], value, key_path, f)
                 problem = f.validator.problem(kwargs[f.name]) if isinstance(f.validator, _Checks) else None
                 if problem is not None:  # its range, choices or rule: found here too, beside the other problems
                     raise InvalidValue(section_key(cls), f.name, *problem).at(key_path)
             except ConfigError as exc:  # every key is read: the report names each problem at once
-                self.errors.append(str(exc))
-        if self.errors:  # a section is built only from a document without problems (a default in place of a bad
-            return None  # value would make the rules across keys report what is not there)
+                self.fail(key_path, str(exc))
+            if len(self.errors) > before and (not attrs.has(type(kwargs.get(f.name))) or f.name not in kwargs):
+                # the key is wrong (or its table could not be built): the section takes its default; a table built
+                # from its valid keys stays (its wrong keys are named, and the rules reading them dropped)
+                kwargs.pop(f.name, None)
+                self.error_keys[before:] = [k if k.startswith(key_path) else key_path for k in self.error_keys[before:]]
         if extra_field is not None:
             kwargs[extra_field] = {**kwargs.get(extra_field, {}), **extras}
+        if self.errors:
+            # a document with problems: the section is built from its valid keys (defaults for the others) so that
+            # the rules across keys report too; a rule reading a wrong key is dropped (:func:`structure`)
+            try:
+                return cls(**kwargs)
+            except Exception:  # noqa: BLE001 -- a rule that raises, not states problems: the key problems report
+                self.fail(path, "")
+                return None
         try:
             return cls(**kwargs)
         except InvalidValue as exc:  # a key's own check (its attrs validator): name it by its path here
-            raise exc.at(f"{path}.{exc.field}" if path else exc.field) from None
-        except ConfigError:
-            raise
+            problem = exc.at(f"{path}.{exc.field}" if path else exc.field)
+        except ConfigError as exc:
+            problem = exc
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"[{path or 'config'}]: {exc}") from None
+            problem = ConfigError(f"[{path or 'config'}]: {exc}")
+        if not path:
+            raise problem
+        self.fail(path, str(problem))  # a section that refuses itself: the others are still read and judged
+        return None
+
+    def fail(self, key: str, message: str) -> None:
+        """Record one problem of the document at ``key`` (an empty message marks ``key`` as unreliable only)."""
+        self.errors.append(message)
+        self.error_keys.append(key)
+
+    def reads_wrong_key(self, problem: Any) -> bool:
+        """Whether ``problem`` (a rule across keys) reads a key the document got wrong (its default stood in)."""
+        wrong = [k for k in self.error_keys if k]
+        return any(k == w or k.startswith(w + ".") or w.startswith(k + ".") for k in problem.keys for w in wrong) \
+            or "" in self.error_keys
 
     def value(self, tp: Any, value: Any, path: str, f: attrs.Attribute | None = None) -> Any:
         origin = typing.get_origin(tp)
@@ -486,20 +515,25 @@ class _Structurer:
 
 
 def structure(root: type, data: Mapping[str, Any],
-              hint: typing.Callable[[str, Any], str | None] | None = None, found: typing.Sequence[str] = ()) -> Any:
-    """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line).
-    ``hint(key, value)`` names an unknown key's meaning when it knows it (another trainer's name for a key), before
-    any did-you-mean, and a choice's value that another trainer spells so (``timestep_sampling = "shift"``).
-    Every unknown key, wrong type and out-of-range value of the document is reported at once (one line each,
-    :func:`_collected`); a rule across keys is checked once each key is valid. ``found``: problems the caller found
-    before (a peer's key in an argument table), reported first, in the same report."""
+              hint: typing.Callable[[str, Any], str | None] | None = None, *, found: Sequence[Problem] = ()) -> Any:
+    """Build the section ``root`` from a parsed TOML document; raises :class:`ConfigError` (one line; a
+    :class:`~wantrain.core.problems.Refused` carrying each problem). ``hint(key, value)`` names an unknown key's
+    meaning when it knows it (another trainer's name for a key), before any did-you-mean, and a choice's value that
+    another trainer spells so (``timestep_sampling = "shift"``). Every unknown key, wrong type and out-of-range
+    value of the document is reported at once, with the problems ``found`` before (peer keys the caller knows) and
+    those of the rules across keys (each section's :func:`~wantrain.core.problems.refuse`) that read only valid
+    keys: a rule reading a wrong key would judge its default instead."""
     walker = _Structurer(root, hint)
-    walker.errors.extend(found)
-    try:
-        built = walker.structure(root, data, "")
-    except ConfigError as exc:
-        walker.errors.append(str(exc))
-    _collected(walker.errors)
+    with collecting() as rules:
+        try:
+            built = walker.structure(root, data, "")
+        except ConfigError as exc:
+            walker.fail("", str(exc))
+    problems = [*found, *(Problem(keys=(key,) if key else (), what=message)
+                          for key, message in zip(walker.error_keys, walker.errors, strict=True) if message),
+                *(p for p in rules if not walker.reads_wrong_key(p))]
+    if problems:
+        raise Refused(problems)
     return built
 
 
@@ -511,11 +545,9 @@ def key_places(root: type) -> dict[str, list[str]]:
 
 def _collected(errors: list[str]) -> None:
     """Raise the problems found: one as its line, several as a count and a line each."""
-    if len(errors) == 1:
-        raise ConfigError(errors[0])
-    if errors:
-        raise ConfigError(f"{len(errors)} problems in the config, all of them: "
-                          + "; ".join(f"({i}) {e}" for i, e in enumerate(errors, 1)))
+    messages = [e for e in errors if e]
+    if messages:
+        raise Refused(Problem(keys=(), what=e) for e in messages)
 
 
 def check_value(owner: type, name: str, value: Any, path: str) -> Any:

@@ -14,10 +14,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import structlog
 
 from wantrain.core.errors import UserError
+from wantrain.core.problems import Problem, Rule, refuse
 from wantrain.data import cache as cachelib
 from wantrain.data.captions import caption_texts, split_variants
 from wantrain.data.clips import Clip
@@ -34,7 +36,7 @@ from wantrain.data.plan import (
     size_buckets,
 )
 from wantrain.data.prepare import PREPARE_DIRNAME
-from wantrain.data.report import PreflightReport, display_path
+from wantrain.data.report import BucketRow, PreflightReport, display_path
 from wantrain.data.training import TrainingData
 
 log = structlog.get_logger("wantrain.data")
@@ -107,6 +109,34 @@ class NoUsableSample(UserError):
         self.report = report
 
 
+DATA_RULES = (
+    I2V_SINGLE_FRAME := Rule("i2v-single-frame-bucket", ("data.frames", "model.variant"),
+                             "a 1-frame bucket for an image-to-video variant",
+                             ("data.frames containing 1", "model.variant = an i2v variant")),
+)
+
+
+def frame_bucket_problems(cfg: DataConfig, spec: Any) -> list[Problem]:
+    """Every dataset's frame buckets against the variant ``spec`` (a ``VariantSpec``): no 1-frame bucket for a
+    variant conditioned on a clip's first frame. From the config alone."""
+    out: list[Problem] = []
+    for ds in cfg.dataset_list():
+        r = cfg.resolved(ds)
+        for p in _frame_problems(sorted(set(r.frames or [spec.default_frames])), spec):
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def _frame_problems(frame_buckets: list[int], spec: Any) -> list[Problem]:
+    out = []  # counts of Wan's 4k+1 form: data.frames refuses others itself (every variant's frame multiple is 4)
+    if spec.conditioning == "i2v" and 1 in frame_buckets:
+        out.append(I2V_SINGLE_FRAME.problem(
+            f"frame bucket 1 in 'data.frames' does not suit {spec.name}: it conditions on a clip's first frame, so a "
+            f"clip needs more than one; use 5, 9, ..., {spec.default_frames}", ""))
+    return out
+
+
 def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, warn_skipped: bool = True,
                   ) -> TrainingData:
     """Scan, probe and bucket every dataset of ``cfg`` for the variant ``spec`` (a ``VariantSpec``). Skipped files
@@ -136,13 +166,7 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
         default_side = round(math.sqrt(spec.default_resolution[0] * spec.default_resolution[1]))
         sides = sorted(set(r.resolutions or [default_side]))
         frame_buckets = sorted(set(r.frames or [spec.default_frames]))
-        bad = [f for f in frame_buckets if (f - 1) % spec.frame_multiple]
-        if bad:
-            raise UserError(f"frame bucket {bad[0]} in 'data.frames' does not suit {spec.name}: frame counts must be "
-                            f"{spec.frame_multiple}k+1")
-        if spec.conditioning == "i2v" and 1 in frame_buckets:
-            raise UserError(f"frame bucket 1 in 'data.frames' does not suit {spec.name}: it conditions on a clip's "
-                            f"first frame, so a clip needs more than one; use 5, 9, ..., {spec.default_frames}")
+        refuse(_frame_problems(frame_buckets, spec))  # app.preflight asked these before: a guard for callers in code
         sizes = {s: size_buckets(s, cfg.aspect_ratios, spec.spatial_multiple) for s in sides}
         home = r.path.parent if r.metadata else r.path  # a metadata dataset's cache sits next to its file
         cache_dir = (cfg.cache_dir or (home / cachelib.CACHE_DIRNAME)).resolve()
@@ -259,6 +283,45 @@ def build_dataset(cfg: DataConfig, *, spec: Any, seed: int, batch_size: int, war
                                    if report.source_frames_total else 0.0)
     return TrainingData(clips, report, batch_size=batch_size, remainder=cfg.remainder, shuffle=cfg.shuffle,
                         seed=seed, spec=spec)
+
+
+def missing_data(cfg: DataConfig) -> list[str]:
+    """The data folders and metadata files the config names that are not there (the placeholder of a shipped
+    example, ``/path/to/dataset``, or a dataset still to be copied), one each; empty when every one is there."""
+    out = []
+    for ds in cfg.dataset_list():
+        r = cfg.resolved(ds)
+        if not (r.path.is_file() if r.metadata else r.path.is_dir()):
+            out.append(str(r.path))
+    return out
+
+
+@attrs.frozen
+class PlannedData:
+    """The data as the config describes it, for a plan without the media (``wantrain check`` before the dataset is
+    there): no clips; the report's buckets are every bucket the config's sizes and frame counts make."""
+
+    report: PreflightReport
+    clips: tuple = ()
+
+
+def planned_data(cfg: DataConfig, *, spec: Any, batch_size: int) -> PlannedData:
+    """Every bucket of ``cfg`` for the variant ``spec`` (each dataset's area budgets x aspect ratios x frame counts,
+    or the variant's defaults), with no clip in any: what the memory plan needs when the media are not there."""
+    target_fps = None if cfg.retime == "off" else float(cfg.fps or spec.target_fps)
+    report = PreflightReport(variant=spec.name, target_fps=target_fps, retime=cfg.retime, batch_size=batch_size,
+                             remainder_policy=cfg.remainder)
+    seen = set()
+    for ds in cfg.dataset_list():
+        r = cfg.resolved(ds)
+        default_side = round(math.sqrt(spec.default_resolution[0] * spec.default_resolution[1]))
+        for side in sorted(set(r.resolutions or [default_side])):
+            for size in size_buckets(side, cfg.aspect_ratios, spec.spatial_multiple):
+                for frames in sorted(set(r.frames or [spec.default_frames])):
+                    if (size.width, size.height, frames) not in seen:
+                        seen.add((size.width, size.height, frames))
+                        report.buckets.append(BucketRow(size.width, size.height, frames, 0, 0, 0, 0))
+    return PlannedData(report)
 
 
 def _reason_kind(reason: str) -> str:

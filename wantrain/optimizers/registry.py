@@ -15,6 +15,8 @@ from typing import Any
 
 import attrs
 
+from wantrain.core.problems import Problem, Rule
+
 COMMON_KEYS = ("lr", "weight_decay", "beta1", "beta2", "eps")
 _ADAM_DEFAULTS = {"lr": 1e-4, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
 
@@ -137,3 +139,56 @@ def check_lr_multiplier(type_name: str, key: str, value: float | None) -> None:
             f"{value:g} would make the effective LR {ratio} than it chooses; remove {key} or set it within "
             f"{low:g} to {high:g}"
         )
+
+
+OPTIMIZER_RULES = (
+    EXPERT_LR := Rule("expert-lr-multiplier", ("model.lr_high_noise", "model.lr_low_noise", "optimizer.type"),
+                      "a per-expert LR that the optimizer type refuses (as optimizer.lr)"),
+    PRESERVE_OUTPUT := Rule("preserve-output-optimizer-state",
+                            ("lora.alpha_schedule.transition", "optimizer.type", "optimizer.class"),
+                            "an optimizer whose state an alpha change cannot carry",
+                            ("lora.alpha_schedule (preserve_output)", "optimizer.type = prodigy / unmapped")),
+    LR_FINDER_ADAPTIVE := Rule("lr-finder-adaptive-optimizer", ("lr_finder.enabled", "optimizer.type"),
+                               "the LR finder with an optimizer that sets its own step size",
+                               ("LR finder", "optimizer.type = prodigy")),
+)
+
+
+def optimizer_problems(cfg: Any) -> list[Problem]:
+    """The optimizer against the rest of the run config ``cfg``: the per-expert learning rates (they multiply an
+    adaptive optimizer's estimate too), and an alpha schedule's ``preserve_output`` transition, which rescales the
+    optimizer's moments and so needs a state it knows (``core.optim_state.STATE_MAPS``); the LR finder sweeps a
+    learning rate, which an adaptive optimizer's ``lr`` (a multiplier of its own estimate) is not."""
+    out = []
+    for key in ("lr_high_noise", "lr_low_noise"):
+        try:
+            check_lr_multiplier(cfg.optimizer.type, f"model.{key}", getattr(cfg.model, key))
+        except ValueError as exc:
+            out.append(EXPERT_LR.problem(str(exc), keys=(f"model.{key}", "optimizer.type")))
+    spec = TYPES.get(cfg.optimizer.type)
+    if cfg.lr_finder.active and spec is not None and spec.adaptive_lr:  # its lr is no step size to sweep
+        out.append(LR_FINDER_ADAPTIVE.problem(
+            f"the LR finder sweeps the learning rate, but optimizer.type = {cfg.optimizer.type!r} estimates its own "
+            "step size (its lr is a multiplier); run the finder with optimizer.type = 'adamw', or train without it",
+            ""))
+    schedule = cfg.lora.alpha_schedule
+    if cfg.lora.schedule_enabled and schedule.transition == "preserve_output":
+        from wantrain.core.optim_state import STATE_MAPS
+
+        if cfg.optimizer.type == EXTERNAL:
+            import torch
+
+            cls = cfg.optimizer.optimizer_class()
+            known = issubclass(cls, torch.optim.Adam | torch.optim.AdamW | torch.optim.SGD)
+            what = f"optimizer.class = {cfg.optimizer.class_path!r}"
+        else:
+            known = TYPES[cfg.optimizer.type].state_kind in STATE_MAPS
+            what = f"optimizer.type = {cfg.optimizer.type!r}"
+        if not known:
+            why = (" (Prodigy's step size d is one estimate over A and B together)" if cfg.optimizer.type == "prodigy"
+                   else "")
+            mapped = ", ".join(name for name, spec in TYPES.items() if spec.state_kind in STATE_MAPS)
+            out.append(PRESERVE_OUTPUT.problem(
+                f"lora.alpha_schedule.transition = 'preserve_output' cannot carry the state of {what} across an "
+                f"alpha change{why}; use transition = 'jump' or optimizer.type = one of {mapped}"))
+    return out

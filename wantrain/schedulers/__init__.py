@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from wantrain.core.errors import ConfigError
+from wantrain.core.problems import Problem, Rule
 from wantrain.schedulers.closed_form import ClosedFormScheduler, lr_at
 from wantrain.schedulers.config import SchedulerConfig, warmup_steps_for
 
@@ -45,6 +47,21 @@ def check_scheduler(cfg: SchedulerConfig, total_steps: int) -> None:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")  # train.max_steps is >= 1: a bug
     if cfg.type != "external":
         warmup_steps_for(cfg, total_steps)
+
+
+SCHEDULER_RULES = (
+    WARMUP_FITS := Rule("warmup-fits-run", ("lr_scheduler.warmup_steps", "train.max_steps"),
+                        "an integer warmup as long as the run"),
+)
+
+
+def scheduler_problems(cfg: SchedulerConfig, total_steps: int) -> list[Problem]:
+    """What :func:`check_scheduler` refuses, as problems (``app.preflight`` asks it with the others)."""
+    try:
+        check_scheduler(cfg, total_steps)
+    except ConfigError as exc:
+        return [WARMUP_FITS.problem(str(exc))]
+    return []
 
 
 def build_scheduler(cfg: SchedulerConfig, optimizer: Any, *, total_steps: int) -> Scheduler:

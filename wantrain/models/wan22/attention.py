@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
+from wantrain.core.problems import Problem, Rule, refuse
 
 
 @attrs.frozen
@@ -53,22 +54,42 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def check_kernel(name: str, device: torch.device, compute_dtype: torch.dtype | None = None) -> Kernel:
-    """The kernel ``model.attention = name`` runs on ``device``; ``UserError`` (one line naming the key) when its
-    package is missing, the device cannot run it, or (``compute_dtype`` given) it cannot compute in that dtype."""
+KERNEL_RULES = (
+    KERNEL_PACKAGE := Rule("attention-kernel-package", ("model.attention",), "a kernel whose package is missing"),
+    KERNEL_CUDA_ONLY := Rule("attention-kernel-cuda-only", ("model.attention", "train.device"),
+                             "a CUDA-only kernel on another device", ("model.attention = flash / xformers",
+                                                                      "train.device = cpu")),
+    FLASH_DTYPE := Rule("flash-dtype", ("model.attention", "model.base_dtype"), "flash attention computing in fp32",
+                        ("model.attention = flash", "model.base_dtype = fp32")),
+)
+
+
+def kernel_problems(name: str, device: torch.device, compute_dtype: torch.dtype | None = None) -> list[Problem]:
+    """What keeps ``model.attention = name`` from running on ``device``: its package missing, the device unable to
+    run it, or (``compute_dtype`` given) a dtype it cannot compute in."""
     kernel = KERNELS.get(name)
-    if kernel is None:  # 'sage' and anything else the config lets through by mistake
-        raise UserError(f"model.attention = {name!r} cannot train; use one of {', '.join(KERNELS)}")
+    if kernel is None:  # the config's choices and its 'sage' rule let no other name through: a bug
+        raise ValueError(f"model.attention = {name!r} is no kernel ({', '.join(KERNELS)})")
+    out = []
     if kernel.package is not None and not _importable(kernel.package):
-        raise UserError(f"model.attention = {name!r} needs the {kernel.install!r} package, which is not installed; "
-                        f"pip install {kernel.install}, or use model.attention = 'sdpa'")
+        out.append(KERNEL_PACKAGE.problem(f"model.attention = {name!r} needs the {kernel.install!r} package, which "
+                                          f"is not installed; pip install {kernel.install}, or use model.attention "
+                                          "= 'sdpa'"))
     if kernel.cuda_only and torch.device(device).type != "cuda":
-        raise UserError(f"model.attention = {name!r} runs on CUDA only (training device is "
-                        f"{torch.device(device).type}); use model.attention = 'sdpa'")
+        out.append(KERNEL_CUDA_ONLY.problem(f"model.attention = {name!r} runs on CUDA only (training device is "
+                                            f"{torch.device(device).type}); use model.attention = 'sdpa'"))
     if name == "flash" and compute_dtype is not None and compute_dtype not in (torch.bfloat16, torch.float16):
-        raise UserError(f"model.attention = 'flash' computes in bf16 or fp16 only (this run computes in "
-                        f"{str(compute_dtype)[6:]}); set model.base_dtype = 'bf16' or use model.attention = 'sdpa'")
-    return kernel
+        out.append(FLASH_DTYPE.problem(f"model.attention = 'flash' computes in bf16 or fp16 only (this run computes "
+                                       f"in {str(compute_dtype)[6:]}); set model.base_dtype = 'bf16' or use "
+                                       "model.attention = 'sdpa'"))
+    return out
+
+
+def check_kernel(name: str, device: torch.device, compute_dtype: torch.dtype | None = None) -> Kernel:
+    """The kernel ``model.attention = name`` runs on ``device``; the problems of :func:`kernel_problems` refused
+    (one line each)."""
+    refuse(kernel_problems(name, device, compute_dtype))
+    return KERNELS[name]
 
 
 def use_kernel(transformer: nn.Module, kernel: Kernel) -> None:

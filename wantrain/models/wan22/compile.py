@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
+from wantrain.core.problems import Problem, Rule, refuse
 
 # dynamo's per-function graph limit (8 by default): grad on/off (training, validation), block 0's input without
 # grad, static then dynamic shapes, the i2v/t2v forms, ... stay well under it; past it torch falls back to eager.
@@ -212,21 +213,33 @@ def _one_line(mode: str, exc: BaseException) -> str:
             f"{first[:200]}); set model.compile = 'off' to train without it")
 
 
-def check_compiler(mode: str, device: torch.device) -> None:
-    """Refuse, in one line naming ``model.compile``, a compile the device's toolchain cannot do: inductor needs
-    Triton on CUDA and a C++ compiler on the CPU."""
+COMPILE_RULES = (
+    COMPILER_MISSING := Rule("compiler-missing", ("model.compile", "train.device"),
+                             "a compile the device's toolchain cannot do (Triton on CUDA, a C++ compiler on the CPU)"),
+)
+
+
+def compiler_problems(mode: str, device: torch.device) -> list[Problem]:
+    """A compile the device's toolchain cannot do: inductor needs Triton on CUDA and a C++ compiler on the CPU."""
     import importlib.util
     import shutil
 
     if mode == "off" or BACKEND != "inductor":
-        return
+        return []
     if torch.device(device).type == "cuda":
         if importlib.util.find_spec("triton") is None:
-            raise UserError(f"model.compile = {mode!r} on CUDA needs the 'triton' package (inductor's GPU code "
-                            "generator), which is not installed; pip install triton, or set model.compile = 'off'")
+            return [COMPILER_MISSING.problem(
+                f"model.compile = {mode!r} on CUDA needs the 'triton' package (inductor's GPU code generator), which "
+                "is not installed; pip install triton, or set model.compile = 'off'")]
     elif not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
-        raise UserError(f"model.compile = {mode!r} on the CPU needs a C++ compiler (g++ or clang++) on PATH; "
-                        "install one, or set model.compile = 'off'")
+        return [COMPILER_MISSING.problem(f"model.compile = {mode!r} on the CPU needs a C++ compiler (g++ or clang++) "
+                                         "on PATH; install one, or set model.compile = 'off'")]
+    return []
+
+
+def check_compiler(mode: str, device: torch.device) -> None:
+    """Refuse, in one line naming ``model.compile``, what :func:`compiler_problems` finds."""
+    refuse(compiler_problems(mode, device))
 
 
 def is_compiled(block: nn.Module) -> bool:

@@ -3,10 +3,11 @@ docs/alpha_schedule.md). The root schema (``wantrain.app.config``) puts it in th
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.core.problems import Problem, Rule
 
 ALPHA_PRESETS: dict[str, dict[str, float | int | None]] = {
     # Derived in docs/alpha_schedule.md ("Presets"): a LoRA's loss still falls ~0.5-1 % per 100 steps well into a
@@ -171,3 +172,56 @@ class AlphaScheduleConfig:
         """``window`` or ``min_samples`` as set, else the preset's."""
         value = getattr(self, key)
         return int(ALPHA_PRESETS[self.preset][key] if value is None else value)
+
+
+ALPHA_RULES = (
+    ALPHA_VS_FIRST_PHASE := Rule("alpha-vs-first-phase", ("lora.alpha", "lora.alpha_schedule"),
+                                 "lora.alpha unlike the schedule's first phase"),
+    VALIDATION_SIGNAL := Rule("validation-signal", ("lora.alpha_schedule.signal", "validation.enabled",
+                                                    "validation.timesteps", "model.experts"),
+                              "signal = 'validation' without a validation loss of every trained expert",
+                              ("lora.alpha_schedule (signal = validation)", "validation.enabled = false")),
+    ALPHA_EXPERT_GROUPS := Rule("alpha-expert-groups", ("model.expert_groups", "lora.alpha_schedule"),
+                                "an alpha schedule with expert groups",
+                                ("model.expert_groups > 1", "lora.alpha_schedule")),
+)
+
+
+def alpha_schedule_problems(cfg: Any) -> list[Problem]:
+    """An enabled ``[lora.alpha_schedule]`` against the rest of the run config ``cfg``: its first phase sets the
+    alpha, a validation signal needs validation losses of every trained expert, and one expert per group of GPUs
+    would let the low-noise group's controller decide where rank 0's event log never sees it."""
+    if not cfg.lora.schedule_enabled:
+        return []
+    schedule, out = cfg.lora.alpha_schedule, []
+    first = schedule.phases[0]
+    if cfg.lora.alpha is not None and cfg.lora.alpha != first.alpha:
+        out.append(ALPHA_VS_FIRST_PHASE.problem(
+            f"lora.alpha = {cfg.lora.alpha:g} conflicts with lora.alpha_schedule: its first phase ({first.name!r}) "
+            f"sets alpha {first.alpha:g} from the first step; remove lora.alpha or make the two equal"))
+    if schedule.signal == "validation":
+        out.extend(_validation_signal_problems(cfg))
+    if cfg.model.expert_groups > 1:
+        out.append(ALPHA_EXPERT_GROUPS.problem(
+            f"model.expert_groups = {cfg.model.expert_groups} does not run with lora.alpha_schedule (each group holds "
+            "one expert; the sweep and the alpha decisions run on one rank): turn lora.alpha_schedule off, or set "
+            "model.expert_groups = 1", ""))
+    return out
+
+
+def _validation_signal_problems(cfg: Any) -> list[Problem]:
+    if not cfg.validation.enabled:
+        return [VALIDATION_SIGNAL.problem(
+            "lora.alpha_schedule.signal = 'validation' needs the validation loss, but [validation] is not enabled; "
+            "set validation.enabled = true (with validation.path or validation.from_training) or use signal = 'train'")]
+    boundary = cfg.model.boundary_ratio
+    if boundary is None:
+        return []
+    owned = {"high_noise" if t >= boundary else "low_noise" for t in cfg.validation.timesteps}
+    missing = [e for e in cfg.model.trained_experts if e not in owned]
+    if not missing:
+        return []
+    return [VALIDATION_SIGNAL.problem(
+        f"lora.alpha_schedule.signal = 'validation': validation.timesteps = {list(cfg.validation.timesteps)} has no "
+        f"timestep of the {missing[0]} expert (high_noise owns t >= {boundary:g}), so its phase could never end; add "
+        "one to validation.timesteps")]

@@ -14,6 +14,7 @@ import attrs
 
 from wantrain.core.config import at_least, between, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.core.problems import Problem, Rule
 
 DEFAULT_TIMESTEPS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -303,3 +304,22 @@ def _check_lora_file(path: Path, expert: str) -> None:
     if meta.get("expert") not in (None, expert):
         raise ConfigError(f"config key '{key}' = '{path}' is a LoRA of the {meta['expert']} expert (its metadata "
                           f"says so); the expert this run does not train is {expert}: give its file")
+
+
+EVALUATION_RULES = (
+    OTHER_EXPERT_WITH_GROUPS := Rule("other-expert-lora-expert-groups", ("sample.other_expert_lora",
+                                                                         "model.expert_groups"),
+                                     "sample.other_expert_lora with expert groups",
+                                     ("model.expert_groups > 1", "sample.other_expert_lora")),
+)
+
+
+def evaluation_problems(cfg: Any) -> list[Problem]:
+    """[validation] and [sample] against the rest of the run config: with one expert per group of GPUs the other
+    group trains the expert ``sample.other_expert_lora`` would load into."""
+    if cfg.model.expert_groups > 1 and cfg.sample.enabled and cfg.sample.other_expert_lora is not None:
+        return [OTHER_EXPERT_WITH_GROUPS.problem(
+            f"config key 'sample.other_expert_lora' does nothing with model.expert_groups = {cfg.model.expert_groups}:"
+            " the other group trains that expert and samples with it; remove the key, or set model.expert_groups = 1",
+            "")]
+    return []

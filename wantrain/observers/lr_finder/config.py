@@ -2,18 +2,19 @@
 
 ``wantrain run CONFIG --lr-finder`` sets ``enabled = true``; the other flags set the keys of the same names. Checked
 when the config is loaded (one line naming the key): a start LR not below the end LR, a burn-in as long as the sweep;
-a run id too long for the ``__lr_finder`` suffix (:func:`check_run_id`, called by ``RunConfig``). Warned about at
-the same time: ``mode = "linear"`` over more than a decade.
+a run id too long for the ``__lr_finder`` suffix (:func:`lr_finder_problems`, asked by ``app.preflight``). Warned
+about at the same time: ``mode = "linear"`` over more than a decade.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from wantrain.core.config import above, at_least, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.core.problems import Problem, Rule
 from wantrain.core.rundir import SAFE_NAME_RULE, is_safe_name
 
 SUGGESTION_METHODS = ("valley", "steepest", "minimum")
@@ -100,11 +101,30 @@ class LrFinderConfig:
         return self.enabled or self.then_train
 
 
-def check_run_id(run_id: str | None) -> None:
-    """Refuse (one line) a ``run.run_id`` that is valid alone but not with the sweep's ``__lr_finder`` suffix: the
-    run directory's name part must be a safe name (``core.rundir``: at most ``NAME_MAX`` = 100 characters), so the
-    id may have at most ``100 - len("__lr_finder")`` = 89. Called when the config is read, with the finder on."""
+LR_FINDER_RULES = (
+    LR_FINDER_RUN_ID := Rule("lr-finder-run-id", ("run.run_id", "lr_finder.enabled"),
+                             "a run id too long for the sweep's suffix"),
+    LR_FINDER_EXPERT_GROUPS := Rule("lr-finder-expert-groups", ("model.expert_groups", "lr_finder.enabled"),
+                                    "the LR finder with expert groups", ("model.expert_groups > 1", "LR finder")),
+)
+
+
+def lr_finder_problems(cfg: Any) -> list[Problem]:
+    """The LR finder (``lr_finder.enabled`` / ``then_train`` or ``--lr-finder``) against the run config: its
+    run directory's suffix must fit the run id, and it sweeps the experts one after the other on every rank, which
+    one expert per group of GPUs has nothing to do with."""
+    if not cfg.lr_finder.active:
+        return []
+    out = []
+    run_id = cfg.run.run_id
     if run_id is not None and is_safe_name(run_id) and not is_safe_name(f"{run_id}__{RUN_ID_SUFFIX}"):
         room = NAME_MAX - len(f"__{RUN_ID_SUFFIX}")
-        raise ConfigError(f"run.run_id is {len(run_id)} characters: with the LR finder's '__{RUN_ID_SUFFIX}' suffix "
-                          f"the run directory name breaks the rule ({SAFE_NAME_RULE}); use at most {room} characters")
+        out.append(LR_FINDER_RUN_ID.problem(
+            f"run.run_id is {len(run_id)} characters: with the LR finder's '__{RUN_ID_SUFFIX}' suffix the run "
+            f"directory name breaks the rule ({SAFE_NAME_RULE}); use at most {room} characters"))
+    if cfg.model.expert_groups > 1:
+        out.append(LR_FINDER_EXPERT_GROUPS.problem(
+            f"model.expert_groups = {cfg.model.expert_groups} does not run with lr_finder (each group holds one "
+            "expert; the sweep and the alpha decisions run on one rank): turn lr_finder off, or set "
+            "model.expert_groups = 1", ""))
+    return out

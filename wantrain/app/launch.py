@@ -1,0 +1,167 @@
+"""The refusals of a launch: ``train.device`` against this machine, and each parallel layout (``model.parallel``
+/ ``shard_degree``, ``model.sequence_degree``, ``model.expert_groups``) against the ranks of the launch, with what
+evaluation cannot run under it. Each is a ``problems(cfg, machine)`` function (``core.problems``) that
+``app.preflight`` asks with the others, once, before anything is loaded or written; the layouts themselves are
+applied in ``app.assemble`` (``shard_experts``, ``split_sequences``) over the core's distributed modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from wantrain.core.problems import Machine, Problem, Rule, refuse
+
+LAUNCH_RULES = (
+    DEVICE_NAME := Rule("device-name", ("train.device",), "a train.device that is not a device"),
+    NO_CUDA := Rule("device-no-cuda", ("train.device",), "train.device = 'cuda' on a machine without a CUDA GPU"),
+    SHARD_DIVIDES := Rule("shard-degree-divides", ("model.shard_degree", "model.parallel", "model.expert_groups"),
+                          "a shard degree that does not divide the ranks (of an expert group)"),
+    SEQUENCE_LAUNCH := Rule("sequence-degree-launch", ("model.sequence_degree",),
+                            "a sequence degree that one process or the ranks cannot split"),
+    GROUPS_LAUNCH := Rule("expert-groups-launch", ("model.expert_groups",),
+                          "expert groups that the launch's processes cannot split"),
+    EVALUATION_LAYOUT := Rule("evaluation-under-layout",
+                              ("validation.enabled", "sample.enabled", "model.parallel", "model.sequence_degree"),
+                              "[validation] or [sample] under torchrun fsdp or a sequence degree",
+                              ("[validation] / [sample]", "model.parallel = fsdp or sequence_degree > 1 (torchrun)")),
+    LR_FINDER_RESUME := Rule("lr-finder-resume", ("lr_finder.enabled",), "the LR finder with --resume",
+                             ("LR finder", "--resume")),
+    SEQUENCE_BUCKETS := Rule("sequence-degree-buckets", ("model.sequence_degree", "data.resolutions", "data.frames"),
+                             "a bucket whose tokens the sequence degree does not divide"),
+)
+
+
+def device_problems(cfg: Any, machine: Machine) -> list[Problem]:
+    """``train.device`` names a device, and one this machine has (``wantrain check`` plans for the machine the
+    run will have: there CUDA on a machine without it is a note, :func:`device_note`)."""
+    name = cfg.train.device
+    if name == "auto":
+        return []
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return [DEVICE_NAME.problem(f"config key 'train.device' = {name!r} is not a device",
+                                    "use 'auto', 'cpu' or 'cuda[:N]'")]
+    if device.type == "cuda" and not machine.cuda and not machine.planning:
+        return [NO_CUDA.problem("config key 'train.device' asks for CUDA but no CUDA GPU is available",
+                                "use 'auto' or 'cpu'")]
+    return []
+
+
+def device_note(cfg: Any, machine: Machine) -> str | None:
+    """``wantrain check``'s one line when the config trains on CUDA and this machine has none: the plan is for
+    the card the run will have, and ``run`` here would refuse."""
+    if str(cfg.train.device).startswith("cuda") and not machine.cuda:
+        return ("this machine has no CUDA GPU, so it cannot run this config (train.device = "
+                f"{cfg.train.device!r}); the plan is for the GPU the run will have (wantrain run refuses here)")
+    return None
+
+
+def layout_problems(cfg: Any, machine: Machine) -> list[Problem]:
+    """The parallel layouts against the ``machine.world_size`` ranks of this launch (1 without torchrun): each
+    degree must divide the ranks, expert groups need a multiple of their count, and [validation] / [sample] do
+    not run under torchrun fsdp or a sequence degree yet (a sharded forward needs every rank in step)."""
+    model, world = cfg.model, machine.world_size
+    if machine.planning and world == 1:  # `wantrain check` without --gpus: the launch is not known yet
+        return []
+    out = []
+    degree = model.sequence_degree
+    if degree > 1 and world == 1:
+        out.append(SEQUENCE_LAUNCH.problem(
+            f"model.sequence_degree = {degree} splits each clip over {degree} GPUs and needs a torchrun launch of a "
+            f"multiple of {degree} ranks (this run is one process); launch it with torchrun --nproc_per_node "
+            f"{degree}, or set sequence_degree = 1"))
+    elif degree > 1 and world % degree:
+        out.append(SEQUENCE_LAUNCH.problem(
+            f"model.sequence_degree = {degree} does not divide the {world} ranks of this launch; launch a multiple "
+            f"of {degree} ranks, or set sequence_degree to a divisor of {world}"))
+    elif degree > 1:
+        out.extend(_evaluation_problems(cfg, f"model.sequence_degree = {degree}",
+                                        "the ranks of a sequence group would have to evaluate in step"))
+    groups = model.expert_groups
+    if groups > 1 and (world < groups or world % groups) and not machine.planning:
+        started = "one process" if world == 1 else f"{world} processes"
+        out.append(GROUPS_LAUNCH.problem(
+            f"model.expert_groups = {groups} needs a torchrun launch of a multiple of {groups} processes (one group of "
+            f"GPUs per expert), and this run has {started}; launch with torchrun --nproc_per_node {groups} (or "
+            f"{2 * groups}, ...) or set model.expert_groups = 1"))
+    if model.parallel != "fsdp" or world == 1:
+        return out
+    if groups > 1 and world % groups == 0:  # FSDP inside each expert group: the degree divides the group
+        size = world // groups
+        shard = model.shard_degree or size
+        if size % shard:
+            divisors = [d for d in range(1, size + 1) if size % d == 0]
+            out.append(SHARD_DIVIDES.problem(
+                f"model.shard_degree = {shard} does not divide the {size} ranks of an expert group ({world} ranks / "
+                f"model.expert_groups = {groups}); use one of {', '.join(map(str, divisors))} (unset: all {size} of "
+                "the group)", ""))
+    shard = model.shard_degree or world
+    if groups <= 1 and world % shard:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        out.append(SHARD_DIVIDES.problem(
+            f"model.shard_degree = {shard} does not divide the {world} ranks of this launch; use one of "
+            f"{', '.join(map(str, divisors))} (unset: all {world})"))
+    out.extend(_evaluation_problems(cfg, "model.parallel = 'fsdp' under torchrun",
+                                    "a sharded forward needs every rank in step"))
+    return out
+
+
+def _evaluation_problems(cfg: Any, layout: str, why: str) -> list[Problem]:
+    """[validation] or [sample] enabled under ``layout``, which they do not run with yet."""
+    return [EVALUATION_LAYOUT.problem(
+        f"[{section}] does not run with {layout} yet ({why}); set {section}.enabled = false, or evaluate the saved "
+        "LoRA in a one-process run", keys=(f"{section}.enabled",)) for section in ("validation", "sample")
+        if getattr(cfg, section).enabled]
+
+
+def lr_finder_launch_problems(cfg: Any, machine: Machine) -> list[Problem]:
+    """The LR finder starts a fresh run: not with ``--resume``."""
+    if cfg.lr_finder.active and machine.resuming:
+        return [LR_FINDER_RESUME.problem(
+            "the LR finder (--lr-finder, lr_finder.enabled / then_train) cannot run with --resume: it starts from a "
+            "fresh run; resume without it (a then-train run's config.toml holds the suggested LR)", "")]
+    return []
+
+
+def parallel_notes(cfg: Any, world_size: int) -> list[str]:
+    """The warnings a run logs about its layout: ``fsdp`` in one process trains unsharded (the same arithmetic: a
+    checkpoint of either resumes in the other)."""
+    if cfg.model.parallel == "fsdp" and world_size == 1:
+        return ["model.parallel = 'fsdp' in one process: nothing to shard, the run trains unsharded (launch it "
+                "with torchrun --nproc_per_node N to shard the weights over N GPUs)"]
+    return []
+
+
+def check_parallel(cfg: Any, world_size: int) -> list[str]:
+    """:func:`layout_problems` for ``world_size`` ranks refused (one line each), else :func:`parallel_notes`
+    (``wantrain check --gpus N`` asks this before it plans)."""
+    refuse(layout_problems(cfg, Machine(world_size=world_size)))
+    return parallel_notes(cfg, world_size)
+
+
+def sequence_bucket_problems(cfg: Any, buckets: Any) -> list[Problem]:
+    """Every bucket's tokens per clip (latent frames x latent height x latent width over the patch) must split
+    evenly over ``model.sequence_degree`` GPUs: each bucket that does not, named."""
+    from wantrain.models.wan22.memory import tokens_of
+    from wantrain.models.wan22.variants import variant_spec
+
+    degree = cfg.model.sequence_degree
+    if degree == 1:
+        return []
+    spec = variant_spec(cfg.model.variant)
+    out = []
+    for row in buckets:
+        tokens = tokens_of(spec, row.width, row.height, row.frames, 1)
+        if tokens % degree:
+            out.append(SEQUENCE_BUCKETS.problem(
+                f"bucket {row.width}x{row.height}x{row.frames} has {tokens} tokens per clip, which "
+                f"model.sequence_degree = {degree} does not divide (each GPU takes an equal share); change "
+                "data.resolutions or data.frames so every bucket's tokens divide, or the degree"))
+    return out
+
+
+def check_sequence_buckets(cfg: Any, buckets: Any) -> None:
+    """:func:`sequence_bucket_problems` refused."""
+    refuse(sequence_bucket_problems(cfg, buckets))
