@@ -7,7 +7,7 @@ written by hand, so that a new dependency cannot be forgotten:
 1. every top-level module that a file of ``wantrain/`` imports (``ast``; imports inside functions included), less
    the standard library, mapped to its distribution (``importlib.metadata.packages_distributions``); a module no
    installed distribution provides, or one whose distribution ``pyproject.toml`` does not declare, is a problem;
-   one declared only as an optional extra (``wandb``, ``prodigyopt``) is not carried;
+   one declared only as an optional extra (``wandb``, ``prodigyopt``, ``bitsandbytes``) is not carried;
 2. with ``[project] dependencies``, the roots; then their requirements, recursively (markers evaluated for CPython
    3.12 on Linux x86-64, no extras), stopping at what the image has;
 3. a distribution is carried when the image lacks it, or has it at a version that a requirement refuses; it is

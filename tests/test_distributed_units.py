@@ -290,7 +290,7 @@ TI2V = {"variant": "tiny-ti2v", "parallel": "fsdp"}
 
 @pytest.mark.parametrize(("keys", "says"), [
     ({"model": {**TI2V, "blocks_to_swap": 2}}, "does not work with model.blocks_to_swap = 2 yet; set blocks_to_swap"),
-    ({"model": {**TI2V, "base_dtype": "fp8_scaled"}}, "base_dtype = 'fp8_scaled' (fp8 layerwise storage)"),
+    ({"model": {**TI2V, "base_dtype": "fp8_scaled"}}, "base_dtype = 'fp8_scaled' (quantised storage)"),
     ({"model": {**TI2V, "vram_budget_gb": 20.0}}, "vram_budget_gb = 20 (it picks block swap and fp8 storage)"),
     ({"model": {**TI2V, "compile": "default"}}, "model.compile = 'default'"),
     ({"model": {"variant": "tiny-t2v", "parallel": "fsdp"}}, "model.experts = 'both'"),

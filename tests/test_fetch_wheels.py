@@ -49,7 +49,7 @@ def test_every_import_of_wantrain_is_in_the_gpu_image_or_carried(fetch_wheels):
     # the bus's blinker and the serve page's starlette and uvicorn are carried; torch and peft are the image's
     assert {"blinker", "starlette", "uvicorn", "diffusers", "structlog"} <= set(derivation.carry)
     assert "torch" not in derivation.carry and "peft" not in derivation.carry
-    assert derivation.optional == {"wandb", "prodigyopt"}  # optional extras are not carried
+    assert derivation.optional == {"wandb", "prodigyopt", "bitsandbytes"}  # optional extras are not carried
     assert all(version == importlib.metadata.version(name) for name, version in derivation.carry.items())
     # the hand-written list of before misses blinker: the check names the import
     missed = fetch_wheels.uncarried(imports, image, HAND_WRITTEN, optional, distributions)

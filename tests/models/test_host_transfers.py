@@ -52,6 +52,9 @@ class _OneBatchData:
     def sample_texts(self, epoch, index, idx):
         return ["" for _ in idx]
 
+    def trained_samples(self, samples):
+        return []
+
     def _batch_for(self, key, idx, encoders, cache):
         return {"latents": torch.zeros(1, 16, 3, 4, 4), "text_embeds": torch.zeros(1, 16, 32), "bucket": key}
 
