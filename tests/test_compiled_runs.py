@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch._dynamo
 from inprocess import wantrain
+from PIL import Image
 from test_end_to_end import copy_examples
 
 from wantrain.models.wan22 import compile as wan_compile
@@ -131,11 +132,18 @@ def test_a_compiled_lr_finder_then_train_run_with_validation_and_samples_equals_
         for name in b:
             if name.startswith(("train/loss", "val/")):
                 assert a[name] == pytest.approx(b[name], rel=REL), (a["step"], name)
-    # the sample videos (step 0 and the last step): the same frames, up to one level of the 8-bit encoding
+    # the samples (step 0 and the last step): the sampled latents' pictures equal, and the videos the same up to
+    # H.264's own amplification: a frame one 8-bit level off can flip the encoder's choice for a block, which then
+    # decodes several levels apart (measured: 0.2 % of the values more than one level apart, at most 9, mean
+    # 0.007, depending on PYTHONHASHSEED, on f47fedc too); a wrong sample moves most values by tens of levels
     videos = sorted(p.name for p in (eager / "samples").glob("*.mp4"))
     assert videos == sorted(p.name for p in (compiled / "samples").glob("*.mp4")) and len(videos) == 2
     for name in videos:
-        assert np.abs(frames(compiled / "samples" / name) - frames(eager / "samples" / name)).max() <= 1, name
+        pictures = [np.asarray(Image.open(d / "samples" / name.replace(".mp4", "_latents.png")))
+                    for d in (compiled, eager)]
+        assert np.array_equal(*pictures), name
+        apart = np.abs(frames(compiled / "samples" / name) - frames(eager / "samples" / name))
+        assert (apart > 1).mean() <= 0.01 and apart.mean() <= 0.05, (name, (apart > 1).mean(), apart.mean())
 
 
 def test_a_compiled_run_stopped_and_resumed_equals_the_uninterrupted_compiled_run(runs):
