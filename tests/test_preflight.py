@@ -168,7 +168,8 @@ def test_no_config_refusal_is_left_inline_outside_the_capabilities():
         "models/wan22/config.py": (),
         "models/wan22/attention.py": ("cannot be used",),  # diffusers' own check of a loaded transformer
         "models/wan22/compile.py": ("cache folder", "LyCORIS module dropout", "layerwise casting", "_one_line"),
-        "core/parallel/expert_groups.py": ("needs a torchrun launch",),  # the guard of the launch rule app.launch reports
+        # the guard of the launch rule app.launch reports
+        "core/parallel/expert_groups.py": ("needs a torchrun launch",),
     }
     raise_at = re.compile(r"raise (?:UserError|ConfigError)\((.*)")
     for name, reasons in allowed.items():
