@@ -52,3 +52,47 @@ def test_a_watch_stopped_before_any_failure_ends_nothing():
     watch.start()
     watch.stop()
     assert watch.failure() is None
+
+
+def test_a_failure_during_rank0s_save_names_that_checkpoint_on_every_rank_once_it_is_written(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """Regression (CI, the Ulysses out-of-memory test): rank 1 failed at step 3 while rank 0 still wrote step 2's
+    checkpoint; rank 0's watch published "no complete checkpoint yet" at once and both lines said so. Now rank 0's
+    watch waits for the save it holds (``writing``), tells rank 1 it is saving, and both lines name step 2."""
+    from wantrain.core import checkpoint
+    from wantrain.core.parallel import failures
+
+    monkeypatch.setattr(failures, "HINT_WAIT_S", 0.1)  # rank 1's first wait ends long before the save does
+    store = dist.HashStore()
+    checkpoints = tmp_path / "checkpoints"
+    ended = threading.Event()
+    rank0 = FailureWatch(store, 0, exit=lambda code: ended.set(), interval_s=0.01, grace_s=0.05)
+    rank1 = FailureWatch(store, 1, exit=lambda code: None, interval_s=0.01)
+    rank0.checkpoints = rank1.checkpoints = checkpoints
+    errors: list[RankFailed] = []
+    with rank0.writing:  # rank 0's main thread: step 2's save in progress
+        rank0.start()
+        failing = threading.Thread(target=lambda: errors.append(rank1.announce("out of memory at step 3")))
+        failing.start()
+        assert _waits_for(lambda: store.check([failures.SAVING_KEY])), "rank 0's watch did not say it is saving"
+        assert not ended.is_set() and not errors  # neither line is written before the checkpoint is
+        written = checkpoint.write_checkpoint(checkpoints, 2, {"step": 2})
+    try:
+        failing.join(10)
+        assert ended.wait(10), "rank 0's watch did not end it"
+    finally:
+        rank0.stop()
+    hint = f"resume from '{written}' (step 2) with --resume auto"
+    assert errors and str(errors[0]).endswith(hint), errors
+    assert capsys.readouterr().err.strip().endswith(hint)
+
+
+def _waits_for(condition, timeout_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False

@@ -589,7 +589,8 @@ class Trainer:
         # save switches the same way, so a run resumed from a checkpoint repeats the uninterrupted run's arithmetic.
         self._optimizer_mode("eval")
         try:
-            self._write(step, final=final, reason=reason, lora=lora, checkpoint=checkpoint)
+            with self.sync.writing():  # a failure on another rank meanwhile waits for it (core.parallel.failures)
+                self._write(step, final=final, reason=reason, lora=lora, checkpoint=checkpoint)
         finally:
             if not final:
                 self._optimizer_mode("train")

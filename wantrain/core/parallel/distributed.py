@@ -33,6 +33,7 @@ negligible beside a video-diffusion step and the gradient all-reduce itself.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -130,6 +131,9 @@ class SingleProcess:
 
     def watch_checkpoints(self, directory: Any) -> None:
         return None
+
+    def writing(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
 
     def average_gradients(self, params: Sequence[torch.nn.Parameter], nonfinite: torch.Tensor) -> None:
         return None
@@ -296,6 +300,12 @@ class ProcessGroupSync:
         """Where the run's checkpoints are, for the line a failure prints (the one to resume from)."""
         if self.watch is not None:
             self.watch.checkpoints = directory
+
+    def writing(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around a save (LoRA files, the gathered checkpoint): a failure announced meanwhile names the
+        checkpoint to resume from only once it is written, and no watch ends this process halfway through it
+        (``core.parallel.failures.FailureWatch.writing``)."""
+        return self.watch.writing if self.watch is not None else contextlib.nullcontext()
 
     def should_stop(self, control: Any) -> bool:
         """The loop's stop test: the stop agreed at the last :meth:`agree_requests` (or :meth:`agree_step`), never

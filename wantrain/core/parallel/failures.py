@@ -37,8 +37,19 @@ HINT_KEY = "wantrain/resume_hint"
 the checkpoints, so another rank that failed right after a save (before rank 0 renamed it into place) names the
 same one as rank 0."""
 
+WRITE_WAIT_S = 30.0
+"""How long rank 0's watch waits for a save in progress on its own rank (:attr:`FailureWatch.writing`) before it
+names the checkpoint to resume from: another rank can fail at the step after a save while rank 0 still writes it,
+and that checkpoint is the one to resume from. A save whose gather never completes (its peer failed first) is
+waited for this long, then the newest complete one is named."""
+
+SAVING_KEY = "wantrain/rank0_saving"
+"""Set by rank 0 when it learns of a failure halfway through a save: the others then wait for its
+:data:`HINT_KEY` up to :data:`WRITE_WAIT_S` longer."""
+
 HINT_WAIT_S = 5.0
-"""How long a rank other than 0 waits for rank 0's :data:`HINT_KEY` before naming the checkpoint as it sees it."""
+"""How long a rank other than 0 waits for rank 0's :data:`HINT_KEY` (or :data:`SAVING_KEY`) before naming the
+checkpoint as it sees it (rank 0 is gone or slow)."""
 
 WATCH_INTERVAL_S = 0.2
 """How often a :class:`FailureWatch` polls the store: one small request, negligible beside a training step."""
@@ -92,6 +103,9 @@ class FailureWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.announced = False
+        self.writing = threading.RLock()
+        """Held by the loop while this rank saves (``core.loop``'s write path): rank 0's hint waits for it, and the
+        watch never ends the process halfway through a checkpoint."""
 
     # -- the failing rank ----------------------------------------------------------------------------------------
     def announce(self, cause: str) -> RankFailed:
@@ -113,17 +127,41 @@ class FailureWatch:
 
     def hint(self) -> str:
         """The checkpoint to resume from: rank 0's (:data:`HINT_KEY`; rank 0 publishes it when it learns of a
-        failure), waited for up to :data:`HINT_WAIT_S`, else this rank's own view."""
+        failure, once its own save in progress is written), waited for up to :data:`HINT_WAIT_S` (longer while
+        rank 0 says it is saving), else this rank's own view."""
         if self.rank == 0:
-            hint = resume_hint(self.checkpoints)
+            hint = resume_hint(self.checkpoints) if self._saves_settled() else self._hint_while_saving()
             with contextlib.suppress(Exception):  # as in announce
                 self.store.set(HINT_KEY, hint)
             return hint
+        for wait_s in (HINT_WAIT_S, WRITE_WAIT_S):
+            try:
+                self.store.wait([HINT_KEY], datetime.timedelta(seconds=wait_s))
+                return self.store.get(HINT_KEY).decode("utf-8")
+            except Exception:  # noqa: BLE001 -- rank 0 is gone, slow, or still saving
+                if not self._rank0_saving():
+                    break
+        return resume_hint(self.checkpoints)
+
+    def _rank0_saving(self) -> bool:
         try:
-            self.store.wait([HINT_KEY], datetime.timedelta(seconds=HINT_WAIT_S))
-            return self.store.get(HINT_KEY).decode("utf-8")
-        except Exception:  # noqa: BLE001 -- rank 0 is gone or slow: what this rank sees
-            return resume_hint(self.checkpoints)
+            return bool(self.store.check([SAVING_KEY]))
+        except Exception:  # noqa: BLE001 -- the store went away
+            return False
+
+    def _saves_settled(self) -> bool:
+        """Wait up to :data:`WRITE_WAIT_S` for this rank's save in progress, if any (telling the other ranks through
+        :data:`SAVING_KEY`); whether none is left."""
+        if not self.writing.acquire(blocking=False):
+            with contextlib.suppress(Exception):  # as in announce
+                self.store.set(SAVING_KEY, "1")
+            if not self.writing.acquire(timeout=WRITE_WAIT_S):
+                return False
+        self.writing.release()
+        return True
+
+    def _hint_while_saving(self) -> str:
+        return f"{resume_hint(self.checkpoints)} (a checkpoint was still being written when the run ended)"
 
     def other_failure(self) -> RankFailed | None:
         """Another rank's announced failure as this rank's error (its collective failed because that rank left),
