@@ -241,16 +241,27 @@ def build_app(site: Site) -> Starlette:
             return error(f"the server is read-only (--read-only): {off}", 403)
         return None
 
-    async def control(request: Request) -> Response:
-        refused = change_refused(request, "a control", "controls are off")
+    async def change_body(request: Request, what: str, off: str, keys: tuple[str, ...],
+                          shape: str) -> dict[str, Any] | Response:
+        """The JSON object a request that changes something sends, holding ``keys``; else the response refusing it
+        (:func:`change_refused`, or 400 naming the ``shape`` expected)."""
+        refused = change_refused(request, what, off)
         if refused is not None:
             return refused
         try:
             body = orjson.loads(await request.body())
-            action = body["action"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            return error('the body must be JSON {"action": ...}', 400)
-        if action not in ACTIONS:
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict) or any(key not in body for key in keys):
+            return error(f"the body must be JSON {shape}", 400)
+        return body
+
+    async def control(request: Request) -> Response:
+        body = await change_body(request, "a control", "controls are off", ("action",), '{"action": ...}')
+        if isinstance(body, Response):
+            return body
+        action = body["action"]
+        if not isinstance(action, str) or action not in ACTIONS:
             return error(f"unknown action {action!r}: use one of {', '.join(ACTIONS)}", 400)
         return await run_in_threadpool(ask_run, request.path_params["run"], action)
 
@@ -282,15 +293,12 @@ def build_app(site: Site) -> Starlette:
         return Response(jpeg, media_type="image/jpeg", headers={"Cache-Control": "no-cache"})
 
     async def data_caption(request: Request) -> Response:
-        refused = change_refused(request, "saving a caption", "captions cannot be saved")
-        if refused is not None:
-            return refused
-        try:
-            body = orjson.loads(await request.body())
-            clip, text = str(body["clip"]), body["text"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            return error('the body must be JSON {"run" or "folder", "f", "clip", "text"}', 400)
-        if not isinstance(text, str) or not isinstance(body, dict):
+        body = await change_body(request, "saving a caption", "captions cannot be saved", ("clip", "text"),
+                                 '{"run" or "folder", "f", "clip", "text"}')
+        if isinstance(body, Response):
+            return body
+        clip, text = str(body["clip"]), body["text"]
+        if not isinstance(text, str):
             return error("text must be a string", 400)
         return await run_in_threadpool(write_caption, body, clip, text)
 
