@@ -16,7 +16,7 @@ from wantrain.app.serve.rundata import STALE_S, downsample
 from wantrain.app.serve.server import Site, build_app
 from wantrain.cli.main import main
 from wantrain.core.events import ExpertSwitched, MetricsLogged, RunEnded, RunStarted, to_record
-from wantrain.core.inbox import INBOX_NAME
+from wantrain.core.inbox import ACTIONS, INBOX_NAME
 
 LOCAL = "http://127.0.0.1:8765"
 
@@ -143,6 +143,18 @@ def test_a_control_without_the_token_or_from_another_origin_is_refused(client, s
     assert ok.status_code == 200
     assert [json.loads(x)["action"] for x in inbox.read_text().splitlines()] == ["save"]
     assert json.loads(inbox.read_text())["source"] == "web"
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'{"act": "save"}', b'{"action": ["save"]}'])
+def test_a_control_or_caption_whose_body_is_not_the_json_object_expected_is_refused_with_its_shape(client, site, body):
+    headers = {"X-Wantrain-Token": "secret-token", "Content-Type": "application/json"}
+    control = client.post("/api/runs/20260101_000000/control", content=body, headers=headers)
+    assert control.status_code == 400, control.text
+    assert control.json()["error"] in ('the body must be JSON {"action": ...}', "unknown action ['save']: use one of "
+                                       + ", ".join(ACTIONS))
+    caption = client.post("/api/data/caption", content=body, headers=headers)
+    assert caption.status_code == 400 and caption.json()["error"].startswith("the body must be JSON {"), caption.text
+    assert not (site.root / "20260101_000000" / INBOX_NAME).exists()
 
 
 def test_a_control_to_an_ended_run_or_a_read_only_server_is_refused(site, tmp_path):
