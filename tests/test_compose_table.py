@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from wantrain.app.config import load_config
-from wantrain.app.preflight import check_parallel
+from wantrain.app.launch import check_parallel
 from wantrain.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

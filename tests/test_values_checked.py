@@ -10,7 +10,7 @@ import pytest
 from test_end_to_end import copy_examples
 
 from wantrain.app.config import RunConfig
-from wantrain.app.preflight import LARGEST_DEVICE_GIB, plan_memory
+from wantrain.app.memory_plan import LARGEST_DEVICE_GIB, plan_memory
 from wantrain.cli.main import main
 from wantrain.core.config import structure
 from wantrain.core.errors import UserError

@@ -298,7 +298,7 @@ def reference_markdown() -> str:
         "1 is refused for the optimizers whose `lr` is the step size itself (every type but `prodigy`, whose `lr`\n"
         "is a multiplier of about 1); a plan that no accelerator's memory holds is refused by `check` and `run`.\n\n"
     )
-    from wantrain.app.preflight import compose_markdown
+    from wantrain.app.compose import compose_markdown
 
     return header + config_reference(RunConfig) + "\n" + compose_markdown() + "\n" + table_markdown()
 
