@@ -29,7 +29,7 @@ from wantrain.app.memory_plan import plan_memory
 from wantrain.app.notes import config_warnings, data_warnings
 from wantrain.app.observers import require_wandb, resolve_extra_observers
 from wantrain.core.errors import UserError
-from wantrain.core.problems import Machine, Problem, Rule, refuse
+from wantrain.core.problems import Machine, Problem, Rule, asked, refuse
 from wantrain.data import build_dataset
 from wantrain.data.dataset import NoUsableSample, frame_bucket_problems
 from wantrain.data.report import PreflightReport
@@ -38,7 +38,7 @@ from wantrain.models.wan22.config import adapter_problems, lora_problems, model_
 from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.alpha.config import alpha_schedule_problems
-from wantrain.observers.evaluation.config import check_sections, evaluation_problems
+from wantrain.observers.evaluation.config import evaluation_problems, section_file_problems
 from wantrain.observers.lr_finder.config import lr_finder_problems
 from wantrain.optimizers.registry import optimizer_problems
 from wantrain.schedulers import check_scheduler, scheduler_problems
@@ -106,7 +106,7 @@ def declared_rules() -> tuple[Rule, ...]:
 
 def config_problems(cfg: Any) -> list[Problem]:
     """Every problem of the run config ``cfg`` across its sections (:data:`CONFIG_CHECKS`)."""
-    return [p for check in CONFIG_CHECKS for p in check(cfg)]
+    return [p for check in CONFIG_CHECKS for p in asked(check, cfg)]
 
 
 def problems(cfg: Any, machine: Machine) -> list[Problem]:
@@ -146,7 +146,10 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     from wantrain.data.dataset import missing_data, planned_data
 
     machine = Machine.here(world_size=gpus or 1, planning=True)
-    refuse(problems(cfg, machine))
+    spec = variant_spec(cfg.model.variant)
+    # the config's rules and [validation] / [sample]'s files, every problem at once
+    refuse([*problems(cfg, machine), *section_file_problems(cfg.validation, cfg.sample, spec,
+                                                            cfg.model.trained_experts)])
     notes = [note] if (note := device_note(cfg, machine)) else []
     given = cfg
     resolve_extra_observers(cfg, config_dir)
@@ -155,7 +158,6 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
     missing = missing_model_files(cfg.model)
     if not missing:  # weights still to download: the plan below is made from the variant's architecture alone
         check_model_files(cfg.model, sampling=cfg.sample.enabled)
-    check_sections(cfg.validation, cfg.sample, variant_spec(cfg.model.variant), cfg.model.trained_experts)
     absent = missing_data(cfg.data)
     if absent:  # the data is not there yet: the plan is made from the config's buckets
         data = planned_data(cfg.data, spec=variant_spec(cfg.model.variant), batch_size=cfg.train.batch_size)

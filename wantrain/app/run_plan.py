@@ -46,7 +46,7 @@ from wantrain.data.training import TrainingData
 from wantrain.models.wan22 import check_model_files
 from wantrain.models.wan22.placement import expert_group_config
 from wantrain.models.wan22.variants import variant_spec
-from wantrain.observers.evaluation.config import check_sections
+from wantrain.observers.evaluation.config import section_file_problems
 from wantrain.optimizers import check_optimizer
 from wantrain.schedulers import check_scheduler
 
@@ -86,7 +86,11 @@ def plan_run(cfg: Any, topology: Any, *, config_dir: Path | None = None, resume:
     if cfg.run.run_id is not None:
         sanitize_run_id(cfg.run.run_id)
     plain = to_plain(cfg)
-    refuse(problems(cfg, Machine.here(world_size=topology.world_size, resuming=resume is not None)))
+    machine = Machine.here(world_size=topology.world_size, resuming=resume is not None)
+    # the config's rules and [validation] / [sample]'s files, every problem at once
+    spec = variant_spec(cfg.model.variant)
+    refuse([*problems(cfg, machine),
+            *section_file_problems(cfg.validation, cfg.sample, spec, cfg.model.trained_experts)])
     extra_observers = resolve_extra_observers(cfg, config_dir)
     if cfg.observers.wandb:
         require_wandb()
@@ -119,12 +123,10 @@ def _plan_on_data(cfg: Any, plain: dict[str, Any], topology: Any, extra_observer
     check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
     spec = variant_spec(cfg.model.variant)
     groups = expert_groups_of(cfg.model.expert_groups, topology)  # a launch that cannot split: refused here
-    trained = cfg.model.trained_experts  # the run's (every group's), for the sections' checks
     if groups is not None:  # this rank trains its group's expert alone, as a one-expert run of it would
         model_cfg, lora_cfg = expert_group_config(cfg.model, cfg.lora, groups.group)
         cfg = attrs.evolve(cfg, model=model_cfg, lora=lora_cfg)
     data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
-    check_sections(cfg.validation, cfg.sample, spec, trained)
     validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
     # the data-parallel rank: its place in its expert group, or its sequence group's (whose ranks share samples)
     sequence = cfg.model.sequence_degree
