@@ -4,6 +4,7 @@ data and for a CUDA card on a machine without one, and ``--set`` paths resolve a
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -265,3 +266,16 @@ def test_the_compose_table_of_docs_config_md_lists_every_refused_pair():
     assert len(pairs) >= 20
     for rule in pairs:
         assert f"| {rule.pair[0]} | {rule.pair[1]} | `{rule.id}` |" in page, rule.id
+
+
+def test_the_assembly_enters_the_pre_flight_through_plan_run_alone():
+    """``prepare`` asks the pre-flight once (``app.run_plan.plan_run``) and loads what it returns: the assembly
+    imports no other pre-flight module (it called six of their functions in turn; bench/trace_preflight.py counts
+    the calls)."""
+    preflight = {f"wantrain.app.{name}" for name in ("preflight", "run_plan", "launch", "memory_plan", "device_plan",
+                                                     "notes")}
+    tree = ast.parse((ROOT / "wantrain" / "app" / "assemble.py").read_text(encoding="utf-8"))
+    imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module in preflight for alias in node.names}
+    assert imported == {("wantrain.app.run_plan", name) for name in ("RunPlan", "check_resume_data", "plan_run")}
+
