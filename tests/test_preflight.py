@@ -213,6 +213,7 @@ def test_no_config_refusal_is_left_inline_outside_the_capabilities():
         "app/lr_finder.py": (),
         "app/launch.py": (),
         "models/wan22/config.py": (),
+        "models/wan22/rules.py": (),
         "models/wan22/attention.py": ("cannot be used",),  # diffusers' own check of a loaded transformer
         "models/wan22/compile.py": ("cache folder", "LyCORIS module dropout", "layerwise casting", "_one_line"),
         # the guard of the launch rule app.launch reports

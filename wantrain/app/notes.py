@@ -12,7 +12,7 @@ def config_warnings(cfg: Any, given: Any) -> list[str]:
     ``train.max_steps`` (with epochs that is refused here), a LoRA rank wider than the layers it adapts.
     ``cfg``: with epochs resolved into steps; ``given``: as the user wrote it."""
     from wantrain.app.epochs import check_every_expert_trains
-    from wantrain.models.wan22.config import check_rank
+    from wantrain.models.wan22.rules import check_rank
 
     found = [check_every_expert_trains(cfg, user_cfg=given), check_rank(cfg.model.variant, cfg.lora.rank)]
     return [line for line in found if line]

@@ -34,8 +34,8 @@ from wantrain.data import build_dataset
 from wantrain.data.dataset import NoUsableSample, frame_bucket_problems
 from wantrain.data.report import PreflightReport
 from wantrain.models.wan22 import check_model_files
-from wantrain.models.wan22.config import adapter_problems, lora_problems, model_problems
 from wantrain.models.wan22.lora_files import resolve_init
+from wantrain.models.wan22.rules import adapter_problems, lora_problems, model_problems
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.alpha.config import alpha_schedule_problems
 from wantrain.observers.evaluation.config import evaluation_problems, section_file_problems
@@ -92,7 +92,7 @@ def declared_rules() -> tuple[Rule, ...]:
     from wantrain.data.dataset import DATA_RULES
     from wantrain.models.wan22.attention import KERNEL_RULES
     from wantrain.models.wan22.compile import COMPILE_RULES
-    from wantrain.models.wan22.config import ADAPTER_RULES, LORA_RULES, MODEL_RULES
+    from wantrain.models.wan22.rules import ADAPTER_RULES, LORA_RULES, MODEL_RULES
     from wantrain.observers.alpha.config import ALPHA_RULES
     from wantrain.observers.evaluation.config import EVALUATION_RULES
     from wantrain.observers.lr_finder.config import LR_FINDER_RULES
