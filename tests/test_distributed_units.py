@@ -8,7 +8,7 @@ import torch
 from test_end_to_end import copy_examples
 
 from wantrain.app.config import RunConfig
-from wantrain.app.preflight import check_parallel
+from wantrain.app.launch import check_parallel
 from wantrain.app.resume import ResumePoint, check_resume_world_size
 from wantrain.cli.main import main
 from wantrain.core.config import structure

@@ -10,7 +10,7 @@ from test_distributed import loras, metrics, only_run_dir, probe, torchrun, work
 from test_end_to_end import copy_examples
 
 from wantrain.app.config import RunConfig
-from wantrain.app.preflight import check_parallel
+from wantrain.app.launch import check_parallel
 from wantrain.cli.main import main
 from wantrain.core.config import structure
 from wantrain.core.errors import UserError

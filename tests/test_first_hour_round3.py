@@ -274,9 +274,9 @@ def test_skipped_files_are_warned_once_by_kind_with_validation_from_the_training
 
     from structlog.testing import capture_logs
 
-    from wantrain.app.assemble import build_validation_data
     from wantrain.app.config import load_config
     from wantrain.app.preflight import dataset
+    from wantrain.app.run_plan import build_validation_data
     from wantrain.models.wan22.variants import variant_spec
 
     demo = Path(__file__).resolve().parents[1] / "examples" / "demo_data"

@@ -4,6 +4,7 @@ data and for a CUDA card on a machine without one, and ``--set`` paths resolve a
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -140,6 +141,47 @@ def test_each_rule_is_reported_together_with_the_others_in_one_pass(rule, monkey
         assert any(needle in line for line in lines), (needle, lines)
 
 
+# a value each section refuses by itself (keys), with a rule across sections that reads another key of it (rule id)
+VALUE_AND_RULE = {
+    "data": ({"model.variant": "tiny-i2v", "data.frames": [1, 5], "data.tag_separator": " "},
+             "data.tag_separator", "i2v-single-frame-bucket"),
+    "optimizer": ({"optimizer.type": "prodigy", "optimizer.lr": 1.0, "optimizer.no_such_argument": 1,
+                   "lr_finder.enabled": True}, "optimizer.no_such_argument", "lr-finder-adaptive-optimizer"),
+    "alpha schedule": ({"optimizer.type": "prodigy", "optimizer.lr": 1.0,
+                        "lora.alpha_schedule": {**SCHEDULE, "min_samples": 50, "window": 10}},
+                       "lora.alpha_schedule.min_samples", "preserve-output-optimizer-state"),
+    "sample": ({"sample.frames": 6, "model.expert_groups": 2, "sample.enabled": True,
+                "sample.other_expert_lora": "other.safetensors", "sample.prompts": ["a cat"]},
+               "sample.frames", "other-expert-lora-expert-groups"),
+}
+
+
+@pytest.mark.parametrize("section", sorted(VALUE_AND_RULE))
+def test_a_value_a_section_refuses_keeps_the_rules_that_read_its_other_keys(section):
+    """A section's own refusal of one value is a problem beside the others: the section is still built, so a rule
+    across sections reading another of its keys is reported in the same pass (it was dropped with the section)."""
+    keys, bad_key, rule = VALUE_AND_RULE[section]
+    found, stage = reported({**keys, **OTHERS}, {})
+    assert stage == "load"
+    assert rule in {p.rule for p in found}, [p.line() for p in found]
+    assert [p.keys for p in found if p.rule == "value"] == [(bad_key,)], [p.line() for p in found]
+    assert sum("optimizer.learning_rate" in p.line() for p in found) == 1  # a peer key, with them
+
+
+def test_every_section_refusing_a_value_is_named_beside_an_unknown_key():
+    """One check names every problem: a section that refuses a value of its own after a wrong key elsewhere is
+    reported, not lost (each of these once stopped at, or vanished behind, the first problem)."""
+    bad = {"train.no_such_key": 1, "data.tag_separator": " ", "optimizer.no_such_argument": 1,
+           "lr_scheduler.T_mult": 2, "lora.alpha_schedule": {**SCHEDULE, "targets": "conv"},
+           "validation.timesteps": [0.5, 0.5], "sample.frames": 6, "train.max_epochs": 2}
+    found, _ = reported(bad, {})
+    lines = [p.line() for p in found]
+    for needle in ("train.no_such_key", "data.tag_separator", "optimizer.no_such_argument", "lr_scheduler.T_mult",
+                   "lora.alpha_schedule.targets", "validation.timesteps", "sample.frames", "train.max_epochs"):
+        assert sum(needle in line for line in lines) == 1, (needle, lines)
+    assert len(lines) == 8, lines
+
+
 def test_three_peer_keys_two_bad_values_and_a_refused_pair_are_named_each_on_its_line(tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text(f'[model]\nvariant = "tiny-t2v"\nparallel = "fsdp"\nexperts = "high_noise"\n'
@@ -158,18 +200,32 @@ def test_three_peer_keys_two_bad_values_and_a_refused_pair_are_named_each_on_its
 
 
 def test_no_config_refusal_is_left_inline_outside_the_capabilities():
-    """The files the issue found refusals in raise only what is no config rule: files, --set syntax, checkpoints,
-    what a loaded model allows (each listed with why)."""
+    """The files the issue found refusals in, and the sections' own value checks, raise only what is no config rule:
+    files, --set syntax, checkpoints, what a loaded model allows (each listed with why). A section's check of its
+    own values states problems (``core.problems.bad_value``), collected by the loader beside the others."""
     allowed = {
         "app/config.py": ("--set", "config file", "is a folder", "ConfigError(problem"),  # the command line, the file
-        "app/preflight.py": ("largest bucket", "vram_budget_gb = {model", "host memory"),  # the memory plan's
+        "app/preflight.py": (),
+        "app/run_plan.py": ("below the step of checkpoint", "{where}"),  # the checkpoint resumed and its data
+        "app/memory_plan.py": ("largest bucket", "vram_budget_gb = {model", "host memory"),  # the data's buckets
+        "app/device_plan.py": (),
+        "app/notes.py": (),
         "app/lr_finder.py": (),
         "app/launch.py": (),
         "models/wan22/config.py": (),
+        "models/wan22/rules.py": (),
         "models/wan22/attention.py": ("cannot be used",),  # diffusers' own check of a loaded transformer
         "models/wan22/compile.py": ("cache folder", "LyCORIS module dropout", "layerwise casting", "_one_line"),
         # the guard of the launch rule app.launch reports
         "core/parallel/expert_groups.py": ("needs a torchrun launch",),
+        "core/settings.py": (),
+        "data/config.py": (),
+        # the external class resolved when the optimizer is built; the section's check states each as a problem
+        "optimizers/config.py": ("dotted class path", "refusal(", "cannot import module", "not an optimizer class"),
+        # the warmup against the run's length: the launch rule warmup-fits-run states it (scheduler_problems)
+        "schedulers/config.py": ("leaves no step",),
+        "observers/alpha/config.py": (),
+        "observers/evaluation/config.py": (),
     }
     raise_at = re.compile(r"raise (?:UserError|ConfigError)\((.*)")
     for name, reasons in allowed.items():
@@ -211,3 +267,16 @@ def test_the_compose_table_of_docs_config_md_lists_every_refused_pair():
     assert len(pairs) >= 20
     for rule in pairs:
         assert f"| {rule.pair[0]} | {rule.pair[1]} | `{rule.id}` |" in page, rule.id
+
+
+def test_the_assembly_enters_the_pre_flight_through_plan_run_alone():
+    """``prepare`` asks the pre-flight once (``app.run_plan.plan_run``) and loads what it returns: the assembly
+    imports no other pre-flight module (it called six of their functions in turn; bench/trace_preflight.py counts
+    the calls)."""
+    preflight = {f"wantrain.app.{name}" for name in ("preflight", "run_plan", "launch", "memory_plan", "device_plan",
+                                                     "notes")}
+    tree = ast.parse((ROOT / "wantrain" / "app" / "assemble.py").read_text(encoding="utf-8"))
+    imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module in preflight for alias in node.names}
+    assert imported == {("wantrain.app.run_plan", name) for name in ("RunPlan", "check_resume_data", "plan_run")}
+

@@ -9,7 +9,7 @@ import pytest
 from test_end_to_end import copy_examples
 
 from wantrain.app.config import RunConfig
-from wantrain.app.preflight import check_parallel, check_sequence_buckets
+from wantrain.app.launch import check_parallel, check_sequence_buckets
 from wantrain.cli.main import main
 from wantrain.core.config import structure
 from wantrain.core.errors import ConfigError, UserError

@@ -10,7 +10,7 @@ import pytest
 from test_end_to_end import copy_examples
 
 from wantrain.app.config import RunConfig
-from wantrain.app.preflight import LARGEST_DEVICE_GIB, plan_memory
+from wantrain.app.memory_plan import LARGEST_DEVICE_GIB, plan_memory
 from wantrain.cli.main import main
 from wantrain.core.config import structure
 from wantrain.core.errors import UserError
@@ -53,7 +53,7 @@ def test_a_rank_wider_than_the_layers_is_one_warning_line_from_check_and_run(con
 
 
 def test_the_widest_rank_and_a_prodigy_multiplier_are_accepted():
-    from wantrain.models.wan22.config import check_rank
+    from wantrain.models.wan22.rules import check_rank
 
     assert check_rank("tiny-t2v", 24) is None and "has 24 features" in check_rank("tiny-t2v", 25)
     assert check_rank("t2v-a14b", 5120) is None and "has 5120 features" in check_rank("t2v-a14b", 5121)

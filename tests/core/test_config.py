@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from wantrain.app.config import RunConfig, load_config, reference_markdown
+from wantrain.app.compose import config_page
+from wantrain.app.config import RunConfig, load_config
 from wantrain.cli.main import main
 from wantrain.core.config import structure
 from wantrain.core.errors import ConfigError
@@ -99,8 +100,8 @@ def test_seed_table_name_lr_scheduler_config_is_accepted():
 
 
 def test_docs_config_md_is_generated_from_the_schema():
-    assert (ROOT / "docs" / "config.md").read_text(encoding="utf-8") == reference_markdown(), (
-        "docs/config.md is stale: run `python -m wantrain.app.config > docs/config.md`"
+    assert (ROOT / "docs" / "config.md").read_text(encoding="utf-8") == config_page(), (
+        "docs/config.md is stale: run `python -m wantrain.app.compose`"
     )
 
 

@@ -135,7 +135,7 @@ def test_the_example_on_a_flat_loss_moves_at_its_looks_and_on_a_rising_loss_hold
 
 
 def test_check_says_the_example_reaches_every_phase_within_its_max_steps():
-    from wantrain.app.preflight import alpha_schedule_lines
+    from wantrain.app.notes import alpha_schedule_lines
 
     cfg = load_config(ROOT / "examples" / "i2v_a14b_alpha_schedule.toml")
     lines = alpha_schedule_lines(cfg)

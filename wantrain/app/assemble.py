@@ -32,31 +32,17 @@ import structlog
 import tomli_w
 import torch
 
-from wantrain.app.config import to_plain
-from wantrain.app.epochs import resolve_epochs, uses_epochs
 from wantrain.app.logs import close_log_file, configure_logging
-from wantrain.app.observers import build_observers, require_wandb, resolve_extra_observers, write_config_source
-from wantrain.app.preflight import (
-    check_sequence_buckets,
-    compile_cache_dir,
-    config_warnings,
-    data_warnings,
-    parallel_notes,
-    plan_memory,
-    problems,
-    resolve_device,
-    speed_plan,
-    waiting_experts_dir,
-)
+from wantrain.app.observers import build_observers, write_config_source
 from wantrain.app.resume import (
     ResumePoint,
     check_resume_world_size,
     config_hash,
     confirm_resume_point,
     keep_previous_config,
-    load_resume_point,
     tidy_for_resume,
 )
+from wantrain.app.run_plan import RunPlan, check_resume_data, plan_run
 from wantrain.app.signals import RunAborted, RunInterrupted, describe_abort, stop_on_signals
 from wantrain.core.adapter import NullSaver, check_needs
 from wantrain.core.atomic import atomic_write, critical_section, is_storage_error, storage_error
@@ -73,34 +59,28 @@ from wantrain.core.parallel.distributed import (
     detect_topology,
     rank_view,
 )
-from wantrain.core.parallel.expert_groups import ExpertGroupSync, GroupSaver, expert_groups_of
+from wantrain.core.parallel.expert_groups import ExpertGroupSync, GroupSaver
 from wantrain.core.parallel.expert_relay import RelayedExpert
-from wantrain.core.problems import Machine, refuse
-from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links, sanitize_run_id
+from wantrain.core.rundir import RunDirLock, create_run_dir, lock_run_dir, refuse_links
 from wantrain.core.state import TrainState
 from wantrain.core.state_check import check_state_tree
-from wantrain.data import build_dataset, ensure_cache
+from wantrain.data import ensure_cache
 from wantrain.data.cache import CacheStats
-from wantrain.data.fingerprints import DataChanged, caption_files, file_fingerprints, name_some
-from wantrain.data.fingerprints import compare as compare_data
+from wantrain.data.fingerprints import DataChanged, file_fingerprints
 from wantrain.data.media import decode_video
-from wantrain.data.training import TrainingData
-from wantrain.models.wan22 import build_adapter, build_encoders, check_model_files
+from wantrain.models.wan22 import build_adapter, build_encoders
 from wantrain.models.wan22.adapter import FP8_DEVICE_TYPES
 from wantrain.models.wan22.attention import kernel_in_use
 from wantrain.models.wan22.compile import use_cache_dir
 from wantrain.models.wan22.config import FP8_DTYPES
-from wantrain.models.wan22.placement import expert_group_config
 from wantrain.models.wan22.sequence import split_sequences
 from wantrain.models.wan22.variants import variant_spec
-from wantrain.observers.evaluation.config import check_sections
 from wantrain.observers.evaluation.sample_setup import build_sample_observer
 from wantrain.observers.evaluation.validation import Validation, cached_batches
 from wantrain.observers.evaluation.workflow import ComfyWorkflow, workflow_settings
 from wantrain.observers.event_recorder import EventRecorder
 from wantrain.optimizers import build_optimizer as _build_optimizer
-from wantrain.optimizers import check_optimizer
-from wantrain.schedulers import build_scheduler, check_scheduler
+from wantrain.schedulers import build_scheduler
 
 log = structlog.get_logger("wantrain.run")
 
@@ -173,9 +153,8 @@ def encode_before_the_experts(cfg: Any, model: Any, data: Any, validation_data: 
     too (docs/models.md, Host memory). Nothing loads when every entry is cached and [sample] is off. A signal
     meanwhile raises :class:`RunInterrupted` (``wantrain.app.signals``); the global RNG is left as it was found.
     ``extra_observers`` lacking a capability of the adapter are refused first (the encoders-only adapter is of the
-    same class), before any cache entry is written, as are model files that ``build_adapter`` would refuse
-    (``check_model_files``: the checks it makes before loading anything)."""
-    check_model_files(model, sampling=cfg.sample.enabled)
+    same class), before any cache entry is written (the model files were checked by the pre-flight,
+    ``app.run_plan``)."""
     encoders = build_encoders(model, cfg.lora, seed=cfg.run.seed, device=device)
     for observer_class in extra_observers:
         check_needs(observer_class.__name__, encoders, needs=getattr(observer_class, "needs", ()))
@@ -463,11 +442,6 @@ def _cleanup(step: Callable[[], None], event: str) -> None:
         log.warning(event, error=str(storage_error("run file", getattr(exc, "path", None) or "", exc)))
 
 
-def _schema_check(rank: int) -> Callable[[Any], str | None]:
-    """The resume check that needs no model: the core's state tree schema (``core.state_check``)."""
-    return lambda tree: check_state_tree(rank_view(tree, rank))
-
-
 def _run_check(adapter: Any, rank: int) -> Callable[[Any], str | None]:
     """The resume check against the built model: its LoRA tensors and the optimizer's parameter groups."""
     model = adapter.state_dict() if callable(getattr(adapter, "state_dict", None)) else None
@@ -475,137 +449,58 @@ def _run_check(adapter: Any, rank: int) -> Callable[[Any], str | None]:
     return lambda tree: check_state_tree(rank_view(tree, rank), model=model, param_groups=groups)
 
 
-def _check_data(point: ResumePoint, data: Any, allow_changes: bool) -> tuple[str, ...]:
-    """The data against the checkpoint's (``wantrain.data.fingerprints``): files added or removed are refused,
-    naming them; files whose content or caption changed are refused naming them, unless ``allow_changes``
-    (``--allow-data-changes``): then they are returned, for the event log."""
-    saved_list = (point.tree.get("data") or {}).get("fingerprint")
-    list_changed = saved_list not in (None, data.fingerprint())
-    saved_files = point.meta.get("data_files")
-    where = f"checkpoint '{point.checkpoint}' was trained on other data"
-    if not isinstance(saved_files, dict):  # written before checkpoints carried fingerprints: the clip list only
-        if list_changed:
-            raise UserError(f"{where} (files were added, removed or renamed in the dataset folders since); restore "
-                            "the data or start a new run")
-        return ()
-    diff = compare_data(saved_files, file_fingerprints(data.clips), caption_files(data.clips))
-    if diff.added or diff.removed or list_changed:
-        parts = [f"{kind}: {name_some(files)}" for kind, files in
-                 (("added", diff.added), ("removed", diff.removed), ("changed", diff.changed)) if files]
-        if not (diff.added or diff.removed):
-            parts.append("the clips cut from the media differ" if diff.changed else "the clip order differs")
-        raise UserError(f"{where}; " + "; ".join(parts) + " (its data position counts the clips it was saved "
-                        "with: restore the data or start a new run)")
-    if diff.changed and not allow_changes:
-        raise UserError(f"{where}: {len(diff.changed)} file(s) changed since it was saved: {name_some(diff.changed)}"
-                        "; restore them, start a new run, or pass --allow-data-changes to train on them as they are "
-                        "now (the change is recorded in the event log)")
-    if diff.changed:
-        log.warning("data_changed_on_resume", checkpoint=str(point.checkpoint), changed=list(diff.changed))
-    return diff.changed
-
-
 def prepare(cfg: Any, *, config_dir: Path | None = None, resume: str | Path | None = None,
             allow_data_changes: bool = False, config_file: Path | None = None) -> PreparedRun:
-    """Validate everything a run needs, in the order a user pays for it (cheap checks first), writing nothing.
-    ``allow_data_changes``: resume on media whose content or caption changed since the checkpoint (``_check_data``).
+    """Validate everything a run needs, writing nothing, then load it. The pre-flight (``app.run_plan.plan_run``,
+    one call) judges the config, the launch, the data, the checkpoint to resume and the model files, in the order
+    a user pays for them (cheap first); then the encoders fill the cache and the model loads as it planned.
+    ``allow_data_changes``: resume on media whose content or caption changed since the checkpoint.
     ``config_file``: the file ``cfg`` was loaded from (recorded in the run directory; ``--resume auto`` continues
     only a run of the same file).
     """
-    if cfg.run.run_id is not None:
-        sanitize_run_id(cfg.run.run_id)
-    plain = to_plain(cfg)
     topology = detect_topology()
-    # the pre-flight: every capability's problems with this config on this launch, all at once, before anything
-    # is loaded or written (app.preflight lists the capabilities)
-    refuse(problems(cfg, Machine.here(world_size=topology.world_size, resuming=resume is not None)))
-    extra_observers = resolve_extra_observers(cfg, config_dir)
-    if cfg.observers.wandb:
-        require_wandb()
-    point, held = None, []
-    if resume is not None:
-        point = load_resume_point(resume, cfg, plain, expect=_schema_check(topology.rank), config_file=config_file)
-        refuse_links(point.run_dir)  # a resume appends there: never through a link to elsewhere
-        # fsdp resumes on another number of ranks; inside expert groups it does not (each rank's group, its
-        # leader's state and its data shard follow from the world size)
-        check_resume_world_size(point, topology.world_size, expert_groups=cfg.model.expert_groups,
-                                sharded=cfg.model.parallel == "fsdp" and cfg.model.expert_groups <= 1)
-        if topology.is_main:  # refused here, before the model loads, when another process writes the run
-            held.append(lock_run_dir(point.run_dir))
+    plan = plan_run(cfg, topology, config_dir=config_dir, resume=resume, allow_data_changes=allow_data_changes,
+                    config_file=config_file)
     try:
-        prepared = _prepare_rest(cfg, plain, config_dir, topology, extra_observers, point, held, allow_data_changes)
+        prepared = _load(plan, config_dir, topology, allow_data_changes)
         return attrs.evolve(prepared, config_file=config_file)
     except BaseException:
-        for lock in held:
-            lock.release()
+        plan.release()
         raise
 
 
-def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topology: Any,
-                  extra_observers: list[type], point: ResumePoint | None, held: list[RunDirLock],
-                  allow_data_changes: bool) -> PreparedRun:
-    notes = parallel_notes(cfg, topology.world_size)
-    device = resolve_device(cfg.train.device)
-    if topology.distributed and device.type == "cuda":
-        device = torch.device("cuda", topology.local_rank)  # one GPU per rank
-        torch.cuda.set_device(device)
-    check_optimizer(cfg.optimizer, device)  # one trial step: a backend that cannot run on the device refuses here
+def _load(plan: RunPlan, config_dir: Path | None, topology: Any, allow_data_changes: bool) -> PreparedRun:
+    """What :func:`prepare` loads once the plan holds: the cache (one process: the encoders first, released
+    before the experts load; torchrun: in execute(), rank 0 first), the adapter, the resumed checkpoint's tensors
+    against it, the ranks' syncs and the layouts applied to the experts."""
+    cfg, data, device, groups, point, held = plan.cfg, plan.data, plan.device, plan.groups, plan.point, plan.held
     spec = variant_spec(cfg.model.variant)
-    groups = expert_groups_of(cfg.model.expert_groups, topology)  # a launch that cannot split: refused here
-    trained = cfg.model.trained_experts  # the run's (every group's), for the sections' checks
-    if groups is not None:  # this rank trains its group's expert alone, as a one-expert run of it would
-        model_cfg, lora_cfg = expert_group_config(cfg.model, cfg.lora, groups.group)
-        cfg = attrs.evolve(cfg, model=model_cfg, lora=lora_cfg)
-    data = build_dataset(cfg.data, spec=spec, seed=cfg.run.seed, batch_size=cfg.train.batch_size)
-    check_sections(cfg.validation, cfg.sample, spec, trained)
-    validation_data = build_validation_data(cfg, spec, cfg.run.seed) if cfg.validation.enabled else None
-    # the data-parallel rank: its place in its expert group, or its sequence group's (whose ranks share samples)
-    sequence = cfg.model.sequence_degree
-    data.shard(*((groups.rank_in_group, groups.size) if groups else
-                 (topology.rank // sequence, topology.world_size // sequence)))
-    check_sequence_buckets(cfg, data.report.buckets)  # a bucket whose tokens do not split: refused here
-    given = cfg
-    if uses_epochs(cfg):
-        cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
-        check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
-    data_changes: tuple[str, ...] = ()
-    # logged once the run's log exists (config_warning)
-    data.report.warnings.extend([*config_warnings(cfg, given), *notes, *data_warnings(data)])
-    if point is not None:
-        if cfg.train.max_steps < point.step:  # it would report "completed" at more than 100 %
-            raise UserError(f"train.max_steps = {cfg.train.max_steps} is below the step of checkpoint "
-                            f"'{point.checkpoint}' ({point.step}): the run is already past it; resume with "
-                            f"--max-steps {point.step + 1} or more to train on (its LoRA files are in the run "
-                            "directory)")
-        data_changes = _check_data(point, data, allow_data_changes)
     torch.manual_seed(cfg.run.seed)
-    speed_plan(cfg, data, device)  # a kernel or compile this device cannot run: refused here, one line
-    if cfg.model.compile != "off":
-        use_cache_dir(compile_cache_dir(data))
-    model_cfg = plan_memory(cfg, data)  # a budget nothing fits is refused here, before the adapter loads
-    # One process: the encoders first, released before the experts load (torchrun: in execute(), rank 0 first).
+    if plan.compile_cache is not None:
+        use_cache_dir(plan.compile_cache)
     # A model the adapter will not build on this device (fp8 on a CPU) is refused by build_adapter first, before
     # any cache entry is written.
-    refused = model_cfg.base_dtype in FP8_DTYPES and device.type not in FP8_DEVICE_TYPES
+    refused = plan.model.base_dtype in FP8_DTYPES and device.type not in FP8_DEVICE_TYPES
     encoded = None if topology.distributed or refused else encode_before_the_experts(
-        cfg, model_cfg, data, validation_data, device, extra_observers)
+        cfg, plan.model, data, plan.validation_data, device, plan.extra_observers)
     sharded = cfg.model.parallel == "fsdp" and topology.distributed
     # sharded: the weights are read by one rank (rank 0, or with expert groups each group's leader), on meta elsewhere
     source = groups.is_leader if groups is not None else topology.is_main
-    adapter = build_adapter(model_cfg, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr,
+    adapter = build_adapter(plan.model, cfg.lora, seed=cfg.run.seed, device=device, base_lr=cfg.optimizer.lr,
                             shard_load=("rank0" if source else "meta") if sharded else None,
-                            waiting_folder=waiting_experts_dir(data))
-    for observer_class in extra_observers:  # a capability the model lacks: refused before the run directory exists
+                            waiting_folder=plan.waiting_folder)
+    for observer_class in plan.extra_observers:  # a capability the model lacks: refused before the run dir exists
         check_needs(observer_class.__name__, adapter, needs=getattr(observer_class, "needs", ()))
+    data_changes = plan.data_changes
     if point is not None:  # the tensors against the model: one that does not fit is damage (auto: an older one)
-        confirmed = confirm_resume_point(point, plain, _run_check(adapter, topology.rank))
+        confirmed = confirm_resume_point(point, plan.plain, _run_check(adapter, topology.rank))
         if confirmed is not point:
             point = confirmed
             refuse_links(point.run_dir)
             if held and held[-1].run_dir != point.run_dir:  # an older run's checkpoint: lock that run instead
                 held[-1].release()
                 held.append(lock_run_dir(point.run_dir))
-            data_changes = _check_data(point, data, allow_data_changes)
+            data_changes = check_resume_data(point, data, allow_data_changes)
     if point is not None:
         regrouped = check_resume_world_size(point, topology.world_size, expert_groups=groups.count if groups else 1,
                                             sharded=cfg.model.parallel == "fsdp" and groups is None)
@@ -622,6 +517,7 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
     if cfg.sample.enabled and groups is not None and topology.is_main:  # the other group's expert: relayed there
         for expert, relay in sync.relays().items():
             adapter.add_relayed_expert(expert, RelayedExpert(relay))
+    sequence = cfg.model.sequence_degree
     if sequence > 1:  # Ulysses: each rank of a sequence group holds 1/sequence of every clip's tokens
         split_sequences(adapter, device, topology.world_size, sequence)
         sync.split_sequences(sequence)
@@ -629,8 +525,8 @@ def _prepare_rest(cfg: Any, plain: dict[str, Any], config_dir: Path | None, topo
         shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree, sequence,
                       sync if groups is not None else None)
         sync.shard()
-    return PreparedRun(cfg, plain, config_dir, device, data, adapter, extra_observers, point,
-                       validation_data=validation_data, sync=sync, data_changes=data_changes,
+    return PreparedRun(cfg, plan.plain, config_dir, device, data, adapter, plan.extra_observers, point,
+                       validation_data=plan.validation_data, sync=sync, data_changes=data_changes,
                        lock=held[-1] if held else None, encoded=encoded)
 
 
@@ -665,21 +561,3 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
             sharding.load_from_rank0(transformer, source, device)
         else:
             sharding.load_from_leader(transformer, source, device, mesh, group=groups.group_process_group)
-
-
-def build_validation_data(cfg: Any, spec: Any, seed: int) -> TrainingData:
-    """The validation clips of ``cfg.validation`` (a ``RunConfig``) as a ``TrainingData`` of one-clip batches in
-    folder order: ``validation.path`` read with the ``[data]`` settings, or the first ``from_training`` training
-    clips; at most ``max_clips``. Decodes nothing (:func:`prepare` calls it: a missing or empty folder
-    is refused before the run directory exists)."""
-    v = cfg.validation
-    if v.path is not None:
-        data_cfg = attrs.evolve(cfg.data, path=v.path, metadata=None, datasets=[], repeats=1)
-    else:
-        data_cfg = attrs.evolve(cfg.data, datasets=[attrs.evolve(d, repeats=1) for d in cfg.data.datasets],
-                                repeats=1)
-    data_cfg = attrs.evolve(data_cfg, shuffle=False, remainder="smaller_batch")
-    full = build_dataset(data_cfg, spec=spec, seed=seed, batch_size=1, warn_skipped=v.path is not None)
-    limit = min(v.max_clips, v.from_training or v.max_clips)
-    return TrainingData(full.clips[:limit], full.report, batch_size=1, remainder="smaller_batch", shuffle=False,
-                        seed=seed, spec=spec, draw_captions=False)

@@ -2,7 +2,7 @@
 
 ``load_config(path, overrides)`` reads a TOML file, applies ``--set a.b=value`` overrides, and validates every
 section (``wantrain.core.config`` explains the error messages). ``docs/config.md`` is generated from this schema
-by ``python -m wantrain.app.config`` and a test keeps it in sync.
+by ``python -m wantrain.app.compose`` (with the compose tables) and a test keeps it in sync.
 """
 
 from __future__ import annotations
@@ -282,10 +282,12 @@ def to_plain(cfg: RunConfig) -> dict[str, Any]:
     return unstructure(cfg)
 
 
-def reference_markdown() -> str:
+def reference_markdown(compose_table: str) -> str:
+    """docs/config.md: the keys of every section, ``compose_table`` (``app.compose.compose_markdown``: the pairs
+    the pre-flight refuses), then the peers' keys. ``python -m wantrain.app.compose`` writes it."""
     header = (
         "# Config reference\n\n"
-        "Generated from the schema by `python -m wantrain.app.config > docs/config.md`; a test keeps it in sync.\n"
+        "Generated from the schema by `python -m wantrain.app.compose`; a test keeps it in sync.\n"
         "Every key is checked: an unknown or misplaced key, a wrong type or an out-of-range value stops wantrain\n"
         "with one line naming the key and what would be valid (exit code 2). `--set section.key=value` overrides\n"
         "any key from the command line (the value is read as TOML; a bare word is a string). A relative path is\n"
@@ -298,10 +300,4 @@ def reference_markdown() -> str:
         "1 is refused for the optimizers whose `lr` is the step size itself (every type but `prodigy`, whose `lr`\n"
         "is a multiplier of about 1); a plan that no accelerator's memory holds is refused by `check` and `run`.\n\n"
     )
-    from wantrain.app.preflight import compose_markdown
-
-    return header + config_reference(RunConfig) + "\n" + compose_markdown() + "\n" + table_markdown()
-
-
-if __name__ == "__main__":
-    print(reference_markdown(), end="")
+    return header + config_reference(RunConfig) + "\n" + compose_table + "\n" + table_markdown()

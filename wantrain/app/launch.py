@@ -165,3 +165,64 @@ def sequence_bucket_problems(cfg: Any, buckets: Any) -> list[Problem]:
 def check_sequence_buckets(cfg: Any, buckets: Any) -> None:
     """:func:`sequence_bucket_problems` refused."""
     refuse(sequence_bucket_problems(cfg, buckets))
+def planned_layout(cfg: Any, **degrees: int) -> Any:
+    """``wantrain check --gpus N ...``'s layout (``rank_plan.Layout``), checked against the model: one line naming
+    what is wrong (a sequence degree not dividing the heads, ...)."""
+    from wantrain.models.wan22.rank_plan import Layout, check_layout
+
+    layout = Layout(**degrees)
+    check_layout(cfg.model.variant, layout)
+    return layout
+
+
+def expert_group_lines(cfg: Any, gpus: int | None) -> list[str]:
+    """``wantrain check``: with ``model.expert_groups``, which ranks train which expert (``models.wan22.placement``);
+    with ``model.parallel = "fsdp"`` too, which ranks shard each expert and which rank loads it."""
+    from wantrain.models.wan22.placement import expert_group_lines as lines
+    from wantrain.models.wan22.variants import VARIANTS
+
+    out = lines(cfg.model, gpus)
+    count = cfg.model.expert_groups
+    if not out or cfg.model.parallel != "fsdp" or gpus is None or gpus % count:
+        return out
+    size = gpus // count
+    degree = cfg.model.shard_degree or size
+    out.append(f"sharding: FSDP inside each expert group (model.parallel = 'fsdp', {degree} GPU(s) per copy of the "
+               "expert); each group loads its expert from its first rank, the others start on meta:")
+    for g, expert in enumerate(VARIANTS[cfg.model.variant].experts):
+        first = g * size
+        copies = [f"{c}..{c + degree - 1}" if degree > 1 else str(c) for c in range(first, first + size, degree)]
+        out.append(f"  {expert}: loaded on rank {first}, sharded over ranks " + " and ".join(copies)
+                   + (f" ({len(copies)} copies, replicated: HSDP)" if len(copies) > 1 else "")
+                   + f", each rank holding 1/{degree} of it")
+    return out
+
+
+def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
+    """``wantrain check --gpus N ...``: the plan per GPU of ``layout`` (``models.wan22.rank_plan``) for the largest
+    bucket of ``report`` (a ``preflight_report``), part by part. ``wantrain run`` trains the data-parallel, the
+    FSDP (``model.parallel``), the expert-group (``model.expert_groups``) and the sequence-parallel
+    (``model.sequence_degree``, data parallel across the groups) layouts under torchrun, FSDP with a sequence
+    degree and FSDP inside expert groups; expert groups with a sequence degree are planned only
+    (docs/distributed.md)."""
+    from wantrain.app.memory_plan import trained_rank
+    from wantrain.models.wan22.rank_plan import rank_estimate
+
+    bucket = (report.memory_plan or {}).get("bucket")
+    if bucket is None:
+        return []
+    width, height, frames = (int(x) for x in bucket.split("x"))
+    estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
+                             rank=trained_rank(cfg), batch=cfg.train.batch_size)
+    # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses, each alone, Ulysses with
+    # fsdp (the sequence groups folded into the shard dimension) and fsdp inside expert groups
+    runs = layout.expert_groups == 1 or layout.sequence_degree == 1
+    status = "trainable under torchrun" if runs else "planned, not yet trainable"
+    lines = [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
+             *("  " + line for line in estimate.lines())]
+    if layout.shard_degree > 1:  # the load's peak: each GPU's shards and one whole tensor, rank 0's host copy
+        from wantrain.models.wan22.rank_plan import load_peak
+
+        lines.append("  " + load_peak(cfg.model.variant, layout.shard_degree, trained_rank(cfg)).line(
+            layout.shard_degree, layout.expert_groups))
+    return lines

@@ -1,7 +1,7 @@
 """What the several-GPU layouts cannot run with, read from the whole config (docs/distributed.md, "What composes").
 
 :func:`problems` is the layouts' one list of config-only refusals that span sections (the model's own keys are
-refused by ``models.wan22.config``; what depends on the launch's size by ``app.preflight.check_parallel``): each
+refused by ``models.wan22.config``; what depends on the launch's size by ``app.launch.check_parallel``): each
 entry is one line naming the pair, why it fails and what would run. ``RunConfig`` refuses them when the config
 is read, so ``wantrain check`` and ``wantrain run`` stop before anything loads or a run directory exists.
 """

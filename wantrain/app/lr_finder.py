@@ -34,8 +34,9 @@ import attrs
 import structlog
 import torch
 
-from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome, build_validation_data
+from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome
 from wantrain.app.config import to_plain
+from wantrain.app.run_plan import build_validation_data
 from wantrain.core.checkpoint import copy_tree
 from wantrain.data import ensure_cache
 from wantrain.models.wan22.variants import variant_spec

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wantrain.app.preflight import describe_entries, fill_cache, remove_entries
+    from wantrain.app.cache import describe_entries, fill_cache, remove_entries
 
     stats, report = fill_cache(load_run_config(args))
     print(stats.format())

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wantrain.app.preflight import MissingModelFiles, NoUsableSample, alpha_schedule_lines, preflight_report
+    from wantrain.app.notes import alpha_schedule_lines
+    from wantrain.app.preflight import MissingModelFiles, NoUsableSample, preflight_report
     from wantrain.core.errors import UserError
 
     cfg = load_run_config(args)
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = plan_for_card(cfg, args.vram_gb)
     layout = None
     if args.gpus is not None:  # refused first, before the data is probed
-        from wantrain.app.preflight import check_parallel, planned_layout
+        from wantrain.app.launch import check_parallel, planned_layout
 
         for line in check_parallel(cfg, args.gpus):  # model.parallel against N ranks, as `wantrain run` would
             print(f"warning: {line}")
@@ -84,7 +85,7 @@ def plan_for_card(cfg, gib: float):
 
 def _print_placement(cfg, gpus) -> None:
     """``model.expert_groups``: which ranks train which expert (and, sharded, which load and shard it)."""
-    from wantrain.app.preflight import expert_group_lines
+    from wantrain.app.launch import expert_group_lines
 
     for line in expert_group_lines(cfg, gpus):
         print(line)
@@ -93,7 +94,7 @@ def _print_placement(cfg, gpus) -> None:
 def _print_layout(cfg, report, layout) -> None:
     """``--gpus N``: the plan per GPU of the layout, the load's peak under FSDP included."""
     if layout is not None:
-        from wantrain.app.preflight import layout_lines
+        from wantrain.app.launch import layout_lines
 
         print("\n".join(layout_lines(cfg, report, layout)))
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,7 @@ from typing import Any, Literal
 import attrs
 
 from wantrain.core.errors import ConfigError
-from wantrain.core.problems import Problem, Refused, collecting
+from wantrain.core.problems import VALUE, Problem, Refused, collecting
 
 _DOC = "wantrain_doc"
 _RANGE = "wantrain_range"
@@ -307,6 +308,12 @@ def _fmt(value: Any) -> str:
     return repr(value)
 
 
+def _unindexed(key: str) -> str:
+    """``key`` without its list indices (``data.datasets[0].path`` -> ``data.datasets.path``): a rule reads a
+    table's key of every item."""
+    return re.sub(r"\[\d+\]", "", key)
+
+
 class _Structurer:
     """Walks a TOML document along a root section type. Holds the schema index for misplaced-key hints."""
 
@@ -429,10 +436,12 @@ class _Structurer:
         self.errors.append(message)
         self.error_keys.append(key)
 
-    def reads_wrong_key(self, problem: Any) -> bool:
-        """Whether ``problem`` (a rule across keys) reads a key the document got wrong (its default stood in)."""
-        wrong = [k for k in self.error_keys if k]
-        return any(k == w or k.startswith(w + ".") or w.startswith(k + ".") for k in problem.keys for w in wrong) \
+    def reads_wrong_key(self, problem: Any, bad_values: Sequence[str] = ()) -> bool:
+        """Whether ``problem`` (a rule across keys) reads a key the document got wrong (its default stood in), or
+        one of ``bad_values`` (keys a section refused the value of: the rule would judge that value)."""
+        wrong = [_unindexed(k) for k in (*self.error_keys, *bad_values) if k]
+        keys = [_unindexed(k) for k in problem.keys]
+        return any(k == w or k.startswith(w + ".") or w.startswith(k + ".") for k in keys for w in wrong) \
             or "" in self.error_keys
 
     def value(self, tp: Any, value: Any, path: str, f: attrs.Attribute | None = None) -> Any:
@@ -529,11 +538,12 @@ def structure(root: type, data: Mapping[str, Any],
             built = walker.structure(root, data, "")
         except ConfigError as exc:
             walker.fail("", str(exc))
+    bad_values = [k for p in rules if p.rule == VALUE for k in p.keys]  # a section's own refusal of a value
     problems = [*found, *(Problem(keys=(key,) if key else (), what=message)
                           for key, message in zip(walker.error_keys, walker.errors, strict=True) if message),
-                *(p for p in rules if not walker.reads_wrong_key(p))]
+                *(p for p in rules if not walker.reads_wrong_key(p, () if p.rule == VALUE else bad_values))]
     if problems:
-        raise Refused(problems)
+        raise Refused(dict.fromkeys(problems))  # a section built twice (evolved by a rule) reports once
     return built
 
 

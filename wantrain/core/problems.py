@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import attrs
 
@@ -111,6 +112,32 @@ def refuse(problems: Iterable[Problem]) -> None:
         found.extend(problems)
         return
     raise Refused(problems)
+
+
+VALUE = "value"
+"""The ``rule`` of a value a section refuses by itself (:func:`bad_value`): no declared rule across keys, the key's
+own check."""
+
+
+def bad_value(key: str, what: str) -> Problem:
+    """A value a section refuses by itself at construction (its own check of one key, or of its keys together),
+    as a problem instead of a raise: ``key`` the config key (``data.frames``), ``what`` the one line naming it and
+    what would be valid. The section is still built, so the loader judges its other keys and the rules across
+    sections too; a rule reading ``key`` is dropped there (it would judge the bad value), as for a wrong type."""
+    return Problem(keys=(key,), what=what, rule=VALUE)
+
+
+def asked(check: Callable[..., Iterable[Problem]], *args: Any) -> list[Problem]:
+    """The problems of one rule function, ``check(*args)``. Inside :func:`collecting` with a value already refused
+    (:func:`bad_value`), a rule that fails on the section holding it is dropped, as the loader drops a rule that
+    reads a refused key: it tripped on that value (reported already). Anywhere else its exception is a bug, raised."""
+    try:
+        return list(check(*args))
+    except Exception:
+        found = _found.get()
+        if found is not None and any(p.rule == VALUE for p in found):
+            return []
+        raise
 
 
 def as_problem(exc: ConfigError | str, keys: tuple[str, ...] = (), rule: str = "") -> Problem:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from wantrain.core.config import Rule, above, at_least, between, section, setting
-from wantrain.core.errors import ConfigError
+from wantrain.core.problems import bad_value, refuse
 from wantrain.core.rundir import SAFE_NAME_RULE, is_safe_name
 
 # run.name and run.run_id become parts of file and folder names: the same rule keeps both inside the output folder.
@@ -75,12 +75,17 @@ class TrainConfig:
     )
 
     def __attrs_post_init__(self) -> None:
+        """Its keys' problems together (``core.problems.refuse``: collected by the loader, raised in code), then
+        the default length when neither is set."""
+        found = []
         if self.max_steps is not None and self.max_epochs is not None:
-            raise ConfigError(f"config keys 'train.max_steps' = {self.max_steps} and 'train.max_epochs' = "
-                              f"{self.max_epochs} are both set; give exactly one (the run length in optimizer steps "
-                              "or in epochs)")
+            found.append(bad_value("train.max_epochs", f"config keys 'train.max_steps' = {self.max_steps} and "
+                                   f"'train.max_epochs' = {self.max_epochs} are both set; give exactly one (the run "
+                                   "length in optimizer steps or in epochs)"))
         if self.save_every is not None and self.save_every_epochs is not None:
-            raise ConfigError("config keys 'train.save_every' and 'train.save_every_epochs' are both set; give one")
+            found.append(bad_value("train.save_every_epochs", "config keys 'train.save_every' and "
+                                   "'train.save_every_epochs' are both set; give one"))
+        refuse(found)
         if self.max_steps is None and self.max_epochs is None:
             object.__setattr__(self, "max_steps", 100)  # the default length
 

@@ -19,7 +19,7 @@ from typing import Literal
 import attrs
 
 from wantrain.core.config import above, at_least, between, section, setting
-from wantrain.core.errors import ConfigError
+from wantrain.core.problems import Problem, bad_value, refuse
 from wantrain.data.captions import CaptionSettings
 
 ClipMode = Literal["head", "uniform", "slide"]
@@ -28,32 +28,30 @@ CaptionVariants = Literal["whole", "lines"]
 DEFAULT_ASPECT_RATIOS = (0.5, 0.5625, 0.6667, 0.75, 1.0, 1.3333, 1.5, 1.7778, 2.0)  # 1:2 ... 9:16, 3:4, 1:1 ... 2:1
 
 
-def _check_frames(where: str, frames: list[int] | None) -> None:
+def _frames_problems(where: str, frames: list[int] | None) -> list[Problem]:
     if frames is None:
-        return
+        return []
     if not frames:
-        raise ConfigError(f"config key '{where}' is empty; give frame counts of the form 4k+1 (1, 5, 9, ..., 81)")
+        return [bad_value(where, f"config key '{where}' is empty; give frame counts of the form 4k+1 (1, 5, 9, ..., "
+                                 "81)")]
     bad = [f for f in frames if f < 1 or (f - 1) % 4]
     if bad:
-        raise ConfigError(
-            f"config key '{where}' = {frames!r}: {bad[0]} is not of the form 4k+1; "
-            "valid counts are 1, 5, 9, 13, ..., 81"
-        )
+        return [bad_value(where, f"config key '{where}' = {frames!r}: {bad[0]} is not of the form 4k+1; valid counts "
+                                 "are 1, 5, 9, 13, ..., 81")]
+    return []
 
 
-def _check_metadata_suffix(where: str, path: Path | None) -> None:
+def _metadata_problems(where: str, path: Path | None) -> list[Problem]:
     if path is not None and path.suffix.lower() not in (".jsonl", ".csv"):
-        raise ConfigError(f"config key '{where}' = '{path}' is neither a .jsonl nor a .csv file")
+        return [bad_value(where, f"config key '{where}' = '{path}' is neither a .jsonl nor a .csv file")]
+    return []
 
 
-def _check_resolutions(where: str, resolutions: list[int] | None) -> None:
-    if resolutions is None:
-        return
-    if not resolutions or any(r < 16 for r in resolutions):
-        raise ConfigError(
-            f"config key '{where}' = {resolutions!r}: give one or more square sides of at least 16 pixels "
-            "(each is an area budget: 512 means 512*512 pixels per frame)"
-        )
+def _resolutions_problems(where: str, resolutions: list[int] | None) -> list[Problem]:
+    if resolutions is not None and (not resolutions or any(r < 16 for r in resolutions)):
+        return [bad_value(where, f"config key '{where}' = {resolutions!r}: give one or more square sides of at least "
+                                 "16 pixels (each is an area budget: 512 means 512*512 pixels per frame)")]
+    return []
 
 
 @section
@@ -82,12 +80,15 @@ class DatasetConfig:
                                     range=at_least(0))
 
     def __attrs_post_init__(self) -> None:
+        """Its values' problems, collected (``core.problems.refuse``: raised outside the loader)."""
+        found = []
         if (self.path is None) == (self.metadata is None):
-            raise ConfigError("a [[data.datasets]] table needs exactly one of 'path' (a folder of media with caption "
-                              "files) and 'metadata' (a .jsonl or .csv file listing them)")
-        _check_metadata_suffix("data.datasets.metadata", self.metadata)
-        _check_frames(f"data.datasets (path = {str(self.source)!r}).frames", self.frames)
-        _check_resolutions(f"data.datasets (path = {str(self.source)!r}).resolutions", self.resolutions)
+            found.append(bad_value("data.datasets", "a [[data.datasets]] table needs exactly one of 'path' (a folder "
+                                   "of media with caption files) and 'metadata' (a .jsonl or .csv file listing them)"))
+        where = f"data.datasets (path = {str(self.source)!r})"
+        refuse([*found, *_metadata_problems("data.datasets.metadata", self.metadata),
+                *_frames_problems(f"{where}.frames", self.frames),
+                *_resolutions_problems(f"{where}.resolutions", self.resolutions)])
 
     @property
     def source(self) -> Path:
@@ -169,24 +170,24 @@ class DataConfig:
     tag_separator: str = setting(",", doc="What separates the tags of a caption (for `tag_shuffles`).")
 
     def __attrs_post_init__(self) -> None:
+        """Its values' problems, every one (``core.problems.refuse``: collected by the loader, raised in code)."""
+        found = []
         if self.path is not None and self.datasets:
-            raise ConfigError(
-                "config keys 'data.path' and '[[data.datasets]]' are both set; use 'data.path' for one folder "
-                "or one [[data.datasets]] table per folder, not both"
-            )
+            found.append(bad_value("data.path", "config keys 'data.path' and '[[data.datasets]]' are both set; use "
+                                   "'data.path' for one folder or one [[data.datasets]] table per folder, not both"))
         if self.metadata is not None and (self.path is not None or self.datasets):
-            raise ConfigError("config key 'data.metadata' is set with 'data.path' or '[[data.datasets]]'; give one "
-                              "dataset as 'data.path' or 'data.metadata', or one [[data.datasets]] table each")
-        _check_metadata_suffix("data.metadata", self.metadata)
-        _check_frames("data.frames", self.frames)
-        _check_resolutions("data.resolutions", self.resolutions)
+            found.append(bad_value("data.metadata", "config key 'data.metadata' is set with 'data.path' or "
+                                   "'[[data.datasets]]'; give one dataset as 'data.path' or 'data.metadata', or one "
+                                   "[[data.datasets]] table each"))
+        found += [*_metadata_problems("data.metadata", self.metadata), *_frames_problems("data.frames", self.frames),
+                  *_resolutions_problems("data.resolutions", self.resolutions)]
         if not self.tag_separator.strip():
-            raise ConfigError("config key 'data.tag_separator' is empty or blank; give the character that separates "
-                              "tags, for example \",\"")
+            found.append(bad_value("data.tag_separator", "config key 'data.tag_separator' is empty or blank; give the "
+                                   "character that separates tags, for example \",\""))
         if not self.aspect_ratios or any(r <= 0 for r in self.aspect_ratios):
-            raise ConfigError(
-                f"config key 'data.aspect_ratios' = {self.aspect_ratios!r}: give positive width/height ratios"
-            )
+            found.append(bad_value("data.aspect_ratios", f"config key 'data.aspect_ratios' = {self.aspect_ratios!r}: "
+                                   "give positive width/height ratios"))
+        refuse(found)
 
     def dataset_list(self) -> list[DatasetConfig]:
         """The datasets of either form; empty when neither ``path`` nor ``datasets`` is set."""

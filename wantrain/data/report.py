@@ -55,8 +55,8 @@ class PreflightReport:
     source_frames_total: int = 0
     frames_left_over: int = 0
     steps_per_epoch: int = 0
-    memory_plan: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.preflight.plan_memory, part by part
-    host_memory: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.preflight.host_memory, part by part
+    memory_plan: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.memory_plan.plan_memory, part by part
+    host_memory: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.memory_plan.plan_host, part by part
     verification: list[dict[str, Any]] = attrs.field(factory=list)  # appended while decoding
     # texts per medium, distinct texts to encode, expected share of samples trained with the empty prompt
     captions: dict[str, Any] = attrs.field(factory=dict)
@@ -64,7 +64,7 @@ class PreflightReport:
     epochs: dict[str, Any] = attrs.field(factory=dict)
     # what the run loads from where, one line per part (filled by `wantrain check`; a problem is its one line)
     model_files: list[str] = attrs.field(factory=list)
-    speed: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.preflight.speed_plan: kernel and compile
+    speed: dict[str, Any] = attrs.field(factory=dict)  # wantrain.app.device_plan.speed_plan: kernel and compile
     # one line each, about the config against this plan (an expert that gets no step: wantrain.app.epochs); `run`
     # logs them as `config_warning`, `check` prints them last
     warnings: list[str] = attrs.field(factory=list)

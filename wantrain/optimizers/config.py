@@ -23,6 +23,7 @@ from typing import Any
 
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.core.problems import Problem, bad_value, refuse
 from wantrain.core.trust import FLAG, code_allowed, refusal
 from wantrain.optimizers.registry import (
     COMMON_KEYS,
@@ -78,7 +79,10 @@ class OptimizerConfig:
     )
 
     def __attrs_post_init__(self) -> None:
-        defaults = _validate(self)
+        """Every problem of the section (``core.problems.refuse``: collected by the loader, raised in code), then
+        the unset common keys take the type's defaults."""
+        defaults, found = _validate(self)
+        refuse(found)
         for key, value in defaults.items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)  # frozen section: resolved once, at construction
@@ -118,28 +122,34 @@ def _valid_keys(cfg: OptimizerConfig, params: list[str]) -> list[str]:
     return ["type", *common, *[p for p in params if p not in mapped and p not in refused]]
 
 
-def _validate(cfg: OptimizerConfig) -> dict[str, Any]:
-    """Check the section; return the defaults of its unset common keys."""
+def _validate(cfg: OptimizerConfig) -> tuple[dict[str, Any], list[Problem]]:
+    """Check the section: the defaults of its unset common keys and every problem found (a check that needs the
+    class stops at a type or class that cannot be resolved)."""
+    found: list[Problem] = []
     if cfg.type not in TYPE_NAMES:
         close = difflib.get_close_matches(cfg.type, TYPE_NAMES, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "valid types: " + ", ".join(TYPE_NAMES)
-        raise ConfigError(f"{TABLE}.type = {cfg.type!r} is not an optimizer type; {hint}")
+        return {}, [bad_value(f"{TABLE}.type", f"{TABLE}.type = {cfg.type!r} is not an optimizer type; {hint}")]
     if cfg.type != EXTERNAL:
         for key, name in (("class_path", "class"), ("allow_external_code", "allow_external_code")):
             if getattr(cfg, key):
-                raise ConfigError(f"{TABLE}.{name} applies only to type = 'external' (type is {cfg.type!r})")
+                found.append(bad_value(f"{TABLE}.{name}", f"{TABLE}.{name} applies only to type = 'external' (type "
+                                       f"is {cfg.type!r})"))
         spec = TYPES[cfg.type]
         defaults = spec.defaults
         try:
             cls = resolve_type_class(spec)
         except ImportError as exc:
-            raise ConfigError(str(exc)) from None
+            return {}, [*found, bad_value(f"{TABLE}.type", str(exc))]
         label = spec.label
     else:
         if cfg.class_path is None:
-            raise ConfigError(f"{TABLE}.class is required when type = 'external' (for example class = "
-                              "'torch.optim.SGD')")
-        cls = _resolve_external(cfg.class_path, cfg.allow_external_code)
+            return {}, [bad_value(f"{TABLE}.class", f"{TABLE}.class is required when type = 'external' (for example "
+                                  "class = 'torch.optim.SGD')")]
+        try:
+            cls = _resolve_external(cfg.class_path, cfg.allow_external_code)
+        except ConfigError as exc:
+            return {}, [bad_value(f"{TABLE}.class", str(exc))]
         defaults = _EXTERNAL_DEFAULTS
         label = cfg.class_path
     params = _signature(cls)
@@ -147,40 +157,48 @@ def _validate(cfg: OptimizerConfig) -> dict[str, Any]:
     for key in COMMON_KEYS:
         if getattr(cfg, key) is not None and cfg.type != EXTERNAL and key not in defaults:
             reason = TYPES[cfg.type].refused.get(key, "it has no such setting")
-            raise ConfigError(f"{TABLE}.{key} does not apply to type {cfg.type!r} ({reason}); valid keys: "
-                              + ", ".join(valid))
+            found.append(bad_value(f"{TABLE}.{key}", f"{TABLE}.{key} does not apply to type {cfg.type!r} ({reason}); "
+                                   "valid keys: " + ", ".join(valid)))
     if (cfg.beta1 is None) != (cfg.beta2 is None) and cfg.type == EXTERNAL:
-        raise ConfigError(f"{TABLE}.beta1 and {TABLE}.beta2 are passed together as betas to {label}; set both")
+        found.append(bad_value(f"{TABLE}.beta2", f"{TABLE}.beta1 and {TABLE}.beta2 are passed together as betas to "
+                               f"{label}; set both"))
     refused = {**RESERVED, **(TYPES[cfg.type].refused if cfg.type in TYPES else {})}
     for key, value in cfg.arguments.items():
         if key in refused:
-            raise ConfigError(f"{TABLE}.{key} cannot be set for {label}: {refused[key]}")
+            found.append(bad_value(f"{TABLE}.{key}", f"{TABLE}.{key} cannot be set for {label}: {refused[key]}"))
+            continue
         if key in COMMON_KEYS:
             continue
         if params is not None and key not in params:
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f"did you mean '{TABLE}.{close[0]}'? " if close else ""
-            raise ConfigError(f"{TABLE}.{key} is not an argument of {label}; {hint}valid keys: " + ", ".join(valid))
+            found.append(bad_value(f"{TABLE}.{key}", f"{TABLE}.{key} is not an argument of {label}; {hint}valid keys: "
+                                   + ", ".join(valid)))
+            continue
         bad = TYPES[cfg.type].refused_values.get(key) if cfg.type in TYPES else None
         if bad is not None and value == bad[0]:
-            raise ConfigError(f"{TABLE}.{key} = {value!r} is not supported for type {cfg.type!r}: {bad[1]}")
+            found.append(bad_value(f"{TABLE}.{key}", f"{TABLE}.{key} = {value!r} is not supported for type "
+                                   f"{cfg.type!r}: {bad[1]}"))
     if params is not None:
         given = {"lr", "weight_decay", "eps", "beta1", "betas"} | set(cfg.arguments)
         for key in ("weight_decay", "eps"):
             if cfg.type == EXTERNAL and getattr(cfg, key) is not None and key not in params:
-                raise ConfigError(f"{TABLE}.{key} is not an argument of {label}; valid keys: " + ", ".join(valid))
+                found.append(bad_value(f"{TABLE}.{key}", f"{TABLE}.{key} is not an argument of {label}; valid keys: "
+                                       + ", ".join(valid)))
         if cfg.type == EXTERNAL and cfg.beta2 is not None and "betas" not in params:
-            raise ConfigError(f"{TABLE}.beta1/beta2 do not apply to {label} (it takes no betas); valid keys: "
-                              + ", ".join(valid))
+            found.append(bad_value(f"{TABLE}.beta2", f"{TABLE}.beta1/beta2 do not apply to {label} (it takes no "
+                                   "betas); valid keys: " + ", ".join(valid)))
         required = [p for p in _required(cls) if p not in given]
         if required:
-            raise ConfigError(f"{TABLE}.{required[0]} is required by {label} (add it to the [{TABLE}] table)")
+            found.append(bad_value(f"{TABLE}.{required[0]}", f"{TABLE}.{required[0]} is required by {label} (add it "
+                                   f"to the [{TABLE}] table)"))
     try:
         check_lr_multiplier(cfg.type, f"{TABLE}.lr", cfg.lr)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    _trial_construction(cfg, cls, label, defaults)
-    return {k: v for k, v in defaults.items() if k in COMMON_KEYS}
+        found.append(bad_value(f"{TABLE}.lr", str(exc)))
+    if not found:  # the class over the section's values: only once the keys themselves hold
+        found += _trial_construction(cfg, cls, label, defaults)
+    return {k: v for k, v in defaults.items() if k in COMMON_KEYS}, found
 
 
 def _signature(cls: type) -> list[str] | None:
@@ -203,7 +221,7 @@ def _required(cls: type) -> list[str]:
     return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
-def _trial_construction(cfg: OptimizerConfig, cls: type, label: str, defaults: dict[str, Any]) -> None:
+def _trial_construction(cfg: OptimizerConfig, cls: type, label: str, defaults: dict[str, Any]) -> list[Problem]:
     """Build the class over a throwaway CPU tensor so that values it rejects are reported with the config."""
     import torch
 
@@ -213,7 +231,8 @@ def _trial_construction(cfg: OptimizerConfig, cls: type, label: str, defaults: d
         cls([torch.zeros(2, requires_grad=True)], **kwargs)
     except (TypeError, ValueError, KeyError, AssertionError) as exc:
         shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise ConfigError(f"{TABLE}: {label}({shown}) rejected its arguments: {exc}") from None
+        return [bad_value(TABLE, f"{TABLE}: {label}({shown}) rejected its arguments: {exc}")]
+    return []
 
 
 def is_allowed(class_path: str) -> bool:

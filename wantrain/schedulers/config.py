@@ -16,6 +16,7 @@ from typing import Any
 
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
+from wantrain.core.problems import Problem, bad_value, refuse
 
 # Errors name keys by the canonical table; the seed's [lr_scheduler_config] is the same table.
 TABLE = "lr_scheduler"
@@ -139,7 +140,8 @@ class SchedulerConfig:
     )
 
     def __attrs_post_init__(self) -> None:
-        _validate(self)
+        """Every problem of the section (``core.problems.refuse``: collected by the loader, raised in code)."""
+        refuse(_validate(self))
 
     def get(self, name: str) -> Any:
         """The value of a type-specific key, or its default when unset."""
@@ -161,26 +163,26 @@ def _types_reading(field: str) -> list[str]:
     return [t for t, keys in TYPE_KEYS.items() if field in keys]
 
 
-def _validate(cfg: SchedulerConfig) -> None:
+def _validate(cfg: SchedulerConfig) -> list[Problem]:
+    """Every problem of the section (a type that does not exist: that one alone, the others depend on it)."""
     if cfg.type not in TYPES:
         hint = _SEED_TYPE_HINTS.get(cfg.type)
         if hint is None:
             close = difflib.get_close_matches(cfg.type, TYPES, n=1)
             hint = f"did you mean {close[0]!r}?" if close else "valid types: " + ", ".join(TYPES)
-        raise ConfigError(f"{TABLE}.type = {cfg.type!r} is not a schedule type; {hint}")
-    _validate_warmup(cfg)
+        return [bad_value(f"{TABLE}.type", f"{TABLE}.type = {cfg.type!r} is not a schedule type; {hint}")]
+    found = _warmup_problems(cfg)
     if cfg.type == "external":
-        _validate_external(cfg)
-        return
+        return found + _external_problems(cfg)
     allowed = set(COMMON_KEYS) | set(TYPE_KEYS[cfg.type])
     for field in (*PASS_THROUGH_KEYS, "class_path"):
         if getattr(cfg, field) is not None and field not in allowed:
             where = " or ".join(repr(t) for t in _types_reading(field))
-            raise ConfigError(
-                f"{TABLE}.{_key_name(field)} does not apply to type {cfg.type!r}; it is a key of type {where}"
-            )
+            found.append(bad_value(f"{TABLE}.{_key_name(field)}", f"{TABLE}.{_key_name(field)} does not apply to "
+                                   f"type {cfg.type!r}; it is a key of type {where}"))
     if cfg.allow_external_code:
-        raise ConfigError(f"{TABLE}.allow_external_code applies only to type = 'external'")
+        found.append(bad_value(f"{TABLE}.allow_external_code",
+                               f"{TABLE}.allow_external_code applies only to type = 'external'"))
     for key in cfg.extra:
         valid = [_key_name(k) for k in (*COMMON_KEYS, *TYPE_KEYS[cfg.type])]
         close = difflib.get_close_matches(key, valid + [_key_name(k) for k in PASS_THROUGH_KEYS], n=1, cutoff=0.6)
@@ -191,50 +193,51 @@ def _validate(cfg: SchedulerConfig) -> None:
                 f"valid keys for type {cfg.type!r}: {', '.join(valid)} (arguments of a scheduler class need "
                 "type = 'external' and class = '...')"
             )
-        raise ConfigError(f"unknown config key '{TABLE}.{key}' for type {cfg.type!r}: {hint}")
+        found.append(bad_value(f"{TABLE}.{key}", f"unknown config key '{TABLE}.{key}' for type {cfg.type!r}: {hint}"))
     if cfg.type == "cosine_annealing_warm_restarts_decay":
         if cfg.T_mult is not None and cfg.T_mult < 1:
-            raise ConfigError(f"{TABLE}.T_mult = {cfg.T_mult!r} is out of range; expected >= 1 (cycles never shrink)")
+            found.append(bad_value(f"{TABLE}.T_mult", f"{TABLE}.T_mult = {cfg.T_mult!r} is out of range; expected "
+                                   ">= 1 (cycles never shrink)"))
         if cfg.T_0 is None:
-            raise ConfigError(
-                f"{TABLE}.T_0 is required for type 'cosine_annealing_warm_restarts_decay' "
-                "(optimizer steps of the first cycle, e.g. T_0 = 1000)"
-            )
+            found.append(bad_value(f"{TABLE}.T_0", f"{TABLE}.T_0 is required for type "
+                                   "'cosine_annealing_warm_restarts_decay' (optimizer steps of the first cycle, e.g. "
+                                   "T_0 = 1000)"))
         if cfg.gamma is not None and cfg.gamma > 1.0:
-            raise ConfigError(
-                f"{TABLE}.gamma = {cfg.gamma!r} is out of range; expected > 0 and <= 1 (the peak of cycle k is "
-                "base * gamma**k)"
-            )
+            found.append(bad_value(f"{TABLE}.gamma", f"{TABLE}.gamma = {cfg.gamma!r} is out of range; expected > 0 "
+                                   "and <= 1 (the peak of cycle k is base * gamma**k)"))
+    return found
 
 
-def _validate_warmup(cfg: SchedulerConfig) -> None:
+def _warmup_problems(cfg: SchedulerConfig) -> list[Problem]:
     w = cfg.warmup_steps
+    key = f"{TABLE}.warmup_steps"
     if w < 0:
-        raise ConfigError(f"{TABLE}.warmup_steps = {w!r} is out of range; expected >= 0")
+        return [bad_value(key, f"{TABLE}.warmup_steps = {w!r} is out of range; expected >= 0")]
     if isinstance(w, float) and w != 0.0 and not (0.0 < w < 1.0):
         if w.is_integer():
             example = f"warmup_steps = {int(w)}"
         else:
             example = "warmup_steps = 100"
-        raise ConfigError(
-            f"{TABLE}.warmup_steps = {w!r} is ambiguous; write an integer for a number of optimizer steps "
-            f"({example}) or a number between 0 and 1 for a fraction of the run (warmup_steps = 0.05)"
-        )
+        return [bad_value(key, f"{TABLE}.warmup_steps = {w!r} is ambiguous; write an integer for a number of "
+                               f"optimizer steps ({example}) or a number between 0 and 1 for a fraction of the run "
+                               "(warmup_steps = 0.05)")]
     if cfg.type == "external" and (w != 0 or cfg.warmup_start_factor is not None):
-        raise ConfigError(
-            f"{TABLE}.warmup_steps is not supported with type = 'external'; use the class's own warmup arguments "
-            "or a built-in type"
-        )
+        return [bad_value(key, f"{TABLE}.warmup_steps is not supported with type = 'external'; use the class's own "
+                               "warmup arguments or a built-in type")]
+    return []
 
 
-def _validate_external(cfg: SchedulerConfig) -> None:
+def _external_problems(cfg: SchedulerConfig) -> list[Problem]:
     from wantrain.schedulers.external import check_external
 
     if cfg.class_path is None:
-        raise ConfigError(
-            f"{TABLE}.class is required when type = 'external' (for example class = 'torch.optim.lr_scheduler.StepLR')"
-        )
-    check_external(cfg.class_path, cfg.external_arguments(), allow_external_code=cfg.allow_external_code)
+        return [bad_value(f"{TABLE}.class", f"{TABLE}.class is required when type = 'external' (for example class = "
+                                            "'torch.optim.lr_scheduler.StepLR')")]
+    try:
+        check_external(cfg.class_path, cfg.external_arguments(), allow_external_code=cfg.allow_external_code)
+    except ConfigError as exc:  # the class, its module's trust and its arguments (schedulers.external)
+        return [bad_value(f"{TABLE}.class", str(exc))]
+    return []
 
 
 def _fraction_of_run(fraction: float, total_steps: int) -> int:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from wantrain.core.config import above, at_least, between, section, setting
 from wantrain.core.errors import ConfigError
-from wantrain.core.problems import Problem, Rule
+from wantrain.core.problems import Problem, Rule, bad_value, refuse
 
 ALPHA_PRESETS: dict[str, dict[str, float | int | None]] = {
     # Derived in docs/alpha_schedule.md ("Presets"): a LoRA's loss still falls ~0.5-1 % per 100 steps well into a
@@ -84,20 +84,24 @@ class AlphaPhase:
         return ALPHA_PRESETS[preset][key] if value is None else value
 
 
-def _phases_from_table(table: dict, path: str) -> list[AlphaPhase]:
-    """The seed's ``conv_alpha_phases = {name = {alpha, min_steps, exit_criteria}}`` as a phase list."""
+def _phases_from_table(table: dict, path: str) -> tuple[list[AlphaPhase], list[Problem]]:
+    """The seed's ``conv_alpha_phases = {name = {alpha, min_steps, exit_criteria}}`` as a phase list, and the
+    problems of the phases that could not be read."""
     from wantrain.core.config import check_value
 
-    phases = []
+    phases, found = [], []
     for name, body in table.items():
         if not isinstance(body, dict):
-            raise ConfigError(f"'{path}.{name}' must be a table with alpha, min_steps and exit_criteria")
+            found.append(bad_value(f"{path}.{name}", f"'{path}.{name}' must be a table with alpha, min_steps and "
+                                   "exit_criteria"))
+            continue
         try:
             (phase,) = check_value(AlphaScheduleConfig, "phases", [{"name": name, **body}], f"{path}.{name}")
-        except ConfigError as exc:
-            raise ConfigError(str(exc).replace(f"{path}.{name}[0]", f"{path}.{name}")) from None
+        except ConfigError as exc:  # the phase's own keys, read as [[phases]] are
+            found.append(bad_value(f"{path}.{name}", str(exc).replace(f"{path}.{name}[0]", f"{path}.{name}")))
+            continue
         phases.append(phase)
-    return phases
+    return phases, found
 
 
 @section
@@ -141,32 +145,38 @@ class AlphaScheduleConfig:
         "load, and unused: wantrain phases the layers `targets` names.", range=above(0.0))
 
     def __attrs_post_init__(self) -> None:
+        """The seed's ``conv_alpha_phases`` read as ``phases``, then every problem of an enabled schedule
+        (``core.problems.refuse``: collected by the loader, raised in code)."""
+        key = "lora.alpha_schedule"
         if self.conv_alpha_phases is not None:
             if self.phases:
-                raise ConfigError("lora.alpha_schedule: give the phases once, as phases or as conv_alpha_phases")
-            phases = _phases_from_table(self.conv_alpha_phases, "lora.alpha_schedule.conv_alpha_phases")
+                refuse([bad_value(f"{key}.conv_alpha_phases", f"{key}: give the phases once, as phases or as "
+                                  "conv_alpha_phases")])
+                return
+            phases, unread = _phases_from_table(self.conv_alpha_phases, f"{key}.conv_alpha_phases")
+            if unread:
+                refuse(unread)
+                return
             object.__setattr__(self, "phases", phases)
             object.__setattr__(self, "conv_alpha_phases", None)
         if not self.enabled:
             return
+        found = []
         if self.targets == "conv":
-            raise ConfigError(
-                "lora.alpha_schedule.targets = 'conv': Wan 2.2's LoRA has no conv layers (its targets are the blocks' "
-                "Linear layers), so the phases would change nothing; use 'linear' or 'all'"
-            )
+            found.append(bad_value(f"{key}.targets", f"{key}.targets = 'conv': Wan 2.2's LoRA has no conv layers (its "
+                                   "targets are the blocks' Linear layers), so the phases would change nothing; use "
+                                   "'linear' or 'all'"))
         if len(self.phases) < 2:
-            raise ConfigError(
-                f"lora.alpha_schedule has {len(self.phases)} phase(s); an enabled schedule needs at least two "
-                "([[lora.alpha_schedule.phases]] tables with name and alpha)"
-            )
+            found.append(bad_value(f"{key}.phases", f"{key} has {len(self.phases)} phase(s); an enabled schedule "
+                                   "needs at least two ([[lora.alpha_schedule.phases]] tables with name and alpha)"))
         names = [p.name for p in self.phases]
         if len(set(names)) != len(names):
-            raise ConfigError(f"lora.alpha_schedule.phases: phase names must differ, got {names}")
+            found.append(bad_value(f"{key}.phases", f"{key}.phases: phase names must differ, got {names}"))
         if self.resolved("min_samples") > self.resolved("window"):
-            raise ConfigError(
-                f"lora.alpha_schedule.min_samples = {self.resolved('min_samples')} exceeds window = "
-                f"{self.resolved('window')}; a phase could never end — lower min_samples or raise window"
-            )
+            found.append(bad_value(f"{key}.min_samples", f"{key}.min_samples = {self.resolved('min_samples')} "
+                                   f"exceeds window = {self.resolved('window')}; a phase could never end — lower "
+                                   "min_samples or raise window"))
+        refuse(found)
 
     def resolved(self, key: str) -> int:
         """``window`` or ``min_samples`` as set, else the preset's."""

@@ -2,7 +2,7 @@
 ``wantrain/observers/evaluation/validation.py`` and ``samples.py``; see docs/validation.md.
 
 Checks that need only the section happen here (one line naming the key); checks against the model variant (image
-count, sizes) happen in :func:`check_sections`, which ``wantrain.app.assemble.prepare`` calls.
+count, sizes) happen in :func:`section_file_problems`, which the pre-flight asks (``app.run_plan``, ``app.preflight``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Any, Literal
 import attrs
 
 from wantrain.core.config import at_least, between, section, setting
-from wantrain.core.errors import ConfigError
-from wantrain.core.problems import Problem, Rule
+from wantrain.core.problems import Problem, Rule, bad_value, refuse
 
 DEFAULT_TIMESTEPS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -44,14 +43,19 @@ class ValidationConfig:
     max_clips: int = setting(16, doc="At most this many validation clips (the first ones).", range=at_least(1))
 
     def __attrs_post_init__(self) -> None:
+        """Every problem of the section (``core.problems.refuse``: collected by the loader, raised in code)."""
+        found = []
         if not self.timesteps or any(not 0.0 < t < 1.0 for t in self.timesteps):
-            raise ConfigError(f"config key 'validation.timesteps' = {self.timesteps!r}: give one or more timesteps "
-                              "strictly between 0 and 1, for example [0.1, 0.3, 0.5, 0.7, 0.9]")
-        if len(set(self.timesteps)) != len(self.timesteps):
-            raise ConfigError(f"config key 'validation.timesteps' = {self.timesteps!r} repeats a timestep")
+            found.append(bad_value("validation.timesteps", f"config key 'validation.timesteps' = {self.timesteps!r}: "
+                                   "give one or more timesteps strictly between 0 and 1, for example [0.1, 0.3, 0.5, "
+                                   "0.7, 0.9]"))
+        elif len(set(self.timesteps)) != len(self.timesteps):
+            found.append(bad_value("validation.timesteps",
+                                   f"config key 'validation.timesteps' = {self.timesteps!r} repeats a timestep"))
         if self.enabled and (self.path is None) == (self.from_training is None):
-            raise ConfigError("[validation] is enabled: set exactly one of 'validation.path' (a folder of clips) "
-                              "and 'validation.from_training' (a number of training clips)")
+            found.append(bad_value("validation.path", "[validation] is enabled: set exactly one of 'validation.path' "
+                                   "(a folder of clips) and 'validation.from_training' (a number of training clips)"))
+        refuse(found)
 
 
 PROMPT_KEYS = ("width", "height", "frames", "seed", "steps", "guidance_scale", "guidance_scale_high_noise",
@@ -154,21 +158,25 @@ class SampleConfig:
         "sampling its timesteps (e.g. a `_high_noise.safetensors` of an earlier run); unset: its base weights.")
 
     def __attrs_post_init__(self) -> None:
+        """Every problem of the section (``core.problems.refuse``: collected by the loader, raised in code)."""
+        found = []
         if self.enabled and not self.prompts:
-            raise ConfigError("[sample] is enabled but 'sample.prompts' is empty; give one or more prompts")
+            found.append(bad_value("sample.prompts", "[sample] is enabled but 'sample.prompts' is empty; give one or "
+                                   "more prompts"))
         if self.frames is not None and (self.frames - 1) % 4:
-            raise ConfigError(f"config key 'sample.frames' = {self.frames}: use a count of the form 4k+1 "
-                              "(1, 5, 9, ..., 81)")
+            found.append(bad_value("sample.frames", f"config key 'sample.frames' = {self.frames}: use a count of the "
+                                   "form 4k+1 (1, 5, 9, ..., 81)"))
         for i, p in enumerate(self.prompts):
             if isinstance(p, SamplePrompt) and p.frames is not None and (p.frames - 1) % 4:
-                raise ConfigError(f"config key 'sample.prompts[{i}].frames' = {p.frames}: use a count of the form "
-                                  "4k+1 (1, 5, 9, ..., 81)")
+                found.append(bad_value(f"sample.prompts[{i}].frames", f"config key 'sample.prompts[{i}].frames' = "
+                                       f"{p.frames}: use a count of the form 4k+1 (1, 5, 9, ..., 81)"))
             if isinstance(p, SamplePrompt) and p.image is not None and i < len(self.images):
-                raise ConfigError(f"prompt {i} has an image twice: 'sample.prompts[{i}].image' and "
-                                  f"'sample.images[{i}]'; keep one")
+                found.append(bad_value(f"sample.prompts[{i}].image", f"prompt {i} has an image twice: "
+                                       f"'sample.prompts[{i}].image' and 'sample.images[{i}]'; keep one"))
         if len(self.images) > len(self.prompts):
-            raise ConfigError(f"config key 'sample.images' has {len(self.images)} images for "
-                              f"{len(self.prompts)} prompts; give at most one per prompt")
+            found.append(bad_value("sample.images", f"config key 'sample.images' has {len(self.images)} images for "
+                                   f"{len(self.prompts)} prompts; give at most one per prompt"))
+        refuse(found)
 
     def resolved(self, spec: Any) -> list[PromptSettings]:
         """Each prompt's settings: its own options, else the section's, else the variant's defaults."""
@@ -206,18 +214,28 @@ def sample_size(cfg: SampleConfig, spec: Any) -> tuple[int, int, int]:
     return big.width, big.height, big.frames
 
 
-def check_sections(validation: ValidationConfig, sample: SampleConfig, spec: Any, experts: tuple) -> None:
-    """Refusals that depend on the model variant; raises ConfigError with one line."""
+def section_file_problems(validation: ValidationConfig, sample: SampleConfig, spec: Any,
+                          experts: tuple) -> list[Problem]:
+    """The problems of [validation] and [sample] against the model variant (``spec``), the trained ``experts`` and
+    the files they name (images, LoRA files: headers only), every one; ``check`` and ``run`` ask them once the
+    config's rules hold (``app.preflight``, ``app.run_plan``)."""
+    found = []
     if validation.enabled:
         if validation.path is not None and not Path(validation.path).is_dir():
-            raise ConfigError(f"config key 'validation.path' = '{validation.path}' is not a folder; give a folder "
-                              "of clips with captions, or use 'validation.from_training'")
+            found.append(bad_value("validation.path", f"config key 'validation.path' = '{validation.path}' is not a "
+                                   "folder; give a folder of clips with captions, or use 'validation.from_training'"))
         if not any(expert_for_t(t, spec.boundary_ratio, experts) != "untrained" for t in validation.timesteps):
-            raise ConfigError(f"config key 'validation.timesteps' = {validation.timesteps!r}: none falls in the band "
-                              f"of a trained expert ({', '.join(str(e) for e in experts)}; the boundary is "
-                              f"t = {spec.boundary_ratio})")
+            trained = ", ".join(str(e) for e in experts)
+            found.append(bad_value("validation.timesteps", f"config key 'validation.timesteps' = "
+                                   f"{validation.timesteps!r}: none falls in the band of a trained expert ({trained}; "
+                                   f"the boundary is t = {spec.boundary_ratio})"))
     if not sample.enabled:
-        return
+        return found
+    return found + _sample_problems(sample, spec, experts)
+
+
+def _sample_problems(sample: SampleConfig, spec: Any, experts: tuple) -> list[Problem]:
+    found = []
     multiple = spec.spatial_multiple
     for p in sample.resolved(spec):
         own = sample.prompts[p.index]
@@ -225,45 +243,59 @@ def check_sections(validation: ValidationConfig, sample: SampleConfig, spec: Any
         for key, value in (("width", p.width), ("height", p.height)):
             if value % multiple:
                 prefix = where if isinstance(own, SamplePrompt) and getattr(own, key) is not None else "sample."
-                raise ConfigError(f"config key '{prefix}{key}' = {value}: {spec.name} needs a multiple of {multiple}")
+                found.append(bad_value(f"{prefix}{key}", f"config key '{prefix}{key}' = {value}: {spec.name} needs a "
+                                       f"multiple of {multiple}"))
         image_key = (f"sample.prompts[{p.index}].image" if isinstance(own, SamplePrompt) and own.image is not None
                      else f"sample.images[{p.index}]")
         if p.image is not None:
             if spec.conditioning in ("t2v", "vace"):  # VACE samples take a clip's control files, not an image
-                raise ConfigError(f"config key '{image_key}' is set but {spec.name} is text-to-video"
-                                  + (" (its samples take a clip's control files)" if spec.conditioning == "vace"
-                                     else "") + "; remove it")
-            if not Path(p.image).is_file():
-                raise ConfigError(f"config key '{image_key}' = '{p.image}' does not exist (an image file)")
-            _check_image(image_key, Path(p.image))
+                found.append(bad_value(image_key, f"config key '{image_key}' is set but {spec.name} is text-to-video"
+                                       + (" (its samples take a clip's control files)"
+                                          if spec.conditioning == "vace" else "") + "; remove it"))
+            elif not Path(p.image).is_file():
+                found.append(bad_value(image_key, f"config key '{image_key}' = '{p.image}' does not exist (an image "
+                                       "file)"))
+            else:
+                found += _image_problems(image_key, Path(p.image))
         if spec.boundary_ratio is None and isinstance(own, SamplePrompt) and own.guidance_scale_high_noise is not None:
-            raise ConfigError(f"config key 'sample.prompts[{p.index}].guidance_scale_high_noise' applies to the "
-                              f"two-expert A14B variants; {spec.name} has one transformer: use guidance_scale")
+            found.append(bad_value(f"sample.prompts[{p.index}].guidance_scale_high_noise", "config key "
+                                   f"'sample.prompts[{p.index}].guidance_scale_high_noise' applies to the two-expert "
+                                   f"A14B variants; {spec.name} has one transformer: use guidance_scale"))
         if p.guidance_scale_high_noise == 1.0 and p.guidance_scale > 1.0 and spec.boundary_ratio is not None:
-            raise ConfigError(f"prompt {p.index}: guidance_scale_high_noise = 1 with guidance_scale = "
-                              f"{p.guidance_scale:g}: diffusers runs the negative pass only when the high-noise "
-                              "scale is above 1, so the low-noise guidance would be ignored; raise "
-                              "guidance_scale_high_noise above 1 or set guidance_scale = 1")
+            found.append(bad_value("sample.guidance_scale_high_noise", f"prompt {p.index}: guidance_scale_high_noise "
+                                   f"= 1 with guidance_scale = {p.guidance_scale:g}: diffusers runs the negative pass "
+                                   "only when the high-noise scale is above 1, so the low-noise guidance would be "
+                                   "ignored; raise guidance_scale_high_noise above 1 or set guidance_scale = 1"))
     if spec.boundary_ratio is None and sample.guidance_scale_high_noise is not None:
-        raise ConfigError(f"config key 'sample.guidance_scale_high_noise' applies to the two-expert A14B variants; "
-                          f"{spec.name} has one transformer: use sample.guidance_scale")
+        found.append(bad_value("sample.guidance_scale_high_noise", "config key 'sample.guidance_scale_high_noise' "
+                               f"applies to the two-expert A14B variants; {spec.name} has one transformer: use "
+                               "sample.guidance_scale"))
     for p in sample.resolved(spec):
         for j, lora in enumerate(p.loras):
             own = sample.prompts[p.index]
             key = (f"sample.prompts[{p.index}].loras[{j}]" if isinstance(own, SamplePrompt) and own.loras is not None
                    else f"sample.loras[{j}]")
             if not Path(lora.path).is_file():
-                raise ConfigError(f"config key '{key}.path' = '{lora.path}' does not exist (a LoRA .safetensors file)")
+                found.append(bad_value(f"{key}.path", f"config key '{key}.path' = '{lora.path}' does not exist (a LoRA "
+                                       ".safetensors file)"))
             if lora.expert != "both" and spec.boundary_ratio is None:
-                raise ConfigError(f"config key '{key}.expert' = '{lora.expert}': {spec.name} has one transformer; "
-                                  "use 'both'")
+                found.append(bad_value(f"{key}.expert", f"config key '{key}.expert' = '{lora.expert}': {spec.name} has "
+                                       "one transformer; use 'both'"))
     if sample.other_expert_lora is not None:
         if spec.boundary_ratio is None or len(experts) != 1:
-            raise ConfigError("config key 'sample.other_expert_lora' is for a run that trains one expert of an A14B "
-                              f"model (model.experts = 'high_noise' or 'low_noise'); this run trains "
-                              f"{'the single transformer' if spec.boundary_ratio is None else 'both'}: remove it")
-        other = "low_noise" if experts[0] == "high_noise" else "high_noise"
-        _check_lora_file(Path(sample.other_expert_lora), other)
+            found.append(bad_value("sample.other_expert_lora", "config key 'sample.other_expert_lora' is for a run "
+                                   "that trains one expert of an A14B model (model.experts = 'high_noise' or "
+                                   "'low_noise'); this run trains "
+                                   f"{'the single transformer' if spec.boundary_ratio is None else 'both'}: remove it"))
+        else:
+            other = "low_noise" if experts[0] == "high_noise" else "high_noise"
+            found += _lora_file_problems(Path(sample.other_expert_lora), other)
+    return found
+
+
+def check_sections(validation: ValidationConfig, sample: SampleConfig, spec: Any, experts: tuple) -> None:
+    """:func:`section_file_problems` refused (every one; one line when one)."""
+    refuse(section_file_problems(validation, sample, spec, experts))
 
 
 def expert_for_t(t: float, boundary: float | None, experts: tuple) -> str | None:
@@ -274,36 +306,38 @@ def expert_for_t(t: float, boundary: float | None, experts: tuple) -> str | None
     return owner if owner in experts else "untrained"
 
 
-def _check_image(key: str, path: Path) -> None:
+def _image_problems(key: str, path: Path) -> list[Problem]:
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
             im.load()
     except (OSError, UnidentifiedImageError, ValueError) as exc:
-        raise ConfigError(f"config key '{key}' = '{path}' is not a readable image ({exc})") from None
+        return [bad_value(key, f"config key '{key}' = '{path}' is not a readable image ({exc})")]
+    return []
 
 
-def _check_lora_file(path: Path, expert: str) -> None:
+def _lora_file_problems(path: Path, expert: str) -> list[Problem]:
     """``sample.other_expert_lora``: a readable safetensors file holding LoRA tensors, not one that says (in
     wantrain's metadata) it belongs to the other expert. Reads the header only."""
     from safetensors import SafetensorError, safe_open
 
     key = "sample.other_expert_lora"
     if not path.is_file():
-        raise ConfigError(f"config key '{key}' = '{path}' does not exist (a LoRA .safetensors file of the "
-                          f"{expert} expert)")
+        return [bad_value(key, f"config key '{key}' = '{path}' does not exist (a LoRA .safetensors file of the "
+                               f"{expert} expert)")]
     try:
         with safe_open(str(path), framework="pt") as fh:
             names, meta = list(fh.keys()), fh.metadata() or {}
     except (SafetensorError, OSError) as exc:
-        raise ConfigError(f"config key '{key}' = '{path}' is not a readable safetensors file ({exc})") from None
+        return [bad_value(key, f"config key '{key}' = '{path}' is not a readable safetensors file ({exc})")]
     if not any("lora" in n for n in names):
-        raise ConfigError(f"config key '{key}' = '{path}' holds no LoRA tensors (no 'lora' in its {len(names)} "
-                          "key names)")
+        return [bad_value(key, f"config key '{key}' = '{path}' holds no LoRA tensors (no 'lora' in its {len(names)} "
+                               "key names)")]
     if meta.get("expert") not in (None, expert):
-        raise ConfigError(f"config key '{key}' = '{path}' is a LoRA of the {meta['expert']} expert (its metadata "
-                          f"says so); the expert this run does not train is {expert}: give its file")
+        return [bad_value(key, f"config key '{key}' = '{path}' is a LoRA of the {meta['expert']} expert (its "
+                               f"metadata says so); the expert this run does not train is {expert}: give its file")]
+    return []
 
 
 EVALUATION_RULES = (

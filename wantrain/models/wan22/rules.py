@@ -1,0 +1,350 @@
+"""The refusal rules of the Wan 2.2 plug-in's sections, declared beside the code they protect (``core.problems``):
+``[model]``'s keys among themselves (:func:`model_problems`), ``[lora]``'s (:func:`lora_problems`), and the adapter
+type against the model's storage and layout (:func:`adapter_problems`, a rule across sections). The sections
+(``models.wan22.config``) hand their problems to ``core.problems.refuse`` when they are built; ``app.preflight``
+lists these functions in the one pre-flight pass and :data:`MODEL_RULES`, :data:`LORA_RULES` and
+:data:`ADAPTER_RULES` in its declared rules (the source of docs/config.md's compose table)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from wantrain.core.problems import Problem, Rule
+from wantrain.models.wan22.adapter_types import check_pattern
+from wantrain.models.wan22.dtypes import QUANTISED_DTYPES
+from wantrain.models.wan22.lowbit import problems as low_bit_problems
+from wantrain.models.wan22.variants import VARIANTS
+from wantrain.models.wan22.waiting import problems as waiting_problems
+
+ModelConfig = LoraConfig = Any  # models.wan22.config's sections, which ask these rules (not imported: no circle)
+
+R = Rule  # the rules of [model], declared beside the section they judge (core.problems)
+
+
+MODEL_RULES = (
+    OFFLOAD_DEVICE := R("offload-device", ("model.offload_device",), "an offload device that is not 'cpu' or 'cuda:N'"),
+    SWAP_BEYOND_BLOCKS := R("swap-beyond-blocks", ("model.blocks_to_swap", "model.variant"),
+                            "more blocks to swap than the variant has"),
+    SWAP_NEEDS_CHECKPOINTING := R("swap-needs-checkpointing",
+                                  ("model.blocks_to_swap", "model.gradient_checkpointing"),
+                                  "block swap without gradient checkpointing",
+                                  ("model.blocks_to_swap > 0", "model.gradient_checkpointing = false")),
+    LEAN_NEEDS_CHECKPOINTING := R("lean-needs-checkpointing", ("model.recompute", "model.gradient_checkpointing"),
+                                  "lean recompute without gradient checkpointing",
+                                  ("model.recompute = lean", "model.gradient_checkpointing = false")),
+    BUDGET_CHOOSES_SWAP := R("budget-chooses-swap",
+                             ("model.vram_budget_gb", "model.blocks_to_swap", "model.offload_activations"),
+                             "a VRAM budget beside the swap settings it chooses",
+                             ("model.vram_budget_gb", "model.blocks_to_swap / offload_activations")),
+    FP8_NEEDS_CHECKPOINTING := R("fp8-needs-checkpointing", ("model.base_dtype", "model.gradient_checkpointing"),
+                                 "fp8 storage without gradient checkpointing",
+                                 ("model.base_dtype = fp8", "model.gradient_checkpointing = false")),
+    SAGE_CANNOT_TRAIN := R("sage-cannot-train", ("model.attention",), "SageAttention, which has no backward pass"),
+    DYNAMIC_NEEDS_COMPILE := R("dynamic-needs-compile", ("model.compile_dynamic", "model.compile"),
+                               "compile_dynamic without compile"),
+    ONE_TRANSFORMER_KEYS := R("one-transformer-keys",
+                              ("model.variant", "model.experts", "model.high_noise_file", "model.low_noise_file",
+                               "model.lr_high_noise", "model.lr_low_noise"),
+                              "an A14B expert key on a one-transformer variant"),
+    TRANSFORMER_FILE_ON_A14B := R("transformer-file-on-a14b", ("model.variant", "model.transformer_file"),
+                                  "model.transformer_file on a two-expert variant"),
+    GROUPS_NEED_BOTH := R("expert-groups-need-both", ("model.expert_groups", "model.variant", "model.experts"),
+                          "expert groups without two trained experts",
+                          ("model.expert_groups > 1", "model.experts = one expert")),
+    T_RANGE := R("timestep-range", ("model.min_t", "model.max_t", "model.experts", "model.variant"),
+                 "a timestep range that is empty or outside the trained experts'"),
+    SHARD_NEEDS_FSDP := R("shard-degree-needs-fsdp", ("model.shard_degree", "model.parallel"),
+                          "model.shard_degree without model.parallel = 'fsdp'"),
+    FSDP_MEMORY := R("fsdp-memory-settings",
+                     ("model.parallel", "model.blocks_to_swap", "model.vram_budget_gb", "model.base_dtype",
+                      "model.compile"),
+                     "fsdp with block swap, a VRAM budget, fp8 storage or compile",
+                     ("model.parallel = fsdp", "block swap, vram_budget_gb, fp8, compile")),
+    FSDP_BOTH_EXPERTS := R("fsdp-both-experts", ("model.parallel", "model.experts", "model.expert_groups"),
+                           "fsdp alternating two experts in one group of GPUs",
+                           ("model.parallel = fsdp", "model.experts = both (no expert groups)")),
+    SEQUENCE_HEADS := R("sequence-degree-heads", ("model.sequence_degree", "model.variant"),
+                        "a sequence degree that does not divide the attention heads"),
+    SEQUENCE_MEMORY := R("sequence-memory-settings",
+                         ("model.sequence_degree", "model.blocks_to_swap", "model.vram_budget_gb",
+                          "model.base_dtype", "model.compile"),
+                         "a sequence degree with block swap, a VRAM budget, fp8 storage or compile",
+                         ("model.sequence_degree > 1", "block swap, vram_budget_gb, fp8, compile")),
+    SEQUENCE_GROUPS := R("sequence-expert-groups", ("model.sequence_degree", "model.expert_groups"),
+                         "a sequence degree inside expert groups",
+                         ("model.sequence_degree > 1", "model.expert_groups > 1")),
+    WAITING_DISK := R("waiting-expert-disk", ("model.waiting_expert", "model.experts", "model.expert_groups"),
+                      "the waiting expert on disk where no expert waits (one expert, or expert groups)",
+                      ("model.waiting_expert = disk", "one trained expert or model.expert_groups > 1")),
+    LOW_BIT_COMPILE := R("low-bit-compile", ("model.base_dtype", "model.compile"),
+                         "int8 / nf4 storage inside compiled blocks (not verified on a GPU yet)",
+                         ("model.base_dtype = int8 or nf4", "model.compile")),
+    CONTROL_VARIANT := R("control-variant",
+                         ("model.condition", "model.vace_blocks", "model.variant", "model.parallel",
+                          "model.sequence_degree"),
+                         "a control setting its variant lacks (first_last off I2V, vace_blocks off VACE), or VACE "
+                         "under fsdp or a sequence degree"),
+)
+
+
+def model_problems(model: ModelConfig) -> list[Problem]:
+    """Every problem of the ``[model]`` keys among themselves (the section refuses them when built, and the
+    config loader reports them beside the document's other problems)."""
+    spec = VARIANTS[model.variant]
+    out = [*_parallel_problems(model), *_sequence_problems(model)]
+    try:
+        offload = torch.device(model.offload_device)
+    except (RuntimeError, ValueError):
+        offload = None
+    if offload is None or offload.type == "meta":
+        out.append(OFFLOAD_DEVICE.problem(f"model.offload_device = {model.offload_device!r} is not a usable device",
+                                          "use 'cpu' or 'cuda:N'"))
+    if model.blocks_to_swap > spec.num_layers:
+        out.append(SWAP_BEYOND_BLOCKS.problem(
+            f"model.blocks_to_swap = {model.blocks_to_swap} exceeds the {spec.num_layers} blocks of "
+            f"{model.variant}; use 0..{spec.num_layers}"))
+    if model.blocks_to_swap and not model.gradient_checkpointing:
+        out.append(SWAP_NEEDS_CHECKPOINTING.problem(
+            "model.blocks_to_swap needs model.gradient_checkpointing = true (without it every block's weights "
+            "stay referenced until the backward pass and the swap saves nothing)", "set it, or blocks_to_swap = 0"))
+    if model.recompute == "lean" and not model.gradient_checkpointing:
+        out.append(LEAN_NEEDS_CHECKPOINTING.problem(
+            "model.recompute = 'lean' is a way of recomputing checkpointed blocks and needs "
+            "model.gradient_checkpointing = true; set it, or model.recompute = 'auto'"))
+    if model.vram_budget_gb is not None and (model.blocks_to_swap or model.offload_activations):
+        out.append(BUDGET_CHOOSES_SWAP.problem(
+            "model.vram_budget_gb chooses blocks_to_swap and offload_activations itself",
+            "remove those two keys or the budget"))
+    if model.base_dtype in QUANTISED_DTYPES and not model.gradient_checkpointing:
+        # fp8 and low-bit storages compute each Linear from a bf16 copy of its weight, and autograd keeps that
+        # copy for the backward in every block: more memory than bf16 storage (tests/data/test_vram_estimate.py)
+        out.append(FP8_NEEDS_CHECKPOINTING.problem(
+            f"model.base_dtype = '{model.base_dtype}' with model.gradient_checkpointing = false keeps a bf16 copy "
+            "of every frozen Linear for the backward (more memory than 'bf16'); set gradient_checkpointing = "
+            "true or base_dtype = 'bf16'"))
+    if model.attention == "sage":
+        out.append(SAGE_CANNOT_TRAIN.problem(
+            "model.attention = 'sage' cannot train: SageAttention has no backward pass (its int8 Q/K forward is "
+            "for inference), so the LoRA on the attention's projections would get no gradient; use 'sdpa', "
+            "'flash' or 'xformers'"))
+    if model.compile_dynamic is not None and model.compile == "off":
+        out.append(DYNAMIC_NEEDS_COMPILE.problem(
+            "model.compile_dynamic applies to a compiled model; set model.compile = 'default' or "
+            "'max-autotune-no-cudagraphs', or remove model.compile_dynamic"))
+    if spec.boundary_ratio is None:
+        if model.experts != "both":
+            out.append(ONE_TRANSFORMER_KEYS.problem(
+                f"model.experts = {model.experts!r} is not valid for {model.variant}: it has one transformer; "
+                "leave model.experts at 'both'", keys=("model.experts", "model.variant")))
+        for key in ("high_noise_file", "low_noise_file", "lr_high_noise", "lr_low_noise"):
+            if getattr(model, key) is not None:
+                out.append(ONE_TRANSFORMER_KEYS.problem(
+                    f"model.{key} applies to the two-expert A14B variants, not to {model.variant}",
+                    f"remove model.{key}", keys=(f"model.{key}", "model.variant")))
+    elif model.transformer_file is not None:
+        out.append(TRANSFORMER_FILE_ON_A14B.problem(
+            f"model.transformer_file is for ti2v variants; for {model.variant} use model.high_noise_file / "
+            "model.low_noise_file", ""))
+    if model.expert_groups > 1 and (spec.boundary_ratio is None or model.experts != "both"):
+        out.append(GROUPS_NEED_BOTH.problem(
+            f"model.expert_groups = {model.expert_groups} gives each of the two A14B experts its own GPUs: "
+            + (f"{model.variant} has one transformer" if spec.boundary_ratio is None
+               else f"model.experts = {model.experts!r} trains one") + "; set model.expert_groups = 1"
+            + ("" if spec.boundary_ratio is None else " or model.experts = 'both'")))
+    from wantrain.models.wan22.control import problems as control_problems
+
+    out += [WAITING_DISK.problem(line) for line in waiting_problems(model)]
+    out += [LOW_BIT_COMPILE.problem(line) for line in low_bit_problems(model)]
+    out += [CONTROL_VARIANT.problem(line) for line in control_problems(model)]
+    out.extend(_timestep_problems(model, spec.boundary_ratio))
+    return out
+
+
+def _timestep_problems(model: ModelConfig, boundary: float | None) -> list[Problem]:
+    """``model.min_t`` / ``max_t`` against each other and the trained experts' bands."""
+    if model.min_t is not None and model.max_t is not None and model.min_t >= model.max_t:
+        return [T_RANGE.problem(f"model.min_t = {model.min_t:g} must be below model.max_t = {model.max_t:g}", "")]
+    out = []
+    low, high = _trained_range(boundary, model.experts)
+    for key in ("min_t", "max_t"):
+        value = getattr(model, key)
+        if value is not None and not (low <= value <= high):
+            out.append(T_RANGE.problem(
+                f"model.{key} = {value:g} lies outside the range of the trained expert(s) "
+                f"({model.experts}: {low:g}..{high:g}); use a value in that range"))
+    if model.experts == "both" and boundary is not None:
+        if model.min_t is not None and model.min_t >= boundary:
+            out.append(T_RANGE.problem(
+                f"model.min_t = {model.min_t:g} leaves the low-noise expert nothing to train (its range ends "
+                f"at the boundary {boundary:g}); with experts = 'both' min_t bounds the low-noise band"))
+        if model.max_t is not None and model.max_t <= boundary:
+            out.append(T_RANGE.problem(
+                f"model.max_t = {model.max_t:g} leaves the high-noise expert nothing to train (its range "
+                f"starts at the boundary {boundary:g}); with experts = 'both' max_t bounds the high-noise band"))
+    return out
+
+
+def _parallel_problems(model: ModelConfig) -> list[Problem]:
+    """``model.parallel = "fsdp"`` against the keys it cannot work with yet (read time, before anything exists)."""
+    if model.parallel != "fsdp":
+        if model.shard_degree is not None:
+            return [SHARD_NEEDS_FSDP.problem("model.shard_degree applies to model.parallel = 'fsdp'; set parallel = "
+                                             "'fsdp' or remove model.shard_degree")]
+        return []
+    clash = _memory_clash(model, "parallel = 'dp'", " (sharding is what makes the blocks fit)")
+    if clash is not None:
+        return [FSDP_MEMORY.problem(f"model.parallel = 'fsdp' does not work with {clash[0]} yet", clash[1])]
+    # with model.expert_groups each group trains (and shards) its own expert: nothing alternates
+    if model.trained_experts == ("high_noise", "low_noise") and model.expert_groups <= 1:
+        return [FSDP_BOTH_EXPERTS.problem(
+            "model.parallel = 'fsdp' does not work with model.experts = 'both' (the trained expert alternates by "
+            "moving between the GPU and the host, which a sharded expert does not) yet", "train one expert per "
+            "run (experts = 'high_noise' or 'low_noise'), one expert per group of GPUs (expert_groups = 2) or set "
+            "parallel = 'dp'")]
+    return []
+
+
+def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[str, str] | None:
+    """The first memory-saving key ``model`` sets that a several-GPU layout does not work with yet (block swap, a
+    VRAM budget, fp8 storage, compile), as (the key and its value, how to resolve it: change it or ``undo``)."""
+    if model.blocks_to_swap:
+        return f"model.blocks_to_swap = {model.blocks_to_swap}", f"set blocks_to_swap = 0{swap_note} or {undo}"
+    if model.vram_budget_gb is not None:
+        return (f"model.vram_budget_gb = {model.vram_budget_gb:g} (it picks block swap and fp8 storage)",
+                f"remove vram_budget_gb or set {undo}")
+    if model.base_dtype in QUANTISED_DTYPES:
+        return f"model.base_dtype = '{model.base_dtype}' (quantised storage)", f"set base_dtype = 'bf16' or {undo}"
+    if model.compile != "off":
+        return f"model.compile = '{model.compile}'", f"set compile = 'off' or {undo}"
+    return None
+
+
+def _sequence_problems(model: ModelConfig) -> list[Problem]:
+    """``model.sequence_degree`` against the model's heads and the keys it does not work with yet (read time)."""
+    degree = model.sequence_degree
+    if degree == 1:
+        return []
+    from wantrain.models.wan22.architecture import transformer_kwargs
+
+    heads = transformer_kwargs(VARIANTS[model.variant])["num_attention_heads"]
+    if heads % degree:
+        valid = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        return [SEQUENCE_HEADS.problem(f"model.sequence_degree = {degree} does not divide the {heads} attention "
+                                       f"heads of {model.variant} (Ulysses gives each GPU whole heads); use one of "
+                                       f"{valid}")]
+    if model.expert_groups > 1:
+        return [SEQUENCE_GROUPS.problem(f"model.sequence_degree = {degree} does not work with model.expert_groups "
+                                        f"= {model.expert_groups} yet", "set expert_groups = 1 or sequence_degree = 1")]
+    clash = _memory_clash(model, "sequence_degree = 1")
+    if clash is not None:
+        return [SEQUENCE_MEMORY.problem(f"model.sequence_degree = {degree} does not work with {clash[0]} yet",
+                                        clash[1])]
+    return []
+
+
+def _trained_range(boundary: float | None, experts: str) -> tuple[float, float]:
+    if boundary is None or experts == "both":
+        return 0.0, 1.0
+    return (boundary, 1.0) if experts == "high_noise" else (0.0, boundary)
+
+
+LORA_RULES = (
+    LOKR_FACTOR_ZERO := R("lokr-factor-zero", ("lora.lokr_factor",), "a LoKr factor of 0"),
+    LOKR_KEYS := R("lokr-keys-on-other-type", ("lora.type", "lora.lokr_factor", "lora.lokr_decompose_both"),
+                   "a LoKr key on another adapter type"),
+    DROPOUT_ON_PRODUCTS := R("dropout-on-lokr-loha", ("lora.type", "lora.dropout"), "input dropout on LoKr or LoHa",
+                             ("lora.type = lokr / loha", "lora.dropout > 0")),
+    PLUS_ON_PRODUCTS := R("lora-plus-on-lokr-loha", ("lora.type", "lora.plus_lr_ratio"), "LoRA+ on LoKr or LoHa",
+                          ("lora.type = lokr / loha", "lora.plus_lr_ratio")),
+    MODULE_PATTERN := R("module-pattern", ("lora.include", "lora.exclude"), "an include/exclude pattern that is "
+                        "not a regular expression"),
+)
+
+
+def lora_problems(lora: LoraConfig) -> list[Problem]:
+    """Every problem of the ``[lora]`` keys among themselves."""
+    out = []
+    if lora.lokr_factor == 0:
+        out.append(LOKR_FACTOR_ZERO.problem("config key 'lora.lokr_factor' = 0 is not a factor",
+                                            "use -1 (near the square root) or a size >= 1"))
+    if lora.type != "lokr":
+        for key, default in (("lokr_factor", -1), ("lokr_decompose_both", False)):
+            if getattr(lora, key) != default:
+                out.append(LOKR_KEYS.problem(f"config key 'lora.{key}' applies to lora.type = 'lokr', not to "
+                                             f"'{lora.type}'; remove it or set lora.type = 'lokr'",
+                                             keys=("lora.type", f"lora.{key}")))
+    if lora.type in ("lokr", "loha") and lora.dropout:
+        out.append(DROPOUT_ON_PRODUCTS.problem(
+            f"config key 'lora.dropout' is LoRA's input dropout; lora.type = '{lora.type}' has none (peft's module "
+            "dropout draws from the global RNG); set lora.dropout = 0"))
+    if lora.type in ("lokr", "loha") and lora.plus_lr_ratio is not None:
+        out.append(PLUS_ON_PRODUCTS.problem(
+            f"config key 'lora.plus_lr_ratio' (LoRA+) sets the LR of LoRA's B matrices; lora.type = '{lora.type}' "
+            "has none; remove it or use lora.type 'lora' or 'dora'"))
+    for key in ("include", "exclude"):
+        for pattern in getattr(lora, key):
+            problem = check_pattern(f"lora.{key}", pattern)
+            if problem:
+                out.append(MODULE_PATTERN.problem(problem, keys=(f"lora.{key}",)))
+    return out
+
+
+ADAPTER_RULES = (
+    DORA_FP8 := R("dora-fp8", ("lora.type", "model.base_dtype"), "DoRA on fp8 or low-bit storage",
+                  ("lora.type = dora", "model.base_dtype = fp8, fp8_scaled, int8 or nf4")),
+    DORA_FSDP := R("dora-fsdp", ("lora.type", "model.parallel"), "DoRA on sharded weights",
+                   ("lora.type = dora", "model.parallel = fsdp")),
+    MODULES_MATCH := R("modules-match", ("lora.include", "lora.exclude", "model.variant"),
+                       "include/exclude patterns that select no module of the variant"),
+)
+
+
+def adapter_problems(cfg: Any) -> list[Problem]:
+    """The adapter (``[lora]``) against the model it adapts: DoRA reads the base weights outside their forward
+    pass, which fp8 storage does not dequantize and FSDP holds sharded; ``include`` / ``exclude`` must select
+    among the variant's module names."""
+    lora, model, out = cfg.lora, cfg.model, []
+    if lora.type == "dora" and model.base_dtype in QUANTISED_DTYPES:  # "auto" plans bf16 for DoRA
+        out.append(DORA_FP8.problem(
+            f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 and low-bit "
+            f"storage do not dequantize there (model.base_dtype = '{model.base_dtype}'); set "
+            "model.base_dtype = 'bf16' or use another lora.type"))
+    if model.parallel == "fsdp" and lora.type == "dora":
+        out.append(DORA_FSDP.problem("lora.type = 'dora' reads the base weights outside their forward pass, which "
+                                     "model.parallel = 'fsdp' holds sharded there; use another lora.type or "
+                                     "parallel = 'dp'"))
+    if lora.include or lora.exclude:  # against the variant's module names, before anything is written
+        from wantrain.core.errors import UserError
+        from wantrain.models.wan22.adapter_types import candidate_modules, select_modules
+
+        try:
+            spec = VARIANTS[model.variant]
+            select_modules(candidate_modules(spec.num_layers, len(spec.vace_layers)), lora.include, lora.exclude)
+        except UserError as exc:
+            out.append(MODULES_MATCH.problem(str(exc)))
+        except re.error:  # a pattern that is no regular expression: the [lora] rule module-pattern says so
+            pass
+    return out
+
+
+def check_rank(variant: str, rank: int | None) -> str | None:
+    """A warning line for a LoRA rank wider than the layers it adapts, else None: on a Linear of ``in`` by ``out``
+    features a rank above ``min(in, out)`` adds parameters (and memory) but no capacity. The narrowest Linear a Wan
+    LoRA targets is the attention's, ``heads x head_dim`` wide (its feed-forward is wider). A warning, not a
+    refusal: a config written for one variant and tried on a smaller one (the examples on their tiny twins) still
+    trains; a rank so wide that no device holds its plan (``lora.rank = 1000000000``) is refused by the memory plan
+    (``app.memory_plan.plan_memory``). ``rank`` None: read from an ``init_from`` file later."""
+    if rank is None:
+        return None
+    from wantrain.models.wan22.architecture import transformer_kwargs
+
+    kwargs = transformer_kwargs(VARIANTS[variant])
+    width = min(kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"])
+    if rank <= width:
+        return None
+    return (f"config key 'lora.rank' = {rank} is wider than the layers it adapts: the narrowest Linear a LoRA of "
+            f"model.variant = {variant!r} targets has {width} features, and a rank above min(in, out) adds "
+            f"parameters but no capacity; ranks 1 to {width} use them all")
