@@ -135,7 +135,9 @@ class ModelConfig:
     blocks_to_swap: int = setting(
         0, doc="Transformer blocks (the last N of each expert) whose frozen base weights stay in host memory and "
         "visit the device one block ahead of use, in the forward pass and in gradient checkpointing's recompute "
-        "(docs/models.md, Memory). Needs gradient checkpointing.", range=at_least(0),
+        "(docs/models.md, Memory). A VACE variant's VACE blocks run first and count before its main blocks "
+        "(vace-t2v-a14b: 0..48; above 40 VACE blocks are swapped too). Needs gradient checkpointing.",
+        range=at_least(0),
     )
     offload_activations: bool = setting(
         False, doc="Keep what autograd saves for the backward pass (with gradient checkpointing: every block's "
@@ -314,10 +316,11 @@ def model_problems(model: ModelConfig) -> list[Problem]:
     if offload is None or offload.type == "meta":
         out.append(OFFLOAD_DEVICE.problem(f"model.offload_device = {model.offload_device!r} is not a usable device",
                                           "use 'cpu' or 'cuda:N'"))
-    if model.blocks_to_swap > spec.num_layers:
+    if model.blocks_to_swap > spec.all_blocks:
+        vace = f" ({spec.num_layers} main + {len(spec.vace_layers)} VACE)" if spec.vace else ""
         out.append(SWAP_BEYOND_BLOCKS.problem(
-            f"model.blocks_to_swap = {model.blocks_to_swap} exceeds the {spec.num_layers} blocks of "
-            f"{model.variant}; use 0..{spec.num_layers}"))
+            f"model.blocks_to_swap = {model.blocks_to_swap} exceeds the {spec.all_blocks} blocks{vace} of "
+            f"{model.variant}; use 0..{spec.all_blocks}"))
     if model.blocks_to_swap and not model.gradient_checkpointing:
         out.append(SWAP_NEEDS_CHECKPOINTING.problem(
             "model.blocks_to_swap needs model.gradient_checkpointing = true (without it every block's weights "
