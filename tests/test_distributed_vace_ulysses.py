@@ -27,10 +27,9 @@ def test_ulysses_degree_2_splits_the_vace_blocks_and_gives_the_one_process_loss_
         assert float((split[key] - value).abs().max()) <= float32_bounds.GRAD * float(value.abs().max()), key
 
 
-def test_a_vace_variant_takes_a_sequence_degree_and_still_refuses_fsdp_in_one_line():
-    from wantrain.core.errors import ConfigError
+def test_a_vace_variant_takes_a_sequence_degree_and_fsdp():
     from wantrain.models.wan22 import ModelConfig, control
 
-    assert control.problems(ModelConfig(variant="tiny-vace-t2v", sequence_degree=2)) == []
-    with pytest.raises(ConfigError, match="model.parallel = 'fsdp' does not take the VACE blocks yet"):
-        ModelConfig(variant="tiny-vace-t2v", parallel="fsdp")
+    for keys in (dict(sequence_degree=2), dict(parallel="fsdp", experts="high_noise"),
+                 dict(parallel="fsdp", experts="low_noise", sequence_degree=2)):
+        assert control.problems(ModelConfig(variant="tiny-vace-t2v", **keys)) == []

@@ -297,9 +297,8 @@ MODEL_RULES = (
                          "int8 / nf4 storage inside compiled blocks (not verified on a GPU yet)",
                          ("model.base_dtype = int8 or nf4", "model.compile")),
     CONTROL_VARIANT := R("control-variant",
-                         ("model.condition", "model.vace_blocks", "model.variant", "model.parallel"),
-                         "a control setting its variant lacks (first_last off I2V, vace_blocks off VACE), or VACE "
-                         "under fsdp"),
+                         ("model.condition", "model.vace_blocks", "model.variant"),
+                         "a control setting its variant lacks (first_last off I2V, vace_blocks off VACE)"),
 )
 
 

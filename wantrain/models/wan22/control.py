@@ -38,9 +38,6 @@ def problems(model: Any) -> list[str]:
     if model.vace_blocks != "lora" and not spec.vace:
         out.append(f"model.vace_blocks = {model.vace_blocks!r} applies to the VACE variants (vace-t2v-a14b, "
                    f"tiny-vace-t2v); {model.variant} has no VACE blocks: remove the key")
-    if spec.vace and model.parallel == "fsdp":  # (Ulysses splits the VACE blocks' tokens: sequence.vace_cp_plan)
-        out.append(f"model.parallel = 'fsdp' does not take the VACE blocks yet (they are not sharded per block); "
-                   f"train {model.variant} with model.parallel = 'dp' (model.sequence_degree > 1 splits its clips)")
     return out
 
 
