@@ -1,8 +1,8 @@
 """Block swap and scaled fp8 take a VACE transformer's VACE blocks like its main blocks (``swap.run_order``,
 ``fp8.targets``; docs/models.md "Control: VACE and first-last frame"), and the memory planner counts them as a run
 stores them: block swap counts the blocks in the order the forward pass runs them (VACE blocks first), the
-recompute goes back through them in reverse, a swapped VACE block holds placeholders until it runs, and the LoRAs
-trained with every block swapped and the activations offloaded equal those trained without."""
+recompute goes back through them in reverse, a swapped VACE block holds placeholders until it runs (whole runs:
+tests/test_control_runs.py); a local copy of the official release's layout loads like the diffusers folder."""
 
 from __future__ import annotations
 
@@ -81,24 +81,19 @@ def test_block_swap_counts_the_vace_blocks_first_and_the_recompute_goes_back_thr
     assert swap.loaded == (1, 0)
 
 
-def vace_loras(**model) -> dict:
-    torch.manual_seed(0)
-    adapter = make_adapter("tiny-vace-t2v", switch_every=1, gradient_checkpointing=True, **model)
-    train_steps(adapter, control_batch(adapter), 2, lr=2e-2)
-    return adapter, {e: wan_state_dict(adapter.transformer_for(e), torch.float32) for e in adapter.experts}
-
-
-def test_every_block_swapped_and_activations_offloaded_train_the_same_vace_loras():
-    _, reference = vace_loras()
-    adapter, loras = vace_loras(blocks_to_swap=VACE.all_blocks, offload_activations=True)
+def test_with_every_block_swapped_the_expert_not_training_keeps_no_block_vace_blocks_included():
+    """(That the swapped, offloaded run trains the resident run's LoRAs, bit for bit, is tests/test_control_runs.py's
+    whole-run check.)"""
+    adapter = make_adapter("tiny-vace-t2v", switch_every=1, gradient_checkpointing=True,
+                           blocks_to_swap=VACE.all_blocks, offload_activations=True)
     assert adapter.swap_for("high_noise").swapped == (0, 1, 2, 3)
-    vace_keys = [k for k in reference["high_noise"] if ".vace_blocks." in k]
-    assert vace_keys and any(reference["high_noise"][k].abs().sum() > 0 for k in vace_keys if "lora_B" in k)
-    assert all(torch.equal(loras[e][k], reference[e][k]) for e in reference for k in reference[e])
+    train_steps(adapter, control_batch(adapter), 2, lr=2e-2)
     assert adapter.active == "low_noise"  # step 2's
-    inactive = adapter.swap_for("high_noise")  # the expert not training keeps no block, VACE blocks included
+    inactive = adapter.swap_for("high_noise")
     assert inactive.loaded == () and inactive.live_blocks() == []
     assert adapter.transformer_for("high_noise").vace_blocks[0].proj_in.base_layer.weight.is_meta
+    trained = wan_state_dict(adapter.transformer_for("high_noise"), torch.float32)
+    assert any(v.abs().sum() > 0 for k, v in trained.items() if ".vace_blocks." in k and "lora_B" in k)
 
 
 def test_swapping_more_blocks_than_main_and_vace_blocks_together_is_refused_naming_both():
