@@ -33,8 +33,10 @@ drawn on the device, one generator per tensor from a fixed seed (:func:`fill_ran
 copied to the host from there), and the peak-memory counter is reset after the build: the peak is that of
 training. Every setting of a variant has the same weights and inputs, so a bf16 setting run after plain ``bf16``
 reports its first step's loss and LoRA gradients against plain's (``same_as_bf16``). ``--variant`` (``i2v-a14b``:
-36 input channels, the 20 past the latents a fixed random condition; ``ti2v-5b``: 48-channel latents, stride 16)
-and ``--size`` pick another model and video. ``--cap-gib`` counts the CUDA context (``context_gib``) in the cap.
+36 input channels, the 20 past the latents a fixed random condition; ``ti2v-5b``: 48-channel latents, stride 16;
+``vace-t2v-a14b``: the T2V expert with its 8 VACE blocks, a fixed random 96-channel control context, blocks swapped
+in run order, VACE blocks first) and ``--size`` pick another model and video; a setting ending in ``-lean`` uses
+``model.recompute = "lean"``. ``--cap-gib`` counts the CUDA context (``context_gib``) in the cap.
 
     python bench/gpu_step.py                       # every setting on cuda:0, JSON on stdout (~15 min on an H200)
     python bench/gpu_step.py --settings bf16,bf16-swap38-offload --steps 3
@@ -59,10 +61,12 @@ import time
 
 import torch
 
-from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_kwargs
+from wantrain.models.wan22.adapter_types import candidate_modules
+from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, transformer_class, transformer_kwargs
 from wantrain.models.wan22.export import ADAPTER_NAME, LORA_TARGET_REGEX
 from wantrain.models.wan22.offload import ActivationOffload
-from wantrain.models.wan22.swap import BlockSwap
+from wantrain.models.wan22.recompute import use_recompute
+from wantrain.models.wan22.swap import BlockSwap, swapped_blocks
 from wantrain.models.wan22.variants import VARIANTS
 
 # dense bf16 tensor FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name()
@@ -101,26 +105,27 @@ def fill_random(model, device: torch.device, seed: int, *, lora: bool = False) -
 
 
 def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: bool, rank: int, swap: int = 0,
-                 variant: str = "t2v-a14b", storage: str | None = None, seed: int = 0):
+                 variant: str = "t2v-a14b", storage: str | None = None, seed: int = 0, recompute: str = "block"):
     """One expert of ``variant`` with random weights (:func:`fill_random`), built on ``meta`` in its storage dtypes
     and only then materialised: the frozen tensors of the last ``swap`` blocks straight on the host (where
     ``BlockSwap`` keeps them), everything else on ``device``. The device never holds the model in another dtype,
     nor a swapped block outside the ring (a 24 GiB card could not hold the 28.6 GB bf16 expert even for a moment).
     ``storage`` ``"fp8_scaled"``: bf16 weights quantised per output row into ``ScaledFp8Linear`` (``base_dtype =
     "fp8_scaled"``), ``"int8"`` / ``"nf4"``: into bitsandbytes codes (``lowbit.LowBitLinear``), after materialising,
-    so only with ``swap = 0``."""
-    from diffusers import WanTransformer3DModel
+    so only with ``swap = 0``. A VACE variant (``WanVACETransformer3DModel``): its blocks counted in run order for
+    the swap (``swap.swapped_blocks``: VACE blocks first), its LoRA on the VACE blocks too (``model.vace_blocks =
+    "lora"``). ``recompute``: ``model.recompute`` (``lean``: ``recompute.use_recompute``)."""
     from peft import LoraConfig
 
     spec = VARIANTS[model_variant(variant, tiny)]
     kwargs = transformer_kwargs(spec)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     with torch.device("meta"):
-        model = cast_keeping_fp32_modules(WanTransformer3DModel(**kwargs), dtype)
+        model = cast_keeping_fp32_modules(transformer_class(spec)(**kwargs), dtype)
         if fp8:  # the Linears' storage becomes float8 while still on meta
             model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    host_blocks = {id(m) for block in list(model.blocks)[len(model.blocks) - swap:] for m in block.modules()} \
-        if swap else set()
+    blocks, swapped = swapped_blocks(model, swap)
+    host_blocks = {id(m) for k in swapped for m in blocks[k].modules()}
     for module in model.modules():
         module.to_empty(device="cpu" if id(module) in host_blocks else device, recurse=False)
     fill_random(model, device, seed)
@@ -140,8 +145,10 @@ def build_expert(device: torch.device, *, tiny: bool, fp8: bool, checkpointing: 
     model.requires_grad_(False)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGET_REGEX, init_lora_weights=True),
+    targets = candidate_modules(spec.num_layers, len(spec.vace_layers)) if spec.vace else LORA_TARGET_REGEX
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=True),
                       adapter_name=ADAPTER_NAME)
+    use_recompute(model, recompute)
     for name, p in model.named_parameters():
         if f".{ADAPTER_NAME}." in name:  # LoRA follows its base layer's device: all of it goes to the device
             p.data = p.data.float().to(device)
@@ -194,25 +201,25 @@ def settings_table(smoke: bool) -> dict[str, dict]:
 
 
 def parse_setting(name: str, blocks: int) -> dict | None:
-    """``bf16``, ``fp8-swap38``, ``bf16-swap39-offload``, ``fp8_scaled``, ``int8``, ``nf4``, ... -> (fp8,
-    blocks_to_swap, offload, storage); None if not one (``fp8_scaled``, ``int8`` and ``nf4`` are built on the
-    device: no swap)."""
+    """``bf16``, ``fp8-swap38``, ``bf16-swap39-offload``, ``bf16-swap38-offload-lean``, ``fp8_scaled``, ``int8``,
+    ``nf4``, ... -> (fp8, blocks_to_swap, offload, storage, recompute); None if not one (``fp8_scaled``, ``int8`` and
+    ``nf4`` are built on the device: no swap). ``-lean``: ``model.recompute = "lean"``."""
     import re
 
-    match = re.fullmatch(r"(bf16|fp8_scaled|fp8|int8|nf4)(?:-swap(\d+))?(-offload)?", name)
+    match = re.fullmatch(r"(bf16|fp8_scaled|fp8|int8|nf4)(?:-swap(\d+))?(-offload)?(-lean)?", name)
     built_on_device = match is not None and match.group(1) in ("fp8_scaled", "int8", "nf4")
     if match is None or int(match.group(2) or 0) > blocks or (built_on_device and match.group(2)):
         return None
     return dict(fp8=match.group(1) == "fp8", swap=int(match.group(2) or 0), offload=bool(match.group(3)),
-                storage=match.group(1) if built_on_device else None)
+                storage=match.group(1) if built_on_device else None, recompute="lean" if match.group(4) else "block")
 
 
 def swap_blocks(model, swap: int, device: torch.device, on_copy) -> BlockSwap | None:
-    """Put the frozen tensors of the last ``swap`` blocks on the host and hand them to wantrain's BlockSwap."""
+    """Put the frozen tensors of the last ``swap`` blocks (in run order: ``swap.swapped_blocks``) on the host and hand
+    them to wantrain's BlockSwap."""
     if not swap:
         return None
-    blocks = model.blocks
-    swapped = range(len(blocks) - swap, len(blocks))
+    blocks, swapped = swapped_blocks(model, swap)
     on_device = [k for k in swapped for t in blocks[k].parameters() if not t.requires_grad and t.device.type != "cpu"]
     assert not on_device, f"blocks {sorted(set(on_device))} were built on the device (build_expert(swap=...))"
     return BlockSwap(model, blocks, swapped, device, ring=2, on_copy=on_copy)
@@ -245,7 +252,8 @@ def planned(setting: dict, shape: tuple[int, int, int], rank: int, variant: str)
     height, width, frames = shape
     tiny = variant.startswith("tiny-")
     dtype = "fp32" if tiny else ("fp8" if setting["fp8"] else setting.get("storage") or "bf16")
-    return estimate(variant, MemorySettings(dtype, setting["swap"], setting["offload"]),
+    return estimate(variant, MemorySettings(dtype, setting["swap"], setting["offload"],
+                                            setting.get("recompute", "block")),
                     width=width, height=height, frames=frames, rank=rank)
 
 
@@ -256,14 +264,16 @@ def model_flops(counts: dict) -> tuple[float, float]:
 
 
 def model_variant(variant: str, tiny: bool) -> str:
-    """The variant built: ``variant``'s tiny twin with ``tiny`` (``t2v-a14b`` -> ``tiny-t2v``)."""
-    return "tiny-" + variant.split("-")[0] if tiny else variant
+    """The variant built: ``variant``'s tiny twin with ``tiny`` (``t2v-a14b`` -> ``tiny-t2v``, ``vace-t2v-a14b`` ->
+    ``tiny-vace-t2v``)."""
+    return "tiny-" + variant.removesuffix("-a14b").removesuffix("-5b") if tiny else variant
 
 
 def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape: tuple[int, int, int],
                steps: int, warmup: int, rank: int, peak_tflops: float | None, swap: int = 0,
                offload: bool = False, bandwidth: float | None = None, cap_gib: float | None = None,
-               variant: str = "t2v-a14b", storage: str | None = None, first_grads: dict | None = None) -> dict:
+               variant: str = "t2v-a14b", storage: str | None = None, first_grads: dict | None = None,
+               recompute: str = "block") -> dict:
     """One setting's steps and figures (JSON-ready). ``first_grads``, when given, receives the LoRA gradients of
     the first step (before clipping) on the host, and the result its loss: runs of the same variant and seed
     have the same weights and inputs, so a placement that moves data wrongly shows as a different gradient."""
@@ -279,7 +289,7 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
         fraction = (cap_gib * 2**30 - outside) / total if cap_gib else 1.0
         torch.cuda.set_per_process_memory_fraction(min(1.0, max(fraction, 0.0)), device)
     model, spec, dtype = build_expert(device, tiny=tiny, fp8=fp8, checkpointing=True, rank=rank, swap=swap,
-                                      variant=variant, storage=storage)
+                                      variant=variant, storage=storage, recompute=recompute)
     traffic = {"bytes": 0}
     block_bytes: dict[int, int] = {}
 
@@ -306,6 +316,9 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     condition = torch.randn(1, model.config.in_channels - latents.shape[1], *latents.shape[2:], generator=g,
                             device=device)
     text = torch.randn(1, spec.text_len, model.config.text_dim, generator=g, device=device, dtype=dtype)
+    # VACE: a fixed random control context (control latents and packed mask) at the latents' size
+    control = {"control_hidden_states": torch.randn(1, spec.vace_in_channels, *latents.shape[2:], generator=g,
+                                                    device=device).to(dtype)} if spec.vace else {}
 
     def loss_fn() -> torch.Tensor:
         t = torch.rand(1, generator=g, device=device)
@@ -313,8 +326,7 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
         x_t = (1 - t.view(1, 1, 1, 1, 1)) * latents + t.view(1, 1, 1, 1, 1) * noise
         with offloader.active() if offloader is not None else contextlib.nullcontext():
             pred = model(hidden_states=torch.cat([x_t, condition], 1).to(dtype), timestep=t * 1000,
-                         encoder_hidden_states=text,
-                         return_dict=False)[0].float()
+                         encoder_hidden_states=text, return_dict=False, **control)[0].float()
         return ((pred - (noise - latents)) ** 2).mean()
 
     def sync() -> None:
@@ -359,6 +371,7 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     out = {"config": name, "variant": variant, "latents": list(latents.shape),
            "tokens": int(latents.shape[2] * latents.shape[3] * latents.shape[4] // 4),
            "lora_rank": rank, "fp8_base": fp8, "blocks_to_swap": swap, "offload_activations": offload,
+           "recompute": recompute,
            "gradient_checkpointing": True, "steps_timed": steps, **speed, "first_step_s": round(first_s, 2),
            "s_per_step": round(s_per_step, 4), "forward_tflops": round(forward_flops / 1e12, 3),
            "forward_attention_tflops": round(attention_flops / 1e12, 3), "step_tflops": round(step_flops / 1e12, 3),
@@ -373,7 +386,8 @@ def run_config(name: str, device: torch.device, *, tiny: bool, fp8: bool, shape:
     if first_grads is not None:
         out["first_step_loss"] = first_loss
     out["memory_cap_gib"], out["context_gib"] = cap_gib, context_gib
-    est = planned({"fp8": fp8, "swap": swap, "offload": offload, "storage": storage}, shape, rank,
+    est = planned({"fp8": fp8, "swap": swap, "offload": offload, "storage": storage, "recompute": recompute},
+                  shape, rank,
                   model_variant(variant, tiny))
     out["planned_allocated_gib"] = round(est.training_peak / 2**30, 2)
     out["planned_link_bytes_per_step"] = est.link_bytes
@@ -408,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 TFLOP/s (default: from a table)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny-t2v twin, tiny shapes, on the CPU (checks that the script runs)")
-    parser.add_argument("--variant", default="t2v-a14b", choices=("t2v-a14b", "i2v-a14b", "ti2v-5b"))
+    parser.add_argument("--variant", default="t2v-a14b", choices=("t2v-a14b", "i2v-a14b", "ti2v-5b", "vace-t2v-a14b"))
     parser.add_argument("--size", default="832x480x81", help="video WIDTHxHEIGHTxFRAMES (default 832x480x81)")
     parser.add_argument("--cap-gib", type=float, help="emulate a card of this many GiB for every setting but plain "
                         "bf16 (torch.cuda.set_per_process_memory_fraction), e.g. 24 for a 4090")
@@ -422,11 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         peak = peak or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in gpu), None)
     table = settings_table(args.smoke)
     wanted = args.settings.split(",") if args.settings else list(table)
-    blocks = VARIANTS[model_variant(args.variant, args.smoke)].num_layers
+    blocks = VARIANTS[model_variant(args.variant, args.smoke)].all_blocks  # VACE: its VACE blocks too
     for w in wanted:
         setting = table.get(w) or parse_setting(split_speed(w)[0], blocks)
         if setting is None:
-            parser.error(f"unknown setting {w!r}; use bf16|fp8|fp8_scaled|int8|nf4[-swapN][-offload] with N <= "
+            parser.error(f"unknown setting {w!r}; use bf16|fp8|fp8_scaled|int8|nf4[-swapN][-offload][-lean] with N <= "
                          f"{blocks} (fp8_scaled, int8, nf4: no swap), e.g. "
                          f"{', '.join(table)}")
         table[w] = setting

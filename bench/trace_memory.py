@@ -2,9 +2,10 @@
 
 The expert is built on ``meta`` with the variant's real architecture (A14B: 40 blocks, width 5120), its parameters
 re-created as fake tensors (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no
-memory) in the dtypes a run gives them (base in bf16 or float8_e4m3fn with diffusers' layerwise casting, the
-``_keep_in_fp32_modules`` in fp32, the rank-r LoRA in fp32), with wantrain's block swap and activation offload
-when asked. One step (forward with gradient checkpointing, the flow-matching MSE, backward, AdamW with its state)
+memory) in the dtypes a run gives them (base in bf16, float8_e4m3fn with diffusers' layerwise casting or scaled
+fp8 with its per-row scales, the ``_keep_in_fp32_modules`` in fp32, the rank-r LoRA in fp32), with wantrain's block
+swap (a VACE variant's VACE blocks counted before its main blocks, as a run swaps them) and activation offload when
+asked. One step (forward with gradient checkpointing, the flow-matching MSE, backward, AdamW with its state)
 runs under a dispatch mode that counts the bytes of every live storage on the device: the peak is what the
 tensors need, the quantity ``torch.cuda.max_memory_allocated`` reports, and what the planner's estimate
 (``wantrain.models.wan22.memory``, what ``wantrain check`` prints) is checked against. With ``--flops`` the step
@@ -28,6 +29,8 @@ Choices that differ from a GPU:
     python bench/trace_memory.py                           # the table of docs/benchmarks.md (markdown + JSON)
     python bench/trace_memory.py --variant t2v-a14b --dtype fp8 --swap 20 --offload --size 832x480x81
     python bench/trace_memory.py --json out.json
+    python bench/trace_memory.py --variant vace-t2v-a14b --dtype fp8_scaled --swap 44 --offload --size 832x480x81 \
+        --recompute lean                                   # VACE: 4 of its 8 VACE blocks swapped too
     python bench/trace_memory.py --lora-type all --layers 2 --dtype bf16 --swap 0 --offload --size 832x480x81
                                                            # a row per adapter type (lora.type)
     python bench/trace_memory.py --recompute all --layers 2 --dtype bf16 --swap 0 --offload --flops
@@ -55,9 +58,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from wantrain.models.wan22.architecture import transformer_kwargs
 from wantrain.models.wan22.export import ADAPTER_NAME
+from wantrain.models.wan22.fp8 import to_scaled_fp8
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.recompute import use_recompute
-from wantrain.models.wan22.swap import BlockSwap
+from wantrain.models.wan22.swap import BlockSwap, swapped_blocks
 from wantrain.models.wan22.variants import VARIANTS
 
 DEVICE = torch.device("cpu")  # the fake device
@@ -173,6 +177,8 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
         model.to(torch.bfloat16)
         if dtype == "fp8":
             model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        elif dtype == "fp8_scaled":  # float8 weights, per-row float32 scales (a buffer), bf16 biases
+            to_scaled_fp8(model)
         model.enable_gradient_checkpointing()
         targets = candidate_modules(len(model.blocks), len(getattr(model, "vace_blocks", ())))
         model.add_adapter(adapter_type(lora_type).peft_config(LoraConfig(type=lora_type, rank=rank), targets),
@@ -205,6 +211,23 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
     return model
 
 
+def fake_block_swap(model: torch.nn.Module, swap: int, on_copy=None) -> BlockSwap:
+    """wantrain's block swap of the last ``swap`` blocks in run order (``swap.swapped_blocks``: a VACE model's VACE
+    blocks count before its main blocks), their frozen parameters and buffers (fp8_scaled's scales) first moved to
+    the uncounted host device (the host copies)."""
+    blocks, swapped = swapped_blocks(model, swap)
+    for k in swapped:
+        for module in blocks[k].modules():
+            for key, param in list(module._parameters.items()):
+                if param is not None and not param.requires_grad:
+                    module._parameters[key] = torch.nn.Parameter(
+                        torch.empty(param.shape, dtype=param.dtype, device=HOST), requires_grad=False)
+            for key, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[key] = torch.empty(buffer.shape, dtype=buffer.dtype, device=HOST)
+    return BlockSwap(model, blocks, swapped, DEVICE, ring=2, on_copy=on_copy)
+
+
 def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload: bool = False,
           size: tuple[int, int, int] = (832, 480, 81), rank: int = 32, batch: int = 1,
           layers: int | None = None, lora_type: str = "lora", count_flops: bool = False,
@@ -221,14 +244,7 @@ def trace(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0, offload
     copies: list[int] = []
     with fake:
         if swap:
-            swapped = range(len(blocks) - swap, len(blocks))
-            for k in swapped:  # the host copies: on the uncounted host device
-                for module in blocks[k].modules():
-                    for key, param in list(module._parameters.items()):
-                        if param is not None and not param.requires_grad:
-                            module._parameters[key] = torch.nn.Parameter(
-                                torch.empty(param.shape, dtype=param.dtype, device=HOST), requires_grad=False)
-            BlockSwap(model, blocks, swapped, DEVICE, ring=2, on_copy=copies.append)
+            fake_block_swap(model, swap, on_copy=copies.append)
         lora = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(lora, lr=1e-4, foreach=True)
         for p in lora:  # steady state: AdamW's moments exist before the step
@@ -318,14 +334,7 @@ def trace_sampling(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0
     blocks = model.blocks
     with fake:
         if swap:
-            swapped = range(len(blocks) - swap, len(blocks))
-            for k in swapped:
-                for module in blocks[k].modules():
-                    for key, param in list(module._parameters.items()):
-                        if param is not None and not param.requires_grad:
-                            module._parameters[key] = torch.nn.Parameter(
-                                torch.empty(param.shape, dtype=param.dtype, device=HOST), requires_grad=False)
-            BlockSwap(model, blocks, swapped, DEVICE, ring=2)
+            fake_block_swap(model, swap)
         counter = LiveBytes(DEVICE.type)
         for tensor in [*model.parameters(), *model.buffers(), *vae.parameters(), *vae.buffers()]:
             counter.track(tensor)
@@ -369,7 +378,7 @@ def trace_sampling(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", default="t2v-a14b", choices=sorted(VARIANTS))
-    parser.add_argument("--dtype", choices=("bf16", "fp8"))
+    parser.add_argument("--dtype", choices=("bf16", "fp8", "fp8_scaled"))
     parser.add_argument("--swap", type=int)
     parser.add_argument("--offload", action="store_true", default=None)
     parser.add_argument("--size", type=parse_size, help="WIDTHxHEIGHTxFRAMES")

@@ -107,3 +107,46 @@ def test_a_vace_run_resumed_after_its_first_step_gives_the_same_loras_bit_for_bi
     for expert in ("high_noise", "low_noise"):
         name = f"vace_{expert}.safetensors"
         assert (first / name).read_bytes() == (straight / name).read_bytes(), name
+
+
+SWAPPED_FP8 = ("--set", "model.gradient_checkpointing=true", "--set", 'model.base_dtype="fp8_scaled"')
+
+
+@pytest.fixture
+def stored(monkeypatch) -> dict[str, list]:
+    """fp8 allowed on the CPU in this process; each block swap built records the class of every block it swaps,
+    each scaled fp8 conversion of an expert (not the planner's on ``meta``) its number of ScaledFp8Linears."""
+    from wantrain.models.wan22 import adapter, fp8
+
+    monkeypatch.setattr(adapter, "FP8_DEVICE_TYPES", ("cuda", "cpu"))
+    seen: dict[str, list] = {"swapped": [], "fp8": []}
+    swap, convert = adapter.BlockSwap, fp8.to_scaled_fp8
+
+    def block_swap(root, blocks, swapped, *args, **kwargs):
+        seen["swapped"].append([type(blocks[k]).__name__ for k in swapped])
+        return swap(root, blocks, swapped, *args, **kwargs)
+
+    def to_scaled_fp8(model, *args, **kwargs):
+        model = convert(model, *args, **kwargs)
+        if next(model.parameters()).device.type != "meta":
+            seen["fp8"].append(sum(isinstance(m, fp8.ScaledFp8Linear) for m in model.modules()))
+        return model
+
+    monkeypatch.setattr(adapter, "BlockSwap", block_swap)
+    monkeypatch.setattr(fp8, "to_scaled_fp8", to_scaled_fp8)
+    return seen
+
+
+def test_vace_blocks_swapped_offloaded_and_in_scaled_fp8_train_as_resident_and_resume_bit_for_bit(workspace,
+                                                                                                 stored):
+    resident = run(workspace, "fp8", *SWAPPED_FP8)
+    assert stored == {"swapped": [], "fp8": [43, 43]}  # per expert: 2 x 10 main + 2 x 11 VACE Linears + proj_in
+    swapped = ("--set", "model.blocks_to_swap=4", "--set", "model.offload_activations=true", *SWAPPED_FP8)
+    first = run(workspace, "fp8_swapped", *swapped, "--max-steps", "1")
+    again = run(workspace, "fp8_swapped", *swapped, "--resume", str(first), "--max-steps", str(STEPS))
+    assert again == first
+    every_block = ["WanVACETransformerBlock"] * 2 + ["WanTransformerBlock"] * 2
+    assert stored["swapped"] == [every_block] * 4  # two experts, in the run and in the resume
+    for expert in ("high_noise", "low_noise"):
+        name = f"vace_{expert}.safetensors"
+        assert (first / name).read_bytes() == (resident / name).read_bytes(), name

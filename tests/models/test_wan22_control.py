@@ -176,7 +176,6 @@ def test_first_last_frame_trains_and_samples_with_the_last_frame():
 @pytest.mark.parametrize(("keys", "message"), [
     (dict(variant="tiny-t2v", condition="first_last"), "model.condition = 'first_last' conditions I2V-A14B"),
     (dict(variant="tiny-i2v", vace_blocks="frozen"), "model.vace_blocks = 'frozen' applies to the VACE variants"),
-    (dict(variant="tiny-vace-t2v", parallel="fsdp"), "model.parallel = 'fsdp' does not take the VACE blocks yet"),
 ])
 def test_control_settings_on_a_variant_without_them_are_refused_in_one_line(keys, message):
     with pytest.raises(ConfigError, match=message):

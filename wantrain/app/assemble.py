@@ -546,6 +546,7 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
     group) and fills it from the group leader's host copy over the group only
     (``core.parallel.sharding.load_from_leader``): the groups load side by side."""
     from wantrain.core.parallel import sharding
+    from wantrain.models.wan22.swap import run_order  # every block, a VACE expert's VACE blocks too
 
     if groups is None:
         mesh = sharding.shard_mesh(device.type, world_size, shard_degree)
@@ -554,7 +555,7 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
     divide = world_size / sequence_degree if sequence_degree > 1 else None
     for expert in adapter.experts:
         transformer = adapter.transformer_for(expert)
-        sharding.shard_per_block(transformer, transformer.blocks, mesh=mesh, gradient_divide_factor=divide,
+        sharding.shard_per_block(transformer, run_order(transformer), mesh=mesh, gradient_divide_factor=divide,
                                  param_dtype=sharding.compute_dtype(transformer), reduce_dtype=torch.float32)
         source = adapter.host_sources.pop(expert, None)
         if groups is None:

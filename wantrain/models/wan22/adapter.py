@@ -37,7 +37,7 @@ from wantrain.models.wan22.lowbit import to_low_bit
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.placement import ExpertPlacement, pin_budget
 from wantrain.models.wan22.recompute import use_recompute
-from wantrain.models.wan22.swap import BlockSwap
+from wantrain.models.wan22.swap import BlockSwap, swapped_blocks
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
@@ -176,9 +176,8 @@ class Wan22Adapter:
                 self.waiting.keep(expert, self.source.transformer_identity(expert), model.base_dtype,
                                   self._transformers[expert])
             if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
-                blocks = self._transformers[expert].blocks
-                self._swaps[expert] = BlockSwap(self._transformers[expert], blocks,
-                                                range(len(blocks) - model.blocks_to_swap, len(blocks)), self.device,
+                blocks, swapped = swapped_blocks(self._transformers[expert], model.blocks_to_swap)
+                self._swaps[expert] = BlockSwap(self._transformers[expert], blocks, swapped, self.device,
                                                 pin=model.pin_host_copies)
             if self.waiting is not None:  # on disk now: no expert is held whole beside the next one loading
                 with self._swapped_blocks_excluded():
@@ -520,9 +519,8 @@ class Wan22Adapter:
         transformer.requires_grad_(False).eval()
         self._speed_up(transformer)
         if self.model_config.blocks_to_swap:  # as for a trained expert: the host copies are the loaded tensors
-            blocks = transformer.blocks
-            self._swaps[expert] = BlockSwap(transformer, blocks, range(len(blocks) - self.model_config.blocks_to_swap,
-                                                                       len(blocks)), self.device,
+            blocks, swapped = swapped_blocks(transformer, self.model_config.blocks_to_swap)
+            self._swaps[expert] = BlockSwap(transformer, blocks, swapped, self.device,
                                             pin=self.model_config.pin_host_copies)
         self._transformers[expert] = transformer
         with self._swapped_blocks_excluded():

@@ -78,10 +78,11 @@ def transformer_kwargs(spec: VariantSpec) -> dict[str, Any]:
 
 
 def planner_kwargs(spec: VariantSpec) -> dict[str, Any]:
-    """``WanTransformer3DModel`` arguments the memory planner builds on ``meta`` for ``spec``: the transformer's own
-    (:func:`transformer_kwargs`), except that a VACE variant's VACE blocks count as main blocks of the same shape
-    (``num_layers`` + one per VACE layer): their weights, LoRA, swap and checkpointed inputs are a main block's
-    (each VACE block's two extra Linears, ``proj_in`` / ``proj_out``, are dim x dim: under 2 % of a block)."""
+    """``WanTransformer3DModel`` arguments the memory planner builds on ``meta`` for ``spec``'s block shapes: the
+    transformer's own (:func:`transformer_kwargs`), except that a VACE variant's VACE blocks count as main blocks of
+    the same shape (``num_layers`` + one per VACE layer): their LoRA, recompute and checkpointed inputs are a main
+    block's. Their weights are counted on the real class (``memory.stored_meta_build``): each VACE block's
+    ``proj_out`` (and the first one's ``proj_in``) is dim x dim, 7 % of a main block's weights."""
     kwargs = transformer_kwargs(spec)
     if spec.vace:
         kwargs.pop("vace_layers")

@@ -130,7 +130,9 @@ class ModelConfig:
     blocks_to_swap: int = setting(
         0, doc="Transformer blocks (the last N of each expert) whose frozen base weights stay in host memory and "
         "visit the device one block ahead of use, in the forward pass and in gradient checkpointing's recompute "
-        "(docs/models.md, Memory). Needs gradient checkpointing.", range=at_least(0),
+        "(docs/models.md, Memory). A VACE variant's VACE blocks run first and count before its main blocks "
+        "(vace-t2v-a14b: 0..48; above 40 VACE blocks are swapped too). Needs gradient checkpointing.",
+        range=at_least(0),
     )
     offload_activations: bool = setting(
         False, doc="Keep what autograd saves for the backward pass (with gradient checkpointing: every block's "

@@ -38,11 +38,6 @@ def problems(model: Any) -> list[str]:
     if model.vace_blocks != "lora" and not spec.vace:
         out.append(f"model.vace_blocks = {model.vace_blocks!r} applies to the VACE variants (vace-t2v-a14b, "
                    f"tiny-vace-t2v); {model.variant} has no VACE blocks: remove the key")
-    if spec.vace and (model.parallel == "fsdp" or model.sequence_degree > 1):
-        key = ("model.parallel = 'fsdp'" if model.parallel == "fsdp"
-               else f"model.sequence_degree = {model.sequence_degree}")
-        out.append(f"{key} does not take the VACE blocks yet (they are neither sharded nor split by heads); train "
-                   f"{model.variant} with model.parallel = 'dp' and model.sequence_degree = 1")
     return out
 
 

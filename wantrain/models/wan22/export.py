@@ -38,6 +38,7 @@ from wantrain.models.wan22.adapter_types import (
     adapter_type,
     wan_name,
 )
+from wantrain.models.wan22.swap import run_order_names
 
 __all__ = ["ADAPTER_NAME", "DIFFUSERS_TO_WAN", "LORA_TARGET_REGEX", "WAN_KEY", "Wan22Saver", "adapter_state_dict",
            "atomic_save", "live_alpha", "lora_layers", "set_live_alpha", "wan_module_name", "wan_state_dict"]
@@ -88,13 +89,17 @@ def adapter_state_dict(transformer: nn.Module, kind: AdapterType, dtype: torch.d
                        before_block: Callable[[int], None] | None = None) -> dict[str, torch.Tensor]:
     """The adapter of ``transformer`` (of type ``kind``) in original Wan naming, on the CPU: its factors in
     ``dtype`` (computed in float32 first), ``alpha`` and ``dora_scale`` in float32 (``AdapterType.export``).
-    ``before_block(N)`` is called before the first layer of block N is read (block swap: DoRA reads base weights)."""
+    ``before_block(N)`` is called before the first layer of block N is read, N counted in the order the forward
+    pass runs the blocks (``swap.run_order``: a VACE transformer's VACE blocks first; block swap: DoRA reads base
+    weights)."""
     out: dict[str, torch.Tensor] = {}
+    order = {name: k for k, name in enumerate(run_order_names(transformer))}
     block = None
     for name, layer in lora_layers(transformer):
         key = wan_module_name(name)
-        if before_block is not None and name.startswith("blocks.") and int(name.split(".")[1]) != block:
-            block = int(name.split(".")[1])
+        index = order.get(".".join(name.split(".")[:2]))
+        if before_block is not None and index is not None and index != block:
+            block = index
             before_block(block)
         for part, tensor in kind.export(layer).items():
             keep = torch.float32 if part in ("alpha", "dora_scale") else dtype

@@ -4,12 +4,13 @@ Plain fp8 (``base_dtype = "fp8"``, diffusers' layerwise casting) casts each weig
 has 3 mantissa bits and its normal range starts at 2^-6 = 0.0156: a Wan weight of typical size (|w| ~ 0.01-0.05)
 falls largely into the subnormals, whose step is a fixed 2^-9, so small rows lose most of their precision.
 
-Scaled fp8 stores, for each of the blocks' Linears (attention q/k/v/out and the feed-forward pair: the Linears
-plain fp8 stores in float8), ``q = round_e4m3(w / s)`` with **one float32 scale per output row**,
-``s = max|w[row]| / 448`` (448 is E4M3's largest finite value), so every row uses E4M3's whole range. Why per row
-rather than per block of columns: a row's scale commutes with the matmul (``x @ (q * s)^T == (x @ q^T) * s``), it
-is the layout ComfyUI's ``fp8_scaled`` files use (one scale per tensor, which is a per-row scale repeated), and it
-costs 4 bytes per output row (about 0.25 MB per A14B block). The bias stays in the compute dtype (bf16).
+Scaled fp8 stores, for each of the blocks' Linears (attention q/k/v/out and the feed-forward pair, and a VACE
+transformer's VACE blocks' Linears alike: the Linears plain fp8 stores in float8), ``q = round_e4m3(w / s)`` with
+**one float32 scale per output row**, ``s = max|w[row]| / 448`` (448 is E4M3's largest finite value), so every row
+uses E4M3's whole range. Why per row rather than per block of columns: a row's scale commutes with the matmul
+(``x @ (q * s)^T == (x @ q^T) * s``), it is the layout ComfyUI's ``fp8_scaled`` files use (one scale per tensor,
+which is a per-row scale repeated), and it costs 4 bytes per output row (about 0.25 MB per A14B block). The bias
+stays in the compute dtype (bf16).
 
 The forward dequantises just in time: ``(q.float() * s)`` rounded once to the input's dtype, in chunks of rows so
 that the float32 intermediate stays small, then ``F.linear``. The dequantised weight is what autograd keeps for the
@@ -92,9 +93,12 @@ class ScaledFp8Linear(nn.Linear):
 
 
 def targets(model: nn.Module) -> list[str]:
-    """Names of the Linears scaled fp8 stores: every ``nn.Linear`` inside ``model.blocks`` (the set diffusers'
-    layerwise casting stores in float8 for ``base_dtype = "fp8"``)."""
-    return [f"blocks.{name}" for name, module in model.blocks.named_modules() if isinstance(module, nn.Linear)]
+    """Names of the Linears scaled fp8 stores: every ``nn.Linear`` inside ``model.blocks`` and, in a VACE
+    transformer, inside ``model.vace_blocks`` (their ``proj_in`` / ``proj_out`` included): the blocks' Linears
+    diffusers' layerwise casting stores in float8 for ``base_dtype = "fp8"``."""
+    stacks = ["blocks", *(["vace_blocks"] if hasattr(model, "vace_blocks") else [])]
+    return [f"{stack}.{name}" for stack in stacks for name, module in getattr(model, stack).named_modules()
+            if isinstance(module, nn.Linear)]
 
 
 def target_weights(model: nn.Module) -> set[str]:

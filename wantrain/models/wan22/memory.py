@@ -6,8 +6,10 @@ float8_e4m3fn; with fp8_scaled those Linears in float8 plus their per-row float3
 activations use constants measured by ``bench/trace_memory.py`` (a fake-tensor trace of a real-size step on a CPU;
 docs/benchmarks.md has its table and the estimate's error on every row). Parts (bytes):
 
-* ``weights resident``: the frozen base outside the swapped blocks (one expert; the other waits on the host);
-* ``swap buffers``: ``ring`` blocks' frozen tensors (``model.blocks_to_swap`` > 0);
+* ``weights resident``: the frozen base outside the swapped blocks (one expert; the other waits on the host), the
+  blocks counted in run order as block swap counts them (``swap.run_order``: a VACE variant's VACE blocks first,
+  weighed on the real class);
+* ``swap buffers``: ``ring`` of the swapped blocks' frozen tensors (``model.blocks_to_swap`` > 0);
 * ``LoRA + optimizer``: the adapter's fp32 weights, their gradients and AdamW's two moments (16 bytes per
   parameter), the parameters of ``lora.type`` counted on a ``meta`` build of one block with peft's layers
   (:func:`adapter_block`; LoHa twice LoRA's, LoKr a few per cent, DoRA LoRA's plus a magnitude per row);
@@ -18,6 +20,8 @@ docs/benchmarks.md has its table and the estimate's error on every row). Parts (
   of the block's Linears);
 * ``adapter vs LoRA`` (LoHa, LoKr, DoRA): what the type's layers hold at the recompute's peak beyond a LoRA's
   (negative: less), with the run's forwards (``adapter_forward.py``; ``ADAPTER_TRANSIENT``);
+* ``VACE hints`` (VACE variants): the hint each VACE block hands its main block, held from the VACE blocks' run
+  to the main block's, and its gradient in the backward (one hidden state each);
 * ``workspace``: the layers outside the blocks, the loss, and a fixed allowance.
 
 Sampling (``[sample]``: diffusers' Wan pipeline around the training expert, no autograd), at the sample size:
@@ -308,14 +312,18 @@ def stored_meta_build(variant: str, base_dtype: str, layers: int | None = None):
     import torch
     from diffusers import WanTransformer3DModel
 
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, planner_kwargs
+    from wantrain.models.wan22.architecture import (
+        cast_keeping_fp32_modules,
+        planner_kwargs,
+        transformer_class,
+        transformer_kwargs,
+    )
     from wantrain.models.wan22.variants import VARIANTS
 
-    kwargs = planner_kwargs(VARIANTS[variant])
-    if layers is not None:
-        kwargs["num_layers"] = layers
-    with torch.device("meta"):
-        model = WanTransformer3DModel(**kwargs)
+    spec = VARIANTS[variant]
+    with torch.device("meta"):  # layers: a stack of that many main blocks (a VACE variant's VACE blocks included)
+        model = (transformer_class(spec)(**transformer_kwargs(spec)) if layers is None
+                 else WanTransformer3DModel(**dict(planner_kwargs(spec), num_layers=layers)))
     cast_keeping_fp32_modules(model, torch.float32 if base_dtype == "fp32" else torch.bfloat16)
     if base_dtype == "fp8":
         model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
@@ -332,13 +340,16 @@ def stored_meta_build(variant: str, base_dtype: str, layers: int | None = None):
 
 def weight_bytes(variant: str, base_dtype: str, layers: int | None = None) -> tuple[float, tuple[float, ...]]:
     """(bytes outside the blocks, bytes of each block) of one expert's frozen base in ``base_dtype``, counted on a
-    ``meta`` build stored as the adapter stores it (:func:`stored_meta_build`)."""
+    ``meta`` build stored as the adapter stores it (:func:`stored_meta_build`); the blocks in the order the forward
+    pass runs them, as block swap counts them (``swap.run_order``: a VACE variant's VACE blocks first)."""
+    from wantrain.models.wan22.swap import run_order
+
     model = stored_meta_build(variant, base_dtype, layers)
 
     def size(module) -> float:
         return float(sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]))
 
-    blocks = tuple(size(block) for block in model.blocks)
+    blocks = tuple(size(block) for block in run_order(model))
     return size(model) - sum(blocks), blocks
 
 
@@ -417,7 +428,7 @@ def _shapes_and_weights(variant: str, settings: MemorySettings, layers: int | No
     rest, blocks = weight_bytes(variant, settings.base_dtype, layers)
     n = len(blocks)
     swap = min(settings.blocks_to_swap, n)
-    ring = min(SWAP_RING, swap) * max(blocks, default=0.0)
+    ring = min(SWAP_RING, swap) * max(blocks[n - swap:], default=0.0)  # the ring holds swapped blocks only
     return spec, d, kwargs["ffn_dim"], blocks, rest + sum(blocks[: n - swap]), ring
 
 
@@ -540,7 +551,7 @@ def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
-    n = spec.num_layers
+    n = spec.all_blocks  # what block swap may take: a VACE variant's VACE blocks too
     best: MemoryEstimate | None = None
     smallest: MemoryEstimate | None = None
     chosen = None  # (dtype, recompute path) of the first fit
@@ -608,13 +619,15 @@ def _slab_waste(sizes: list[int], max_slab: int | None = None) -> float:
 def host_tensor_bytes(variant: str, base_dtype: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """(byte sizes of the frozen tensors outside the blocks, per block the byte sizes of its frozen tensors) of one
     expert in ``base_dtype`` storage: what the waiting copies and the swap's host copies hold, tensor by tensor."""
+    from wantrain.models.wan22.swap import run_order
+
     model = stored_meta_build(variant, base_dtype)
 
     def sizes(module) -> tuple[int, ...]:
         return tuple(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
-    blocks = tuple(sizes(block) for block in model.blocks)
-    inside = {id(t) for block in model.blocks for t in [*block.parameters(), *block.buffers()]}
+    blocks = tuple(sizes(block) for block in run_order(model))
+    inside = {id(t) for block in run_order(model) for t in [*block.parameters(), *block.buffers()]}
     rest = tuple(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()] if id(t) not in inside)
     return rest, blocks
 

@@ -83,10 +83,8 @@ MODEL_RULES = (
                          "int8 / nf4 storage inside compiled blocks (not verified on a GPU yet)",
                          ("model.base_dtype = int8 or nf4", "model.compile")),
     CONTROL_VARIANT := R("control-variant",
-                         ("model.condition", "model.vace_blocks", "model.variant", "model.parallel",
-                          "model.sequence_degree"),
-                         "a control setting its variant lacks (first_last off I2V, vace_blocks off VACE), or VACE "
-                         "under fsdp or a sequence degree"),
+                         ("model.condition", "model.vace_blocks", "model.variant"),
+                         "a control setting its variant lacks (first_last off I2V, vace_blocks off VACE)"),
 )
 
 
@@ -102,10 +100,11 @@ def model_problems(model: ModelConfig) -> list[Problem]:
     if offload is None or offload.type == "meta":
         out.append(OFFLOAD_DEVICE.problem(f"model.offload_device = {model.offload_device!r} is not a usable device",
                                           "use 'cpu' or 'cuda:N'"))
-    if model.blocks_to_swap > spec.num_layers:
+    if model.blocks_to_swap > spec.all_blocks:
+        vace = f" ({spec.num_layers} main + {len(spec.vace_layers)} VACE)" if spec.vace else ""
         out.append(SWAP_BEYOND_BLOCKS.problem(
-            f"model.blocks_to_swap = {model.blocks_to_swap} exceeds the {spec.num_layers} blocks of "
-            f"{model.variant}; use 0..{spec.num_layers}"))
+            f"model.blocks_to_swap = {model.blocks_to_swap} exceeds the {spec.all_blocks} blocks{vace} of "
+            f"{model.variant}; use 0..{spec.all_blocks}"))
     if model.blocks_to_swap and not model.gradient_checkpointing:
         out.append(SWAP_NEEDS_CHECKPOINTING.problem(
             "model.blocks_to_swap needs model.gradient_checkpointing = true (without it every block's weights "

@@ -37,15 +37,32 @@ def cpu_device_count_workaround() -> Iterator[None]:
         torch.accelerator.device_count = real
 
 
+def vace_cp_plan() -> dict[str, Any]:
+    """diffusers' context-parallel plan of ``WanTransformer3DModel``, for a ``WanVACETransformer3DModel`` (which has
+    none of its own): the same splits (RoPE's output, the main blocks' input at ``blocks.0``, the output gathered at
+    ``proj_out``), and VACE block 0's two token inputs split the same way: the patch-embedded video tokens and the
+    control tokens (padded to the same length before it). The later VACE blocks carry the split control tokens on,
+    and each VACE block's hint is then its rank's tokens of the hidden state it is added to; the text is not split
+    (as for Wan)."""
+    from diffusers import WanTransformer3DModel
+    from diffusers.models._modeling_parallel import ContextParallelInput
+
+    tokens = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    return {**WanTransformer3DModel._cp_plan,
+            "vace_blocks.0": {"hidden_states": tokens, "control_hidden_states": tokens}}
+
+
 def enable_ulysses(transformer: nn.Module, degree: int, *, mesh: Any = None) -> nn.Module:
     """Split ``transformer``'s sequence over ``degree`` ranks (diffusers' ``ContextParallelConfig(ulysses_degree=
     degree)``, on ``mesh`` when given, else on every rank of the default group), in place. Its inputs are whole on
-    every rank and its output is gathered whole again (diffusers' plan for Wan)."""
+    every rank and its output is gathered whole again (diffusers' plan for Wan; a VACE transformer:
+    :func:`vace_cp_plan`)."""
     from diffusers import ContextParallelConfig
 
     config = ContextParallelConfig(ulysses_degree=degree, mesh=mesh)
+    plan = vace_cp_plan() if hasattr(transformer, "vace_blocks") else None
     with cpu_device_count_workaround():
-        transformer.enable_parallelism(config=config)
+        transformer.enable_parallelism(config=config, cp_plan=plan)
     return transformer
 
 

@@ -1,6 +1,12 @@
 """Block swap: the frozen base weights of the last N transformer blocks live on the host and visit the device one
 block at a time (``model.blocks_to_swap``, docs/models.md "Memory").
 
+The blocks are counted in the order a forward pass runs them (:func:`run_order`): a VACE transformer runs its VACE
+blocks first (they compute every control hint before the main blocks start) and then its main blocks, so its last N
+blocks are main blocks, and N above the main blocks' count swaps VACE blocks too, the last one first. The backward
+pass (gradient checkpointing's recompute) runs them in the reverse order: autograd's ready queue takes the most
+recently created node first, and every main block's node is younger than every VACE block's.
+
 Each swapped block keeps one host copy of its frozen tensors (the loaded tensors; copying to CUDA, copies carved
 from a few pinned slabs, ``pinned.py``, without the pinned allocator's power-of-two rounding) and, while it is not
 needed, a ``meta`` placeholder of the same shape on the module: running an unloaded block fails loudly instead of
@@ -33,6 +39,25 @@ from wantrain.models.wan22 import pinned
 from wantrain.models.wan22.single_file import trim_heap
 
 
+def run_order(transformer: nn.Module) -> list[nn.Module]:
+    """``transformer``'s blocks in the order its forward pass runs them: a VACE transformer's ``vace_blocks``, then
+    the main ``blocks`` (every other Wan transformer: its ``blocks``)."""
+    return [*getattr(transformer, "vace_blocks", ()), *transformer.blocks]
+
+
+def run_order_names(transformer: nn.Module) -> list[str]:
+    """The module names of :func:`run_order` (``vace_blocks.0``, ..., ``blocks.0``, ...)."""
+    vace = [f"vace_blocks.{k}" for k in range(len(getattr(transformer, "vace_blocks", ())))]
+    return [*vace, *(f"blocks.{k}" for k in range(len(transformer.blocks)))]
+
+
+def swapped_blocks(transformer: nn.Module, count: int) -> tuple[list[nn.Module], range]:
+    """(:func:`run_order` of ``transformer``, the indices into it of its last ``count`` blocks): what a
+    :class:`BlockSwap` of ``model.blocks_to_swap = count`` takes."""
+    blocks = run_order(transformer)
+    return blocks, range(len(blocks) - count, len(blocks))
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (checkpoint recompute runs inside it)."""
     return torch._C._current_graph_task_id() != -1
@@ -40,13 +65,15 @@ def _in_backward() -> bool:
 
 class BlockSwap:
     """Swap the frozen tensors of ``blocks[i]`` for ``i`` in ``swapped`` through a ring of ``ring`` device slots.
+    ``blocks``: every block of ``root`` in the order its forward pass runs them (:func:`run_order`), swapped or not
+    (each one's forward pre-hook prefetches the next swapped block).
 
     The frozen tensors the blocks hold when this is built are taken as the host copies (they must not be on the
     device). ``on_copy(block_index)`` is called for every host->device block copy (tests, benchmarks). ``pin``
     false (``model.pin_host_copies = false``): the host copies stay pageable.
     """
 
-    def __init__(self, root: nn.Module, blocks: nn.ModuleList, swapped: Sequence[int], device: torch.device, *,
+    def __init__(self, root: nn.Module, blocks: Sequence[nn.Module], swapped: Sequence[int], device: torch.device, *,
                  ring: int = 2, on_copy: Callable[[int], None] | None = None, pin: bool = True) -> None:
         if ring < 1:
             raise ValueError(f"the swap ring needs at least one slot, got {ring}")

@@ -39,6 +39,11 @@ class VariantSpec:
     def vace(self) -> bool:
         return bool(self.vace_layers)
 
+    @property
+    def all_blocks(self) -> int:
+        """Blocks per expert, main and VACE: what ``model.blocks_to_swap`` counts (``swap.run_order``)."""
+        return self.num_layers + len(self.vace_layers)
+
 
 def _spec(**kw: object) -> VariantSpec:
     return VariantSpec(**kw)  # type: ignore[arg-type]

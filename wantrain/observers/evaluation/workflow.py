@@ -49,8 +49,9 @@ SAMPLER, SCHEDULER = "uni_pc", "simple"
 END_OF_SCHEDULE = 10000  # KSamplerAdvanced's end_at_step default: "to the last step"
 PLACEHOLDER_PROMPT = "describe the video, with the words the LoRA was trained on"
 
-# The files ComfyUI's folders usually hold for each variant (Comfy-Org's repackaged Wan 2.2 release): used for a
-# diffusers-folder run, whose weights have no single file of their own.
+# The files ComfyUI's folders usually hold for each variant (Comfy-Org's repackaged Wan 2.2 release,
+# Comfy-Org/Wan_2.2_ComfyUI_Repackaged split_files/diffusion_models/: the VACE-Fun pair is there in bf16 and in
+# fp8_scaled): used for a run from a diffusers folder or another layout, whose weights have no single file of their own.
 COMFY_FILES: dict[str, dict[str, str]] = {
     "t2v": {"high_noise": "wan2.2_t2v_high_noise_14B_fp16.safetensors",
             "low_noise": "wan2.2_t2v_low_noise_14B_fp16.safetensors", "vae": "wan_2.1_vae.safetensors"},
