@@ -106,3 +106,17 @@ def test_check_plans_fsdp_with_a_sequence_degree_as_trainable_with_the_weights_o
     sharded = rank_estimate("t2v-a14b", Layout(gpus=4, shard_degree=4), **size).parts
     assert both["weights (shard)"] == sharded["weights (shard)"] < sequence["weights (shard)"] / 3.9
     assert both["checkpointed inputs"] == sequence["checkpointed inputs"] == sharded["checkpointed inputs"] / 2
+
+
+def test_a_bucket_whose_clips_reference_image_adds_a_latent_frame_the_degree_does_not_split_is_refused():
+    """Found by the control-LoRA work: VACE prepends a reference image's latent frame, so 48x48x5 (2 latent frames
+    of 3 x 3 tokens: 18, 9 a GPU) has 27 tokens with a ``.ref`` beside a clip; diffusers' split then failed
+    mid-run. The same bucket without a reference is fine."""
+    cfg = structure(RunConfig, {"model": {"variant": "tiny-vace-t2v", "sequence_degree": 2}})
+    row = SimpleNamespace(width=48, height=48, frames=5)
+    plain = SimpleNamespace(width=48, height=48, frames=5, controls={"control": "a.control.mp4"})
+    referenced = SimpleNamespace(width=48, height=48, frames=5, controls={"ref": "a.ref.png"})
+    check_sequence_buckets(cfg, [row], [plain])
+    with pytest.raises(UserError, match=r"^bucket 48x48x5 has 27 tokens per clip with its clips' reference image, "
+                                        r"which model.sequence_degree = 2 does not divide"):
+        check_sequence_buckets(cfg, [row], [plain, referenced])

@@ -141,9 +141,10 @@ def check_parallel(cfg: Any, world_size: int) -> list[str]:
     return parallel_notes(cfg, world_size)
 
 
-def sequence_bucket_problems(cfg: Any, buckets: Any) -> list[Problem]:
+def sequence_bucket_problems(cfg: Any, buckets: Any, clips: Any = ()) -> list[Problem]:
     """Every bucket's tokens per clip (latent frames x latent height x latent width over the patch) must split
-    evenly over ``model.sequence_degree`` GPUs: each bucket that does not, named."""
+    evenly over ``model.sequence_degree`` GPUs: each bucket that does not, named. A clip of ``clips`` with a
+    reference image (VACE's ``.ref``) has one latent frame more than its bucket: its bucket is judged with it too."""
     from wantrain.models.wan22.memory import tokens_of
     from wantrain.models.wan22.variants import variant_spec
 
@@ -151,20 +152,25 @@ def sequence_bucket_problems(cfg: Any, buckets: Any) -> list[Problem]:
     if degree == 1:
         return []
     spec = variant_spec(cfg.model.variant)
+    referenced = {(c.width, c.height, c.frames) for c in clips if "ref" in getattr(c, "controls", {})}
     out = []
     for row in buckets:
         tokens = tokens_of(spec, row.width, row.height, row.frames, 1)
-        if tokens % degree:
+        with_ref = tokens + tokens_of(spec, row.width, row.height, 1, 1)  # the reference's own latent frame
+        has_ref = (row.width, row.height, row.frames) in referenced
+        bad = tokens if tokens % degree else with_ref if has_ref and with_ref % degree else None
+        if bad is not None:
+            whose = " with its clips' reference image" if bad == with_ref and tokens % degree == 0 else ""
             out.append(SEQUENCE_BUCKETS.problem(
-                f"bucket {row.width}x{row.height}x{row.frames} has {tokens} tokens per clip, which "
+                f"bucket {row.width}x{row.height}x{row.frames} has {bad} tokens per clip{whose}, which "
                 f"model.sequence_degree = {degree} does not divide (each GPU takes an equal share); change "
                 "data.resolutions or data.frames so every bucket's tokens divide, or the degree"))
     return out
 
 
-def check_sequence_buckets(cfg: Any, buckets: Any) -> None:
+def check_sequence_buckets(cfg: Any, buckets: Any, clips: Any = ()) -> None:
     """:func:`sequence_bucket_problems` refused."""
-    refuse(sequence_bucket_problems(cfg, buckets))
+    refuse(sequence_bucket_problems(cfg, buckets, clips))
 def planned_layout(cfg: Any, **degrees: int) -> Any:
     """``wantrain check --gpus N ...``'s layout (``rank_plan.Layout``), checked against the model: one line naming
     what is wrong (a sequence degree not dividing the heads, ...)."""

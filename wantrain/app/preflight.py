@@ -170,7 +170,7 @@ def preflight_report(cfg: Any, *, verify: bool = False, config_dir: Path | None 
         if uses_epochs(cfg):
             cfg = resolve_epochs(cfg, data)  # the epoch keys as optimizer steps, into the report
             check_scheduler(cfg.lr_scheduler, cfg.train.max_steps)
-        refuse(sequence_bucket_problems(cfg, data.report.buckets))
+        refuse(sequence_bucket_problems(cfg, data.report.buckets, getattr(data, "clips", ())))
         data.report.warnings.extend(config_warnings(cfg, given))  # an epoch-length run with an idle expert refuses
         data.report.warnings.extend(data_warnings(data))
     data.report.warnings[:0] = notes

@@ -132,7 +132,8 @@ def _plan_on_data(cfg: Any, plain: dict[str, Any], topology: Any, extra_observer
     sequence = cfg.model.sequence_degree
     data.shard(*((groups.rank_in_group, groups.size) if groups else
                  (topology.rank // sequence, topology.world_size // sequence)))
-    refuse(sequence_bucket_problems(cfg, data.report.buckets))  # a bucket whose tokens do not split
+    # a bucket whose tokens (with a clip's reference image) do not split over the sequence degree
+    refuse(sequence_bucket_problems(cfg, data.report.buckets, getattr(data, "clips", ())))
     given = cfg
     if uses_epochs(cfg):
         cfg = resolve_epochs(cfg, data)  # epochs -> optimizer steps of this plan; `plain` keeps the user's keys
