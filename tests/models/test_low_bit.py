@@ -66,3 +66,30 @@ def test_the_memory_plan_states_what_a_quantised_storage_costs_in_quality():
 
     assert "base quality: int8 moves a real-width A14B Linear's output 0.70 % from exact (1.06 %" in lines("int8")
     assert "base quality: nf4" in lines("nf4") and "base quality" not in lines("bf16")
+
+
+def test_auto_storage_takes_nf4_for_the_card_only_where_no_bf16_or_fp8_plan_fits():
+    """A 12 GiB card, A14B at 832x480x77: fp8's smallest setting needs more than 12 GiB, so ``base_dtype = "auto"``
+    goes on to the low-bit storages (``low_bit``: bitsandbytes installed) and fits nf4; with room, bf16 as before."""
+    from wantrain.models.wan22.memory import MemorySettings, auto_dtypes, estimate, plan
+
+    size = dict(width=832, height=480, frames=77, rank=32)
+    assert auto_dtypes(True) == ("bf16", "fp8", "int8", "nf4") and auto_dtypes(False) == ("bf16", "fp8")
+    assert estimate("t2v-a14b", MemorySettings("fp8", 40, True, "lean"), **size).device_gib > 12.0
+    chosen, _ = plan("t2v-a14b", 12.0, base_dtype="auto", low_bit=True, **size)
+    assert chosen.settings.base_dtype == "nf4" and chosen.device_gib <= 12.0
+    assert plan("t2v-a14b", 24.0, base_dtype="auto", low_bit=True, **size)[0].settings.base_dtype == "bf16"
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_a_weight_quantised_a_few_rows_at_a_time_has_the_whole_tensors_codes(kind, monkeypatch):
+    """On the CPU ``quantise`` goes ``CPU_CHUNK_WEIGHTS`` weights at a time (bitsandbytes' CPU nf4 quantiser takes
+    ~14 bytes per weight at once); a block of 64 never crosses a row, so the codes are bit for bit the same."""
+    from wantrain.models.wan22 import lowbit
+
+    weight = (torch.randn(50, 192, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    whole = quantise(weight, kind)
+    monkeypatch.setattr(lowbit, "CPU_CHUNK_WEIGHTS", 3 * 192)  # 17 chunks of 3 rows (the last one of 2)
+    chunked = quantise(weight, kind)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
+    assert lowbit._chunk_rows(weight) == 3 and lowbit._chunk_rows(weight[:, :100]) == 50  # rows of whole blocks only

@@ -50,6 +50,9 @@ BASE_ERROR = {"fp8": (0.0899, 0.0751, 0.99727), "fp8_scaled": (0.0257, 0.0266, 0
 BLOCK = 64  # weights per absmax: 64 consecutive inputs of one output row
 ABSMAX_NAME = "weight_absmax"
 BYTES_PER_WEIGHT = {"int8": 1.0 + 4.0 / BLOCK, "nf4": 0.5 + 4.0 / BLOCK}
+# On the CPU a weight is quantised this many weights at a time (whole rows): bitsandbytes' CPU nf4 quantiser (0.50)
+# allocates ~14 bytes of float32 working copies per weight (VmHWM over a 13824 x 5120 weight: 1.0 GB at once)
+CPU_CHUNK_WEIGHTS = 1 << 22
 
 
 def problems(model) -> list[str]:
@@ -95,13 +98,40 @@ def quantise(weight: torch.Tensor, kind: str, device: torch.device | None = None
     if weight.is_meta:
         return (torch.empty(shape, dtype=torch.uint8, device="meta"),
                 torch.empty(weight.numel() // BLOCK, dtype=torch.float32, device="meta"))
-    bnb = _functional()
     work = weight.to(device) if device is not None else weight
+    rows = _chunk_rows(work)
+    if rows >= out_features:
+        codes, absmax = _quantise_whole(work, kind)
+        return codes.reshape(shape).to(weight.device), absmax.to(weight.device)
+    # a few rows at a time (the CPU quantisers' float32 working copies are several times the weight): each block of
+    # 64 lies inside one row, so the codes and absmax are the whole tensor's, bit for bit
+    codes = torch.empty(shape, dtype=torch.uint8, device=work.device)
+    absmax = torch.empty(weight.numel() // BLOCK, dtype=torch.float32, device=work.device)
+    per_row = in_features // BLOCK
+    for start in range(0, out_features, rows):
+        stop = min(start + rows, out_features)
+        part_codes, part_absmax = _quantise_whole(work[start:stop], kind)
+        codes[start:stop] = part_codes.reshape(stop - start, shape[1])
+        absmax[start * per_row:stop * per_row] = part_absmax
+    return codes.to(weight.device), absmax.to(weight.device)
+
+
+def _quantise_whole(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    bnb = _functional()
     if kind == "int8":
-        codes, state = bnb.quantize_blockwise(work.contiguous(), blocksize=BLOCK)
+        codes, state = bnb.quantize_blockwise(weight.contiguous(), blocksize=BLOCK)
     else:
-        codes, state = bnb.quantize_4bit(work.contiguous(), blocksize=BLOCK, quant_type="nf4")
-    return codes.reshape(shape).to(weight.device), state.absmax.to(torch.float32).to(weight.device)
+        codes, state = bnb.quantize_4bit(weight.contiguous(), blocksize=BLOCK, quant_type="nf4")
+    return codes, state.absmax.to(torch.float32)
+
+
+def _chunk_rows(weight: torch.Tensor) -> int:
+    """Rows quantised at once: every row on CUDA (its working copies are on the card), else about
+    :data:`CPU_CHUNK_WEIGHTS` weights' worth of whole rows where a row is whole blocks of 64 (else every row)."""
+    out_features, in_features = weight.shape
+    if weight.device.type == "cuda" or in_features % BLOCK:
+        return out_features
+    return max(1, CPU_CHUNK_WEIGHTS // in_features)
 
 
 def dequantise(codes: torch.Tensor, absmax: torch.Tensor, kind: str, shape: tuple[int, int],
@@ -149,10 +179,13 @@ class LowBitLinear(nn.Linear):
 
 @torch.no_grad()
 def to_low_bit(model: nn.Module, kind: str, compute_dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | None = None) -> nn.Module:
+               device: torch.device | None = None,
+               quantised: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> nn.Module:
     """Replace every Linear of ``fp8.targets`` by a :class:`LowBitLinear` of ``kind``, in place, one at a time (the
-    extra memory is one Linear's), quantising on ``device`` (see :func:`quantise`). Biases go to
-    ``compute_dtype``. Call before the LoRA is added. Works on ``meta`` (the memory planner counts bytes)."""
+    extra memory is one Linear's), quantising on ``device`` (see :func:`quantise`). ``quantised``: (codes, absmax)
+    by ``<linear>.weight`` name, quantised already as the file streamed (``single_file.load_transformer``; those
+    Linears' weights are on ``meta``), taken out of the dict as used. Biases go to ``compute_dtype``. Call before
+    the LoRA is added. Works on ``meta`` (the memory planner counts bytes)."""
     from wantrain.models.wan22.fp8 import targets
 
     if kind not in LOW_BIT_DTYPES:
@@ -161,7 +194,8 @@ def to_low_bit(model: nn.Module, kind: str, compute_dtype: torch.dtype = torch.b
         linear = model.get_submodule(name)
         if isinstance(linear, LowBitLinear):
             continue
-        codes, absmax = quantise(linear.weight.data, kind, device)
+        done = quantised.pop(f"{name}.weight", None) if quantised is not None else None
+        codes, absmax = done if done is not None else quantise(linear.weight.data, kind, device)
         bias = linear.bias.data.to(compute_dtype) if linear.bias is not None else None
         parent, _, attr = name.rpartition(".")
         layer = LowBitLinear(codes, absmax, bias, (linear.out_features, linear.in_features), kind)
