@@ -477,6 +477,29 @@ def tokens_of(spec: Any, width: int, height: int, frames: int, batch: int) -> in
     return batch * latent_frames * (height // spec.spatial_multiple) * (width // spec.spatial_multiple)
 
 
+def step_flops(variant: str, *, width: int, height: int, frames: int, batch: int = 1, recompute: str = "block",
+               layers: int | None = None) -> float:
+    """FLOPs of one training step of one expert, counted from the shapes (docs/benchmarks.md, "Compute per step";
+    ``bench/trace_memory.py --flops`` counts the same step): the blocks' Linears (self-attention q/k/v/o and
+    cross-attention q/o on the video tokens, cross-attention k/v on the text tokens, the FFN) and attention
+    (4 x queries x keys x width per attention), run as forward, the recompute's forward and an activation-only
+    backward (the Linears once more, attention twice): 3 x Linears + 4 x attention, and the lean recompute's
+    :data:`LEAN_EXTRA_FLOPS` on top. The LoRA's FLOPs and the embeddings and head are left out: the trace counts
+    6 % more on two A14B blocks at 832x480x81 (315 TFLOP against 296), so a step time derived from this is short
+    and a share of it long (what the waiting expert's reads cost is not understated)."""
+    from wantrain.models.wan22.architecture import planner_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    kwargs = planner_kwargs(spec)
+    d, f = kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"]
+    n = layers if layers is not None else kwargs["num_layers"]
+    tokens, text = tokens_of(spec, width, height, frames, batch), batch * spec.text_len
+    linears = 2.0 * n * (tokens * (6 * d * d + 2 * d * f) + text * 2 * d * d)
+    attention = 4.0 * n * d * (tokens * tokens / batch + tokens * spec.text_len)
+    return (3 * linears + 4 * attention) * (1 + (LEAN_EXTRA_FLOPS if recompute == "lean" else 0.0))
+
+
 def estimate(variant: str, settings: MemorySettings, *, width: int, height: int, frames: int, rank: int,
              batch: int = 1, layers: int | None = None, gradient_checkpointing: bool = True,
              sample: SampleSize | None = None, attention: str = "sdpa", adapter: AdapterSpec = LORA
@@ -908,7 +931,9 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if on_disk:
         from wantrain.models.wan22.waiting import DEFAULT_READ_RATE, SwitchRead
 
-        switch = SwitchRead(whole, read_rate or DEFAULT_READ_RATE, switch_every, read_rate is not None)
+        switch = SwitchRead(whole, read_rate or DEFAULT_READ_RATE, switch_every, read_rate is not None,
+                            step_flops(variant, width=width, height=height, frames=frames, batch=batch,
+                                       recompute=settings.recompute))
     else:
         switch = None
     return HostEstimate(parts, phases, pinned, ("while the cache fills",) if filling and encoders_first else (),
