@@ -99,7 +99,7 @@ def test_a_weight_quantised_a_few_rows_at_a_time_has_the_whole_tensors_codes(kin
 def test_the_estimate_of_a_low_bit_base_is_within_five_percent_of_a_traced_step(kind):
     """Two real-width A14B blocks at 832x480x33 with one swapped, activation offload and the lean recompute, the
     Linears as bitsandbytes codes dequantised in each forward (bench/trace_memory.py --dtype int8|nf4; the whole
-    40-block plans at 832x480x81 are +4.7 % over their traces, docs/benchmarks.md)."""
+    40-block plans at 832x480x81 are +4.7 % over their traces, docs/models.md)."""
     import importlib.util
     from pathlib import Path
 
