@@ -174,7 +174,7 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
     kept_in_fp8 = fp8.target_weights(model) if fp8_scaled else set()
     fp8_scales: dict[str, torch.Tensor] = {}
     quantised_low_bit = fp8.target_weights(model) if low_bit else set()
-    low_bit_codes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    low_bit_codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     try:
         with reader if reader is not None else _Reader(file) as reader:
             keys = reader.keys()

@@ -32,7 +32,7 @@ import attrs
 import torch
 from torch import nn
 
-FORMAT = 1  # bump when what the file holds for the same source changes
+FORMAT = 2  # bump when what the file holds for the same source changes (2: int8 / nf4 column scales)
 DEFAULT_READ_RATE = 2e9  # bytes per second: a SATA-class NVMe's sustained read, the issue's planning figure
 # A fast card's training throughput, to state what the reads cost in steps per hour: 40 % of an H100's 989 TFLOP/s
 # dense bf16 (docs/benchmarks.md, "Compute per step"); a 16-24 GB card is several times slower, so the reads cost it
