@@ -107,7 +107,7 @@ def column_scale(weight: torch.Tensor) -> torch.Tensor:
     """The float32 scale of each input channel (column) of ``weight`` ``[out, in]``: a column whose largest weight
     is more than :data:`OUTLIER_FACTOR` times the median column's is divided down to that, others keep 1. The values
     are bf16's (the forward multiplies the bf16 dequantised weight by them exactly as the quantiser divided)."""
-    largest = weight.abs().amax(dim=0).to(torch.float32)
+    largest = torch.maximum(weight.amax(dim=0), -weight.amin(dim=0)).to(torch.float32)  # no |weight| copy
     return (largest / (OUTLIER_FACTOR * largest.median())).clamp(min=1.0).to(torch.bfloat16).to(torch.float32)
 
 

@@ -643,9 +643,10 @@ def offload_host_tensors(variant: str, *, width: int, height: int, frames: int, 
 
 
 # bitsandbytes' CPU quantisers (0.50) allocate float32 working copies beyond their result: measured (VmHWM over a
-# 13824 x 5120 A14B FFN weight, lowbit.quantise) 29 bytes per weight of a chunk for nf4, 2 for int8; lowbit.py
-# quantises CPU_CHUNK_WEIGHTS weights at a time. On CUDA the working copies are on the card.
-_CPU_QUANTISE_BYTES_PER_WEIGHT = {"int8": 2.0, "nf4": 29.0}
+# 13824 x 5120 A14B FFN weight, lowbit.quantise, the chunk divided by its column scales in float32 included) 29.3
+# bytes per weight of a chunk for nf4, 8.2 for int8; lowbit.py quantises CPU_CHUNK_WEIGHTS weights at a time. On
+# CUDA the working copies are on the card.
+_CPU_QUANTISE_BYTES_PER_WEIGHT = {"int8": 8.2, "nf4": 29.3}
 
 
 def quantise_in_flight(variant: str, base_dtype: str, cuda: bool) -> float:
