@@ -583,7 +583,8 @@ def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height
     """(the chosen estimate or None, the smallest one). The choice: the first dtype of :func:`candidates` that
     fits (training and, with ``sample``, sampling), within it the first recompute path that fits (``recompute``
     ``auto``: the whole block, else the lean one), and within those the fitting setting moving the fewest bytes
-    over the host link per step."""
+    over the host link per step. ``low_bit``: ``base_dtype = "auto"`` may go on to int8 and nf4
+    (:func:`auto_dtypes`; the caller knows whether bitsandbytes is there and the blocks are not compiled)."""
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
