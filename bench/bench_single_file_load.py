@@ -11,8 +11,10 @@ and one tensor in flight.
 Sources (``--source``): ``bf16``, ``fp16``, ``fp32`` (every tensor in that dtype), ``fp8`` (the blocks' Linear
 weights cast to float8_e4m3fn, no scales, the rest bf16: ComfyUI's ``fp8_e4m3fn`` files) and ``fp8_scaled``
 (ComfyUI's ``fp8_scaled``: those weights in float8 with a per-tensor ``scale_weight``, a ``scale_input`` and the
-``scaled_fp8`` marker). Storage (``--storage``): ``bf16``, ``fp32``, ``fp8``, ``fp8_scaled``; an fp8_scaled file
-with ``fp8`` storage is refused by the loader (it would be quantised twice) and reported as such.
+``scaled_fp8`` marker). Storage (``--storage``): ``bf16``, ``fp32``, ``fp8``, ``fp8_scaled``, ``int8``, ``nf4``
+(bitsandbytes codes, quantised on the CPU as each weight is read; ``--quantise-after``: the whole expert loaded in
+bf16 first and quantised after, as before issue 56); an fp8_scaled file with ``fp8`` storage is refused by the
+loader (it would be quantised twice) and reported as such.
 
 ``--matrix`` runs every source x storage pair, one fresh process per row, on a narrower model (d = 1536, FFN 8960:
 the 8-block file is 0.74 GB in bf16, 1.5 GB in fp32; a few minutes on 2 cores, < 2 GB RAM) with the file window
@@ -27,6 +29,8 @@ a table.
     python bench/bench_single_file_load.py --shards 3 --fp8
     python bench/bench_single_file_load.py --diffusers     # the same file through diffusers' from_single_file
     python bench/bench_single_file_load.py --blocks 6 --keep /tmp/a14b_6.safetensors
+    python bench/bench_single_file_load.py --narrow --blocks 8 --storage int8   # quantised as it streams
+    python bench/bench_single_file_load.py --narrow --blocks 8 --storage int8 --quantise-after   # before
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = ("bf16", "fp16", "fp32", "fp8", "fp8_scaled")
-STORAGES = ("bf16", "fp32", "fp8", "fp8_scaled")
+STORAGES = ("bf16", "fp32", "fp8", "fp8_scaled", "int8", "nf4")
 _NARROW = {"num_attention_heads": 12, "ffn_dim": 8960}  # d = 12 x 128 = 1536 (Wan 1.3B's width)
 _REAL_WINDOW = 256 << 20  # single_file._REOPEN_BYTES
 
@@ -73,10 +77,15 @@ dtype = torch.float32 if storage == "fp32" else torch.bfloat16  # what loading.p
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
 base = status("VmRSS")
 try:
-    if how == "wantrain":
+    low_bit = storage if storage in ("int8", "nf4") else None
+    if how in ("wantrain", "quantise-after"):
         reader = ShardReader(Path(file), "low_noise_file") if Path(file).is_dir() else None
         model = load_transformer(file, "low_noise_file", "t2v-a14b", build, dtype, reader=reader,
-                                 store=store, fp8_scaled=storage == "fp8_scaled")
+                                 store=store, fp8_scaled=storage == "fp8_scaled",
+                                 low_bit=low_bit if how == "wantrain" else None)
+        if low_bit and how == "quantise-after":  # before issue 56: the expert loaded in bf16, then quantised
+            from wantrain.models.wan22.lowbit import to_low_bit
+            model = to_low_bit(model, low_bit)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             config = {"_class_name": "WanTransformer3DModel", **kwargs, "patch_size": list(kwargs["patch_size"])}
@@ -207,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                         "to the model, module docstring)")
     parser.add_argument("--shards", type=int, default=0, help="write a folder of this many shards with an index")
     parser.add_argument("--diffusers", action="store_true", help="load with from_single_file instead")
+    parser.add_argument("--quantise-after", action="store_true", help="int8 / nf4: load in bf16, quantise after")
     parser.add_argument("--keep", type=Path, help="write the file here and keep it (default: a temporary one)")
     parser.add_argument("--markdown", action="store_true", help="print the rows as a markdown table")
     args = parser.parse_args(argv)
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {**model_kwargs(blocks, narrow), "patch_size": list(model_kwargs(blocks, narrow)["patch_size"])}
     window = (round(args.window_mib * 2**20) if args.window_mib is not None
               else scaled_window(model_kwargs(blocks, narrow)) if narrow else 0)
-    how = "diffusers" if args.diffusers else "wantrain"
+    how = "diffusers" if args.diffusers else "quantise-after" if args.quantise_after else "wantrain"
     pairs = ([(s, t) for s in args.sources for t in STORAGES] if args.matrix
              else [(args.source, "fp8" if args.fp8 else args.storage)])
     rows = []

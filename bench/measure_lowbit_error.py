@@ -9,9 +9,10 @@ given the outliers trained transformers have (an assumption: no real checkpoint 
   absmax much larger than its typical weight.
 
 For each storage (``fp8``: a plain float8_e4m3fn cast, as diffusers' layerwise casting stores it; ``fp8_scaled``:
-one scale per row, ``fp8.py``; ``int8`` and ``nf4``: bitsandbytes codes with one absmax per 64 weights,
-``lowbit.py``; ``int8_rowwise``: bitsandbytes' per-row int8, for comparison only, not a setting), on ``--tokens``
-bf16 inputs x:
+one scale per row, ``fp8.py``; ``int8`` and ``nf4``: bitsandbytes codes with one absmax per 64 weights and the
+outlier input channels scaled down, ``lowbit.py``; ``int8_unscaled`` / ``nf4_unscaled``: the same without the
+column scales, for comparison; ``int8_rowwise``: bitsandbytes' per-row int8, for comparison only, not a
+setting), on ``--tokens`` bf16 inputs x:
 
 * ``output``: the relative error of the layer's output, ``||x Wq^T - x W^T|| / ||x W^T||`` (bf16 matmuls, the
   reference the bf16 base itself, whose own rounding is the floor);
@@ -35,7 +36,7 @@ import math
 import torch
 
 SHAPES = {"attn q/k/v/o": (5120, 5120), "ffn up": (13824, 5120), "ffn down": (5120, 13824)}
-FORMATS = ("fp8", "fp8_scaled", "int8", "int8_rowwise", "nf4")
+FORMATS = ("fp8", "fp8_scaled", "int8", "int8_unscaled", "int8_rowwise", "nf4", "nf4_unscaled")
 
 
 def weight(shape: tuple[int, int], outliers: str, seed: int) -> torch.Tensor:
@@ -63,8 +64,12 @@ def stored(w: torch.Tensor, fmt: str) -> torch.Tensor:
         bnb = lowbit._functional()
         q, s, _ = bnb.int8_vectorwise_quant(w.to(torch.float16))
         return (q.float() * s.float()[:, None] / 127).to(torch.bfloat16)
-    codes, absmax = lowbit.quantise(w, fmt)
-    return lowbit.dequantise(codes, absmax, fmt, tuple(w.shape), torch.bfloat16)
+    if fmt.endswith("_unscaled"):  # bitsandbytes' blocks alone, no column scales (before issue 56's outlier fix)
+        kind = fmt.removesuffix("_unscaled")
+        codes, absmax = lowbit._quantise_whole(w, kind)
+        return lowbit.dequantise(codes.reshape(-1), absmax, kind, tuple(w.shape), torch.bfloat16)
+    codes, absmax, scale = lowbit.quantise(w, fmt)
+    return lowbit.dequantise(codes, absmax, fmt, tuple(w.shape), torch.bfloat16, scale)
 
 
 def measure(tokens: int, outliers: str) -> dict:

@@ -179,12 +179,20 @@ def build_fake_expert(variant: str, dtype: str, rank: int, fake: FakeTensorMode,
             model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
         elif dtype == "fp8_scaled":  # float8 weights, per-row float32 scales (a buffer), bf16 biases
             to_scaled_fp8(model)
+        elif dtype in ("int8", "nf4"):  # bitsandbytes codes + absmax (lowbit.py), dequantised in each forward
+            from wantrain.models.wan22.lowbit import to_low_bit
+
+            to_low_bit(model, dtype)
         model.enable_gradient_checkpointing()
         targets = candidate_modules(len(model.blocks), len(getattr(model, "vace_blocks", ())))
         model.add_adapter(adapter_type(lora_type).peft_config(LoraConfig(type=lora_type, rank=rank), targets),
                           adapter_name=ADAPTER_NAME)
         use_recompute(model, recompute)
     keep = set(model._keep_in_fp32_modules or ())
+    if dtype in ("int8", "nf4"):  # the codebook the dequantisation reads: a real tensor, made outside the fake mode
+        from wantrain.models.wan22.lowbit import _code
+
+        _code(dtype, DEVICE)
     with fake:
         for name, module in model.named_modules():
             lora = f".{ADAPTER_NAME}" in f".{name}" or name.split(".")[-1] == ADAPTER_NAME
@@ -378,7 +386,7 @@ def trace_sampling(variant: str = "t2v-a14b", dtype: str = "bf16", swap: int = 0
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", default="t2v-a14b", choices=sorted(VARIANTS))
-    parser.add_argument("--dtype", choices=("bf16", "fp8", "fp8_scaled"))
+    parser.add_argument("--dtype", choices=("bf16", "fp8", "fp8_scaled", "int8", "nf4"))
     parser.add_argument("--swap", type=int)
     parser.add_argument("--offload", action="store_true", default=None)
     parser.add_argument("--size", type=parse_size, help="WIDTHxHEIGHTxFRAMES")

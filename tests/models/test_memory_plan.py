@@ -81,9 +81,9 @@ def test_adapter_parameters_are_counted_per_type_as_peft_builds_them():
     def waiting(adapter):
         est = host_estimate("t2v-a14b", MemorySettings("fp8", 40, True), experts=("high_noise", "low_noise"),
                             rank=32, width=832, height=480, frames=81, pin_budget=0.0, adapter=adapter)
-        return est.parts["waiting expert's LoRA + grads + AdamW"]
+        return est.parts["waiting expert's LoRA + AdamW"]
 
-    assert waiting(AdapterSpec("loha")) == 2 * waiting(AdapterSpec()) == 2 * 16 * lora
+    assert waiting(AdapterSpec("loha")) == 2 * waiting(AdapterSpec()) == 2 * 12 * lora
 
 
 def test_weights_are_counted_per_tensor_in_the_dtypes_a_run_gives_them():
@@ -274,13 +274,13 @@ def test_the_readme_table_of_what_fits_where_is_the_planners():
     import re
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = re.findall(r"^\| (\d+) \| (.+?) \| (.+?) \|$", text.split("## What fits where")[1].split("\n## ")[0],
-                      flags=re.M)
+    table = text.split("## What fits where")[1].split("\n## ")[0].split("\n### ")[0]  # one expert's table
+    rows = re.findall(r"^\| (\d+) \| (.+?) \| (.+?) \|$", table, flags=re.M)
     assert [int(r[0]) for r in rows] == [80, 48, 32, 24, 16]
     for budget, *cells in rows:
         for (width, height), cell in zip(((832, 480), (1280, 720)), cells):
             chosen, smallest = plan("t2v-a14b", float(budget), base_dtype="auto", width=width, height=height,
-                                    frames=81, rank=32)
+                                    frames=81, rank=32, low_bit=True)  # as check plans with bitsandbytes
             if chosen is None:
                 assert cell.startswith("does not fit"), (budget, cell)
                 best = re.search(r"\(([\d.]+) at best\)", cell)

@@ -4,6 +4,8 @@ and what each switch reads."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,8 +76,6 @@ def test_disk_applies_to_two_trained_experts_only():
 
 def test_check_fits_both_a14b_experts_in_32_gb_with_the_waiting_expert_on_disk_as_the_docs_say(tmp_path, capsys,
                                                                                                 monkeypatch):
-    from pathlib import Path
-
     from tests.models.test_memory_plan import a14b_config
     from wantrain.cli.main import main
 
@@ -91,3 +91,38 @@ def test_check_fits_both_a14b_experts_in_32_gb_with_the_waiting_expert_on_disk_a
     out = capsys.readouterr().out.split("host memory (RAM), part by part (docs/models.md, Host memory):\n")[1]
     assert out.startswith(printed)
     assert 'waiting_expert = "disk"' in printed and "low-noise expert host copy" not in printed
+
+
+def test_the_waiting_experts_adapter_state_is_its_lora_and_adamw_moments_as_the_host_plan_counts(tmp_path):
+    """Between steps no expert has gradients (the loop sets them to None after each step), so the expert that waits
+    holds its LoRA and AdamW's two moments: 12 bytes per parameter, not 16."""
+    from wantrain.models.wan22.memory import WAITING_LORA_PART
+
+    adapter = _adapter("resident", tmp_path, swap=0)
+    optimizer = train_steps(adapter, adapter.encode_batch(raw_batch()), steps=2)  # high, low: high waits
+    waiting = adapter.trainable_parameters("high_noise")
+    assert waiting and all(p.grad is None and p.device.type == "cpu" for p in waiting)
+    held = sum(t.numel() * t.element_size() for p in waiting
+               for t in [p, *(v for k, v in optimizer.state[p].items() if k != "step")])  # step: one number
+    plan = host_estimate("tiny-t2v", MemorySettings("fp32", 0), experts=("high_noise", "low_noise"), rank=4,
+                         width=32, height=32, frames=9, cuda=False, encoders=False)
+    assert held == plan.parts[WAITING_LORA_PART] > 0
+
+
+def test_the_steps_per_hour_the_reads_cost_come_from_a_step_flop_count_at_most_the_traced_one():
+    """``check``'s waiting line states what the reads cost in steps per hour from the step's FLOPs
+    (``memory.step_flops``): counted from the blocks, at most the fake-tensor trace's count (which adds the LoRA and
+    the embeddings) and within 10 % of it, so the share of steps the reads cost is never understated."""
+    from tests.models.test_memory_plan import trace_module
+    from wantrain.models.wan22.memory import step_flops
+
+    traced = trace_module().trace("t2v-a14b", "bf16", 0, True, (832, 480, 81), 32, layers=2, count_flops=True)
+    counted = step_flops("t2v-a14b", width=832, height=480, frames=81, layers=2)
+    assert 0.9 * traced["tflops"] * 1e12 <= counted <= traced["tflops"] * 1e12
+    plan = host_estimate("t2v-a14b", MemorySettings("fp8", 33, True, "lean"), experts=("high_noise", "low_noise"),
+                         rank=32, width=832, height=480, frames=81, waiting="disk", switch_every=50)
+    read = plan.switch_read
+    step = read.reference_step_seconds
+    assert step == pytest.approx(step_flops("t2v-a14b", width=832, height=480, frames=81, recompute="lean") / 395.6e12)
+    assert read.fewer_steps_per_hour(step) < 0.05  # the issue's target: <= 5 % at switch_every >= 50, 2 GB/s
+    assert f"{100 * read.fewer_steps_per_hour(step):.1f} % fewer steps per hour" in read.line()

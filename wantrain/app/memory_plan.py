@@ -6,6 +6,7 @@ on the data's largest bucket, so they are judged once the data is probed, not wi
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import attrs
@@ -65,7 +66,8 @@ def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
     else:
         chosen, smallest = plan(model.variant, model.vram_budget_gb, base_dtype=dtype, **size,
                                 attention=model.attention,
-                                recompute=model.recompute if model.gradient_checkpointing else "block")
+                                recompute=model.recompute if model.gradient_checkpointing else "block",
+                                low_bit=dtype == "auto" and _may_plan_low_bit(model))
         if chosen is None:
             raise UserError(
                 f"model.vram_budget_gb = {model.vram_budget_gb:g}: nothing fits the largest bucket "
@@ -98,56 +100,69 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
     """Fit the host plan to the host RAM budget (``model.host_ram_budget_gb``, else this machine's available RAM):
     the VRAM plan ``chosen`` as it is, then (``base_dtype = "auto"``) its fp8 counterpart, each pinned and then
     pageable; then (``model.waiting_expert = "auto"`` with two trained experts) the same with the waiting expert on
-    disk. Returns (the model section to run with, the device estimate, the host lines for ``check``); nothing
-    that fits is a one-line ``UserError`` naming the smallest plan and what would fit."""
-    from wantrain.models.wan22.memory import GIB, available_host_bytes, estimate, plan
+    disk; then (``auto``, where :func:`_may_plan_low_bit`) int8 and nf4 alike, resident then on disk. Returns
+    (the model section to run with, the device estimate, the host lines for ``check``); nothing that fits is a
+    one-line ``UserError`` naming the smallest plan and what would fit."""
+    from wantrain.models.wan22.memory import AUTO_LOW_BIT, GIB, auto_dtypes, available_host_bytes, estimate, plan
 
     stated = model.host_ram_budget_gb
     budget = stated * GIB if stated is not None else available_host_bytes()
     where = (f"model.host_ram_budget_gb = {stated:g}" if stated is not None
              else f"this machine's available RAM ({budget / GIB:.1f} GiB)")
 
-    def options():
-        yield model, chosen
-        # fp8 halves the host copies of the blocks' Linears (it needs gradient checkpointing: ModelConfig)
-        if auto_dtype and chosen.settings.base_dtype == "bf16" and model.gradient_checkpointing:
-            if cfg.model.vram_budget_gb is not None:
-                fp8_est, _ = plan(model.variant, cfg.model.vram_budget_gb, base_dtype="fp8", **size,
-                                  attention=chosen.attention_kernel, recompute=cfg.model.recompute)
-            else:
-                fp8_est = estimate(model.variant, attrs.evolve(chosen.settings, base_dtype="fp8"), **size,
-                                   attention=chosen.attention_kernel)
-            if fp8_est is not None:
-                yield attrs.evolve(model, base_dtype="fp8", blocks_to_swap=fp8_est.settings.blocks_to_swap,
-                                   offload_activations=fp8_est.settings.offload_activations,
-                                   recompute=fp8_est.settings.recompute), fp8_est
+    low_bit = auto_dtype and _may_plan_low_bit(model)
 
-    # the waiting expert on disk (models/wan22/waiting.py) last: each switch then reads an expert from the disk
+    @functools.cache
+    def option(dtype: str | None) -> tuple[Any, Any] | None:
+        """(the model section, its device estimate) with the base stored in ``dtype`` (None: as planned), planned
+        once, when first reached; None where that storage does not apply or does not fit the card."""
+        if dtype is None:
+            return model, chosen
+        # fp8 and int8 / nf4 shrink the host copies of the blocks' Linears (they need gradient checkpointing); each
+        # only after the storage the card's plan took (base_dtype = "auto": memory.auto_dtypes' order)
+        later = auto_dtypes(True)
+        planned = chosen.settings.base_dtype
+        if not (auto_dtype and model.gradient_checkpointing and planned in later
+                and later.index(dtype) > later.index(planned)):
+            return None
+        if cfg.model.vram_budget_gb is not None:
+            est, _ = plan(model.variant, cfg.model.vram_budget_gb, base_dtype=dtype, **size,
+                          attention=chosen.attention_kernel, recompute=cfg.model.recompute)
+        else:
+            est = estimate(model.variant, attrs.evolve(chosen.settings, base_dtype=dtype), **size,
+                           attention=chosen.attention_kernel)
+        if est is None:
+            return None
+        return attrs.evolve(model, base_dtype=dtype, blocks_to_swap=est.settings.blocks_to_swap,
+                            offload_activations=est.settings.offload_activations,
+                            recompute=est.settings.recompute), est
+
+    # the waiting expert on disk (models/wan22/waiting.py) after the resident plans of the same storages: each switch
+    # then reads an expert from the disk; the low-bit storages (base_dtype = "auto") only where no bf16 / fp8 plan
+    # fits, with the waiting expert on disk included (they cost quality or speed at every step)
     wait = ("resident", "disk") if model.waiting_expert == "auto" and not waiting_problems(model, "disk") \
         else (model.waiting_expert,)
     pins = (True, False) if model.pin_host_copies else (False,)
-    seen, fresh = [], options()
-
-    def each_option():  # options(), each planned once and only when reached
-        yield from seen
-        for item in fresh:
-            seen.append(item)
-            yield item
+    storages = [(None, "fp8"), AUTO_LOW_BIT if low_bit else ()]
+    order = [(waiting, dtype) for group in storages for waiting in wait for dtype in group]
 
     tried = []
-    for waiting in wait:
-        for option, device_est in each_option():
-            for pin in pins:
-                candidate = attrs.evolve(option, pin_host_copies=pin, waiting_expert=waiting)
-                est = host_estimate_of(cfg, candidate, device_est.settings, size, gpus=gpus)
-                tried.append((candidate, est))
-                if est.peak <= budget:
-                    changes = _host_changes(model, candidate)
-                    head = [f"  budget {budget / GIB:.2f} GiB ({where}): fits"
-                            + (f" with {changes} (the plan as configured needs {tried[0][1].peak / GIB:.1f} GiB)"
-                               if changes else "")]
-                    return candidate, device_est, {"budget_gib": budget / GIB, "lines": head + est.lines(),
-                                                   "cuda": _trains_on_cuda(cfg, model), **est.to_json()}
+    for waiting, dtype in order:
+        planned = option(dtype)
+        if planned is None:
+            continue
+        stored, device_est = planned
+        for pin in pins:
+            candidate = attrs.evolve(stored, pin_host_copies=pin, waiting_expert=waiting)
+            est = host_estimate_of(cfg, candidate, device_est.settings, size, gpus=gpus)
+            tried.append((candidate, est))
+            if est.peak <= budget:
+                changes = _host_changes(model, candidate)
+                head = [f"  budget {budget / GIB:.2f} GiB ({where}): fits"
+                        + (f" with {changes} (the plan as configured needs {tried[0][1].peak / GIB:.1f} GiB)"
+                           if changes else "")]
+                return candidate, device_est, {"budget_gib": budget / GIB, "lines": head + est.lines(),
+                                               "cuda": _trains_on_cuda(cfg, model), **est.to_json()}
     first, smallest = tried[0], min(tried, key=lambda t: t[1].peak)
     best = _host_changes(model, smallest[0])
     raise UserError(
@@ -157,6 +172,14 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
         + "free RAM, train one expert (model.experts), use fewer frames, or set model.host_ram_budget_gb for the "
         f"machine that will run it (at least {smallest[1].peak / GIB:.1f})"
     )
+
+
+def _may_plan_low_bit(model: Any) -> bool:
+    """Whether ``base_dtype = "auto"`` may take int8 / nf4 for ``model``: bitsandbytes is installed, the blocks are
+    checkpointed (as for fp8) and not compiled (``lowbit.problems``)."""
+    from wantrain.models.wan22.memory import low_bit_available
+
+    return model.gradient_checkpointing and model.compile == "off" and low_bit_available()
 
 
 def _host_changes(configured: Any, chosen: Any) -> str:

@@ -55,7 +55,7 @@ def _storage_dtype(model: ModelConfig, spec: VariantSpec, device: torch.device, 
     choice = model.base_dtype
     if choice == "auto":
         choice = "fp32" if spec.tiny else "bf16"
-    if choice in LOW_BIT_DTYPES:  # loaded in bf16, stored low-bit by _store_base (lowbit.py: CPU or CUDA)
+    if choice in LOW_BIT_DTYPES:  # quantised as the file streams (single_file.py), the tiny twins by _store_base
         return torch.bfloat16, torch.bfloat16
     if choice in FP8_DTYPES:
         if training and device.type not in FP8_DEVICE_TYPES:
@@ -155,13 +155,15 @@ class Wan22Adapter:
         # filled from rank 0's (core.parallel.sharding.load_from_rank0); rank 0 ("rank0") also loads it whole on the
         # host, prepared alike (LoRA included), as the source: no other rank ever holds a whole expert
         self.host_sources: dict[str | None, nn.Module] = {}
+        # int8 / nf4 bases are quantised as they stream, on the training device where it is CUDA (seconds, not minutes)
+        self._quantise_on = self.device if self.device.type == "cuda" else None
         self.placement = ExpertPlacement(self.device, torch.device(model.offload_device),
                                          pin_limit=pin_budget(model.host_ram_budget_gb) if model.pin_host_copies else 0,
                                          disk=self.waiting)
         for expert in self.experts if transformers else ():  # encoders only (build_encoders): none
             init_seed = lora_init_seed(seed, expert)
             if shard_load is None:
-                transformer = self.source.transformer(expert, load_dtype)
+                transformer = self.source.transformer(expert, load_dtype, quantise_on=self._quantise_on)
             else:
                 transformer = self.source.meta_transformer(load_dtype)
                 if shard_load == "rank0":  # the global random streams advance once, as the other ranks' do
@@ -512,7 +514,7 @@ class Wan22Adapter:
         (expert,) = missing
         self.source.check_expert(expert, "needed to sample with one trained expert")
         load_dtype, _ = _storage_dtype(self.model_config, self.spec, self.device)
-        transformer = self.source.transformer(expert, load_dtype)
+        transformer = self.source.transformer(expert, load_dtype, quantise_on=self._quantise_on)
         _store_base(transformer, self.model_config.base_dtype)
         if lora_file is not None:
             _load_lora_file(transformer, Path(lora_file), expert)

@@ -116,8 +116,10 @@ class ModelConfig:
     )
     base_dtype: Literal["auto", "fp32", "bf16", "fp8", "fp8_scaled", "int8", "nf4"] = setting(
         "auto",
-        doc="Storage dtype of the frozen base transformer: `auto` is fp32 for tiny variants and bf16 for real "
-        "ones; `fp8` casts the blocks' Linears to float8_e4m3fn and computes in bf16; `fp8_scaled` stores them "
+        doc="Storage dtype of the frozen base transformer: `auto` is fp32 for tiny variants and for real ones the "
+        "first of bf16, fp8, int8, nf4 whose plan fits the card (`vram_budget_gb`) and the host RAM (int8 and nf4 "
+        "only with bitsandbytes installed, gradient checkpointing on and compile off; `wantrain check` names the "
+        "choice); `fp8` casts the blocks' Linears to float8_e4m3fn and computes in bf16; `fp8_scaled` stores them "
         "in float8_e4m3fn with one float32 scale per output row (max|row|/448; a ComfyUI fp8_scaled file keeps "
         "its own) and computes in bf16: less error than `fp8`, same memory (both CUDA only); `int8` and `nf4` store "
         "them as bitsandbytes' blockwise 8-bit codes (1.06 bytes a weight) or 4-bit NormalFloat (0.56 bytes a "
@@ -141,18 +143,18 @@ class ModelConfig:
     vram_budget_gb: float | None = setting(
         None, doc="Usable device memory to plan for, in GiB (what the card has free, not its label: less on a card "
         "that drives a display): picks `blocks_to_swap`, `offload_activations`, (with `recompute = \"auto\"`) the "
-        "whole-block or the lean recompute and (with `base_dtype = \"auto\"`) bf16 or fp8 so that the largest "
-        "bucket fits with attention's backward buffer, a fragmentation margin and the CUDA context (docs/models.md, "
-        "Memory); a budget nothing fits is refused before the run starts. Leave "
+        "whole-block or the lean recompute and (with `base_dtype = \"auto\"`) the storage (bf16, fp8, int8, nf4) "
+        "so that the largest bucket fits with attention's backward buffer, a fragmentation margin and the CUDA "
+        "context (docs/models.md, Memory); a budget nothing fits is refused before the run starts. Leave "
         "`blocks_to_swap` and `offload_activations` unset with it.", range=above(0.0),
     )
 
     host_ram_budget_gb: float | None = setting(
         None, doc="Host memory (RAM) to plan for, in GiB: `wantrain check` and the run compare the host plan (every "
-        "host copy, pinned buffer and phase: docs/models.md, Host memory) with it, choose fp8 storage (with "
-        "`base_dtype = \"auto\"`) and pageable copies when RAM is short, and refuse a plan that does not fit in "
-        "one line before the run starts. Unset: this machine's available RAM. Set it to plan for another "
-        "machine.", range=above(0.0),
+        "host copy, pinned buffer and phase: docs/models.md, Host memory) with it, choose a smaller storage "
+        "(with `base_dtype = \"auto\"`), the waiting expert on disk and pageable copies when RAM is short, and "
+        "refuse a plan that does not fit in one line before the run starts. Unset: this machine's available RAM. "
+        "Set it to plan for another machine.", range=above(0.0),
     )
     waiting_expert: Literal["auto", "resident", "disk"] = setting(
         "auto", doc="With `experts = \"both\"` (A14B): where the frozen base of the expert not training waits "

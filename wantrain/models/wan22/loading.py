@@ -16,6 +16,7 @@ import torch
 from wantrain.core.errors import UserError
 from wantrain.models.wan22 import architecture, model_files, sharded
 from wantrain.models.wan22.config import ModelConfig
+from wantrain.models.wan22.lowbit import LOW_BIT_DTYPES
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
 
 # diffusers folder of each expert; the high-noise expert is ``transformer`` (it also holds the 5B model).
@@ -177,22 +178,24 @@ class WeightSource:
         return f"wan22:{self.spec.name}:{expert}:{digest.hexdigest()[:16]}"
 
     # -- loading -------------------------------------------------------------------------------------------
-    def transformer(self, expert: str | None, dtype: torch.dtype):
+    def transformer(self, expert: str | None, dtype: torch.dtype, quantise_on: torch.device | None = None):
         """A fresh base transformer of ``expert`` in ``dtype`` on the CPU (call again for an identical copy). Files
         and folders stream tensor by tensor into the dtypes a run trains in (``single_file.py``); with
         ``model.base_dtype = "fp8"`` the Linears diffusers' layerwise casting stores in float8 arrive in float8, so
         the host never holds the expert in bf16 (it would be 2x the fp8 expert: 28.6 GB for one A14B expert).
         With ``model.base_dtype = "fp8_scaled"`` the block Linears are read straight into scaled fp8 (``fp8.py``),
-        keeping an ``fp8_scaled`` file's own scales."""
+        keeping an ``fp8_scaled`` file's own scales. With ``"int8"`` / ``"nf4"`` they are quantised as they are read
+        (on ``quantise_on``, default the CPU), so the host never holds the expert in bf16 either (the tiny twins
+        are quantised once built, by the adapter)."""
         if self.random:
             transformer = architecture.tiny_transformer(self.spec, self.seed, expert)
             return architecture.cast_keeping_fp32_modules(transformer, dtype)
         file = self._expert_file(expert)
         if file is not None:
-            return self._single_file(file, expert, dtype)
+            return self._single_file(file, expert, dtype, quantise_on)
         assert self.path is not None
         folder = self.path / EXPERT_FOLDER[expert]
-        return self._stream(folder, "path", dtype, key_map=lambda keys: {k: k for k in keys})
+        return self._stream(folder, "path", dtype, key_map=lambda keys: {k: k for k in keys}, quantise_on=quantise_on)
 
     def meta_transformer(self, dtype: torch.dtype):
         """The architecture of this variant's transformer built on ``meta`` (no storage), each tensor in the dtype
@@ -218,16 +221,16 @@ class WeightSource:
             reader = sharded.ShardReader(file, key) if file.is_dir() else None
             check_transformer_keys(file, key, self.spec.name, lambda: cls(**kwargs), reader=reader)
 
-    def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype):
+    def _single_file(self, file: Path, expert: str | None, dtype: torch.dtype, quantise_on: torch.device | None):
         """Original-Wan or ComfyUI keys, read with the variant's explicit architecture (diffusers' own detection
         only knows Wan 2.1 and would build I2V/5B files with the wrong config), streamed tensor by tensor into the
         dtypes of the folder path (``single_file.py``: float32 for ``_keep_in_fp32_modules``, ``dtype`` else).
         An original-repo expert folder (shards + index) streams shard by shard (``sharded.ShardReader``)."""
         key = _EXPERT_FILE_KEY[expert]
         _refuse_wan21_image_branch(file, key, self.spec.name)
-        return self._stream(file, key, dtype)
+        return self._stream(file, key, dtype, quantise_on=quantise_on)
 
-    def _stream(self, source: Path, key: str, dtype: torch.dtype, key_map=None):
+    def _stream(self, source: Path, key: str, dtype: torch.dtype, key_map=None, quantise_on=None):
         from wantrain.models.wan22.single_file import load_transformer
 
         kwargs, cls = architecture.transformer_kwargs(self.spec), architecture.transformer_class(self.spec)
@@ -238,7 +241,9 @@ class WeightSource:
         store = fp8_stored(build) if self.model.base_dtype == "fp8" else None
         reader = sharded.ShardReader(source, key) if source.is_dir() else None
         return load_transformer(source, key, self.spec.name, build, dtype, reader=reader, key_map=key_map,
-                                store=store, fp8_scaled=self.model.base_dtype == "fp8_scaled")
+                                store=store, fp8_scaled=self.model.base_dtype == "fp8_scaled",
+                                low_bit=self.model.base_dtype if self.model.base_dtype in LOW_BIT_DTYPES else None,
+                                quantise_on=quantise_on)
 
     def vae(self):
         from diffusers import AutoencoderKLWan

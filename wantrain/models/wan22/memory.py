@@ -119,6 +119,10 @@ ATTENTION_BACKWARD_KERNELS = {
 SWAP_RING = 2
 LORA_BYTES_PER_PARAM = 16  # fp32 weight, gradient, AdamW exp_avg and exp_avg_sq
 LORA_SAMPLING_BYTES_PER_PARAM = 12  # while sampling: no gradient
+# the waiting expert's adapter on the host: fp32 weight and AdamW's two moments. No gradient: the loop sets the
+# gradients to None after every step (core/loop.py), and an expert switches only between steps.
+WAITING_LORA_BYTES_PER_PARAM = 12
+WAITING_LORA_PART = "waiting expert's LoRA + AdamW"
 # Sampling, measured with ``bench/trace_memory.py --sampling`` (docs/benchmarks.md): one no-grad transformer pass's
 # transient per token, per unit of width and of FFN width (fit to A14B and TI2V-5B; the same at 2 and at 40 blocks
 # and from 4590 to 75600 tokens) ...
@@ -484,6 +488,29 @@ def tokens_of(spec: Any, width: int, height: int, frames: int, batch: int) -> in
     return batch * latent_frames * (height // spec.spatial_multiple) * (width // spec.spatial_multiple)
 
 
+def step_flops(variant: str, *, width: int, height: int, frames: int, batch: int = 1, recompute: str = "block",
+               layers: int | None = None) -> float:
+    """FLOPs of one training step of one expert, counted from the shapes (docs/benchmarks.md, "Compute per step";
+    ``bench/trace_memory.py --flops`` counts the same step): the blocks' Linears (self-attention q/k/v/o and
+    cross-attention q/o on the video tokens, cross-attention k/v on the text tokens, the FFN) and attention
+    (4 x queries x keys x width per attention), run as forward, the recompute's forward and an activation-only
+    backward (the Linears once more, attention twice): 3 x Linears + 4 x attention, and the lean recompute's
+    :data:`LEAN_EXTRA_FLOPS` on top. The LoRA's FLOPs and the embeddings and head are left out: the trace counts
+    6 % more on two A14B blocks at 832x480x81 (315 TFLOP against 296), so a step time derived from this is short
+    and a share of it long (what the waiting expert's reads cost is not understated)."""
+    from wantrain.models.wan22.architecture import planner_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    spec = VARIANTS[variant]
+    kwargs = planner_kwargs(spec)
+    d, f = kwargs["num_attention_heads"] * kwargs["attention_head_dim"], kwargs["ffn_dim"]
+    n = layers if layers is not None else kwargs["num_layers"]
+    tokens, text = tokens_of(spec, width, height, frames, batch), batch * spec.text_len
+    linears = 2.0 * n * (tokens * (6 * d * d + 2 * d * f) + text * 2 * d * d)
+    attention = 4.0 * n * d * (tokens * tokens / batch + tokens * spec.text_len)
+    return (3 * linears + 4 * attention) * (1 + (LEAN_EXTRA_FLOPS if recompute == "lean" else 0.0))
+
+
 def estimate(variant: str, settings: MemorySettings, *, width: int, height: int, frames: int, rank: int,
              batch: int = 1, layers: int | None = None, gradient_checkpointing: bool = True,
              sample: SampleSize | None = None, attention: str = "sdpa", adapter: AdapterSpec = LORA
@@ -526,11 +553,30 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
                           f"{adapter.describe(rank)}: {params / 1e6:.1f} M parameters per expert")
 
 
-def candidates(base_dtype: str, blocks: int, recompute: str = "auto") -> list[MemorySettings]:
-    """Settings the planner may choose, in its order of preference: by dtype (``base_dtype`` ``auto`` tries bf16
-    before fp8), then by recompute path (``recompute`` ``auto``: the whole block before the lean one, which costs
-    FLOPs), then cheapest first by bytes over the host link per step (ties: fewer swapped blocks first)."""
-    dtypes = ["bf16", "fp8"] if base_dtype == "auto" else [base_dtype]
+AUTO_DTYPES = ("bf16", "fp8")  # what base_dtype = "auto" tries, in this order ...
+AUTO_LOW_BIT = ("int8", "nf4")  # ... then these where bitsandbytes is installed (and compile is off: lowbit.py)
+
+
+def low_bit_available() -> bool:
+    """Whether ``base_dtype = "auto"`` may plan int8 / nf4: bitsandbytes is installed (an optional dependency)."""
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def auto_dtypes(low_bit: bool) -> tuple[str, ...]:
+    """The storages ``base_dtype = "auto"`` tries, most precise first among the 16-bit and 8-bit floats, then the
+    low-bit ones (``low_bit``): bf16, fp8, int8, nf4. int8 (0.7 % output error) is more precise than fp8 (9 %), but
+    slower (dequantised in every forward) and an optional library: it is taken only where no fp8 plan fits."""
+    return AUTO_DTYPES + (AUTO_LOW_BIT if low_bit else ())
+
+
+def candidates(base_dtype: str, blocks: int, recompute: str = "auto", low_bit: bool = False
+               ) -> list[MemorySettings]:
+    """Settings the planner may choose, in its order of preference: by dtype (``base_dtype`` ``auto``:
+    :func:`auto_dtypes`), then by recompute path (``recompute`` ``auto``: the whole block before the lean one, which
+    costs FLOPs), then cheapest first by bytes over the host link per step (ties: fewer swapped blocks first)."""
+    dtypes = auto_dtypes(low_bit) if base_dtype == "auto" else [base_dtype]
     paths = RECOMPUTE_PATHS if recompute == "auto" else (recompute,)
     out = []
     for dtype in dtypes:
@@ -543,11 +589,13 @@ def candidates(base_dtype: str, blocks: int, recompute: str = "auto") -> list[Me
 
 def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height: int, frames: int, rank: int,
          batch: int = 1, sample: SampleSize | None = None, attention: str = "sdpa",
-         adapter: AdapterSpec = LORA, recompute: str = "auto") -> tuple[MemoryEstimate | None, MemoryEstimate]:
+         adapter: AdapterSpec = LORA, recompute: str = "auto", low_bit: bool = False
+         ) -> tuple[MemoryEstimate | None, MemoryEstimate]:
     """(the chosen estimate or None, the smallest one). The choice: the first dtype of :func:`candidates` that
     fits (training and, with ``sample``, sampling), within it the first recompute path that fits (``recompute``
     ``auto``: the whole block, else the lean one), and within those the fitting setting moving the fewest bytes
-    over the host link per step."""
+    over the host link per step. ``low_bit``: ``base_dtype = "auto"`` may go on to int8 and nf4
+    (:func:`auto_dtypes`; the caller knows whether bitsandbytes is there and the blocks are not compiled)."""
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]
@@ -555,7 +603,7 @@ def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height
     best: MemoryEstimate | None = None
     smallest: MemoryEstimate | None = None
     chosen = None  # (dtype, recompute path) of the first fit
-    for settings in candidates(base_dtype, n, recompute):
+    for settings in candidates(base_dtype, n, recompute, low_bit):
         if chosen is not None and (settings.base_dtype, settings.recompute) != chosen:
             break
         est = estimate(variant, settings, width=width, height=height, frames=frames, rank=rank, batch=batch,
@@ -604,6 +652,28 @@ def offload_host_tensors(variant: str, *, width: int, height: int, frames: int, 
     hidden = tokens_of(spec, width, height, frames, batch) * d * 2
     n = layers if layers is not None else kwargs["num_layers"]
     return [hidden] * n + [batch * spec.text_len * d * 2, 2 * hidden]
+
+
+# bitsandbytes' CPU quantisers (0.50) allocate float32 working copies beyond their result: measured (VmHWM over a
+# 13824 x 5120 A14B FFN weight, lowbit.quantise, the chunk divided by its column scales in float32 included) 29.3
+# bytes per weight of a chunk for nf4, 8.2 for int8; lowbit.py quantises CPU_CHUNK_WEIGHTS weights at a time. On
+# CUDA the working copies are on the card.
+_CPU_QUANTISE_BYTES_PER_WEIGHT = {"int8": 8.2, "nf4": 29.3}
+
+
+def quantise_in_flight(variant: str, base_dtype: str, cuda: bool) -> float:
+    """Host bytes beyond the stored expert while an int8 / nf4 expert loads: the largest block Linear's weight in
+    bf16 as it is read (``single_file.load_transformer``), and on a CPU run the quantiser's working copies of one
+    chunk of it (``lowbit.CPU_CHUNK_WEIGHTS``)."""
+    from wantrain.models.wan22.architecture import planner_kwargs
+    from wantrain.models.wan22.lowbit import CPU_CHUNK_WEIGHTS
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = planner_kwargs(VARIANTS[variant])
+    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
+    weights = d * max(d, kwargs["ffn_dim"])
+    working = 0 if cuda else min(weights, CPU_CHUNK_WEIGHTS) * _CPU_QUANTISE_BYTES_PER_WEIGHT[base_dtype]
+    return float(2 * weights + working)
 
 
 def _slab_waste(sizes: list[int], max_slab: int | None = None) -> float:
@@ -773,9 +843,9 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
       drops its copies before the next is read), and while loading one expert whole until its waiting file is
       written; each switch reads one expert from its file (``HostEstimate.switch_read``, at ``read_rate`` bytes per
       second, ``waiting.DEFAULT_READ_RATE`` unless given, every ``switch_every`` steps);
-    * int8 / nf4 storage (``lowbit.py``): an expert loads in bf16 and is quantised once loaded, so while loading
-      the host holds its bf16 copy beyond its stored one;
-    * the waiting expert's LoRA, gradients and AdamW moments (16 bytes per LoRA parameter);
+    * int8 / nf4 storage (``lowbit.py``): each block Linear is quantised as it is read (``single_file.py``), so
+      while loading the host holds one Linear in bf16 beyond the stored expert (:func:`quantise_in_flight`);
+    * the waiting expert's LoRA and AdamW moments (12 bytes per LoRA parameter; no gradient between steps);
     * ``sampling_only``: the other A14B expert loaded frozen to sample with one trained expert (a host copy like a
       trained one's, no LoRA state);
     * ``pin`` false (``model.pin_host_copies = false``): nothing is pinned, no slabs;
@@ -829,9 +899,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if rounding:
         parts["pinned slabs' unused ends"] = rounding
     if len(experts) > 1:
-        parts["waiting expert's LoRA + grads + AdamW"] = (len(experts) - 1) * lora_params(variant, rank,
-                                                                                           adapter=adapter) * \
-            LORA_BYTES_PER_PARAM
+        parts[WAITING_LORA_PART] = (len(experts) - 1) * lora_params(variant, rank, adapter=adapter) * \
+            WAITING_LORA_BYTES_PER_PARAM
     parts["one batch from the cache"] = _batch_bytes(spec, width, height, frames, batch)
     parts[RUNTIME_PART] = RUNTIME_ALLOWANCE
     largest = max([*rest, *(s for block in blocks for s in block)], default=0)
@@ -846,10 +915,9 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if on_disk:  # the expert loading is held whole until its waiting file is written (its swapped blocks: parts)
         phases[LOADING] = {"one expert, until on disk": whole - float(sum(swapped)),
                            **phases[LOADING]}
-    if settings.base_dtype in ("int8", "nf4"):  # loaded in bf16, then quantised Linear by Linear (lowbit.py)
-        bf16_rest, bf16_blocks = host_tensor_bytes(variant, "bf16")
-        phases[LOADING] = {"one expert in bf16, until quantised": float(sum(bf16_rest) + sum(
-            s for block in bf16_blocks for s in block)) - whole, **phases[LOADING]}
+    if settings.base_dtype in ("int8", "nf4"):  # quantised as the file streams (single_file.py), one Linear at once
+        phases[LOADING] = {**phases[LOADING],
+                           "one Linear being quantised": quantise_in_flight(variant, settings.base_dtype, cuda)}
     if load_source is not None:
         phases[LOADING] = {"loading rank: expert + LoRA": float(load_source), **phases[LOADING]}
     if filling and not encoders_first:
@@ -878,7 +946,9 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if on_disk:
         from wantrain.models.wan22.waiting import DEFAULT_READ_RATE, SwitchRead
 
-        switch = SwitchRead(whole, read_rate or DEFAULT_READ_RATE, switch_every, read_rate is not None)
+        switch = SwitchRead(whole, read_rate or DEFAULT_READ_RATE, switch_every, read_rate is not None,
+                            step_flops(variant, width=width, height=height, frames=frames, batch=batch,
+                                       recompute=settings.recompute))
     else:
         switch = None
     return HostEstimate(parts, phases, pinned, ("while the cache fills",) if filling and encoders_first else (),

@@ -18,6 +18,10 @@ Checks, each one line naming the file (:class:`~wantrain.core.errors.UserError`)
   quantised twice. With ``fp8_scaled=True`` (``model.base_dtype = "fp8_scaled"``) the blocks' Linear weights are
   not multiplied out: a float8 weight stays float8 with its own scale (1 without one), any other is quantised as it
   is read (``fp8.quantise_rows``), and the model comes back with those Linears as ``fp8.ScaledFp8Linear``.
+  With ``low_bit`` (``model.base_dtype = "int8"`` / ``"nf4"``) each of those weights is quantised as it is read
+  (``lowbit.quantise``, on ``quantise_on``: the training device where it is CUDA), from its training-dtype
+  rounding, so no Linear is ever held in bf16 beside the next; the model comes back with those Linears as
+  ``lowbit.LowBitLinear``, the codes those of loading in bf16 and quantising after (bit for bit).
 
 Other sources stream through the same loop: ``reader`` (an object with this module's ``_Reader`` methods, e.g.
 ``sharded.ShardReader`` over a folder of shards), ``key_map`` (the file's names to diffusers', e.g. the identity for
@@ -46,7 +50,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
-from wantrain.models.wan22 import fp8
+from wantrain.models.wan22 import fp8, lowbit
 
 SCALE_SUFFIX = ".scale_weight"
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -157,10 +161,11 @@ class _Reader:
 def load_transformer(file: Path, setting: str, variant: str, build: Callable[[], nn.Module],
                      dtype: torch.dtype, *, reader: Any = None,
                      key_map: Callable[[Iterable[str]], dict[str, str]] | None = None,
-                     store: Mapping[str, torch.dtype] | None = None, fp8_scaled: bool = False) -> nn.Module:
+                     store: Mapping[str, torch.dtype] | None = None, fp8_scaled: bool = False,
+                     low_bit: str | None = None, quantise_on: torch.device | None = None) -> nn.Module:
     """The transformer in ``file`` (``setting`` is the config key naming it, for messages), built by ``build``
     (called under ``torch.device("meta")``) and streamed into ``dtype`` (see the module docstring; ``reader``,
-    ``key_map``, ``store`` and ``fp8_scaled`` there)."""
+    ``key_map``, ``store``, ``fp8_scaled``, ``low_bit`` and ``quantise_on`` there)."""
     from safetensors import SafetensorError
 
     where = f"model.{setting} '{file}'"
@@ -168,6 +173,8 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
         model = build()
     kept_in_fp8 = fp8.target_weights(model) if fp8_scaled else set()
     fp8_scales: dict[str, torch.Tensor] = {}
+    quantised_low_bit = fp8.target_weights(model) if low_bit else set()
+    low_bit_codes: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     try:
         with reader if reader is not None else _Reader(file) as reader:
             keys = reader.keys()
@@ -204,6 +211,9 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
                     value = _cast_through(raw, target, store[name])
                 else:
                     value = raw.to(target)
+                if name in quantised_low_bit:  # int8 / nf4: quantised now, from the training dtype's rounding
+                    low_bit_codes[name] = lowbit.quantise(value, low_bit, quantise_on)
+                    return torch.empty(value.shape, dtype=value.dtype, device="meta")  # replaced below
                 # in memory of its own: a tensor read zero-copy keeps the whole file's mapping (and every page of
                 # it read so far) alive, past the reader's window and after the load
                 return value.clone() if value is raw else value
@@ -215,6 +225,8 @@ def load_transformer(file: Path, setting: str, variant: str, build: Callable[[],
     _rebuild_derived_buffers(model)
     if fp8_scaled:
         fp8.to_scaled_fp8(model, fp8_scales, compute_dtype=dtype)
+    if low_bit:
+        lowbit.to_low_bit(model, low_bit, compute_dtype=dtype, quantised=low_bit_codes)
     return model.eval()
 
 

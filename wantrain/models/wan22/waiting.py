@@ -32,8 +32,12 @@ import attrs
 import torch
 from torch import nn
 
-FORMAT = 1  # bump when what the file holds for the same source changes
+FORMAT = 2  # bump when what the file holds for the same source changes (2: int8 / nf4 column scales)
 DEFAULT_READ_RATE = 2e9  # bytes per second: a SATA-class NVMe's sustained read, the issue's planning figure
+# A fast card's training throughput, to state what the reads cost in steps per hour: 40 % of an H100's 989 TFLOP/s
+# dense bf16 (docs/benchmarks.md, "Compute per step"); a 16-24 GB card is several times slower, so the reads cost it
+# a smaller share
+REFERENCE_FLOPS_PER_SECOND = 0.4 * 989e12
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8",
            torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
@@ -68,6 +72,16 @@ class SwitchRead:
     rate: float
     switch_every: int
     measured: bool = False
+    step_flops: float | None = None  # FLOPs of one training step (memory.step_flops), for the steps per hour
+
+    @property
+    def reference_step_seconds(self) -> float | None:
+        """Seconds of one step at :data:`REFERENCE_FLOPS_PER_SECOND` (None without ``step_flops``)."""
+        return self.step_flops / REFERENCE_FLOPS_PER_SECOND if self.step_flops else None
+
+    def fewer_steps_per_hour(self, step_seconds: float) -> float:
+        """The share of steps per hour the reads cost at ``step_seconds`` a step (0.05: 5 % fewer)."""
+        return self.seconds_per_step / (step_seconds + self.seconds_per_step)
 
     @property
     def seconds(self) -> float:
@@ -86,7 +100,15 @@ class SwitchRead:
         rate = f"{self.rate / 1e9:g} GB/s ({'measured' if self.measured else 'assumed'})"
         return (f"  waiting expert on disk: {self.bytes / GIB:.2f} GiB read at each switch, {self.seconds:.1f} s at "
                 f"{rate}, every {self.switch_every} steps (model.switch_every): +{self.seconds_per_step:.2f} s per "
-                "step where the page cache does not hold it")
+                "step where the page cache does not hold it" + self._steps_per_hour())
+
+    def _steps_per_hour(self) -> str:
+        step = self.reference_step_seconds
+        if step is None:
+            return ""
+        return (f"; a step is {self.step_flops / 1e15:.1f} PFLOP, {step:.0f} s at "
+                f"{REFERENCE_FLOPS_PER_SECOND / 1e12:.0f} TFLOP/s (40 % of an H100's dense bf16 peak): "
+                f"{100 * self.fewer_steps_per_hour(step):.1f} % fewer steps per hour there, less on a slower card")
 
     def to_json(self) -> dict[str, Any]:
         return {"bytes_per_switch": self.bytes, "read_rate": self.rate, "measured": self.measured,
