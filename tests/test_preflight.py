@@ -79,8 +79,8 @@ TRIGGERS: dict[str, tuple[dict, dict]] = {
     "shard-degree-divides": ({"model.parallel": "fsdp", **ONE, "model.shard_degree": 3}, {"world_size": 4}),
     "sequence-degree-launch": ({"model.sequence_degree": 2}, {"world_size": 1}),
     "expert-groups-launch": ({"model.expert_groups": 2}, {"world_size": 1}),
-    "evaluation-under-layout": ({"model.parallel": "fsdp", **ONE, "validation.enabled": True,
-                                 "validation.from_training": 2}, {"world_size": 2}),
+    "evaluation-under-layout": ({"model.parallel": "fsdp", "model.expert_groups": 2, "sample.enabled": True,
+                                 "sample.prompts": ["a cat"]}, {"world_size": 2}),
     "lr-finder-resume": ({"lr_finder.enabled": True}, {"resuming": True}),
     "sequence-degree-buckets": ({"model.sequence_degree": 2, "data.resolutions": [48]}, {"world_size": 2}),
 }

@@ -271,10 +271,9 @@ MODEL_RULES = (
     SHARD_NEEDS_FSDP := R("shard-degree-needs-fsdp", ("model.shard_degree", "model.parallel"),
                           "model.shard_degree without model.parallel = 'fsdp'"),
     FSDP_MEMORY := R("fsdp-memory-settings",
-                     ("model.parallel", "model.blocks_to_swap", "model.vram_budget_gb", "model.base_dtype",
-                      "model.compile"),
-                     "fsdp with block swap, a VRAM budget, fp8 storage or compile",
-                     ("model.parallel = fsdp", "block swap, vram_budget_gb, fp8, compile")),
+                     ("model.parallel", "model.blocks_to_swap", "model.vram_budget_gb", "model.base_dtype"),
+                     "fsdp with block swap, a VRAM budget or fp8 storage",
+                     ("model.parallel = fsdp", "block swap, vram_budget_gb, fp8")),
     FSDP_BOTH_EXPERTS := R("fsdp-both-experts", ("model.parallel", "model.experts", "model.expert_groups"),
                            "fsdp alternating two experts in one group of GPUs",
                            ("model.parallel = fsdp", "model.experts = both (no expert groups)")),
@@ -406,7 +405,8 @@ def _parallel_problems(model: ModelConfig) -> list[Problem]:
             return [SHARD_NEEDS_FSDP.problem("model.shard_degree applies to model.parallel = 'fsdp'; set parallel = "
                                              "'fsdp' or remove model.shard_degree")]
         return []
-    clash = _memory_clash(model, "parallel = 'dp'", " (sharding is what makes the blocks fit)")
+    # compile runs under fsdp: each block's compiled forward sees the gathered weights (FSDP2's hooks stay eager)
+    clash = _memory_clash(model, "parallel = 'dp'", " (sharding is what makes the blocks fit)", compiled=False)
     if clash is not None:
         return [FSDP_MEMORY.problem(f"model.parallel = 'fsdp' does not work with {clash[0]} yet", clash[1])]
     # with model.expert_groups each group trains (and shards) its own expert: nothing alternates
@@ -419,9 +419,11 @@ def _parallel_problems(model: ModelConfig) -> list[Problem]:
     return []
 
 
-def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[str, str] | None:
+def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "", *, compiled: bool = True
+                  ) -> tuple[str, str] | None:
     """The first memory-saving key ``model`` sets that a several-GPU layout does not work with yet (block swap, a
-    VRAM budget, fp8 storage, compile), as (the key and its value, how to resolve it: change it or ``undo``)."""
+    VRAM budget, fp8 storage, and with ``compiled`` compile), as (the key and its value, how to resolve it: change
+    it or ``undo``)."""
     if model.blocks_to_swap:
         return f"model.blocks_to_swap = {model.blocks_to_swap}", f"set blocks_to_swap = 0{swap_note} or {undo}"
     if model.vram_budget_gb is not None:
@@ -429,7 +431,7 @@ def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[s
                 f"remove vram_budget_gb or set {undo}")
     if model.base_dtype in QUANTISED_DTYPES:
         return f"model.base_dtype = '{model.base_dtype}' (quantised storage)", f"set base_dtype = 'bf16' or {undo}"
-    if model.compile != "off":
+    if compiled and model.compile != "off":
         return f"model.compile = '{model.compile}'", f"set compile = 'off' or {undo}"
     return None
 
