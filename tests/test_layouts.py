@@ -22,8 +22,6 @@ PAIRS = [
      "optimizer.type = 'adafactor' does not run with model.parallel = 'fsdp' (transformers' Adafactor"),
     (EXAMPLES / "i2v_a14b_alpha_schedule.toml", [],
      "lora.alpha_schedule does not run with model.parallel = 'fsdp' yet"),
-    (QUICKSTART, ['lora.type="dora"'], "lora.type = 'dora' reads the base weights outside their forward pass, which "
-                           "model.parallel = 'fsdp' holds sharded there"),
 ]
 
 

@@ -30,7 +30,7 @@ LAYOUT_RULES = (
                        "the alpha schedule's statistics over a sharded LoRA",
                        ("model.parallel = fsdp", "lora.alpha_schedule")),
 )
-"""The rules of this module (``app.preflight.declared_rules`` lists them; fsdp with DoRA is the adapter's)."""
+"""The rules of this module (``app.preflight.declared_rules`` lists them)."""
 
 
 def problems(cfg: Any) -> list[Problem]:
