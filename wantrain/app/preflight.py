@@ -671,4 +671,7 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
 
         lines.append("  " + load_peak(cfg.model.variant, layout.shard_degree, _lora_rank(cfg)).line(
             layout.shard_degree, layout.expert_groups))
+        from wantrain.models.wan22.rank_plan import save_gather  # each save's whole LoRA and AdamW state
+
+        lines.append("  " + save_gather(cfg.model.variant, layout, _lora_rank(cfg)).line())
     return lines

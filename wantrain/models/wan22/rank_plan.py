@@ -224,6 +224,32 @@ def load_peak(variant: str, shard_degree: int, rank: int, *, dtype_name: str = "
                     whole_expert=whole + buffers + lora_whole)
 
 
+SAVE_BYTES_PER_PARAM = 12
+"""What a save gathers whole per LoRA parameter: its fp32 value and AdamW's two fp32 moments (no gradient)."""
+
+
+@attrs.frozen
+class SaveGather:
+    """A save under ``model.parallel = "fsdp"`` (``core.state``: every rank gathers each ``DTensor`` of the LoRA and
+    its optimizer state whole, on its GPU, between two steps), in bytes."""
+
+    gathered: float  # the whole LoRA and AdamW state, on every GPU
+    peak: float  # each GPU at the save: its weight shards, its LoRA + optimizer shards and the gathered state
+
+    def line(self) -> str:
+        return (f"save (every GPU gathers the whole LoRA and AdamW state, between steps): +{self.gathered / GIB:.2f} "
+                f"GiB, {self.peak / GIB:.2f} GiB per GPU at its peak")
+
+
+def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None = None) -> SaveGather:
+    """The gathers of one save under ``layout`` (its shard degree > 1; module docstring's weights and LoRA parts)."""
+    s = layout.shard_degree
+    gathered = lora_shard_params(variant, rank, 1, layers) * SAVE_BYTES_PER_PARAM
+    resident = sharded_weight_bytes(variant, s, layers)[0] + lora_shard_params(variant, rank, s, layers) * \
+        LORA_BYTES_PER_PARAM
+    return SaveGather(gathered=gathered, peak=resident + gathered)
+
+
 def _lora_sizes(variant: str, rank: int) -> list[int]:
     """The element counts of one block's LoRA matrices (A [rank, in], B [out, rank])."""
     from wantrain.models.wan22.architecture import planner_kwargs
