@@ -21,9 +21,10 @@ LAUNCH_RULES = (
                             "a sequence degree that one process or the ranks cannot split"),
     GROUPS_LAUNCH := Rule("expert-groups-launch", ("model.expert_groups",),
                           "expert groups that the launch's processes cannot split"),
-    EVALUATION_LAYOUT := Rule("evaluation-under-layout", ("sample.enabled", "model.parallel", "model.expert_groups"),
-                              "[sample] under torchrun fsdp inside expert groups",
-                              ("[sample]", "model.parallel = fsdp with expert_groups > 1 (torchrun)")),
+    EVALUATION_LAYOUT := Rule("evaluation-under-layout",
+                              ("validation.enabled", "sample.enabled", "model.parallel", "model.expert_groups"),
+                              "[validation] or [sample] under torchrun fsdp inside expert groups",
+                              ("[validation] / [sample]", "model.parallel = fsdp with expert_groups > 1 (torchrun)")),
     LR_FINDER_RESUME := Rule("lr-finder-resume", ("lr_finder.enabled",), "the LR finder with --resume",
                              ("LR finder", "--resume")),
     SEQUENCE_BUCKETS := Rule("sequence-degree-buckets", ("model.sequence_degree", "data.resolutions", "data.frames"),
@@ -59,8 +60,8 @@ def device_note(cfg: Any, machine: Machine) -> str | None:
 
 def layout_problems(cfg: Any, machine: Machine) -> list[Problem]:
     """The parallel layouts against the ``machine.world_size`` ranks of this launch (1 without torchrun): each
-    degree must divide the ranks, expert groups need a multiple of their count, and [sample] does not run with
-    fsdp inside expert groups yet (the serving group's ranks would have to follow its leader's calls)."""
+    degree must divide the ranks, expert groups need a multiple of their count, and [validation] / [sample] do not
+    run with fsdp inside expert groups yet (the serving group's ranks would have to follow its leader's calls)."""
     model, world = cfg.model, machine.world_size
     if machine.planning and world == 1:  # `wantrain check` without --gpus: the launch is not known yet
         return []
@@ -99,10 +100,11 @@ def layout_problems(cfg: Any, machine: Machine) -> list[Problem]:
         out.append(SHARD_DIVIDES.problem(
             f"model.shard_degree = {shard} does not divide the {world} ranks of this launch; use one of "
             f"{', '.join(map(str, divisors))} (unset: all {world})"))
-    if groups > 1 and cfg.sample.enabled:  # the serving group's other ranks would have to follow its calls
+    if groups > 1:  # the serving group's other ranks would have to follow its leader's calls (not built)
         out.extend(_evaluation_problems(cfg, f"model.parallel = 'fsdp' inside model.expert_groups = {groups}",
                                         "the other expert's group serves rank 0's calls from its leader alone, "
-                                        "and its sharded forward needs every rank of the group", ("sample",)))
+                                        "and its sharded forward needs every rank of the group",
+                                        ("validation", "sample")))
     return out
 
 
