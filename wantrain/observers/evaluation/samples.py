@@ -31,10 +31,11 @@ adapter's sampling-only expert (its base weights, or ``sample.other_expert_lora`
 device like an inactive trained expert.
 
 Under torchrun rank 0 samples and the other ranks wait (``sync.wait_for_rank0``: a barrier without the process
-group's timeout). With ``model.expert_groups`` rank 0 holds the high-noise expert only: the pipeline's calls of
-the low-noise one go to that group's leader, which serves them until rank 0's round ends
-(``core.parallel.expert_relay``;
-the adapter's ``add_relayed_expert``), so the video is the one-process run's, bit for bit. Each round logs
+group's timeout). Under ``model.parallel = "fsdp"`` or a sequence degree, where every forward of a trained expert is
+a collective, the other ranks first repeat each of rank 0's calls of the trained experts, announced before each
+call (``core.parallel.mirror``), until rank 0's round ends. With ``model.expert_groups`` rank 0 holds the
+high-noise expert only: the pipeline's calls of the low-noise one go to that group's leader, which serves them
+until rank 0's round ends (``core.parallel.expert_relay``; the adapter's ``add_relayed_expert``), so the video is the one-process run's, bit for bit. Each round logs
 ``samples_written`` with its wall time in the run log and emits ``SamplesWritten`` (the wandb observer logs the
 videos from it). The files: ``sample_files.py``.
 """
