@@ -60,7 +60,8 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
     experts loaded: nothing is encoded); reads the first-frame images. An I2V prompt without an image takes the
     first frame of ``clips[index % len(clips)]`` at its sample size (logged as ``sample_first_frame``). torchrun
     ranks other than 0 encode nothing: they wait while rank 0 samples (under fsdp or Ulysses repeating its calls).
-    ``clip_videos(width, height)``: the training clips' frames at that size (uint8 ``[F, H, W, 3]`` each), measured once at the first video prompt's
+    ``clip_videos(width, height)``: the training clips' frames at that size (uint8 ``[F, H, W, 3]`` each),
+    measured once at the first video prompt's
     size for ``samples/motion_ratio`` (logged as ``clip_motion``)."""
     from PIL import Image
 

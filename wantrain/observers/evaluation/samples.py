@@ -35,7 +35,8 @@ group's timeout). Under ``model.parallel = "fsdp"`` or a sequence degree, where 
 a collective, the other ranks first repeat each of rank 0's calls of the trained experts, announced before each
 call (``core.parallel.mirror``), until rank 0's round ends. With ``model.expert_groups`` rank 0 holds the
 high-noise expert only: the pipeline's calls of the low-noise one go to that group's leader, which serves them
-until rank 0's round ends (``core.parallel.expert_relay``; the adapter's ``add_relayed_expert``), so the video is the one-process run's, bit for bit. Each round logs
+until rank 0's round ends (``core.parallel.expert_relay``; the adapter's ``add_relayed_expert``), so the video
+is the one-process run's, bit for bit. Each round logs
 ``samples_written`` with its wall time in the run log and emits ``SamplesWritten`` (the wandb observer logs the
 videos from it). The files: ``sample_files.py``.
 """
