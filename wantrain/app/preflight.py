@@ -652,19 +652,25 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     (``model.sequence_degree``, data parallel across the groups) layouts under torchrun, FSDP with a sequence
     degree and FSDP inside expert groups; expert groups with a sequence degree are planned only
     (docs/distributed.md)."""
+    from wantrain.models.wan22.memory import AdapterSpec, MemorySettings
     from wantrain.models.wan22.rank_plan import rank_estimate
 
     bucket = (report.memory_plan or {}).get("bucket")
     if bucket is None:
         return []
     width, height, frames = (int(x) for x in bucket.split("x"))
+    # planned as the one-GPU plan was: its settings (dtype, swap, offload, recompute), adapter type and kernel
+    settings = MemorySettings(**report.memory_plan["settings"]) if "settings" in report.memory_plan else None
     estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
-                             rank=_lora_rank(cfg), batch=cfg.train.batch_size)
+                             rank=_lora_rank(cfg), batch=cfg.train.batch_size, settings=settings,
+                             adapter=AdapterSpec.of(cfg.lora), attention=cfg.model.attention,
+                             gradient_checkpointing=cfg.model.gradient_checkpointing)
     # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses, each alone, Ulysses with
     # fsdp (the sequence groups folded into the shard dimension) and fsdp inside expert groups
     runs = layout.expert_groups == 1 or layout.sequence_degree == 1
     status = "trainable under torchrun" if runs else "planned, not yet trainable"
-    lines = [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
+    described = settings.describe() if settings is not None else "bf16 base, no block swap"
+    lines = [f"plan per GPU at {bucket} ({described}; {status}: docs/distributed.md):",
              *("  " + line for line in estimate.lines())]
     if layout.shard_degree > 1:  # the load's peak: each GPU's shards and one whole tensor, rank 0's host copy
         from wantrain.models.wan22.rank_plan import load_peak
