@@ -51,7 +51,6 @@ TRIGGERS: dict[str, tuple[dict, dict]] = {
     "low-bit-compile": ({"model.base_dtype": "int8", "model.compile": "default"}, {}),
     "control-variant": ({"model.condition": "first_last"}, {}),
     "fsdp-optimizer": ({"model.parallel": "fsdp", **ONE, "optimizer.type": "adamw8bit"}, {}),
-    "fsdp-alpha-schedule": ({"model.parallel": "fsdp", **ONE, "lora.alpha_schedule": SCHEDULE}, {}),
     "modules-match": ({"lora.include": ["no_such_module"]}, {}),
     "attention-kernel-package": ({"model.attention": "flash"}, {}),
     "attention-kernel-cuda-only": ({"model.attention": "xformers", "train.device": "cpu"}, {}),
