@@ -31,6 +31,10 @@ from wantrain.observers import Observer, on
 
 if os.environ.get("WANTRAIN_PROBE_COMPILE_BACKEND"):
     wan_compile.BACKEND = os.environ["WANTRAIN_PROBE_COMPILE_BACKEND"]
+if os.environ.get("WANTRAIN_PROBE_FP8_ON_CPU"):  # fp8 storage, refused on a CPU for its cost only, allowed here
+    from wantrain.models.wan22 import adapter as wan_adapter
+
+    wan_adapter.FP8_DEVICE_TYPES = ("cuda", "cpu")
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 

@@ -29,3 +29,22 @@ def test_check_prints_the_load_peak_per_gpu_and_rank_0s_host_under_fsdp(tmp_path
                  *data_parallel]) == 2
     assert ("load (FSDP over 4, from each group's first rank): 7.11 GiB per GPU at its peak (a whole expert: "
             "27.24 GiB), each group leader's host 27.24 GiB") in capsys.readouterr().out
+
+
+def test_check_counts_each_saves_gathers_under_fsdp(tmp_path, capsys):
+    """Each save gathers the whole LoRA and AdamW state on every GPU (``core.state``): the issue's ~1.7 GiB at A14B
+    rank 32, counted in the plan per GPU next to the step's peak."""
+    from wantrain.models.wan22.rank_plan import Layout, lora_shard_params, save_gather
+
+    config = copy_examples(tmp_path)
+    settings = [arg for item in A14B_FSDP for arg in ("--set", item)]
+    assert main(["check", str(config), "--gpus", "8", *settings]) == 2
+    out = capsys.readouterr().out
+    gather = save_gather("t2v-a14b", Layout(gpus=8, shard_degree=8), 32)
+    whole = lora_shard_params("t2v-a14b", 32, 1)
+    assert gather.gathered == whole * 12 and 1.6 < gather.gathered / 2**30 < 1.8  # fp32 value + 2 AdamW moments
+    assert f"save (every GPU gathers the whole LoRA and AdamW state, between steps): +{gather.gathered / 2**30:.2f}" \
+        in out, out[-2000:]
+    data_parallel = [arg for item in A14B_FSDP if "parallel" not in item for arg in ("--set", item)]
+    assert main(["check", str(config), "--gpus", "8", *data_parallel]) == 2  # each GPU holds it whole: nothing
+    assert "save (every GPU gathers" not in capsys.readouterr().out

@@ -292,16 +292,17 @@ TI2V = {"variant": "tiny-ti2v", "parallel": "fsdp"}
     ({"model": {**TI2V, "blocks_to_swap": 2}}, "does not work with model.blocks_to_swap = 2 yet; set blocks_to_swap"),
     ({"model": {**TI2V, "base_dtype": "fp8_scaled"}}, "base_dtype = 'fp8_scaled' (quantised storage)"),
     ({"model": {**TI2V, "vram_budget_gb": 20.0}}, "vram_budget_gb = 20 (it picks block swap and fp8 storage)"),
-    ({"model": {**TI2V, "compile": "default"}}, "model.compile = 'default'"),
-    ({"model": {"variant": "tiny-t2v", "parallel": "fsdp"}}, "model.experts = 'both'"),
     ({"model": {"variant": "tiny-ti2v", "shard_degree": 2}}, "model.shard_degree applies to model.parallel = 'fsdp'"),
-    ({"model": TI2V, "lora": {"type": "dora"}}, "lora.type = 'dora' reads the base weights"),
 ])
 def test_fsdp_refuses_what_it_cannot_shard_yet_when_the_config_is_read(keys, says):
     with pytest.raises(ConfigError) as refused:
         structure(RunConfig, keys)
     assert says in str(refused.value) and "\n" not in str(refused.value)
     assert structure(RunConfig, {"model": {**TI2V, "shard_degree": 2}}).model.shard_degree == 2  # alone: fine
+    # what runs sharded now (tests/test_distributed_fsdp_evaluation.py, test_distributed_fsdp_compose.py)
+    structure(RunConfig, {"model": {**TI2V, "compile": "default"}})
+    structure(RunConfig, {"model": {"variant": "tiny-t2v", "parallel": "fsdp"}})  # both experts
+    structure(RunConfig, {"model": TI2V, "lora": {"type": "dora"}})
 
 
 def test_fsdp_against_the_launch_one_process_trains_unsharded_and_a_degree_must_divide_the_ranks():
@@ -312,8 +313,12 @@ def test_fsdp_against_the_launch_one_process_trains_unsharded_and_a_degree_must_
     with pytest.raises(UserError, match=r"^model.shard_degree = 3 does not divide the 4 ranks of this launch; use "
                                         r"one of 1, 2, 4 \(unset: all 4\)$"):
         check_parallel(structure(RunConfig, {"model": {**TI2V, "shard_degree": 3}}), 4)
-    with pytest.raises(UserError, match=r"^\[validation\] does not run with model.parallel = 'fsdp' under torchrun"):
-        check_parallel(structure(RunConfig, {"model": TI2V, "validation": {"enabled": True, "from_training": 2}}), 2)
+    validation = {"enabled": True, "from_training": 2}
+    assert check_parallel(structure(RunConfig, {"model": TI2V, "validation": validation}), 2) == []
+    groups = {"variant": "tiny-t2v", "parallel": "fsdp", "expert_groups": 2}  # the serving group would follow
+    with pytest.raises(UserError, match=r"^\[validation\] does not run with model.parallel = 'fsdp' inside "
+                                        r"model.expert_groups = 2 yet"):
+        check_parallel(structure(RunConfig, {"model": groups, "validation": validation}), 2)
     assert check_parallel(structure(RunConfig, {"model": {"variant": "tiny-t2v"}}), 3) == []  # dp: nothing to check
 
 

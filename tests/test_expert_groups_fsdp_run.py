@@ -36,7 +36,8 @@ def test_fsdp_with_expert_groups_is_read_and_its_shard_degree_must_divide_a_grou
                                         r"\(4 ranks / model.expert_groups = 2\); use one of 1, 2 \(unset: all 2 of "
                                         r"the group\)$"):
         check_parallel(structure(RunConfig, {"model": {**BOTH, "shard_degree": 4}}), 4)
-    with pytest.raises(UserError, match=r"^\[validation\] does not run with model.parallel = 'fsdp' under torchrun"):
+    with pytest.raises(UserError, match=r"^\[validation\] does not run with model.parallel = 'fsdp' inside "
+                                        r"model.expert_groups = 2 yet"):
         check_parallel(structure(RunConfig, {"model": BOTH, "validation": {"enabled": True, "from_training": 2}}), 4)
 
 

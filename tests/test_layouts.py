@@ -20,10 +20,6 @@ PAIRS = [
      "optimizer.type = 'adamw8bit' does not run with model.parallel = 'fsdp' (bitsandbytes' 8-bit AdamW"),
     (QUICKSTART, ['optimizer.type="adafactor"'],
      "optimizer.type = 'adafactor' does not run with model.parallel = 'fsdp' (transformers' Adafactor"),
-    (EXAMPLES / "i2v_a14b_alpha_schedule.toml", [],
-     "lora.alpha_schedule does not run with model.parallel = 'fsdp' yet"),
-    (QUICKSTART, ['lora.type="dora"'], "lora.type = 'dora' reads the base weights outside their forward pass, which "
-                           "model.parallel = 'fsdp' holds sharded there"),
 ]
 
 

@@ -147,3 +147,24 @@ def test_a_layout_the_model_cannot_run_is_refused_in_one_line(variant, layout, w
     with pytest.raises(UserError) as refused:
         check_layout(variant, layout)
     assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("settings", "lora", "attention"), [
+    (("bf16",), "lora", "sdpa"),
+    (("bf16", 0, False, "lean"), "dora", "sdpa"),
+    (("fp8_scaled", 10, True, "block"), "lokr", "flash"),
+])
+def test_the_plan_per_gpu_at_one_gpu_is_the_one_gpu_plan(settings, lora, attention):
+    """``check --gpus N`` plans like the one-GPU planner: the same settings, adapter type, kernel and recompute; at
+    one GPU its parts add up to the one-GPU estimate's (and the adapter type changes the plan per GPU alike)."""
+    from wantrain.models.wan22.memory import AdapterSpec, MemorySettings, estimate
+
+    plan = dict(width=832, height=480, frames=81, rank=32, layers=4, settings=MemorySettings(*settings),
+                adapter=AdapterSpec(type=lora), attention=attention)
+    one = estimate("t2v-a14b", plan.pop("settings"), **plan)
+    per_gpu = rank_estimate("t2v-a14b", Layout(gpus=1), settings=MemorySettings(*settings), **plan)
+    assert per_gpu.total == pytest.approx(one.allocated, rel=1e-12)
+    assert per_gpu.attention_backward == one.attention_backward
+    sharded = rank_estimate("t2v-a14b", Layout(gpus=4, shard_degree=4), **plan)
+    plain = rank_estimate("t2v-a14b", Layout(gpus=4, shard_degree=4), **{**plan, "adapter": AdapterSpec()})
+    assert (sharded.parts["LoRA + optimizer"] == plain.parts["LoRA + optimizer"]) == (lora == "lora")

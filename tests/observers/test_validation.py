@@ -160,6 +160,27 @@ def test_timesteps_of_an_untrained_expert_are_left_out():
     assert set(values) == {"val/loss", "val/loss/t_0.3"}
 
 
+def test_a_padded_share_runs_as_many_forwards_as_the_longest_and_counts_only_its_own_clips():
+    """Under fsdp and Ulysses every rank runs as many (collective) forwards: 3 clips over 2 ranks, the second rank
+    evaluates its clip and one padding forward per timestep, whose loss counts nowhere."""
+    from tests.models.wan22_helpers import make_adapter, raw_batch
+    from wantrain.observers.evaluation.validation import evaluation_share, validate
+
+    assert evaluation_share(3, 0, 2, in_step=True) == ([0, 2], 0)
+    assert evaluation_share(3, 1, 2, in_step=True) == ([1], 1)
+    assert evaluation_share(3, 1, 2, in_step=False) == ([1], 0)  # data parallel: no forward is a collective
+    assert evaluation_share(1, 1, 2, in_step=True) == ([], 1)
+    adapter = make_adapter("tiny-t2v", experts="low_noise", gradient_checkpointing=False)
+    batches = [adapter.encode_batch(raw_batch(seed=s)) for s in (0, 1)]
+    calls = []
+    original = adapter.validation_loss
+    adapter.validation_loss = lambda *a: calls.append(a) or original(*a)
+    alone = validate(adapter, batches[1:], [0.3], seed=0, clip_indices=[1])
+    assert len(calls) == 1
+    padded = validate(adapter, batches[1:], [0.3], seed=0, clip_indices=[1], padding=[batches[0]])
+    assert len(calls) == 3 and padded == alone  # the padding forward ran and changed no figure
+
+
 @pytest.mark.parametrize(("extra", "variant", "expected"), [
     ("[validation]\nenabled = true\n", "tiny-t2v", "exactly one of 'validation.path'"),
     ("[validation]\nenabled = true\npath = 'nowhere'\n", "tiny-t2v", "'validation.path'"),

@@ -76,7 +76,7 @@ from wantrain.models.wan22.config import FP8_DTYPES
 from wantrain.models.wan22.sequence import split_sequences
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.sample_setup import build_sample_observer
-from wantrain.observers.evaluation.validation import Validation, cached_batches
+from wantrain.observers.evaluation.validation import Validation, cached_batches, evaluation_share
 from wantrain.observers.evaluation.workflow import ComfyWorkflow, workflow_settings
 from wantrain.observers.event_recorder import EventRecorder
 from wantrain.optimizers import build_optimizer as _build_optimizer
@@ -379,14 +379,18 @@ class PreparedRun:
                      else ensure_cache(self.validation_data, adapter, remove_orphans=False))
             log.info("validation_cache_ready", latents_hit=stats.latents_hit, latents_encoded=stats.latents_encoded)
             v = cfg.validation
-            topology = self.sync.topology  # under torchrun each rank evaluates every world_size-th clip
+            topology = self.sync.topology  # under torchrun each data-parallel place evaluates its share of clips
             batches = cached_batches(self.validation_data, adapter)
+            sequence = cfg.model.sequence_degree  # the ranks of a sequence group evaluate the same clips
             place, ranks = ((self.sync.groups.rank_in_group, self.sync.groups.size)  # expert groups: its group's
-                            if isinstance(self.sync, ExpertGroupSync) else (topology.rank, topology.world_size))
-            share = list(range(place, len(batches), ranks))
+                            if isinstance(self.sync, ExpertGroupSync) else
+                            (topology.rank // sequence, topology.world_size // sequence))
+            exchanges = topology.distributed and self.sync.forward_exchanges
+            share, padding = evaluation_share(len(batches), place, ranks, in_step=exchanges)
             out.append(Validation([batches[c] for c in share], timesteps=v.timesteps, seed=v.seed, every=v.every,
                                   sync=self.sync if topology.distributed else None, clip_indices=share,
-                                  clips_total=len(batches), run_experts=_run_experts(self.sync, adapter)))
+                                  clips_total=len(batches), run_experts=_run_experts(self.sync, adapter),
+                                  padding=[batches[0]] * padding))
         if cfg.sample.enabled:
             out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir, sync=self.sync,
                                              clips=self._first_frame_sources(), clip_videos=self._clip_videos,

@@ -22,9 +22,9 @@ LAUNCH_RULES = (
     GROUPS_LAUNCH := Rule("expert-groups-launch", ("model.expert_groups",),
                           "expert groups that the launch's processes cannot split"),
     EVALUATION_LAYOUT := Rule("evaluation-under-layout",
-                              ("validation.enabled", "sample.enabled", "model.parallel", "model.sequence_degree"),
-                              "[validation] or [sample] under torchrun fsdp or a sequence degree",
-                              ("[validation] / [sample]", "model.parallel = fsdp or sequence_degree > 1 (torchrun)")),
+                              ("validation.enabled", "sample.enabled", "model.parallel", "model.expert_groups"),
+                              "[validation] or [sample] under torchrun fsdp inside expert groups",
+                              ("[validation] / [sample]", "model.parallel = fsdp with expert_groups > 1 (torchrun)")),
     LR_FINDER_RESUME := Rule("lr-finder-resume", ("lr_finder.enabled",), "the LR finder with --resume",
                              ("LR finder", "--resume")),
     SEQUENCE_BUCKETS := Rule("sequence-degree-buckets", ("model.sequence_degree", "data.resolutions", "data.frames"),
@@ -60,8 +60,8 @@ def device_note(cfg: Any, machine: Machine) -> str | None:
 
 def layout_problems(cfg: Any, machine: Machine) -> list[Problem]:
     """The parallel layouts against the ``machine.world_size`` ranks of this launch (1 without torchrun): each
-    degree must divide the ranks, expert groups need a multiple of their count, and [validation] / [sample] do
-    not run under torchrun fsdp or a sequence degree yet (a sharded forward needs every rank in step)."""
+    degree must divide the ranks, expert groups need a multiple of their count, and [validation] / [sample] do not
+    run with fsdp inside expert groups yet (the serving group's ranks would have to follow its leader's calls)."""
     model, world = cfg.model, machine.world_size
     if machine.planning and world == 1:  # `wantrain check` without --gpus: the launch is not known yet
         return []
@@ -76,9 +76,6 @@ def layout_problems(cfg: Any, machine: Machine) -> list[Problem]:
         out.append(SEQUENCE_LAUNCH.problem(
             f"model.sequence_degree = {degree} does not divide the {world} ranks of this launch; launch a multiple "
             f"of {degree} ranks, or set sequence_degree to a divisor of {world}"))
-    elif degree > 1:
-        out.extend(_evaluation_problems(cfg, f"model.sequence_degree = {degree}",
-                                        "the ranks of a sequence group would have to evaluate in step"))
     groups = model.expert_groups
     if groups > 1 and (world < groups or world % groups) and not machine.planning:
         started = "one process" if world == 1 else f"{world} processes"
@@ -103,16 +100,19 @@ def layout_problems(cfg: Any, machine: Machine) -> list[Problem]:
         out.append(SHARD_DIVIDES.problem(
             f"model.shard_degree = {shard} does not divide the {world} ranks of this launch; use one of "
             f"{', '.join(map(str, divisors))} (unset: all {world})"))
-    out.extend(_evaluation_problems(cfg, "model.parallel = 'fsdp' under torchrun",
-                                    "a sharded forward needs every rank in step"))
+    if groups > 1:  # the serving group's other ranks would have to follow its leader's calls (not built)
+        out.extend(_evaluation_problems(cfg, f"model.parallel = 'fsdp' inside model.expert_groups = {groups}",
+                                        "the other expert's group serves rank 0's calls from its leader alone, "
+                                        "and its sharded forward needs every rank of the group",
+                                        ("validation", "sample")))
     return out
 
 
-def _evaluation_problems(cfg: Any, layout: str, why: str) -> list[Problem]:
-    """[validation] or [sample] enabled under ``layout``, which they do not run with yet."""
+def _evaluation_problems(cfg: Any, layout: str, why: str, sections: tuple[str, ...]) -> list[Problem]:
+    """Each of ``sections`` ([validation], [sample]) enabled under ``layout``, which it does not run with yet."""
     return [EVALUATION_LAYOUT.problem(
         f"[{section}] does not run with {layout} yet ({why}); set {section}.enabled = false, or evaluate the saved "
-        "LoRA in a one-process run", keys=(f"{section}.enabled",)) for section in ("validation", "sample")
+        "LoRA in a one-process run", keys=(f"{section}.enabled",)) for section in sections
         if getattr(cfg, section).enabled]
 
 
@@ -212,23 +212,30 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
     degree and FSDP inside expert groups; expert groups with a sequence degree are planned only
     (docs/distributed.md)."""
     from wantrain.app.memory_plan import trained_rank
+    from wantrain.models.wan22.memory import AdapterSpec, MemorySettings
     from wantrain.models.wan22.rank_plan import rank_estimate
 
     bucket = (report.memory_plan or {}).get("bucket")
     if bucket is None:
         return []
     width, height, frames = (int(x) for x in bucket.split("x"))
+    # planned as the one-GPU plan was: its settings (dtype, swap, offload, recompute), adapter type and kernel
+    settings = MemorySettings(**report.memory_plan["settings"]) if "settings" in report.memory_plan else None
     estimate = rank_estimate(cfg.model.variant, layout, width=width, height=height, frames=frames,
-                             rank=trained_rank(cfg), batch=cfg.train.batch_size)
+                             rank=trained_rank(cfg), batch=cfg.train.batch_size, settings=settings,
+                             adapter=AdapterSpec.of(cfg.lora), attention=cfg.model.attention,
+                             gradient_checkpointing=cfg.model.gradient_checkpointing)
     # wantrain run trains data parallel, fsdp (model.parallel), expert groups and Ulysses, each alone, Ulysses with
     # fsdp (the sequence groups folded into the shard dimension) and fsdp inside expert groups
     runs = layout.expert_groups == 1 or layout.sequence_degree == 1
     status = "trainable under torchrun" if runs else "planned, not yet trainable"
-    lines = [f"plan per GPU at {bucket} (bf16 base, no block swap; {status}: docs/distributed.md):",
+    described = settings.describe() if settings is not None else "bf16 base, no block swap"
+    lines = [f"plan per GPU at {bucket} ({described}; {status}: docs/distributed.md):",
              *("  " + line for line in estimate.lines())]
     if layout.shard_degree > 1:  # the load's peak: each GPU's shards and one whole tensor, rank 0's host copy
-        from wantrain.models.wan22.rank_plan import load_peak
+        from wantrain.models.wan22.rank_plan import load_peak, save_gather
 
         lines.append("  " + load_peak(cfg.model.variant, layout.shard_degree, trained_rank(cfg)).line(
             layout.shard_degree, layout.expert_groups))
+        lines.append("  " + save_gather(cfg.model.variant, layout, trained_rank(cfg)).line())  # each save's gather
     return lines

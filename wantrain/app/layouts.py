@@ -26,11 +26,8 @@ LAYOUT_RULES = (
     FSDP_OPTIMIZER := Rule("fsdp-optimizer", ("model.parallel", "optimizer.type"),
                            "an optimizer that cannot step FSDP's sharded LoRA (8-bit AdamW, Adafactor)",
                            ("model.parallel = fsdp", "optimizer.type = adamw8bit or adafactor")),
-    FSDP_ALPHA := Rule("fsdp-alpha-schedule", ("model.parallel", "lora.alpha_schedule"),
-                       "the alpha schedule's statistics over a sharded LoRA",
-                       ("model.parallel = fsdp", "lora.alpha_schedule")),
 )
-"""The rules of this module (``app.preflight.declared_rules`` lists them; fsdp with DoRA is the adapter's)."""
+"""The rules of this module (``app.preflight.declared_rules`` lists them)."""
 
 
 def problems(cfg: Any) -> list[Problem]:
@@ -41,9 +38,4 @@ def problems(cfg: Any) -> list[Problem]:
         if why is not None:
             found.append(FSDP_OPTIMIZER.problem(f"optimizer.type = '{cfg.optimizer.type}' does not run with {FSDP} "
                                                 f"({why}); use optimizer.type = 'adamw' or set model.parallel = 'dp'"))
-        if cfg.lora.schedule_enabled:
-            found.append(FSDP_ALPHA.problem(
-                f"lora.alpha_schedule does not run with {FSDP} yet (the controller's statistics read the whole "
-                "LoRA's values, which FSDP holds as shards on each rank); turn the schedule off or set "
-                "model.parallel = 'dp'"))
     return found

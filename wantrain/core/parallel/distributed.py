@@ -122,6 +122,10 @@ class SingleProcess:
     is_main = True
     exchanges_gradients = False  # the trainer skips average_gradients (and its flag bookkeeping) altogether
     sharded = False  # no FSDP2 in one process
+    forward_exchanges = False
+
+    def mirrored_calls(self) -> Any:
+        return None
 
     def agree_step(self, ended: str | None, control: Any, step: int = 0) -> str | None:
         return ended
@@ -192,6 +196,7 @@ class ProcessGroupSync:
         self._patient = patient  # a gloo group with a long timeout, for wait_for_rank0 (created lazily if None)
         self.sharded = False  # model.parallel = "fsdp": FSDP2 reduces the gradients and each rank holds its shard
         self._sequence_degree = 1
+        self._mirror: Any = None  # mirrored_calls()
         self.watch: Any = None  # core.parallel.failures.FailureWatch: the side channel of failures (start())
 
     @property
@@ -200,6 +205,18 @@ class ProcessGroupSync:
         reduce-scatters, Ulysses' all-to-alls): one rank that fails inside them leaves the others waiting there,
         so such a step cannot be skipped together (:meth:`agree_step` fails the run instead)."""
         return self.sharded or self._sequence_degree > 1
+
+    def mirrored_calls(self) -> Any:
+        """Under a layout whose forward exchanges (:attr:`forward_exchanges`), the link through which every rank
+        repeats rank 0's calls of the trained experts during a round of samples (``core.parallel.mirror``); else
+        None (rank 0 samples alone)."""
+        from wantrain.core.parallel.mirror import MirroredCalls
+
+        if not self.forward_exchanges:
+            return None
+        if self._mirror is None:
+            self._mirror = MirroredCalls(self._patient_group, self.topology.rank, self.device)
+        return self._mirror
 
     def shard(self) -> None:
         """The model is sharded with FSDP2 (``core.parallel.sharding``): :meth:`average_gradients` then exchanges only

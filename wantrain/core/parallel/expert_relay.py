@@ -58,13 +58,7 @@ class ExpertRelay:
         import torch.distributed as dist
 
         group = self._group()
-        data = json.dumps(header).encode()
-        parts = [torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8),
-                 torch.frombuffer(bytearray(data), dtype=torch.uint8)]
-        for t in tensors:  # a standard layout whatever the strides (an expanded timestep has stride 0)
-            dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
-            parts.append(dense.reshape(-1).view(torch.uint8))
-        buffer = torch.cat(parts)
+        buffer = pack_message(header, tensors)
         dist.send(torch.tensor([buffer.numel()], dtype=torch.int64), dst=dst, group=group)
         dist.send(buffer, dst=dst, group=group)
 
@@ -76,33 +70,13 @@ class ExpertRelay:
         dist.recv(length, src=src, group=group)
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
         dist.recv(buffer, src=src, group=group)
-        size = int(buffer[:8].view(torch.int64).item())
-        header = json.loads(bytes(buffer[8:8 + size].numpy().tobytes()))
-        tensors, offset = [], 8 + size
-        for spec in header.get("tensors", []):
-            dtype = getattr(torch, spec["dtype"])
-            count = torch.Size(spec["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
-            tensors.append(buffer[offset:offset + count].clone().view(dtype).reshape(spec["shape"]))
-            offset += count
-        return header, tensors
-
-    @staticmethod
-    def _pack(values: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """Keyword arguments -> (header with each tensor's place, shape and dtype; the tensors in order)."""
-        plain, specs, tensors = {}, [], []
-        for name, value in values.items():
-            if isinstance(value, torch.Tensor):
-                specs.append({"name": name, "shape": list(value.shape), "dtype": str(value.dtype).split(".")[-1]})
-                tensors.append(value)
-            else:
-                plain[name] = value  # None, bools, numbers: JSON as they are (anything else is a bug: TypeError)
-        return {"kwargs": plain, "tensors": specs}, tensors
+        return unpack_message(buffer)
 
     # -- rank 0 ----------------------------------------------------------------------------------------------
     def call(self, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         """Run the server's expert on ``kwargs`` (tensors and JSON values) and return its output tensors, on
         :attr:`device`. Blocks until the reply arrives (a device->host copy of the inputs: a sync)."""
-        header, tensors = self._pack(kwargs)
+        header, tensors = pack_kwargs(kwargs)
         header["expert"] = self.expert
         self._send(header, tensors, self.server)
         reply, outputs = self._receive(self.server)
@@ -146,13 +120,10 @@ class ExpertRelay:
                     if context is not None:
                         context(header["context"])
                     continue
-                kwargs = dict(header["kwargs"])
-                for spec, t in zip(header["tensors"], tensors, strict=True):
-                    kwargs[spec["name"]] = t.to(self.device)
-                out = run(**kwargs)
+                out = run(**unpack_kwargs(header, tensors, self.device))
                 outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
                            if isinstance(t, torch.Tensor)]
-                reply, _ = self._pack({str(i): t for i, t in enumerate(outputs)})
+                reply, _ = pack_kwargs({str(i): t for i, t in enumerate(outputs)})
             except Exception as exc:  # noqa: BLE001 -- said to rank 0 (which ends its round), raised here after done
                 failed = failed or exc
                 if not is_call:  # the video's context is not in place: its calls would compute something else
@@ -177,6 +148,51 @@ class ExpertRelay:
             if not self._finished:
                 self.serve(lambda **_: None, failed=exc)  # drains rank 0's messages; raises exc at done
             raise
+
+
+def pack_message(header: dict[str, Any], tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One message as one ``uint8`` buffer: the JSON header's length and UTF-8 bytes, then each tensor's raw bytes
+    (its dtype viewed as ``uint8``: bitwise whatever the dtype), on the CPU."""
+    data = json.dumps(header).encode()
+    parts = [torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8),
+             torch.frombuffer(bytearray(data), dtype=torch.uint8)]
+    for t in tensors:  # a standard layout whatever the strides (an expanded timestep has stride 0)
+        dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+        parts.append(dense.reshape(-1).view(torch.uint8))
+    return torch.cat(parts)
+
+
+def unpack_message(buffer: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """:func:`pack_message`'s header and tensors (``header["tensors"]``: each one's shape and dtype, in order)."""
+    size = int(buffer[:8].view(torch.int64).item())
+    header = json.loads(bytes(buffer[8:8 + size].numpy().tobytes()))
+    tensors, offset = [], 8 + size
+    for spec in header.get("tensors", []):
+        dtype = getattr(torch, spec["dtype"])
+        count = torch.Size(spec["shape"]).numel() * torch.empty((), dtype=dtype).element_size()
+        tensors.append(buffer[offset:offset + count].clone().view(dtype).reshape(spec["shape"]))
+        offset += count
+    return header, tensors
+
+
+def pack_kwargs(values: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Keyword arguments -> (header with each tensor's place, shape and dtype; the tensors in order)."""
+    plain, specs, tensors = {}, [], []
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            specs.append({"name": name, "shape": list(value.shape), "dtype": str(value.dtype).split(".")[-1]})
+            tensors.append(value)
+        else:
+            plain[name] = value  # None, bools, numbers: JSON as they are (anything else is a bug: TypeError)
+    return {"kwargs": plain, "tensors": specs}, tensors
+
+
+def unpack_kwargs(header: dict[str, Any], tensors: list[torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """:func:`pack_kwargs` undone, the tensors moved to ``device``."""
+    kwargs = dict(header["kwargs"])
+    for spec, t in zip(header["tensors"], tensors, strict=True):
+        kwargs[spec["name"]] = t.to(device)
+    return kwargs
 
 
 class RelayedExpert(nn.Module):

@@ -208,9 +208,14 @@ class DoRA(AdapterType):
 
     @staticmethod
     def base_weight(layer: nn.Module) -> torch.Tensor:
-        """The frozen base weight in float32 on the CPU (an fp8_scaled Linear's rows times their scales)."""
+        """The frozen base weight in float32 on the CPU (an fp8_scaled Linear's rows times their scales). Under
+        ``model.parallel = "fsdp"``: on a rank that built the model on ``meta`` (its values come from rank 0's host
+        copy) an empty ``meta`` tensor; sharded, the whole weight (an all-gather: every rank calls it, in the same
+        order, as the export's LoRA factors)."""
         base = layer.get_base_layer()
-        weight = base.weight.detach().to("cpu", torch.float32)
+        if base.weight.is_meta:
+            return torch.empty(base.weight.shape, dtype=torch.float32, device="meta")
+        weight = whole(base.weight.detach()).to("cpu", torch.float32)
         scale = getattr(base, "scale", None)
         return weight * scale.detach().to("cpu", torch.float32).view(-1, 1) if scale is not None else weight
 

@@ -121,6 +121,7 @@ class ExpertPlacement:
         # expert -> [(owner, attribute, waiting copy, is_parameter)] of its base tensors
         self._waiting: dict[str | None, list[tuple[nn.Module, str, torch.Tensor, bool]]] = {}
         self.pinned = False
+        self.sharded: set[str | None] = set()  # add_sharded's experts: on the device for good, never moved
         self.pin_limit = pin_limit
         self.disk = disk
 
@@ -178,6 +179,7 @@ class ExpertPlacement:
         training device (``core.parallel.sharding.load_from_rank0``) and they never move, so nothing moves here."""
         self._transformers = dict(experts)
         self.where.update(dict.fromkeys(experts, self.device))
+        self.sharded.update(experts)
 
     def add_frozen(self, expert: str | None, transformer: nn.Module) -> None:
         """Add an expert that only runs, never trains (the other A14B expert, for sampling a run that trains one):
@@ -196,7 +198,7 @@ class ExpertPlacement:
         if not self._waiting:
             self.pinned = self._may_pin()
         for e in self._transformers:
-            if e not in self._waiting:
+            if e not in self._waiting and e not in self.sharded:  # a sharded expert's shards stay where they are
                 self._keep_waiting_copy(e)
         self.where[expert] = self.offload_device
 
@@ -237,8 +239,9 @@ class ExpertPlacement:
                                  for (owner, attr, _, is_param), copy in zip(tensors, copies, strict=True)]
 
     def resident(self) -> list[str | None]:
-        """The experts whose base weights are on the training device (at most one)."""
-        return [e for e, d in self.where.items() if same_device(d, self.device)]
+        """The experts whose base weights are on the training device and may leave it (at most one; sharded
+        experts, 1/N of an expert each, stay beside it: the other expert of a sharded run comes in for samples)."""
+        return [e for e, d in self.where.items() if same_device(d, self.device) and e not in self.sharded]
 
     def activate(self, expert: str | None, optimizer: torch.optim.Optimizer | None) -> None:
         """Put ``expert`` (base weights, LoRA, gradients, optimizer state) on the training device, after moving

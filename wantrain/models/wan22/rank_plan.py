@@ -13,7 +13,8 @@ A layout of ``gpus`` GPUs (:class:`Layout`) has three degrees; each expert group
   its context-parallel ranks into the shard dimension the same way); it divides the group's GPUs, and the shards are
   replicated ``gpus / (expert_groups x shard_degree)`` times (HSDP: shard inside a machine, replicate across).
 
-Parts per GPU (bytes), beside :func:`memory.estimate`'s one-GPU parts (``bf16`` base, no block swap):
+Parts per GPU (bytes), from :func:`memory.estimate`'s one-GPU parts with the same settings (base dtype, block swap,
+recompute, adapter type, kernel: at one GPU the parts add up to the one-GPU plan's):
 
 * ``weights (shard)``: the expert's frozen weights over ``shard_degree``, each tensor's rows rounded up to a
   multiple of the degree (FSDP2 pads dim 0), exactly as :func:`sharded_weight_bytes` counts them on ``meta``;
@@ -47,7 +48,7 @@ import attrs
 
 from wantrain.core.errors import UserError
 from wantrain.models.wan22 import memory
-from wantrain.models.wan22.memory import GIB, LORA_BYTES_PER_PARAM, MemorySettings
+from wantrain.models.wan22.memory import GIB, LORA, LORA_BYTES_PER_PARAM, AdapterSpec, MemorySettings
 
 
 @attrs.frozen
@@ -224,6 +225,32 @@ def load_peak(variant: str, shard_degree: int, rank: int, *, dtype_name: str = "
                     whole_expert=whole + buffers + lora_whole)
 
 
+SAVE_BYTES_PER_PARAM = 12
+"""What a save gathers whole per LoRA parameter: its fp32 value and AdamW's two fp32 moments (no gradient)."""
+
+
+@attrs.frozen
+class SaveGather:
+    """A save under ``model.parallel = "fsdp"`` (``core.state``: every rank gathers each ``DTensor`` of the LoRA and
+    its optimizer state whole, on its GPU, between two steps), in bytes."""
+
+    gathered: float  # the whole LoRA and AdamW state, on every GPU
+    peak: float  # each GPU at the save: its weight shards, its LoRA + optimizer shards and the gathered state
+
+    def line(self) -> str:
+        return (f"save (every GPU gathers the whole LoRA and AdamW state, between steps): +{self.gathered / GIB:.2f} "
+                f"GiB, {self.peak / GIB:.2f} GiB per GPU at its peak")
+
+
+def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None = None) -> SaveGather:
+    """The gathers of one save under ``layout`` (its shard degree > 1; module docstring's weights and LoRA parts)."""
+    s = layout.shard_degree
+    gathered = lora_shard_params(variant, rank, 1, layers) * SAVE_BYTES_PER_PARAM
+    resident = sharded_weight_bytes(variant, s, layers)[0] + lora_shard_params(variant, rank, s, layers) * \
+        LORA_BYTES_PER_PARAM
+    return SaveGather(gathered=gathered, peak=resident + gathered)
+
+
 def _lora_sizes(variant: str, rank: int) -> list[int]:
     """The element counts of one block's LoRA matrices (A [rank, in], B [out, rank])."""
     from wantrain.models.wan22.architecture import planner_kwargs
@@ -259,14 +286,29 @@ class RankEstimate:
 
 
 def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, frames: int, rank: int,
-                  batch: int = 1, layers: int | None = None) -> RankEstimate:
-    """The parts of one training step's peak on one GPU of ``layout`` (module docstring); bf16 base, no swap."""
+                  batch: int = 1, layers: int | None = None, settings: MemorySettings | None = None,
+                  adapter: AdapterSpec = LORA, attention: str = "sdpa", gradient_checkpointing: bool = True
+                  ) -> RankEstimate:
+    """The parts of one training step's peak on one GPU of ``layout`` (module docstring), planned as the one-GPU
+    planner plans (:func:`memory.estimate` with the same ``settings`` -- base dtype, block swap, activation offload,
+    recompute --, ``adapter`` type, ``attention`` kernel and checkpointing): at one GPU its parts add up to the
+    one-GPU estimate's. Sharded (``shard_degree`` > 1), the weights are FSDP2's bf16 shards (fsdp refuses block swap
+    and fp8 storage); the adapter's parameters and state are split over the shard degree, the token-proportional
+    parts over the sequence degree."""
     check_layout(variant, layout)
-    single = memory.estimate(variant, MemorySettings("bf16"), width=width, height=height, frames=frames, rank=rank,
-                             batch=batch, layers=layers)
+    settings = settings if settings is not None else MemorySettings("bf16")
+    single = memory.estimate(variant, settings, width=width, height=height, frames=frames, rank=rank,
+                             batch=batch, layers=layers, adapter=adapter, attention=attention,
+                             gradient_checkpointing=gradient_checkpointing)
     s, q = layout.shard_degree, layout.sequence_degree
-    weights, largest = sharded_weight_bytes(variant, s, layers)
-    gathered = 2.0 * largest * (1.0 - 1.0 / s) if s > 1 else 0.0
+    p = single.parts
+    if s > 1:
+        weights, largest = sharded_weight_bytes(variant, s, layers)
+        gathered = 2.0 * largest * (1.0 - 1.0 / s)
+    else:  # whole on every GPU: the one-GPU figures (Ulysses runs with block swap and fp8 storage)
+        weights, gathered = p["weights resident"] + p["swap buffers"], 0.0
+    trainable = (lora_shard_params(variant, rank, s, layers) * LORA_BYTES_PER_PARAM if adapter == LORA
+                 else p["LoRA + optimizer"] / s)  # other types: their rows split alike (rounding not counted)
     # the token-proportional parts at this GPU's share of the tokens (the text tokens' share of a recomputed block
     # is counted split too: a few percent of it at 832x480x81); the workspace keeps its fixed part whole
     from wantrain.models.wan22.architecture import planner_kwargs
@@ -275,13 +317,13 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
     kwargs = planner_kwargs(VARIANTS[variant])
     d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
     tokens = memory.tokens_of(VARIANTS[variant], width, height, frames, batch) / q
-    p = single.parts
     parts = {
         "weights (shard)": weights,
         "gathered blocks": gathered,
-        "LoRA + optimizer": lora_shard_params(variant, rank, s, layers) * LORA_BYTES_PER_PARAM,
+        "LoRA + optimizer": trainable,
         "checkpointed inputs": p["checkpointed inputs"] / q,
         "one recomputed block": p["one recomputed block"] / q,
+        **{name: p[name] / q for name in (memory.ADAPTER_PART, "VACE hints") if name in p},
         "sequence exchange": 8.0 * tokens * d * 2.0 if q > 1 else 0.0,
         "workspace": memory.WORKSPACE_FIXED + (p["workspace"] - memory.WORKSPACE_FIXED) / q,
     }

@@ -14,7 +14,7 @@ import torch
 
 from wantrain.core.problems import Problem, Rule
 from wantrain.models.wan22.adapter_types import check_pattern
-from wantrain.models.wan22.dtypes import QUANTISED_DTYPES
+from wantrain.models.wan22.dtypes import LOW_BIT_DTYPES, QUANTISED_DTYPES
 from wantrain.models.wan22.lowbit import problems as low_bit_problems
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.models.wan22.waiting import problems as waiting_problems
@@ -59,20 +59,14 @@ MODEL_RULES = (
     SHARD_NEEDS_FSDP := R("shard-degree-needs-fsdp", ("model.shard_degree", "model.parallel"),
                           "model.shard_degree without model.parallel = 'fsdp'"),
     FSDP_MEMORY := R("fsdp-memory-settings",
-                     ("model.parallel", "model.blocks_to_swap", "model.vram_budget_gb", "model.base_dtype",
-                      "model.compile"),
-                     "fsdp with block swap, a VRAM budget, fp8 storage or compile",
-                     ("model.parallel = fsdp", "block swap, vram_budget_gb, fp8, compile")),
-    FSDP_BOTH_EXPERTS := R("fsdp-both-experts", ("model.parallel", "model.experts", "model.expert_groups"),
-                           "fsdp alternating two experts in one group of GPUs",
-                           ("model.parallel = fsdp", "model.experts = both (no expert groups)")),
+                     ("model.parallel", "model.blocks_to_swap", "model.vram_budget_gb", "model.base_dtype"),
+                     "fsdp with block swap, a VRAM budget or fp8 storage",
+                     ("model.parallel = fsdp", "block swap, vram_budget_gb, fp8")),
     SEQUENCE_HEADS := R("sequence-degree-heads", ("model.sequence_degree", "model.variant"),
                         "a sequence degree that does not divide the attention heads"),
-    SEQUENCE_MEMORY := R("sequence-memory-settings",
-                         ("model.sequence_degree", "model.blocks_to_swap", "model.vram_budget_gb",
-                          "model.base_dtype", "model.compile"),
-                         "a sequence degree with block swap, a VRAM budget, fp8 storage or compile",
-                         ("model.sequence_degree > 1", "block swap, vram_budget_gb, fp8, compile")),
+    SEQUENCE_MEMORY := R("sequence-memory-settings", ("model.sequence_degree", "model.base_dtype"),
+                         "a sequence degree with int8 / nf4 storage (not verified)",
+                         ("model.sequence_degree > 1", "model.base_dtype = int8 or nf4")),
     SEQUENCE_GROUPS := R("sequence-expert-groups", ("model.sequence_degree", "model.expert_groups"),
                          "a sequence degree inside expert groups",
                          ("model.sequence_degree > 1", "model.expert_groups > 1")),
@@ -193,22 +187,18 @@ def _parallel_problems(model: ModelConfig) -> list[Problem]:
             return [SHARD_NEEDS_FSDP.problem("model.shard_degree applies to model.parallel = 'fsdp'; set parallel = "
                                              "'fsdp' or remove model.shard_degree")]
         return []
+    # compile runs under fsdp: each block's compiled forward sees the gathered weights (FSDP2's hooks stay eager);
+    # experts = "both": each expert is sharded and stays on the device (1/N of it per GPU), nothing alternates
     clash = _memory_clash(model, "parallel = 'dp'", " (sharding is what makes the blocks fit)")
     if clash is not None:
         return [FSDP_MEMORY.problem(f"model.parallel = 'fsdp' does not work with {clash[0]} yet", clash[1])]
-    # with model.expert_groups each group trains (and shards) its own expert: nothing alternates
-    if model.trained_experts == ("high_noise", "low_noise") and model.expert_groups <= 1:
-        return [FSDP_BOTH_EXPERTS.problem(
-            "model.parallel = 'fsdp' does not work with model.experts = 'both' (the trained expert alternates by "
-            "moving between the GPU and the host, which a sharded expert does not) yet", "train one expert per "
-            "run (experts = 'high_noise' or 'low_noise'), one expert per group of GPUs (expert_groups = 2) or set "
-            "parallel = 'dp'")]
     return []
 
 
 def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[str, str] | None:
     """The first memory-saving key ``model`` sets that a several-GPU layout does not work with yet (block swap, a
-    VRAM budget, fp8 storage, compile), as (the key and its value, how to resolve it: change it or ``undo``)."""
+    VRAM budget, fp8 storage), as (the key and its value, how to resolve it: change it or ``undo``). Compile works
+    with both layouts."""
     if model.blocks_to_swap:
         return f"model.blocks_to_swap = {model.blocks_to_swap}", f"set blocks_to_swap = 0{swap_note} or {undo}"
     if model.vram_budget_gb is not None:
@@ -216,8 +206,6 @@ def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[s
                 f"remove vram_budget_gb or set {undo}")
     if model.base_dtype in QUANTISED_DTYPES:
         return f"model.base_dtype = '{model.base_dtype}' (quantised storage)", f"set base_dtype = 'bf16' or {undo}"
-    if model.compile != "off":
-        return f"model.compile = '{model.compile}'", f"set compile = 'off' or {undo}"
     return None
 
 
@@ -237,10 +225,13 @@ def _sequence_problems(model: ModelConfig) -> list[Problem]:
     if model.expert_groups > 1:
         return [SEQUENCE_GROUPS.problem(f"model.sequence_degree = {degree} does not work with model.expert_groups "
                                         f"= {model.expert_groups} yet", "set expert_groups = 1 or sequence_degree = 1")]
-    clash = _memory_clash(model, "sequence_degree = 1")
-    if clash is not None:
-        return [SEQUENCE_MEMORY.problem(f"model.sequence_degree = {degree} does not work with {clash[0]} yet",
-                                        clash[1])]
+    # Ulysses leaves the weights whole on every rank: compile (diffusers' context-parallel hooks break each block's
+    # graph at its attention), block swap, fp8 storage and a VRAM budget (which picks those two) run as in one process
+    if model.base_dtype in LOW_BIT_DTYPES:
+        return [SEQUENCE_MEMORY.problem(
+            f"model.sequence_degree = {degree} does not work with model.base_dtype = '{model.base_dtype}' yet "
+            "(bitsandbytes' low-bit Linears under a split sequence are not verified)",
+            "set base_dtype = 'bf16', 'fp8' or 'fp8_scaled', or sequence_degree = 1")]
     return []
 
 
@@ -294,8 +285,6 @@ def lora_problems(lora: LoraConfig) -> list[Problem]:
 ADAPTER_RULES = (
     DORA_FP8 := R("dora-fp8", ("lora.type", "model.base_dtype"), "DoRA on fp8 or low-bit storage",
                   ("lora.type = dora", "model.base_dtype = fp8, fp8_scaled, int8 or nf4")),
-    DORA_FSDP := R("dora-fsdp", ("lora.type", "model.parallel"), "DoRA on sharded weights",
-                   ("lora.type = dora", "model.parallel = fsdp")),
     MODULES_MATCH := R("modules-match", ("lora.include", "lora.exclude", "model.variant"),
                        "include/exclude patterns that select no module of the variant"),
 )
@@ -303,18 +292,14 @@ ADAPTER_RULES = (
 
 def adapter_problems(cfg: Any) -> list[Problem]:
     """The adapter (``[lora]``) against the model it adapts: DoRA reads the base weights outside their forward
-    pass, which fp8 storage does not dequantize and FSDP holds sharded; ``include`` / ``exclude`` must select
-    among the variant's module names."""
+    pass, which fp8 storage does not dequantize (FSDP's shards are gathered there: ``adapter_types.DoRA``);
+    ``include`` / ``exclude`` must select among the variant's module names."""
     lora, model, out = cfg.lora, cfg.model, []
     if lora.type == "dora" and model.base_dtype in QUANTISED_DTYPES:  # "auto" plans bf16 for DoRA
         out.append(DORA_FP8.problem(
             f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 and low-bit "
             f"storage do not dequantize there (model.base_dtype = '{model.base_dtype}'); set "
             "model.base_dtype = 'bf16' or use another lora.type"))
-    if model.parallel == "fsdp" and lora.type == "dora":
-        out.append(DORA_FSDP.problem("lora.type = 'dora' reads the base weights outside their forward pass, which "
-                                     "model.parallel = 'fsdp' holds sharded there; use another lora.type or "
-                                     "parallel = 'dp'"))
     if lora.include or lora.exclude:  # against the variant's module names, before anything is written
         from wantrain.core.errors import UserError
         from wantrain.models.wan22.adapter_types import candidate_modules, select_modules

@@ -169,6 +169,7 @@ class SignAgreement:
 
     def __init__(self) -> None:
         self.previous: list[torch.Tensor] | None = None
+        self.sharded = False  # the gradients are FSDP's shards (update)
 
     def update(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """Agreement of ``grads`` with the previous call's (None on the first call or when the tensor layout
@@ -176,6 +177,10 @@ class SignAgreement:
         grads = [g.detach() for g in grads]
         if not grads:
             return None
+        groups = _shard_groups(grads[0])  # model.parallel = "fsdp": this rank's rows, the counts summed over ranks
+        self.sharded = bool(groups)
+        if groups:
+            grads = [g.to_local() for g in grads]
         signs = torch._foreach_sign(grads)
         previous, self.previous = self.previous, signs
         if previous is not None and previous and previous[0].device != signs[0].device:
@@ -188,14 +193,32 @@ class SignAgreement:
         numel = sum(p.numel() for p in products)
         shifted = torch._foreach_add(products, 1.0)  # 0, 1, 2: its L1 norm is Σ(products) + numel
         total = torch.stack(torch._foreach_norm(shifted, 1)).to(dtype).sum() - numel
+        if groups:  # every rank's rows (a device-side all-reduce per shard dimension, no host sync)
+            import torch.distributed as dist
+
+            counts = torch.stack([nonzero, total])
+            for group in groups:
+                dist.all_reduce(counts, group=group)
+            nonzero, total = counts[0], counts[1]
         return (nonzero + total) / 2 / nonzero  # #{g·g' > 0} / #{g·g' != 0}
 
     def reset(self) -> None:
         self.previous = None
 
     def state_dict(self) -> dict:
+        if self.sharded:  # a rank's own rows: not what another layout's rank holds; a resume skips one agreement
+            return {"previous": None}
         return {"previous": list(self.previous) if self.previous is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         prev = state.get("previous")
         self.previous = None if prev is None else [t.clone() for t in prev]
+
+
+def _shard_groups(tensor: torch.Tensor) -> list:
+    """The process groups of the mesh dimensions ``tensor`` is sharded over (a ``DTensor`` of FSDP); empty for a
+    plain tensor."""
+    mesh = getattr(tensor, "device_mesh", None)
+    if mesh is None:
+        return []
+    return [mesh.get_group(i) for i, placement in enumerate(tensor.placements) if placement.is_shard()]

@@ -59,8 +59,9 @@ def build_sample_observer(cfg: Any, spec: Any, adapter: Any, run_dir: Path, *, s
     loaded, keeping the embeddings on the CPU (``prompt_embeds``: embeddings encoded already, by text, before the
     experts loaded: nothing is encoded); reads the first-frame images. An I2V prompt without an image takes the
     first frame of ``clips[index % len(clips)]`` at its sample size (logged as ``sample_first_frame``). torchrun
-    ranks other than 0 encode nothing: they only wait while rank 0 samples. ``clip_videos(width, height)``: the
-    training clips' frames at that size (uint8 ``[F, H, W, 3]`` each), measured once at the first video prompt's
+    ranks other than 0 encode nothing: they wait while rank 0 samples (under fsdp or Ulysses repeating its calls).
+    ``clip_videos(width, height)``: the training clips' frames at that size (uint8 ``[F, H, W, 3]`` each),
+    measured once at the first video prompt's
     size for ``samples/motion_ratio`` (logged as ``clip_motion``)."""
     from PIL import Image
 

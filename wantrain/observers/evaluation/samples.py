@@ -31,10 +31,12 @@ adapter's sampling-only expert (its base weights, or ``sample.other_expert_lora`
 device like an inactive trained expert.
 
 Under torchrun rank 0 samples and the other ranks wait (``sync.wait_for_rank0``: a barrier without the process
-group's timeout). With ``model.expert_groups`` rank 0 holds the high-noise expert only: the pipeline's calls of
-the low-noise one go to that group's leader, which serves them until rank 0's round ends
-(``core.parallel.expert_relay``;
-the adapter's ``add_relayed_expert``), so the video is the one-process run's, bit for bit. Each round logs
+group's timeout). Under ``model.parallel = "fsdp"`` or a sequence degree, where every forward of a trained expert is
+a collective, the other ranks first repeat each of rank 0's calls of the trained experts, announced before each
+call (``core.parallel.mirror``), until rank 0's round ends. With ``model.expert_groups`` rank 0 holds the
+high-noise expert only: the pipeline's calls of the low-noise one go to that group's leader, which serves them
+until rank 0's round ends (``core.parallel.expert_relay``; the adapter's ``add_relayed_expert``), so the video
+is the one-process run's, bit for bit. Each round logs
 ``samples_written`` with its wall time in the run log and emits ``SamplesWritten`` (the wandb observer logs the
 videos from it). The files: ``sample_files.py``.
 """
@@ -166,11 +168,14 @@ class SampleVideos(Observer):
         reaches it at the same steps, a rule of the step alone: never of a stop request, which one rank may see
         before the others (its waiting barrier would then meet another collective)."""
         relays = self.sync.relays() if hasattr(self.sync, "relays") else {}  # model.expert_groups
+        mirror = self._mirror()  # fsdp, Ulysses: every rank repeats rank 0's calls of the trained experts
         if not self.samples_here:
             served = next((e for e, relay in relays.items() if relay.serves), None)
             try:
                 if served is not None:  # its expert's calls, until rank 0's round ends
                     self._serve(relays[served], served, ctx)
+                if mirror is not None:
+                    self._follow(mirror, ctx)
             finally:  # also when its expert failed (rank 0 raises it too, after this barrier)
                 self.sync.wait_for_rank0()  # rank 0 samples; no collective timeout while it does
             if not log_step:  # the same line of figures as rank 0's (a log step's travel with its other metrics)
@@ -183,6 +188,8 @@ class SampleVideos(Observer):
         finally:
             for relay in relays.values():  # also after an error: the serving ranks go on to the barrier
                 relay.done()
+            if mirror is not None:  # the following ranks too
+                mirror.done()
             if self.sync is not None:
                 self.sync.wait_for_rank0()  # let the waiting ranks go on
         if paths is not None and self._bus is not None:
@@ -214,6 +221,21 @@ class SampleVideos(Observer):
 
             relay.serve(ctx.adapter.transformer_for(expert), context=video)
 
+    def _mirror(self) -> Any:
+        """The run's ``core.parallel.mirror.MirroredCalls`` under fsdp or Ulysses (None: rank 0 samples alone)."""
+        return self.sync.mirrored_calls() if hasattr(self.sync, "mirrored_calls") else None
+
+    @staticmethod
+    def _follow(mirror: Any, ctx) -> None:
+        """fsdp, Ulysses: repeat each of rank 0's calls of a trained expert (``core.parallel.mirror``), in eval mode
+        under ``torch.no_grad`` as rank 0 runs it, until rank 0's round ends; the outputs are dropped."""
+        with ctx.control.evaluation() as bring_in:
+            def run(expert: str | None, **kwargs: Any) -> None:
+                bring_in(expert)
+                ctx.adapter.transformer_for(expert)(**kwargs)
+
+            mirror.follow(run)
+
     def _tell_relays(self, job: SampleJob) -> None:
         """Expert groups: before ``job``'s video, each serving rank learns the stacked LoRAs of its expert."""
         relays = self.sync.relays() if hasattr(self.sync, "relays") else {}
@@ -239,8 +261,11 @@ class SampleVideos(Observer):
         moved: dict[int, float | None] = {}
         motion_seconds = 0.0
         changed: dict[int, float] = {}
+        mirror = self._mirror()
+        announced = (mirror.announced({e: adapter.transformer_for(e) for e in adapter.experts})
+                     if mirror is not None else contextlib.nullcontext())
         try:
-            with control.evaluation() if control is not None else evaluation_session(adapter) as bring_in:
+            with control.evaluation() if control is not None else evaluation_session(adapter) as bring_in, announced:
                 for job in self.jobs:
                     i2v = job.image is not None
                     if i2v not in pipes:

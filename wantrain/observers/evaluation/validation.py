@@ -51,7 +51,8 @@ def metric_name(t: float) -> str:
 
 def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], timesteps: Sequence[float],
              seed: int, control: Any = None, *, sync: Any = None,
-             clip_indices: Sequence[int] | None = None, run_experts: Sequence[Any] | None = None) -> dict[str, float]:
+             clip_indices: Sequence[int] | None = None, run_experts: Sequence[Any] | None = None,
+             padding: Sequence[Mapping[str, Any]] = ()) -> dict[str, float]:
     """The ``val/*`` metrics of ``adapter`` on ``batches`` (cached batches: ``latents``, ``text_embeds``, ...).
 
     ``clip_indices``: each batch's index in the whole validation set (its noise seed; default 0, 1, ...). Under
@@ -66,6 +67,10 @@ def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], t
     ``run_experts``: every expert of the run (``model.expert_groups``: every group's, of which ``adapter`` holds
     one). A timestep whose expert another group holds is evaluated there, on that group's share of the clips: this
     rank adds a sum and a count of zero for it, and the all-reduce brings that group's sums to every rank.
+
+    ``padding``: batches evaluated after this rank's share at each timestep and left out of every figure. Under a
+    layout whose forward is a collective (fsdp, Ulysses) every rank must run as many forwards as the others: a
+    rank whose share is one clip short evaluates a padding batch instead (:func:`evaluation_share`).
     """
     training_expert = adapter.active
     indices = list(range(len(batches))) if clip_indices is None else list(clip_indices)
@@ -89,6 +94,9 @@ def validate(adapter: ValidationCapable, batches: Sequence[Mapping[str, Any]], t
                     shape = batch["latents"].shape
                     noise = torch.randn(shape, generator=torch.Generator().manual_seed(noise_seed(seed, c, i)))
                     losses.setdefault(i, []).append(adapter.validation_loss(batch, timesteps[i], noise))
+                for batch in padding:  # the other ranks' forwards have a partner; the loss is dropped
+                    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(seed))
+                    adapter.validation_loss(batch, timesteps[i], noise)
     evaluated = sorted(i for e in order for i in owners[e])
     if not evaluated:
         return {}
@@ -124,8 +132,10 @@ class Validation(Observer):
 
     def __init__(self, batches: Sequence[Mapping[str, Any]], *, timesteps: Sequence[float], seed: int,
                  every: int, sync: Any = None, clip_indices: Sequence[int] | None = None,
-                 clips_total: int | None = None, run_experts: Sequence[Any] | None = None) -> None:
+                 clips_total: int | None = None, run_experts: Sequence[Any] | None = None,
+                 padding: Sequence[Mapping[str, Any]] = ()) -> None:
         self.batches = list(batches)
+        self.padding = list(padding)  # evaluated, never counted: every rank runs as many forwards (validate)
         self.clip_indices = list(range(len(self.batches))) if clip_indices is None else list(clip_indices)
         # the validation set's size (torchrun: over every rank; this rank holds `batches`, its share)
         self.clips_total = len(self.batches) if clips_total is None else clips_total
@@ -153,7 +163,10 @@ class Validation(Observer):
     @on(OptimizerStepped)
     def on_optimizer_stepped(self, event: OptimizerStepped, ctx) -> None:
         total = ctx.state.total_steps
-        if ctx.control.stop_requested:  # the run's last step: no end-of-run validation, the saves come first
+        # under torchrun the stop agreed by every rank (sync.should_stop), never one rank's own request yet: the
+        # ranks validate together (the sums' all-reduce; under fsdp and Ulysses every forward) or not at all
+        stopping = ctx.control.stop_requested if self.sync is None else self.sync.should_stop(ctx.control)
+        if stopping:  # the run's last step: no end-of-run validation, the saves come first
             log.info("validation skipped: stopping", step=event.step,
                      reason="a stop saves the LoRA and the checkpoint first")
             return
@@ -175,7 +188,7 @@ class Validation(Observer):
     def _run(self, step: int, ctx) -> dict[str, float]:
         started = time.perf_counter()
         values = validate(ctx.adapter, self.batches, self.timesteps, self.seed, ctx.control, sync=self.sync,
-                          clip_indices=self.clip_indices, run_experts=self.run_experts)
+                          clip_indices=self.clip_indices, run_experts=self.run_experts, padding=self.padding)
         seconds = time.perf_counter() - started
         self.seconds += seconds
         log.info("validation", step=step, seconds=round(seconds, 3), total_seconds=round(self.seconds, 3),
@@ -187,6 +200,15 @@ class Validation(Observer):
         if values and self._bus is not None:
             self._bus.emit(MetricsLogged(step=step, expert=ctx.state.expert, values=values,
                                          elapsed_s=time.perf_counter() - self._started, total_steps=total))
+
+
+def evaluation_share(clips: int, place: int, ranks: int, *, in_step: bool) -> tuple[list[int], int]:
+    """The validation clips a rank evaluates -- every ``ranks``-th from ``place`` (its data-parallel place) -- and,
+    with ``in_step`` (a layout whose forward is a collective: fsdp, Ulysses), how many padding forwards bring it
+    to the longest share (so every rank runs as many forwards); without it, 0."""
+    share = list(range(place, clips, ranks))
+    longest = -(-clips // ranks)
+    return share, (longest - len(share) if in_step else 0)
 
 
 def cached_batches(data: Any, adapter: Any) -> list[dict[str, torch.Tensor]]:
