@@ -64,9 +64,9 @@ def test_one_process_fills_the_cache_and_releases_the_encoders_before_any_expert
     encoders: list[weakref.ref] = []  # every VAE and text encoder the run loaded, weakly: freed means released
     transformer, vae, text_encoder = WeightSource.transformer, WeightSource.vae, WeightSource.text_encoder
 
-    def recorded_transformer(self, expert, dtype):
+    def recorded_transformer(self, expert, dtype, **options):  # options: quantise_on (int8 / nf4 while loading)
         events.append(("expert", expert, sum(r() is not None for r in encoders)))
-        return transformer(self, expert, dtype)
+        return transformer(self, expert, dtype, **options)
 
     def recorded_vae(self):
         module = vae(self)
