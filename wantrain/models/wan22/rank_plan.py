@@ -291,6 +291,7 @@ class RankEstimate:
     parts: dict[str, float]
 
     attention_backward: float = 0.0  # bytes: memory.attention_backward_bytes at this GPU's heads and tokens
+    settings: MemorySettings | None = None  # what it was planned with (None: bf16, nothing swapped or offloaded)
 
     @property
     def total(self) -> float:
@@ -351,4 +352,26 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
         "workspace": memory.WORKSPACE_FIXED + (p["workspace"] - memory.WORKSPACE_FIXED) / q,
     }
     # Ulysses: all tokens and 1/q of the heads in the attention, so its backward buffer is 1/q of one GPU's
-    return RankEstimate(layout, parts, single.attention_backward / q)
+    return RankEstimate(layout, parts, single.attention_backward / q, settings)
+
+
+def plan_sharded(variant: str, budget_gib: float, layout: Layout, *, base_dtype: str, recompute: str = "auto",
+                 **size: Any) -> tuple[RankEstimate | None, RankEstimate]:
+    """``model.vram_budget_gb`` under ``model.parallel = "fsdp"``: (the chosen per-GPU estimate or None, the
+    smallest). It chooses only what fsdp runs with -- ``base_dtype`` as stored (bf16; fp32 for the tiny twins), no
+    block swap -- in :func:`memory.candidates`' order: within the first recompute path that fits (``auto``: the
+    whole block before the lean one), activations on the device before offloaded. Each candidate is planned per
+    GPU with the shard (:func:`rank_estimate` at ``layout``) and its card figure held against the budget. ``size``:
+    :func:`rank_estimate`'s size keywords (width, height, frames, rank, batch, adapter, attention, checkpointing)."""
+    best: RankEstimate | None = None
+    smallest: RankEstimate | None = None
+    for settings in memory.candidates(base_dtype, 0, recompute):
+        if best is not None and settings.recompute != best.settings.recompute:
+            break
+        est = rank_estimate(variant, layout, settings=settings, **size)
+        if smallest is None or est.card_gib < smallest.card_gib:
+            smallest = est
+        if best is None and est.card_gib <= budget_gib:
+            best = est
+    assert smallest is not None
+    return best, smallest
