@@ -11,6 +11,8 @@ The record also holds ``block_numel``: the elements of the trained experts' bloc
 (its shards under fsdp) and their whole count.
 ``rank<R>_grads.safetensors``: the first optimizer step's gradients as ``GradsReady`` sees them (averaged over the
 ranks; under fsdp the rank's shard), by LoRA parameter name.
+The record's ``whole``: [how many ``DTensor``\\ s this rank made whole with ``full_tensor`` (an all-gather), the most
+elements of one] over the run (saves included: under fsdp only the writing rank may hold a whole LoRA tensor).
 ``WANTRAIN_PROBE_COMPILE_BACKEND``: the backend ``model.compile`` uses in this process (``aot_eager`` or
 ``eager``: the cheap ones the tests use), set when this module is imported (before the adapter compiles its
 blocks); the record then holds dynamo's counts (``compile``)."""
@@ -36,6 +38,23 @@ if os.environ.get("WANTRAIN_PROBE_FP8_ON_CPU"):  # fp8 storage, refused on a CPU
 
     wan_adapter.FP8_DEVICE_TYPES = ("cuda", "cpu")
 
+_WHOLE = [0, 0]  # full_tensor calls of this process, the most elements one returned
+
+
+def _count_full_tensor() -> None:
+    from torch.distributed.tensor import DTensor
+
+    plain = DTensor.full_tensor
+
+    def counted(self, *args, **kwargs):
+        out = plain(self, *args, **kwargs)
+        _WHOLE[0], _WHOLE[1] = _WHOLE[0] + 1, max(_WHOLE[1], out.numel())
+        return out
+
+    DTensor.full_tensor = counted
+
+
+_count_full_tensor()
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
@@ -109,6 +128,7 @@ class RankProbe(Observer):
             return
         self.record["status"] = event.status
         self.record["compile"] = wan_compile.compile_counts()
+        self.record["whole"] = list(_WHOLE)
         # the block parameters' elements this rank holds (under fsdp its shards) and their whole count
         blocks = [p for e in ctx.adapter.experts for p in ctx.adapter.transformer_for(e).blocks.parameters()]
         self.record["block_numel"] = [sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in blocks),

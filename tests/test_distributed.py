@@ -472,6 +472,16 @@ def test_an_fsdp_run_stopped_on_rank_1_resumes_bitwise(workspace, fsdp_runs):
     assert [r["train/loss"] for r in metrics(fsdp_runs["fsdp"])] == [r["train/loss"] for r in metrics(fsdp_runs["dp"])]
 
 
+def test_fsdp_saves_gather_the_lora_and_adamw_state_to_rank_0_alone(workspace, fsdp_runs):
+    """The stopped run's saves (LoRA file and checkpoint at step 2) and the resumed run's (step 4): rank 1 sends its
+    rows to rank 0 and never makes a LoRA or AdamW tensor whole; its only whole tensors are the norms' scalars. Rank
+    0's files are data parallel's bit for bit (the test above)."""
+    smallest = min(t.numel() for t in loras(fsdp_runs["dp"])["quickstart_high_noise.safetensors"].values() if t.dim())
+    for name in ("fsdp", "fsdp_resumed"):
+        count, largest = probe(workspace, name, 1)[0]["whole"]
+        assert count > 0 and largest == 1 < smallest, (name, count, largest, smallest)
+
+
 def test_a_two_rank_fsdp_checkpoint_resumes_in_one_process_with_the_same_state(workspace, fsdp_runs, capsys):
     """One process resumes the 2-rank checkpoint of step 2 (the stop's) and ends at once (max_steps = 2): the
     LoRA, AdamW's moments and the counters it saves again are the ones the two ranks wrote, and the LoRA file it

@@ -164,6 +164,40 @@ def test_two_ranks_agree_on_metrics_gradients_and_decisions(tmp_path):
     assert r0["text"] == r1["text"] == "path:/runs/x"
 
 
+def _save_gather_worker(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from wantrain.core.parallel.sharding import whole_to_writer
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    DTensor.full_tensor = None  # an all-gather would fail: FSDP's layouts travel by one gather to the writer
+    value = torch.arange(15, dtype=torch.float32).view(5, 3)  # 5 rows on 2 ranks: 3 and 2 (padded to 3)
+    flat, hsdp = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    got = {"rows": whole_to_writer(distribute_tensor(value, flat, [Shard(0)])),
+           "columns": whole_to_writer(distribute_tensor(value, flat, [Shard(1)]), torch.bfloat16),
+           "copies": whole_to_writer(distribute_tensor(value, hsdp, [Replicate(), Shard(0)]))}
+    if rank == 0:
+        save_file(got, out)
+    else:
+        assert all(t.is_meta and t.shape == value.shape for t in got.values()), got
+        assert got["columns"].dtype == torch.bfloat16
+    dist.destroy_process_group()
+
+
+def test_a_save_gathers_sharded_tensors_to_the_writing_rank_alone(tmp_path):
+    """``whole_to_writer``: rank 0 gets each tensor whole on the CPU (uneven rows, columns, HSDP's copies); rank 1
+    only empty ``meta`` tensors of the shape, and no rank all-gathers."""
+    from safetensors.torch import load_file
+
+    two_forked_ranks(_save_gather_worker, tmp_path)
+    got, value = load_file(str(tmp_path / "out")), torch.arange(15, dtype=torch.float32).view(5, 3)
+    assert got["rows"].equal(value) and got["copies"].equal(value)
+    assert got["columns"].equal(value.to(torch.bfloat16))
+
+
 
 def test_the_docs_batch_example_is_a_valid_config(tmp_path):
     import re
@@ -291,7 +325,6 @@ TI2V = {"variant": "tiny-ti2v", "parallel": "fsdp"}
 @pytest.mark.parametrize(("keys", "says"), [
     ({"model": {**TI2V, "blocks_to_swap": 2}}, "does not work with model.blocks_to_swap = 2 yet; set blocks_to_swap"),
     ({"model": {**TI2V, "base_dtype": "fp8_scaled"}}, "base_dtype = 'fp8_scaled' (quantised storage)"),
-    ({"model": {**TI2V, "vram_budget_gb": 20.0}}, "vram_budget_gb = 20 (it picks block swap and fp8 storage)"),
     ({"model": {"variant": "tiny-ti2v", "shard_degree": 2}}, "model.shard_degree applies to model.parallel = 'fsdp'"),
 ])
 def test_fsdp_refuses_what_it_cannot_shard_yet_when_the_config_is_read(keys, says):
@@ -303,6 +336,7 @@ def test_fsdp_refuses_what_it_cannot_shard_yet_when_the_config_is_read(keys, say
     structure(RunConfig, {"model": {**TI2V, "compile": "default"}})
     structure(RunConfig, {"model": {"variant": "tiny-t2v", "parallel": "fsdp"}})  # both experts
     structure(RunConfig, {"model": TI2V, "lora": {"type": "dora"}})
+    structure(RunConfig, {"model": {**TI2V, "vram_budget_gb": 20.0}})  # it plans per GPU (test_check_fsdp_load.py)
 
 
 def test_fsdp_against_the_launch_one_process_trains_unsharded_and_a_degree_must_divide_the_ranks():

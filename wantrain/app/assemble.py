@@ -360,12 +360,12 @@ class PreparedRun:
     def _saver(self, run_dir: Path) -> Any:
         """The LoRA files' writer: rank 0's (the other ranks write nothing); with expert groups every rank's
         ``GroupSaver``, through which the group leaders' files reach rank 0 (``core.parallel.expert_groups``); sharded
-        (fsdp), every rank's saver, which gathers the whole LoRA, rank 0's alone writing."""
+        (fsdp), every rank's saver: each sends its rows of the LoRA to rank 0, which alone gathers and writes."""
         sync = self.sync
         if isinstance(sync, ExpertGroupSync):  # sharded: every rank of a group gathers, its leader keeps the files
             saver = self.adapter.saver(run_dir, self.cfg.run.name, writes=sync.groups.is_leader)
             return GroupSaver(sync, saver.files, saver.write if sync.is_main else None)
-        if sync.sharded:  # fsdp: every rank gathers the LoRA for rank 0's files
+        if sync.sharded:  # fsdp: every rank takes part in gathering the LoRA to rank 0, which writes
             return self.adapter.saver(run_dir, self.cfg.run.name, writes=sync.is_main)
         saver = self.adapter.saver(run_dir, self.cfg.run.name)
         return saver if sync.is_main else NullSaver()

@@ -237,5 +237,6 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
 
         lines.append("  " + load_peak(cfg.model.variant, layout.shard_degree, trained_rank(cfg)).line(
             layout.shard_degree, layout.expert_groups))
-        lines.append("  " + save_gather(cfg.model.variant, layout, trained_rank(cfg)).line())  # each save's gather
+        gather = save_gather(cfg.model.variant, layout, trained_rank(cfg), adapter=AdapterSpec.of(cfg.lora))
+        lines += ["  " + line for line in gather.lines()]  # each save: rank 0 gathers, the other GPUs send
     return lines

@@ -49,6 +49,7 @@ def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
         dtype = "bf16"
     # model.recompute 'auto' without a budget is the whole block (recompute.py); with one the planner chooses
     recompute = "lean" if model.recompute == "lean" and model.gradient_checkpointing else "block"
+    per_gpu = None  # under fsdp with a budget: the per-GPU plan it was held against
     if model.vram_budget_gb is None:
         settings = MemorySettings("bf16" if dtype == "auto" else dtype, model.blocks_to_swap, model.offload_activations,
                                   recompute)
@@ -63,6 +64,11 @@ def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
                 f"has (the largest hold about {LARGEST_DEVICE_GIB:g} GiB); lower data.resolutions, data.frames, "
                 "train.batch_size or lora.rank"
             )
+    elif model.parallel == "fsdp":  # the budget holds per GPU, with the shard, and picks what fsdp runs with
+        chosen, per_gpu = _plan_sharded(cfg, dtype, size, b, gpus)
+        model = attrs.evolve(model, vram_budget_gb=None, offload_activations=chosen.settings.offload_activations,
+                             recompute=chosen.settings.recompute if model.gradient_checkpointing else model.recompute,
+                             base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
     else:
         chosen, smallest = plan(model.variant, model.vram_budget_gb, base_dtype=dtype, **size,
                                 attention=model.attention,
@@ -78,21 +84,55 @@ def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
                              offload_activations=chosen.settings.offload_activations,
                              recompute=chosen.settings.recompute if model.gradient_checkpointing else model.recompute,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
-    _record_plan(cfg, data, b, chosen)  # the device plan, should the host plan refuse
-    model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto", gpus=gpus)
-    _record_plan(cfg, data, b, chosen)
+    _record_plan(cfg, data, b, chosen, per_gpu)  # the device plan, should the host plan refuse
+    # fsdp keeps the base in bf16: the host plan may not move it to fp8 or int8 / nf4 either
+    model, chosen, host = plan_host(cfg, model, chosen, size, auto_dtype=dtype == "auto" and model.parallel != "fsdp",
+                                    gpus=gpus)
+    _record_plan(cfg, data, b, chosen, per_gpu)
     data.report.host_memory = host
     return model
 
 
-def _record_plan(cfg: Any, data: Any, b: Any, chosen: Any) -> None:
+def _record_plan(cfg: Any, data: Any, b: Any, chosen: Any, per_gpu: Any = None) -> None:
     lines = chosen.lines()
     if cfg.model.vram_budget_gb is not None:  # the budget is the usable memory the card figure is held against
         budget = cfg.model.vram_budget_gb
-        lines.append(f"  {'usable memory':<28} {budget:7.2f} GiB (model.vram_budget_gb; "
-                     f"{budget - chosen.device_gib:.2f} GiB of it to spare)")
+        card, where = ((per_gpu.card_gib, f"per GPU under fsdp, {per_gpu.layout.describe()}: {per_gpu.card_gib:.2f} "
+                        "GiB planned; ") if per_gpu is not None else (chosen.device_gib, ""))
+        lines.append(f"  {'usable memory':<28} {budget:7.2f} GiB (model.vram_budget_gb; {where}"
+                     f"{budget - card:.2f} GiB of it to spare)")
     data.report.memory_plan = {"budget_gib": cfg.model.vram_budget_gb, "bucket": f"{b.width}x{b.height}x{b.frames}",
                                "lines": lines, **chosen.to_json()}
+
+
+def _plan_sharded(cfg: Any, dtype: str, size: dict, b: Any, gpus: int | None) -> tuple[Any, Any]:
+    """``model.vram_budget_gb`` under ``model.parallel = "fsdp"``: (the one-GPU estimate of the settings chosen,
+    for the report and the host plan; the per-GPU estimate they were chosen by) (``rank_plan.plan_sharded``: bf16,
+    no block swap; activation offload and the recompute path planned per GPU of the launch's shard degree). Nothing
+    that fits is a one-line ``UserError``."""
+    from wantrain.models.wan22.memory import estimate
+    from wantrain.models.wan22.rank_plan import Layout, plan_sharded
+
+    model = cfg.model
+    ranks, _ = _ranks_on_host(gpus)
+    groups = max(model.expert_groups, 1)
+    layout = Layout(gpus=ranks, expert_groups=groups, shard_degree=model.shard_degree or max(ranks // groups, 1),
+                    sequence_degree=model.sequence_degree)
+    recompute = model.recompute if model.gradient_checkpointing else "block"
+    shape = {k: v for k, v in size.items() if k != "sample"}  # the plan per GPU is the training step's
+    per_gpu, smallest = plan_sharded(model.variant, model.vram_budget_gb, layout,
+                                     base_dtype="bf16" if dtype == "auto" else dtype, recompute=recompute,
+                                     attention=model.attention, gradient_checkpointing=model.gradient_checkpointing,
+                                     **shape)
+    if per_gpu is None:
+        raise UserError(
+            f"model.vram_budget_gb = {model.vram_budget_gb:g}: under model.parallel = 'fsdp' ({layout.describe()}) "
+            f"nothing fits the largest bucket {b.width}x{b.height}x{b.frames} (the smallest setting fsdp runs with, "
+            f"{smallest.settings.describe()}, needs {smallest.card_gib:.1f} GiB per GPU); raise the budget, shard "
+            "over more GPUs, or lower data.resolutions, data.frames, train.batch_size or lora.rank")
+    chosen = estimate(model.variant, per_gpu.settings, **size, attention=model.attention,
+                      gradient_checkpointing=model.gradient_checkpointing)
+    return chosen, per_gpu
 
 
 def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool,

@@ -610,7 +610,8 @@ class Trainer:
             self._saved_at.setdefault(step, set()).add("lora")
         written = None
         wants_tree = checkpoint and self.checkpoints is not None
-        tree = self.sync.gather_state(self.state_dict()) if wants_tree else None
+        # fsdp: the LoRA and optimizer state gathered whole to the writing rank only (the others send their streams)
+        tree = self.sync.gather_state(capture(self._parts, to_writer=True)) if wants_tree else None
         if tree is not None:  # None on ranks other than 0: rank 0 writes every rank's state
             c = self.checkpoints
             sidecars = [o.write_sidecars for o in self.bus.observers if callable(getattr(o, "write_sidecars", None))]

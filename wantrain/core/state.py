@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import torch
 
-from wantrain.core.parallel.sharding import is_sharded, like, whole
+from wantrain.core.parallel.sharding import is_sharded, like, whole, whole_to_writer
 
 
 @attrs.define
@@ -47,8 +47,11 @@ class RunParts:
     bus: Any
 
 
-def capture(parts: RunParts) -> dict[str, Any]:
-    """The run's state as a tree of tensors and JSON values (live references: ``core.checkpoint`` copies)."""
+def capture(parts: RunParts, *, to_writer: bool = False) -> dict[str, Any]:
+    """The run's state as a tree of tensors and JSON values (live references: ``core.checkpoint`` copies). Sharded
+    tensors (model.parallel = "fsdp") come whole on every rank; with ``to_writer`` (a save) whole on the CPU of the
+    writing rank only and as empty ``meta`` tensors elsewhere (``core.parallel.sharding.whole_to_writer``): those
+    ranks send only their own :data:`~wantrain.core.parallel.distributed.PER_RANK_STATE`."""
     adapter = parts.adapter
     if callable(getattr(adapter, "state_dict", None)):
         model = adapter.state_dict()
@@ -59,8 +62,8 @@ def capture(parts: RunParts) -> dict[str, Any]:
         "train_state": attrs.asdict(parts.state),
         "generator": parts.generator.get_state(),
         "rng": capture_rng(parts.generator.device),
-        "model": _whole_tree(model),
-        "optimizer": _whole_tree(parts.optimizer.state_dict()),
+        "model": _whole_tree(model, to_writer),
+        "optimizer": _whole_tree(parts.optimizer.state_dict(), to_writer),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "data": batches.state_dict() if callable(getattr(batches, "state_dict", None)) else None,
         "metrics": parts.metrics.state_dict(),
@@ -117,16 +120,18 @@ def _restore_model(adapter: Any, model: Mapping[str, Any]) -> None:
                 p.copy_(model[f"{e}/{i}"])
 
 
-def _whole_tree(tree: Any) -> Any:
+def _whole_tree(tree: Any, to_writer: bool = False) -> Any:
     """``tree`` with every ``DTensor`` (model.parallel = "fsdp") replaced by its whole tensor: a checkpoint holds
     whole tensors in every layout, so one written by N ranks resumes at another world size or without sharding.
-    Every rank calls it at a save, in the same order (an all-gather per tensor; the LoRA and its optimizer state
-    are small). No sharded tensor: ``tree`` itself."""
+    Every rank calls it, in the same order: an all-gather per tensor, or with ``to_writer`` a gather to the writing
+    rank (the others get ``meta`` tensors). No sharded tensor: ``tree`` itself."""
     if isinstance(tree, Mapping):
-        return {k: _whole_tree(v) for k, v in tree.items()}
+        return {k: _whole_tree(v, to_writer) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_whole_tree(v) for v in tree]
-    return whole(tree) if is_sharded(tree) else tree
+        return [_whole_tree(v, to_writer) for v in tree]
+    if not is_sharded(tree):
+        return tree
+    return whole_to_writer(tree) if to_writer else whole(tree)
 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:

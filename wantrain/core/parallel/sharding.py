@@ -17,7 +17,8 @@ Model-free: the caller names the blocks (for a Wan transformer, ``transformer.bl
   allocates its shards only, and each tensor travels whole from rank 0 one at a time (then sliced), so no rank but
   0 ever holds the whole model, and rank 0 holds it on the host only.
 - :func:`full_trainable` gathers the trainable parameters as whole tensors on rank 0 (every rank calls it; an
-  all-gather per parameter), for the LoRA files rank 0 exports.
+  all-gather per parameter), for the tests' twins; ``wantrain run``'s saves use :func:`whole_to_writer`, a gather
+  to the writing rank alone.
 
 No pickle: the files are DCP's safetensors storage (``HuggingFaceStorageWriter``, each rank its own file, the
 offsets of its shards in the file's JSON header); only tensors travel (the optimizer's hyperparameters come from
@@ -248,6 +249,51 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself, or the whole tensor of a ``DTensor`` (an all-gather: every rank calls it, in the same
     order)."""
     return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+@torch.no_grad()
+def whole_to_writer(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """For a save: ``tensor`` whole, on the CPU, in ``dtype`` (None: its own), on the rank that writes -- the first
+    of a ``DTensor``'s device mesh (rank 0; with expert groups the group's leader) -- and an empty ``meta`` tensor
+    of the whole shape on the mesh's other ranks (shapes only: what they compute from it is dropped). Every rank of
+    the mesh calls it, in the same order.
+
+    A ``DTensor`` sharded on one mesh dimension (FSDP2's ``Shard(0)``; HSDP's ``(Replicate, Shard(0))``) travels to
+    the writer alone: the ranks of the writer's copy send their rows (padded to the largest shard) in one
+    ``gather``, the other copies send nothing, and no rank but the writer ever holds more than its shard (the
+    writer: its shards and one tensor whole on the device, the whole state on the host). Any other layout is
+    all-gathered, then dropped off the writer. A plain tensor: on the CPU on every rank (each holds it whole)."""
+    dtype = dtype or tensor.dtype
+    if not is_sharded(tensor):
+        return tensor.detach().to("cpu", dtype)
+    import torch.distributed as dist
+
+    mesh, placements = tensor.device_mesh, tensor.placements
+    coordinate = mesh.get_coordinate()
+    writer, absent = all(c == 0 for c in coordinate), torch.empty(tensor.shape, dtype=dtype, device="meta")
+    split = [d for d, p in enumerate(placements) if not p.is_replicate()]
+    if len(split) != 1 or not placements[split[0]].is_shard():
+        full = tensor.full_tensor()
+        return full.to("cpu", dtype) if writer else absent
+    (dim,) = split
+    if any(c != 0 for d, c in enumerate(coordinate) if d != dim):
+        return absent  # another copy of the rows (HSDP): the writer's own copy sends them
+    axis, ranks = placements[dim].dim, mesh.size(dim)
+    rows = tensor.shape[axis]
+    chunk = -(-rows // ranks)  # torch.chunk's sizes, as DTensor's Shard: the last ranks may hold fewer or none
+    local = tensor.detach().to_local().contiguous()
+    send = local
+    if local.shape[axis] != chunk:
+        send = local.new_zeros(*local.shape[:axis], chunk, *local.shape[axis + 1:])
+        send.narrow(axis, 0, local.shape[axis]).copy_(local)
+    group = mesh.get_group(dim)
+    if coordinate[dim] != 0:
+        dist.gather(send, None, group=group, group_dst=0)
+        return absent
+    pieces = [torch.empty_like(send) for _ in range(ranks)]
+    dist.gather(send, pieces, group=group, group_dst=0)
+    held = [min(chunk, max(0, rows - k * chunk)) for k in range(ranks)]
+    return torch.cat([p.narrow(axis, 0, n).to("cpu", dtype) for p, n in zip(pieces, held, strict=True)], dim=axis)
 
 
 def like(value: torch.Tensor, target: Any) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
-from wantrain.core.parallel.sharding import whole
+from wantrain.core.parallel.sharding import whole, whole_to_writer
 
 ADAPTER_NAME = "wantrain"
 ADAPTER_TYPES = ("lora", "lokr", "loha", "dora")
@@ -120,8 +120,10 @@ class AdapterType:
 
     @torch.no_grad()
     def export(self, layer: nn.Module) -> dict[str, torch.Tensor]:
-        """The module's tensors as ComfyUI reads them, float32 on the CPU (see the module docstring)."""
-        out = {self.file_part(p): whole(t.detach()).to("cpu", torch.float32) for p, t in self.present(layer)}
+        """The module's tensors as ComfyUI reads them, float32 on the CPU (see the module docstring). For a save:
+        under ``model.parallel = "fsdp"`` each factor is gathered to the writing rank only (every rank calls it; the
+        others get ``meta`` tensors of the shapes: ``core.parallel.sharding.whole_to_writer``)."""
+        out = {self.file_part(p): whole_to_writer(t, torch.float32) for p, t in self.present(layer)}
         out["alpha"] = torch.tensor(self.alpha(layer), dtype=torch.float32)
         return out
 
@@ -207,21 +209,27 @@ class DoRA(AdapterType):
         return config
 
     @staticmethod
-    def base_weight(layer: nn.Module) -> torch.Tensor:
+    def base_weight(layer: nn.Module, *, to_writer: bool = False) -> torch.Tensor:
         """The frozen base weight in float32 on the CPU (an fp8_scaled Linear's rows times their scales). Under
         ``model.parallel = "fsdp"``: on a rank that built the model on ``meta`` (its values come from rank 0's host
         copy) an empty ``meta`` tensor; sharded, the whole weight (an all-gather: every rank calls it, in the same
-        order, as the export's LoRA factors)."""
+        order, as the export's LoRA factors); ``to_writer`` (a save): gathered to the writing rank only, ``meta``
+        elsewhere (``core.parallel.sharding.whole_to_writer``)."""
         base = layer.get_base_layer()
         if base.weight.is_meta:
             return torch.empty(base.weight.shape, dtype=torch.float32, device="meta")
-        weight = whole(base.weight.detach()).to("cpu", torch.float32)
+        weight = (whole_to_writer(base.weight, torch.float32) if to_writer
+                  else whole(base.weight.detach()).to("cpu", torch.float32))
+        if weight.is_meta:
+            return weight
         scale = getattr(base, "scale", None)
         return weight * scale.detach().to("cpu", torch.float32).view(-1, 1) if scale is not None else weight
 
-    def _adapted_norm(self, layer: nn.Module, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-        """||W + alpha/r * B A|| per output row, float32 [out, 1]."""
-        weight = self.base_weight(layer) + (alpha / float(layer.r[ADAPTER_NAME])) * (b.float() @ a.float())
+    def _adapted_norm(self, layer: nn.Module, a: torch.Tensor, b: torch.Tensor, alpha: float,
+                      base: torch.Tensor | None = None) -> torch.Tensor:
+        """||W + alpha/r * B A|| per output row, float32 [out, 1] (``base``: W, read once by the caller)."""
+        base = self.base_weight(layer) if base is None else base
+        weight = base + (alpha / float(layer.r[ADAPTER_NAME])) * (b.float() @ a.float())
         return torch.linalg.norm(weight, dim=1, keepdim=True)
 
     @torch.no_grad()
@@ -233,8 +241,9 @@ class DoRA(AdapterType):
     def export(self, layer: nn.Module) -> dict[str, torch.Tensor]:
         out = super().export(layer)
         magnitude = out.pop("lora_magnitude_vector").view(-1, 1)
-        norm = self._adapted_norm(layer, out["lora_A.weight"], out["lora_B.weight"], float(out["alpha"]))
-        base_norm = torch.linalg.norm(self.base_weight(layer), dim=1, keepdim=True)
+        base = self.base_weight(layer, to_writer=True)  # fsdp: gathered once, to the writing rank only
+        norm = self._adapted_norm(layer, out["lora_A.weight"], out["lora_B.weight"], float(out["alpha"]), base)
+        base_norm = torch.linalg.norm(base, dim=1, keepdim=True)
         out["dora_scale"] = magnitude * (base_norm + F32_EPS) / norm
         return out
 

@@ -231,24 +231,47 @@ SAVE_BYTES_PER_PARAM = 12
 
 @attrs.frozen
 class SaveGather:
-    """A save under ``model.parallel = "fsdp"`` (``core.state``: every rank gathers each ``DTensor`` of the LoRA and
-    its optimizer state whole, on its GPU, between two steps), in bytes."""
+    """A save under ``model.parallel = "fsdp"`` (``core.parallel.sharding.whole_to_writer``), in bytes. Between two
+    steps the GPUs of rank 0's copy send their rows of each LoRA and AdamW tensor to rank 0, one tensor at a time;
+    rank 0 gathers it on its GPU and moves it to its host. No other GPU holds more than its shards and one padded
+    shard to send. DoRA's export gathers each frozen weight the same way (bf16) for its norm."""
 
-    gathered: float  # the whole LoRA and AdamW state, on every GPU
-    peak: float  # each GPU at the save: its weight shards, its LoRA + optimizer shards and the gathered state
+    host: float  # rank 0's host: the whole LoRA and AdamW state, and the checkpoint writer's copy of it
+    writer_extra: float  # rank 0's GPU: one tensor whole (the largest), over its resident shards
+    writer_peak: float
+    other_extra: float  # any other GPU: a shard padded to the largest, to send
+    other_peak: float
 
-    def line(self) -> str:
-        return (f"save (every GPU gathers the whole LoRA and AdamW state, between steps): +{self.gathered / GIB:.2f} "
-                f"GiB, {self.peak / GIB:.2f} GiB per GPU at its peak")
+    def lines(self) -> list[str]:
+        return [f"save, rank 0 (gathers the LoRA and AdamW state one tensor at a time, between steps): "
+                f"+{_size(self.writer_extra)}, {self.writer_peak / GIB:.2f} GiB on its GPU at its peak; "
+                f"{self.host / GIB:.2f} GiB on its host",
+                f"save, every other GPU (sends its rows, gathers nothing): +{_size(self.other_extra)}, "
+                f"{self.other_peak / GIB:.2f} GiB per GPU at its peak"]
 
 
-def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None = None) -> SaveGather:
-    """The gathers of one save under ``layout`` (its shard degree > 1; module docstring's weights and LoRA parts)."""
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= 0.1 * GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None = None,
+                adapter: AdapterSpec = LORA) -> SaveGather:
+    """The gathers of one save under ``layout`` (its shard degree > 1; module docstring's weights and LoRA parts).
+    Rank 0's host holds the gathered state twice at the checkpoint's write (``core.checkpoint`` copies the tree)."""
+    from wantrain.models.wan22.architecture import planner_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
     s = layout.shard_degree
-    gathered = lora_shard_params(variant, rank, 1, layers) * SAVE_BYTES_PER_PARAM
     resident = sharded_weight_bytes(variant, s, layers)[0] + lora_shard_params(variant, rank, s, layers) * \
         LORA_BYTES_PER_PARAM
-    return SaveGather(gathered=gathered, peak=resident + gathered)
+    largest = max(_lora_sizes(variant, rank)) * 4.0  # fp32, gathered whole on rank 0's GPU
+    if adapter.type == "dora":  # its export's base norm: the largest frozen Linear weight, bf16
+        kwargs = planner_kwargs(VARIANTS[variant])
+        largest = max(largest, kwargs["num_attention_heads"] * kwargs["attention_head_dim"] * kwargs["ffn_dim"] * 2.0)
+    send = math.ceil(largest / s)
+    host = 2.0 * lora_shard_params(variant, rank, 1, layers) * SAVE_BYTES_PER_PARAM
+    return SaveGather(host=host, writer_extra=largest, writer_peak=resident + largest, other_extra=send,
+                      other_peak=resident + send)
 
 
 def _lora_sizes(variant: str, rank: int) -> list[int]:
@@ -268,6 +291,7 @@ class RankEstimate:
     parts: dict[str, float]
 
     attention_backward: float = 0.0  # bytes: memory.attention_backward_bytes at this GPU's heads and tokens
+    settings: MemorySettings | None = None  # what it was planned with (None: bf16, nothing swapped or offloaded)
 
     @property
     def total(self) -> float:
@@ -328,4 +352,26 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
         "workspace": memory.WORKSPACE_FIXED + (p["workspace"] - memory.WORKSPACE_FIXED) / q,
     }
     # Ulysses: all tokens and 1/q of the heads in the attention, so its backward buffer is 1/q of one GPU's
-    return RankEstimate(layout, parts, single.attention_backward / q)
+    return RankEstimate(layout, parts, single.attention_backward / q, settings)
+
+
+def plan_sharded(variant: str, budget_gib: float, layout: Layout, *, base_dtype: str, recompute: str = "auto",
+                 **size: Any) -> tuple[RankEstimate | None, RankEstimate]:
+    """``model.vram_budget_gb`` under ``model.parallel = "fsdp"``: (the chosen per-GPU estimate or None, the
+    smallest). It chooses only what fsdp runs with -- ``base_dtype`` as stored (bf16; fp32 for the tiny twins), no
+    block swap -- in :func:`memory.candidates`' order: within the first recompute path that fits (``auto``: the
+    whole block before the lean one), activations on the device before offloaded. Each candidate is planned per
+    GPU with the shard (:func:`rank_estimate` at ``layout``) and its card figure held against the budget. ``size``:
+    :func:`rank_estimate`'s size keywords (width, height, frames, rank, batch, adapter, attention, checkpointing)."""
+    best: RankEstimate | None = None
+    smallest: RankEstimate | None = None
+    for settings in memory.candidates(base_dtype, 0, recompute):
+        if best is not None and settings.recompute != best.settings.recompute:
+            break
+        est = rank_estimate(variant, layout, settings=settings, **size)
+        if smallest is None or est.card_gib < smallest.card_gib:
+            smallest = est
+        if best is None and est.card_gib <= budget_gib:
+            best = est
+    assert smallest is not None
+    return best, smallest

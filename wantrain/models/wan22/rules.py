@@ -59,9 +59,9 @@ MODEL_RULES = (
     SHARD_NEEDS_FSDP := R("shard-degree-needs-fsdp", ("model.shard_degree", "model.parallel"),
                           "model.shard_degree without model.parallel = 'fsdp'"),
     FSDP_MEMORY := R("fsdp-memory-settings",
-                     ("model.parallel", "model.blocks_to_swap", "model.vram_budget_gb", "model.base_dtype"),
-                     "fsdp with block swap, a VRAM budget or fp8 storage",
-                     ("model.parallel = fsdp", "block swap, vram_budget_gb, fp8")),
+                     ("model.parallel", "model.blocks_to_swap", "model.base_dtype"),
+                     "fsdp with block swap or fp8 / quantised storage",
+                     ("model.parallel = fsdp", "block swap, fp8")),
     SEQUENCE_HEADS := R("sequence-degree-heads", ("model.sequence_degree", "model.variant"),
                         "a sequence degree that does not divide the attention heads"),
     SEQUENCE_MEMORY := R("sequence-memory-settings", ("model.sequence_degree", "model.base_dtype"),
@@ -196,14 +196,11 @@ def _parallel_problems(model: ModelConfig) -> list[Problem]:
 
 
 def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[str, str] | None:
-    """The first memory-saving key ``model`` sets that a several-GPU layout does not work with yet (block swap, a
-    VRAM budget, fp8 storage), as (the key and its value, how to resolve it: change it or ``undo``). Compile works
-    with both layouts."""
+    """The first memory-saving key ``model`` sets that a several-GPU layout does not work with yet (block swap, fp8
+    or quantised storage), as (the key and its value, how to resolve it: change it or ``undo``). Compile works with
+    both layouts; a VRAM budget under fsdp chooses only what fsdp runs with (``app.memory_plan``)."""
     if model.blocks_to_swap:
         return f"model.blocks_to_swap = {model.blocks_to_swap}", f"set blocks_to_swap = 0{swap_note} or {undo}"
-    if model.vram_budget_gb is not None:
-        return (f"model.vram_budget_gb = {model.vram_budget_gb:g} (it picks block swap and fp8 storage)",
-                f"remove vram_budget_gb or set {undo}")
     if model.base_dtype in QUANTISED_DTYPES:
         return f"model.base_dtype = '{model.base_dtype}' (quantised storage)", f"set base_dtype = 'bf16' or {undo}"
     return None
