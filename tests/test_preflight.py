@@ -48,7 +48,6 @@ TRIGGERS: dict[str, tuple[dict, dict]] = {
     "dropout-on-lokr-loha": ({"lora.type": "loha", "lora.dropout": 0.1}, {}),
     "lora-plus-on-lokr-loha": ({"lora.type": "loha", "lora.plus_lr_ratio": 4.0}, {}),
     "module-pattern": ({"lora.include": ["("]}, {}),
-    "dora-fp8": ({"lora.type": "dora", "model.base_dtype": "fp8"}, {}),
     "dora-fsdp": ({"lora.type": "dora", "model.parallel": "fsdp", **ONE}, {}),
     "waiting-expert-disk": ({"model.waiting_expert": "disk", **ONE}, {}),
     "low-bit-compile": ({"model.base_dtype": "int8", "model.compile": "default"}, {}),

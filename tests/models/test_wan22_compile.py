@@ -77,9 +77,10 @@ def test_compiled_blocks_train_as_eager_with_block_swap_offload_and_an_alpha_cha
     assert float(blocks[0].attn1.to_q.scaling["wantrain"]) == 2.0
 
 
-# (lora.type, model.base_dtype): every type and every fp8 storage, paired to keep it cheap (DoRA cannot train on fp8
-# storage). Measured: the compiled losses equal eager's bit for bit in all three; 1e-5 relative leaves rounding room.
-TYPES_AND_STORAGE = [("dora", "auto"), ("lokr", "fp8"), ("loha", "fp8_scaled")]
+# (lora.type, model.base_dtype): every type and every fp8 storage, paired to keep it cheap (DoRA on fp8: its row norms
+# read the float8 weight between forwards; DoRA on fp8_scaled passed too, 11 s more). Measured: the compiled losses
+# equal eager's bit for bit in all three; 1e-5 relative leaves rounding room.
+TYPES_AND_STORAGE = [("dora", "fp8"), ("lokr", "fp8_scaled"), ("loha", "auto")]
 
 
 @pytest.mark.slow  # compiles

@@ -29,7 +29,7 @@ from wantrain.models.wan22 import adapter_forward, architecture, control, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.attention import check_kernel, use_kernel
 from wantrain.models.wan22.compile import check_compiler, compile_blocks
-from wantrain.models.wan22.config import FP8_DTYPES, LOW_BIT_DTYPES, QUANTISED_DTYPES, LoraConfig, ModelConfig
+from wantrain.models.wan22.config import FP8_DTYPES, LOW_BIT_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.export import ADAPTER_NAME, Wan22Saver, lora_layers
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.lora_files import LoraFile, check_fits, describe, resolve_init
@@ -205,9 +205,6 @@ class Wan22Adapter:
         self._stacked: dict[Path, tuple[dict[str, Any], list[str]]] = {}  # stacked_loras(): files read, by path
 
     def _prepare(self, transformer: nn.Module, storage: str, init_seed: int) -> nn.Module:
-        if self.kind.reads_base and storage in QUANTISED_DTYPES:  # the config refuses it first
-            raise UserError(f"lora.type = 'dora' cannot train on model.base_dtype = '{storage}' (peft's DoRA reads the "
-                            "base weights undequantized); set model.base_dtype = 'bf16'")
         transformer.requires_grad_(False)
         _store_base(transformer, storage, self.device)  # before the LoRA: only base Linears are stored quantised
         if self.model_config.gradient_checkpointing:
@@ -218,7 +215,8 @@ class Wan22Adapter:
         if self.model_config.vace_blocks == "frozen":  # the VACE blocks stay as they are: no adapter on them
             names = [n for n in names if not n.startswith("vace_blocks.")]
         targets = select_modules(names, lora.include, lora.exclude)
-        transformer.add_adapter(self.kind.peft_config(lora, targets), adapter_name=ADAPTER_NAME)
+        with adapter_forward.dora_magnitudes_from_row_norms():  # DoRA on an fp8 or low-bit base
+            transformer.add_adapter(self.kind.peft_config(lora, targets), adapter_name=ADAPTER_NAME)
         for name, param in transformer.named_parameters():
             if f".{ADAPTER_NAME}." in name or name.endswith(f".{ADAPTER_NAME}"):
                 param.data = param.data.float()  # adapter weights train in fp32 whatever the base dtype

@@ -196,6 +196,23 @@ class LoKr(AdapterType):
         return None
 
 
+def base_rows(base: nn.Module, rows: slice = slice(None), dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Output rows ``rows`` of the frozen ``base`` Linear's weight as its forward computes with it, in ``dtype``
+    (default: that compute dtype), on the weight's device: an fp8_scaled or low-bit Linear's dequantised rows (its
+    ``dequantised_rows``: only those rows are dequantised, so DoRA's row norms never hold a bf16 copy of a whole
+    weight beside the codes), a layerwise-cast fp8 weight (float8 between forwards) upcast to bf16, as the cast in
+    its forward does exactly, any other weight as it is."""
+    dequantised_rows = getattr(base, "dequantised_rows", None)
+    if dequantised_rows is not None:
+        if dtype is None:
+            dtype = base.bias.dtype if getattr(base, "bias", None) is not None else torch.bfloat16
+        return dequantised_rows(rows, dtype)
+    weight = base.weight[rows]
+    if dtype is None:
+        dtype = torch.bfloat16 if weight.dtype.itemsize == 1 else weight.dtype
+    return weight.to(dtype)
+
+
 class DoRA(AdapterType):
     name = "dora"
     reads_base = True
@@ -208,11 +225,9 @@ class DoRA(AdapterType):
 
     @staticmethod
     def base_weight(layer: nn.Module) -> torch.Tensor:
-        """The frozen base weight in float32 on the CPU (an fp8_scaled Linear's rows times their scales)."""
-        base = layer.get_base_layer()
-        weight = base.weight.detach().to("cpu", torch.float32)
-        scale = getattr(base, "scale", None)
-        return weight * scale.detach().to("cpu", torch.float32).view(-1, 1) if scale is not None else weight
+        """The frozen base weight in float32 on the CPU, as the forward computes with it (:func:`base_rows`: an
+        fp8 or low-bit Linear's dequantised weight, one Linear at a time, wherever block swap holds it)."""
+        return base_rows(layer.get_base_layer()).detach().to("cpu", torch.float32)
 
     def _adapted_norm(self, layer: nn.Module, a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
         """||W + alpha/r * B A|| per output row, float32 [out, 1]."""

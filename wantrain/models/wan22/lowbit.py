@@ -33,8 +33,9 @@ The codes are the Linear's frozen ``weight_codes`` parameter (``uint8``: ``[out,
 for nf4), the absmax its ``weight_absmax`` buffer and the column scales its ``weight_column_scale`` one; the bias
 stays in the compute dtype. Its ``weight`` is a stand-in that holds no memory (a bf16 scalar expanded to
 ``[out, in]`` on the codes' device): what peft reads of a base layer's weight (its shape for LoHa's and LoKr's
-factors, its device) is right, and its values (zeros) are never computed with, because DoRA, the only adapter that
-reads them, is refused on these storages.
+factors, its device) is right, and its values (zeros) are never computed with: DoRA, the only adapter that reads the
+base weight outside the forward, reads :meth:`LowBitLinear.dequantised_rows` instead (``adapter_forward.base_rows``),
+a few rows at a time, the values the forward computes with.
 """
 
 from __future__ import annotations
@@ -202,6 +203,16 @@ class LowBitLinear(nn.Linear):
         """The weight ``[out, in]`` as it computes, in ``dtype``."""
         return dequantise(self.weight_codes, self.weight_absmax, self.kind, (self.out_features, self.in_features),
                           dtype, self.weight_column_scale)
+
+    def dequantised_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        """Output rows ``rows`` (a step-1 slice) of :meth:`dequantised`, bit for bit, dequantising only them where a
+        row is whole blocks of :data:`BLOCK` (a block never crosses a row), else the whole weight first."""
+        start, stop, _ = rows.indices(self.out_features)
+        if self.in_features % BLOCK:
+            return self.dequantised(dtype)[start:stop]
+        per_row = self.in_features // BLOCK
+        return dequantise(self.weight_codes[start:stop], self.weight_absmax[start * per_row:stop * per_row],
+                          self.kind, (max(0, stop - start), self.in_features), dtype, self.weight_column_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None

@@ -292,8 +292,6 @@ def lora_problems(lora: LoraConfig) -> list[Problem]:
 
 
 ADAPTER_RULES = (
-    DORA_FP8 := R("dora-fp8", ("lora.type", "model.base_dtype"), "DoRA on fp8 or low-bit storage",
-                  ("lora.type = dora", "model.base_dtype = fp8, fp8_scaled, int8 or nf4")),
     DORA_FSDP := R("dora-fsdp", ("lora.type", "model.parallel"), "DoRA on sharded weights",
                    ("lora.type = dora", "model.parallel = fsdp")),
     MODULES_MATCH := R("modules-match", ("lora.include", "lora.exclude", "model.variant"),
@@ -303,14 +301,9 @@ ADAPTER_RULES = (
 
 def adapter_problems(cfg: Any) -> list[Problem]:
     """The adapter (``[lora]``) against the model it adapts: DoRA reads the base weights outside their forward
-    pass, which fp8 storage does not dequantize and FSDP holds sharded; ``include`` / ``exclude`` must select
-    among the variant's module names."""
+    pass, which FSDP holds sharded (an fp8 or low-bit base is dequantised for it: ``adapter_types.base_rows``);
+    ``include`` / ``exclude`` must select among the variant's module names."""
     lora, model, out = cfg.lora, cfg.model, []
-    if lora.type == "dora" and model.base_dtype in QUANTISED_DTYPES:  # "auto" plans bf16 for DoRA
-        out.append(DORA_FP8.problem(
-            f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 and low-bit "
-            f"storage do not dequantize there (model.base_dtype = '{model.base_dtype}'); set "
-            "model.base_dtype = 'bf16' or use another lora.type"))
     if model.parallel == "fsdp" and lora.type == "dora":
         out.append(DORA_FSDP.problem("lora.type = 'dora' reads the base weights outside their forward pass, which "
                                      "model.parallel = 'fsdp' holds sharded there; use another lora.type or "
