@@ -37,11 +37,11 @@ from wantrain.models.wan22.lowbit import to_low_bit
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.placement import ExpertPlacement, pin_budget
 from wantrain.models.wan22.recompute import use_recompute
-from wantrain.models.wan22.swap import BlockSwap, swapped_blocks
+from wantrain.models.wan22.swap import BlockSwap, run_order, swapped_blocks
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
-from wantrain.models.wan22.waiting import WaitingOnDisk, qualified_names
+from wantrain.models.wan22.waiting import WaitingOnDisk, lending, qualified_names
 
 GROUP_NAME = {"high_noise": "high_noise", "low_noise": "low_noise", None: "lora"}
 # fp8 storage works functionally on the CPU too (tests use that), but it is only worth its cost on CUDA.
@@ -743,6 +743,11 @@ class Wan22Adapter:
         from wantrain.models.wan22.export import adapter_state_dict
 
         transformer, swap = self._transformers[expert], self._swaps.get(expert)
+        if self.kind.reads_base and self.waiting is not None and self.placement.on_disk(expert):
+            # the expert waiting on disk holds no base tensor: each block's lent from its waiting file while read
+            blocks = run_order(transformer)
+            with self.waiting.reader(expert) as read, lending(transformer, read, self.device) as lend:
+                return adapter_state_dict(transformer, self.kind, dtype, before_block=lambda k: lend(blocks[k]))
         if swap is None or not self.kind.reads_base:
             return adapter_state_dict(transformer, self.kind, dtype)
         try:

@@ -236,6 +236,10 @@ class ExpertPlacement:
         self._waiting[expert] = [(owner, attr, copy, is_param)
                                  for (owner, attr, _, is_param), copy in zip(tensors, copies, strict=True)]
 
+    def on_disk(self, expert: str | None) -> bool:
+        """Whether ``expert`` waits on disk now (its base tensors are placeholders: ``disk``)."""
+        return self.where.get(expert) == _DROPPED
+
     def resident(self) -> list[str | None]:
         """The experts whose base weights are on the training device (at most one)."""
         return [e for e, d in self.where.items() if same_device(d, self.device)]
