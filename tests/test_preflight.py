@@ -50,7 +50,6 @@ TRIGGERS: dict[str, tuple[dict, dict]] = {
     "module-pattern": ({"lora.include": ["("]}, {}),
     "dora-fsdp": ({"lora.type": "dora", "model.parallel": "fsdp", **ONE}, {}),
     "waiting-expert-disk": ({"model.waiting_expert": "disk", **ONE}, {}),
-    "low-bit-compile": ({"model.base_dtype": "int8", "model.compile": "default"}, {}),
     "control-variant": ({"model.condition": "first_last"}, {}),
     "fsdp-optimizer": ({"model.parallel": "fsdp", **ONE, "optimizer.type": "adamw8bit"}, {}),
     "fsdp-alpha-schedule": ({"model.parallel": "fsdp", **ONE, "lora.alpha_schedule": SCHEDULE}, {}),

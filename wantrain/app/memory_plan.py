@@ -172,11 +172,11 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
 
 
 def _may_plan_low_bit(model: Any) -> bool:
-    """Whether ``base_dtype = "auto"`` may take int8 / nf4 for ``model``: bitsandbytes is installed, the blocks are
-    checkpointed (as for fp8) and not compiled (``lowbit.problems``)."""
+    """Whether ``base_dtype = "auto"`` may take int8 / nf4 for ``model``: bitsandbytes is installed and the blocks
+    are checkpointed (as for fp8)."""
     from wantrain.models.wan22.memory import low_bit_available
 
-    return model.gradient_checkpointing and model.compile == "off" and low_bit_available()
+    return model.gradient_checkpointing and low_bit_available()
 
 
 def _host_changes(configured: Any, chosen: Any) -> str:

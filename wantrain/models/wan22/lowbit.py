@@ -71,15 +71,6 @@ BYTES_PER_WEIGHT = {"int8": 1.0 + 4.0 / BLOCK, "nf4": 0.5 + 4.0 / BLOCK}
 CPU_CHUNK_WEIGHTS = 1 << 22
 
 
-def problems(model) -> list[str]:
-    """What ``model.base_dtype = "int8"`` / ``"nf4"`` refuses in ``model`` (a ``ModelConfig``), one line each."""
-    if model.base_dtype not in LOW_BIT_DTYPES or model.compile == "off":
-        return []
-    return [f"model.base_dtype = '{model.base_dtype}' with model.compile = '{model.compile}': bitsandbytes' "
-            "dequantisation inside compiled blocks is not verified yet (no GPU has run it); set model.compile = "
-            "'off' or base_dtype = 'bf16' / 'fp8_scaled'"]
-
-
 def _functional():
     """bitsandbytes' functional module, imported quietly (it logs about optional CPU kernels it cannot fetch)."""
     quiet = logging.getLogger("bitsandbytes")
@@ -169,6 +160,21 @@ def dequantise(codes: torch.Tensor, absmax: torch.Tensor, kind: str, shape: tupl
     return weight if scale is None else weight.mul_(scale.to(dtype))
 
 
+# One opaque operator for the compiled blocks (``model.compile``): dynamo would otherwise trace into bitsandbytes'
+# Python wrappers and this module's cached codebook and break the graph at each Linear; here it sees one op whose
+# fake implementation gives the weight's shape and dtype, and the eager implementation is :func:`dequantise`, so a
+# compiled step computes the same values as an eager one
+@torch.library.custom_op("wantrain::low_bit_dequantise", mutates_args=())
+def _dequantise_op(codes: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, kind: str, out_features: int,
+                   in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantise(codes, absmax, kind, (out_features, in_features), dtype, scale)
+
+
+@_dequantise_op.register_fake
+def _(codes, absmax, scale, kind, out_features, in_features, dtype):
+    return codes.new_empty((out_features, in_features), dtype=dtype)
+
+
 def _dequantise_codes(codes: torch.Tensor, absmax: torch.Tensor, kind: str, shape: tuple[int, int],
                       dtype: torch.dtype) -> torch.Tensor:
     bnb = _functional()
@@ -201,8 +207,8 @@ class LowBitLinear(nn.Linear):
 
     def dequantised(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight ``[out, in]`` as it computes, in ``dtype``."""
-        return dequantise(self.weight_codes, self.weight_absmax, self.kind, (self.out_features, self.in_features),
-                          dtype, self.weight_column_scale)
+        return _dequantise_op(self.weight_codes, self.weight_absmax, self.weight_column_scale, self.kind,
+                              self.out_features, self.in_features, dtype)
 
     def dequantised_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
         """Output rows ``rows`` (a step-1 slice) of :meth:`dequantised`, bit for bit, dequantising only them where a
@@ -211,8 +217,8 @@ class LowBitLinear(nn.Linear):
         if self.in_features % BLOCK:
             return self.dequantised(dtype)[start:stop]
         per_row = self.in_features // BLOCK
-        return dequantise(self.weight_codes[start:stop], self.weight_absmax[start * per_row:stop * per_row],
-                          self.kind, (max(0, stop - start), self.in_features), dtype, self.weight_column_scale)
+        return _dequantise_op(self.weight_codes[start:stop], self.weight_absmax[start * per_row:stop * per_row],
+                              self.weight_column_scale, self.kind, max(0, stop - start), self.in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None

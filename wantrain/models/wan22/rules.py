@@ -15,7 +15,6 @@ import torch
 from wantrain.core.problems import Problem, Rule
 from wantrain.models.wan22.adapter_types import check_pattern
 from wantrain.models.wan22.dtypes import QUANTISED_DTYPES
-from wantrain.models.wan22.lowbit import problems as low_bit_problems
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.models.wan22.waiting import problems as waiting_problems
 
@@ -79,9 +78,6 @@ MODEL_RULES = (
     WAITING_DISK := R("waiting-expert-disk", ("model.waiting_expert", "model.experts", "model.expert_groups"),
                       "the waiting expert on disk where no expert waits (one expert, or expert groups)",
                       ("model.waiting_expert = disk", "one trained expert or model.expert_groups > 1")),
-    LOW_BIT_COMPILE := R("low-bit-compile", ("model.base_dtype", "model.compile"),
-                         "int8 / nf4 storage inside compiled blocks (not verified on a GPU yet)",
-                         ("model.base_dtype = int8 or nf4", "model.compile")),
     CONTROL_VARIANT := R("control-variant",
                          ("model.condition", "model.vace_blocks", "model.variant"),
                          "a control setting its variant lacks (first_last off I2V, vace_blocks off VACE)"),
@@ -156,7 +152,6 @@ def model_problems(model: ModelConfig) -> list[Problem]:
     from wantrain.models.wan22.control import problems as control_problems
 
     out += [WAITING_DISK.problem(line) for line in waiting_problems(model)]
-    out += [LOW_BIT_COMPILE.problem(line) for line in low_bit_problems(model)]
     out += [CONTROL_VARIANT.problem(line) for line in control_problems(model)]
     out.extend(_timestep_problems(model, spec.boundary_ratio))
     return out
