@@ -4,8 +4,9 @@ the lean recompute (one module: they share the filled cache):
 * the waiting expert on disk: the LoRA files and the logged metrics are byte-equal to the run with the waiting
   expert resident, through expert switches, validation, a sample round and a resume;
 * low-bit frozen bases (``model.base_dtype = "int8"`` and ``"nf4"``, models/wan22/lowbit.py) with the waiting
-  expert on disk: each trains, a run stopped at step 3 resumes to LoRA files byte-equal to the uninterrupted run's,
-  and the files load into diffusers' Wan transformer (LoHa and LoKr on these bases: tests/models/test_low_bit.py)."""
+  expert on disk, a LoRA and a DoRA on each: each trains, a run stopped at step 2 resumes to files byte-equal to the
+  uninterrupted run's, and the files load into diffusers' Wan transformer (LoHa and LoKr on these bases:
+  tests/models/test_low_bit.py)."""
 
 from __future__ import annotations
 
@@ -65,10 +66,10 @@ def test_the_waiting_expert_on_disk_trains_resumes_and_samples_bitwise_as_the_re
     assert set(workspace.rglob("waiting_experts/*.safetensors")) - before == cache_files  # written once, read since
 
 
-LOW_BIT_STEPS = 6
-LOW_BIT_SETTINGS = ["train.log_every=2", f"train.save_every={LOW_BIT_STEPS}", "checkpoint.every=3",
+LOW_BIT_STEPS = 4
+LOW_BIT_SETTINGS = ["train.log_every=2", f"train.save_every={LOW_BIT_STEPS}", "checkpoint.every=2",
                     "observers.progress=false", "optimizer.lr=3e-3", "lr_scheduler.type=constant",
-                    "model.switch_every=3", "model.gradient_checkpointing=true", "model.blocks_to_swap=1",
+                    "model.switch_every=2", "model.gradient_checkpointing=true", "model.blocks_to_swap=1",
                     "model.offload_activations=true", "model.recompute=lean", "model.waiting_expert=disk",
                     "validation.enabled=false", "sample.enabled=false"]
 
@@ -84,22 +85,56 @@ def _low_bit_run(root: Path, out: Path, *extra: str, stop_at: int | None = None)
     return {p.name: p.read_bytes() for p in sorted(run_dir.glob("quickstart*.safetensors"))}
 
 
-@pytest.mark.parametrize("base_dtype", ["int8", "nf4"])
+def _diffusers_state(path: Path, transformer) -> dict[str, torch.Tensor]:
+    """The file at ``path`` as ``WanLoraLoaderMixin.load_lora_into_transformer`` takes it. A DoRA file: diffusers
+    (0.42) has no Wan conversion for ``dora_scale`` (docs/models.md, Adapter types), so its LoRA keys go through
+    diffusers' conversion and each ``dora_scale`` becomes peft's ``lora_magnitude_vector`` against ``transformer``'s
+    own base rows, ``m = dora_scale * ||W + B A|| / (||W|| + eps)`` (ComfyUI's weight, the file's meaning)."""
+    from diffusers.loaders import WanLoraLoaderMixin
+    from safetensors.torch import load_file, save_file
+
+    from wantrain.models.wan22.adapter_types import DIFFUSERS_TO_WAN, F32_EPS
+
+    tensors = load_file(str(path))
+    scales = {k: v for k, v in tensors.items() if k.endswith(".dora_scale")}
+    if scales:
+        path = path.with_suffix(".lora_keys.safetensors")
+        save_file({k: v for k, v in tensors.items() if k not in scales}, str(path))
+    state = WanLoraLoaderMixin.lora_state_dict(str(path))
+    layers, to_diffusers = dict(transformer.named_modules()), {w: d for d, w in DIFFUSERS_TO_WAN.items()}
+    for key, scale in scales.items():
+        block, group, leaf, _ = key.partition(".blocks.")[2].split(".", 3)
+        name = f"blocks.{block}.{to_diffusers[f'{group}.{leaf}']}"
+        weight = layers[name].weight.detach().float()  # diffusers' conversion folds alpha / rank into the factors
+        adapted = weight + state[f"transformer.{name}.lora_B.weight"].float() @ state[
+            f"transformer.{name}.lora_A.weight"].float()
+        state[f"transformer.{name}.lora_magnitude_vector"] = (scale.float().view(-1) * adapted.norm(dim=1) /
+                                                              (weight.norm(dim=1) + F32_EPS))
+    return state
+
+
+# each adapter type that diffusers' Wan transformer takes on each low-bit base (LoKr and LoHa on these bases:
+# tests/models/test_low_bit.py; DoRA on fp8 storage, which needs CUDA for a run: its norms, forward and export there)
+@pytest.mark.parametrize("base_dtype, kind", [("int8", "lora"), ("nf4", "lora"), ("int8", "dora"), ("nf4", "dora")])
 def test_a_low_bit_run_trains_resumes_bitwise_and_exports_files_diffusers_loads(workspace, tmp_path,  # noqa: F811
-                                                                                base_dtype):
+                                                                                base_dtype, kind):
     from diffusers import WanTransformer3DModel
     from diffusers.loaders import WanLoraLoaderMixin
 
     from wantrain.models.wan22.architecture import transformer_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
-    extra = (f"model.base_dtype={base_dtype}",)
+    extra = (f"model.base_dtype={base_dtype}", f"lora.type={kind}")
     straight = _low_bit_run(workspace, tmp_path / "straight", *extra)
     assert set(straight) == {"quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"}
-    assert _low_bit_run(workspace, tmp_path / "resumed", *extra, stop_at=3) == straight
+    assert _low_bit_run(workspace, tmp_path / "resumed", *extra, stop_at=2) == straight  # a switch after the resume
+    if kind == "dora":  # its export reads the base rows: the waiting expert's, lent block by block from its file
+        assert _low_bit_run(workspace, tmp_path / "resident", *extra, "model.waiting_expert=resident") == straight
     transformer = WanTransformer3DModel(**transformer_kwargs(VARIANTS["tiny-t2v"]))
     (run_dir,) = [d for d in (tmp_path / "straight").iterdir() if d.is_dir()]
-    state = WanLoraLoaderMixin.lora_state_dict(str(run_dir / "quickstart_low_noise.safetensors"))
+    state = _diffusers_state(run_dir / "quickstart_low_noise.safetensors", transformer)
     WanLoraLoaderMixin.load_lora_into_transformer(state, transformer=transformer, adapter_name="trained")
     adapted = [n for n, p in transformer.named_parameters() if ".trained" in n and p.abs().sum() > 0]
     assert len(adapted) >= 20 and all(torch.isfinite(p).all() for p in transformer.parameters())
+    magnitudes = [n for n in adapted if "lora_magnitude_vector" in n]
+    assert len(magnitudes) == (20 if kind == "dora" else 0)

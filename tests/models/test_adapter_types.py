@@ -198,26 +198,23 @@ def test_each_types_keys_are_checked_at_construction(keys, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_dora_on_fp8_bases_is_refused_when_the_config_loads(tmp_path):
-    from wantrain.app.config import load_config
-
-    config = tmp_path / "run.toml"
-    config.write_text('[model]\nvariant = "tiny-t2v"\nbase_dtype = "fp8"\n[lora]\ntype = "dora"\n')
-    with pytest.raises(ConfigError, match="lora.type = 'dora' reads the base weights"):
-        load_config(config)
-
-
-def test_dora_with_a_vram_budget_is_planned_in_bf16_instead_of_refused(tmp_path, capsys, monkeypatch):
+def test_dora_with_a_vram_budget_plans_the_storages_every_type_plans(tmp_path, capsys, monkeypatch):
+    """DoRA reads its base rows dequantised (``adapter_types.base_rows``), so ``auto`` goes on from bf16 to the
+    quantised storages for it as for the other types: 16 GiB takes nf4 (bf16 alone, as planned while DoRA was
+    refused on quantised storage, fits nothing there)."""
     from tests.models.test_memory_plan import a14b_config
     from wantrain.cli.main import main
 
     monkeypatch.setattr("wantrain.app.preflight.check_model_files", lambda model, **_: None)  # no A14B weights here
     monkeypatch.setattr("wantrain.app.preflight.missing_model_files", lambda model: [])
-    config = a14b_config(tmp_path, 20)
-    config.write_text(config.read_text() + '\n[lora]\ntype = "dora"\nrank = 32\n')
-    assert main(["check", str(config)]) == 0  # bf16 plans it (fp8 would fit in less)
-    out = capsys.readouterr().out
-    assert "budget 20 GiB: bf16 base," in out and "fp8" not in out.split("memory plan for")[1].split("\n")[0]
+    lines = {}
+    for budget in (20, 16):
+        (tmp_path / str(budget)).mkdir()
+        config = a14b_config(tmp_path / str(budget), budget)
+        config.write_text(config.read_text() + '\n[lora]\ntype = "dora"\nrank = 32\n')
+        main(["check", str(config)])
+        lines[budget] = capsys.readouterr().out
+    assert "budget 20 GiB: bf16 base," in lines[20] and "budget 16 GiB: nf4 base," in lines[16]
 
 
 @pytest.mark.parametrize("case, title", [("lora", "LoRA"), ("dora", "DoRA"), ("loha", "LoHa"),
@@ -243,10 +240,11 @@ def test_a_checkpoint_refuses_to_resume_under_another_adapter_layout():
         assert resume_rule(key) == "refuse", key
 
 
-@pytest.mark.parametrize("case, base_dtype", [("dora", "fp32"), ("loha", "fp8_scaled"), ("lokr", "fp8")])
+@pytest.mark.parametrize("case, base_dtype", [("dora", "fp32"), ("dora", "fp8_scaled"), ("loha", "fp8_scaled"),
+                                              ("lokr", "fp8")])
 def test_block_swap_exports_the_same_file_as_a_run_without_it(case, base_dtype, tmp_path, monkeypatch):
-    """DoRA's export reads the base weights, which block swap keeps off the modules; LoKr and LoHa train on fp8
-    bases (allowed on the CPU here, as the fp8 tests do)."""
+    """DoRA's export reads the base weights (an fp8 base's dequantised), which block swap keeps off the modules;
+    LoKr and LoHa train on fp8 bases (allowed on the CPU here, as the fp8 tests do)."""
     from wantrain.models.wan22 import adapter as adapter_module
 
     monkeypatch.setattr(adapter_module, "FP8_DEVICE_TYPES", ("cuda", "cpu"))

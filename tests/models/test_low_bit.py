@@ -1,5 +1,6 @@
-"""Low-bit frozen bases (``model.base_dtype = "int8"`` / ``"nf4"``, models/wan22/lowbit.py): every adapter type but
-DoRA trains on them, the plan counts their bytes tensor by tensor, and DoRA is refused in one line."""
+"""Low-bit frozen bases (``model.base_dtype = "int8"`` / ``"nf4"``, models/wan22/lowbit.py): every adapter type
+trains on them, the plan counts their bytes tensor by tensor, and DoRA (on these and on fp8) reads the dequantised
+base weight."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import pytest
 import torch
 
 from tests.models.wan22_helpers import make_adapter, raw_batch, train_steps
-from wantrain.core.errors import ConfigError
 from wantrain.models.wan22.lowbit import LowBitLinear, dequantise, quantise
 from wantrain.models.wan22.memory import host_tensor_bytes
 
 
-@pytest.mark.parametrize("base_dtype, kinds", [("int8", ("lokr",)), ("nf4", ("loha",))])  # LoRA: the runs' test
-def test_every_adapter_type_but_dora_trains_on_a_low_bit_base_counted_as_the_plan_counts_it(base_dtype, kinds):
+# LoRA and DoRA: the runs' test (tests/test_waiting_expert_runs.py)
+@pytest.mark.parametrize("base_dtype, kinds", [("int8", ("lokr",)), ("nf4", ("loha",))])
+def test_lokr_and_loha_train_on_a_low_bit_base_counted_as_the_plan_counts_it(base_dtype, kinds):
     for kind in kinds:
         adapter = make_adapter("tiny-t2v", base_dtype=base_dtype, lora={"type": kind}, blocks_to_swap=1,
                                offload_activations=True, recompute="lean", switch_every=1)
@@ -40,21 +41,61 @@ def test_the_dequantised_weight_is_near_the_original(kind, bound):
     assert 0 < error < bound
 
 
-def test_compiled_blocks_on_a_low_bit_base_are_refused_in_one_line():
-    from wantrain.models.wan22 import ModelConfig
+def _dequantised(base: torch.nn.Module) -> torch.Tensor:
+    """The weight ``base``'s forward computes with, float32, dequantised whole by each storage's own formula (not
+    through ``adapter_types.base_rows``): bf16-rounded codes x column scales, bf16-rounded fp8 x row scales, or
+    the float8 weight of layerwise casting as it is (exact in bf16)."""
+    from wantrain.models.wan22.fp8 import ScaledFp8Linear
 
-    with pytest.raises(ConfigError, match="model.base_dtype = 'nf4' with model.compile = 'default': bitsandbytes"):
-        ModelConfig(variant="tiny-t2v", base_dtype="nf4", compile="default")
+    if isinstance(base, LowBitLinear):
+        return dequantise(base.weight_codes, base.weight_absmax, base.kind, (base.out_features, base.in_features),
+                          torch.bfloat16, base.weight_column_scale).float()
+    if isinstance(base, ScaledFp8Linear):
+        return (base.weight.float() * base.weight_scale).to(torch.bfloat16).float()
+    assert base.weight.dtype == torch.float8_e4m3fn
+    return base.weight.float()
 
 
-def test_dora_on_a_low_bit_base_is_refused_in_one_line(tmp_path):
-    from wantrain.app.config import load_config
+@pytest.mark.parametrize("base_dtype", ["fp8", "fp8_scaled", "int8", "nf4"])
+def test_doras_magnitude_row_norms_forward_and_export_on_a_quantised_base_use_its_dequantised_weight(base_dtype,
+                                                                                                    monkeypatch):
+    """DoRA reads the base weight outside its forward (its row norms, its start, its export): on fp8 and low-bit
+    storage the dequantised rows (``adapter_types.base_rows``), a few rows at a time, never the stored codes or the
+    low-bit stand-in."""
+    from wantrain.models.wan22 import adapter as adapter_module
+    from wantrain.models.wan22 import adapter_forward
+    from wantrain.models.wan22.adapter_types import ADAPTER_NAME, F32_EPS
+    from wantrain.models.wan22.export import lora_layers, wan_module_name
 
-    config = tmp_path / "run.toml"
-    config.write_text('[model]\nvariant = "tiny-t2v"\nbase_dtype = "nf4"\n[lora]\ntype = "dora"\n')
-    with pytest.raises(ConfigError, match="lora.type = 'dora' reads the base weights") as err:
-        load_config(config)
-    assert "\n" not in str(err.value)
+    monkeypatch.setattr(adapter_module, "FP8_DEVICE_TYPES", ("cuda", "cpu"))  # fp8 runs need CUDA; its math is here
+    monkeypatch.setattr(adapter_forward, "NORM_ROWS", 5)  # row blocks that cut every weight unevenly
+    adapter = make_adapter("tiny-t2v", base_dtype=base_dtype, lora={"type": "dora", "dropout": 0.0}, switch_every=1,
+                           gradient_checkpointing=True, experts="high_noise")
+    transformer = adapter.transformer_for("high_noise")
+    layers = dict(lora_layers(transformer))
+    assert len(layers) == 20
+    for layer in layers.values():  # the start: m = the dequantised base rows' norms (a stand-in's would be 0)
+        weight = _dequantised(layer.get_base_layer())
+        assert torch.allclose(layer.lora_magnitude_vector[ADAPTER_NAME].weight, weight.norm(dim=1), rtol=1e-6)
+    train_steps(adapter, adapter.encode_batch(raw_batch()), steps=2, lr=1e-2)
+    exported = adapter.adapter_tensors("high_noise", torch.float32)
+    x = torch.randn(3, transformer.config.num_attention_heads * transformer.config.attention_head_dim,
+                    generator=torch.Generator().manual_seed(2))
+    for name, layer in layers.items():
+        base = layer.get_base_layer()
+        weight, b, a = _dequantised(base), layer.lora_B[ADAPTER_NAME].weight, layer.lora_A[ADAPTER_NAME].weight
+        scaling = layer.scaling[ADAPTER_NAME]
+        adapted = torch.linalg.norm(weight + scaling * (b @ a), dim=1)
+        assert b.abs().max() > 0 and torch.allclose(adapter_forward.dora_row_norms(base, b, a, scaling), adapted,
+                                                    rtol=1e-6), name
+        magnitude = layer.lora_magnitude_vector[ADAPTER_NAME].weight.detach()
+        expected = magnitude * (weight.norm(dim=1) + F32_EPS) / adapted
+        assert torch.allclose(exported[f"{wan_module_name(name)}.dora_scale"].view(-1), expected, rtol=1e-5), name
+        if name.endswith("attn1.to_q"):  # the forward: m / ||W + s B A|| * (W + s B A) x + bias, W dequantised
+            with torch.no_grad():
+                got = layer(x.to(torch.bfloat16)).float()
+                want = (x @ (weight + scaling * (b @ a)).T) * (magnitude / adapted) + base.bias.float()
+            assert torch.allclose(got, want, rtol=0.02, atol=0.02 * want.abs().max().item()), name
 
 
 def test_the_memory_plan_states_what_a_quantised_storage_costs_in_quality():

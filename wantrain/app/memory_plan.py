@@ -12,7 +12,6 @@ from typing import Any
 import attrs
 
 from wantrain.core.errors import UserError
-from wantrain.models.wan22.adapter_types import adapter_type
 from wantrain.models.wan22.lora_files import resolve_init
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.models.wan22.waiting import problems as waiting_problems
@@ -45,8 +44,6 @@ def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
     dtype = model.base_dtype
     if dtype == "auto" and spec.tiny:
         dtype = "fp32"
-    if dtype == "auto" and adapter_type(cfg.lora.type).reads_base:  # DoRA: the budget plans bf16, never fp8
-        dtype = "bf16"
     # model.recompute 'auto' without a budget is the whole block (recompute.py); with one the planner chooses
     recompute = "lean" if model.recompute == "lean" and model.gradient_checkpointing else "block"
     per_gpu = None  # under fsdp with a budget: the per-GPU plan it was held against
@@ -215,11 +212,11 @@ def plan_host(cfg: Any, model: Any, chosen: Any, size: dict, *, auto_dtype: bool
 
 
 def _may_plan_low_bit(model: Any) -> bool:
-    """Whether ``base_dtype = "auto"`` may take int8 / nf4 for ``model``: bitsandbytes is installed, the blocks are
-    checkpointed (as for fp8) and not compiled (``lowbit.problems``)."""
+    """Whether ``base_dtype = "auto"`` may take int8 / nf4 for ``model``: bitsandbytes is installed and the blocks
+    are checkpointed (as for fp8)."""
     from wantrain.models.wan22.memory import low_bit_available
 
-    return model.gradient_checkpointing and model.compile == "off" and low_bit_available()
+    return model.gradient_checkpointing and low_bit_available()
 
 
 def _host_changes(configured: Any, chosen: Any) -> str:

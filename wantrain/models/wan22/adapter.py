@@ -29,7 +29,7 @@ from wantrain.models.wan22 import adapter_forward, architecture, control, fp8
 from wantrain.models.wan22.adapter_types import AdapterType, adapter_type, select_modules
 from wantrain.models.wan22.attention import check_kernel, use_kernel
 from wantrain.models.wan22.compile import check_compiler, compile_blocks
-from wantrain.models.wan22.config import FP8_DTYPES, LOW_BIT_DTYPES, QUANTISED_DTYPES, LoraConfig, ModelConfig
+from wantrain.models.wan22.config import FP8_DTYPES, LOW_BIT_DTYPES, LoraConfig, ModelConfig
 from wantrain.models.wan22.export import ADAPTER_NAME, Wan22Saver, lora_layers
 from wantrain.models.wan22.loading import WeightSource
 from wantrain.models.wan22.lora_files import LoraFile, check_fits, describe, resolve_init
@@ -37,11 +37,11 @@ from wantrain.models.wan22.lowbit import to_low_bit
 from wantrain.models.wan22.offload import ActivationOffload
 from wantrain.models.wan22.placement import ExpertPlacement, pin_budget
 from wantrain.models.wan22.recompute import use_recompute
-from wantrain.models.wan22.swap import BlockSwap, swapped_blocks
+from wantrain.models.wan22.swap import BlockSwap, run_order, swapped_blocks
 from wantrain.models.wan22.text import CLEANING, clean_prompt
 from wantrain.models.wan22.timesteps import TimestepSampler, expert_band
 from wantrain.models.wan22.variants import VARIANTS, VariantSpec
-from wantrain.models.wan22.waiting import WaitingOnDisk, qualified_names
+from wantrain.models.wan22.waiting import WaitingOnDisk, lending, qualified_names
 
 GROUP_NAME = {"high_noise": "high_noise", "low_noise": "low_noise", None: "lora"}
 # fp8 storage works functionally on the CPU too (tests use that), but it is only worth its cost on CUDA.
@@ -205,9 +205,6 @@ class Wan22Adapter:
         self._stacked: dict[Path, tuple[dict[str, Any], list[str]]] = {}  # stacked_loras(): files read, by path
 
     def _prepare(self, transformer: nn.Module, storage: str, init_seed: int) -> nn.Module:
-        if self.kind.reads_base and storage in QUANTISED_DTYPES:  # the config refuses it first
-            raise UserError(f"lora.type = 'dora' cannot train on model.base_dtype = '{storage}' (peft's DoRA reads the "
-                            "base weights undequantized); set model.base_dtype = 'bf16'")
         transformer.requires_grad_(False)
         _store_base(transformer, storage, self.device)  # before the LoRA: only base Linears are stored quantised
         if self.model_config.gradient_checkpointing:
@@ -218,7 +215,8 @@ class Wan22Adapter:
         if self.model_config.vace_blocks == "frozen":  # the VACE blocks stay as they are: no adapter on them
             names = [n for n in names if not n.startswith("vace_blocks.")]
         targets = select_modules(names, lora.include, lora.exclude)
-        transformer.add_adapter(self.kind.peft_config(lora, targets), adapter_name=ADAPTER_NAME)
+        with adapter_forward.dora_magnitudes_from_row_norms():  # DoRA on an fp8 or low-bit base
+            transformer.add_adapter(self.kind.peft_config(lora, targets), adapter_name=ADAPTER_NAME)
         for name, param in transformer.named_parameters():
             if f".{ADAPTER_NAME}." in name or name.endswith(f".{ADAPTER_NAME}"):
                 param.data = param.data.float()  # adapter weights train in fp32 whatever the base dtype
@@ -745,6 +743,11 @@ class Wan22Adapter:
         from wantrain.models.wan22.export import adapter_state_dict
 
         transformer, swap = self._transformers[expert], self._swaps.get(expert)
+        if self.kind.reads_base and self.waiting is not None and self.placement.on_disk(expert):
+            # the expert waiting on disk holds no base tensor: each block's lent from its waiting file while read
+            blocks = run_order(transformer)
+            with self.waiting.reader(expert) as read, lending(transformer, read, self.device) as lend:
+                return adapter_state_dict(transformer, self.kind, dtype, before_block=lambda k: lend(blocks[k]))
         if swap is None or not self.kind.reads_base:
             return adapter_state_dict(transformer, self.kind, dtype)
         try:

@@ -28,11 +28,14 @@ conv layers) keep peft's forward.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wantrain.models.wan22.adapter_types import ADAPTER_NAME
+from wantrain.models.wan22.adapter_types import ADAPTER_NAME, base_rows
 
 NORM_ROWS = 1024  # DoRA's row norms: rows of the float32 weight built at a time (at A14B: 1024 x 13824 x 4 = 57 MB)
 
@@ -133,24 +136,48 @@ def loha_delta(layer: nn.Module, adapter: str, x: torch.Tensor, *args, **kwargs)
 
 
 @torch.no_grad()
-def dora_row_norms(weight: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling) -> torch.Tensor:
-    """``||W + s * B A||`` per output row, float32 ``[out]``, built ``NORM_ROWS`` rows at a time (no autograd)."""
-    norms = [torch.linalg.norm(weight[i:i + NORM_ROWS].to(a.dtype) + scaling * (b[i:i + NORM_ROWS] @ a), dim=1)
-             for i in range(0, weight.shape[0], NORM_ROWS)]
+def dora_row_norms(base: nn.Module, b: torch.Tensor, a: torch.Tensor, scaling) -> torch.Tensor:
+    """``||W + s * B A||`` per output row, float32 ``[out]``, built ``NORM_ROWS`` rows at a time (no autograd).
+    ``W`` is the ``base`` Linear's weight as its forward computes with it (``adapter_types.base_rows``: an fp8 or
+    low-bit base is dequantised ``NORM_ROWS`` rows at a time)."""
+    norms = [torch.linalg.norm(base_rows(base, slice(i, i + NORM_ROWS)).to(a.dtype) +
+                               scaling * (b[i:i + NORM_ROWS] @ a), dim=1)
+             for i in range(0, b.shape[0], NORM_ROWS)]
     return torch.cat(norms)
 
 
 def dora_forward(dora: nn.Module, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name=None):
     """peft's ``DoraLinearLayer.forward`` (what DoRA adds to the base output) through :func:`dora_row_norms` and
     :class:`DoraOutput`; ``x`` is the input peft cast to the LoRA's dtype."""
-    weight = base_layer.weight
-    norms = dora_row_norms(weight, lora_B.weight, lora_A.weight, scaling).to(x.dtype)
+    norms = dora_row_norms(base_layer, lora_B.weight, lora_A.weight, scaling).to(x.dtype)
     magnitude = dora.weight / norms
     if base_result is None:  # lora.dropout > 0: the base output of the dropped-out input, as peft computes it
-        base_result = F.linear(x, weight.to(x.dtype))
+        base_result = F.linear(x, base_rows(base_layer, dtype=x.dtype))
     elif base_layer.bias is not None:
-        base_result = base_result - base_layer.bias
+        base_result = base_result - base_layer.bias.to(base_result.dtype)  # layerwise fp8: float8 between forwards
     return DoraOutput.apply(base_result, lora_A(x), lora_B.weight * scaling, magnitude)
+
+
+@contextlib.contextmanager
+def dora_magnitudes_from_row_norms() -> Iterator[None]:
+    """While peft creates DoRA layers (``add_adapter``), each takes its magnitude ``||W + s * B A||_row`` from
+    :func:`dora_row_norms` instead of peft's ``DoraLinearLayer.update_layer``, which adds the float32 ``B A`` to the
+    base weight as it is stored (a float8 weight cannot be multiplied or added on the CPU, a low-bit Linear's weight
+    is a stand-in) and builds float32 ``[out, in]`` temporaries. The values are peft's for a bf16 base; the run
+    draws them again in float32 (``DoRA.init_fp32``)."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    peft_update = DoraLinearLayer.update_layer
+
+    def update_layer(self, *, base_layer, lora_A, lora_B, scaling, place_on_cpu=False) -> None:
+        norms = dora_row_norms(base_layer, lora_B.float(), lora_A.float(), scaling)
+        self.weight = nn.Parameter(norms.to("cpu") if place_on_cpu else norms, requires_grad=True)
+
+    DoraLinearLayer.update_layer = update_layer
+    try:
+        yield
+    finally:
+        DoraLinearLayer.update_layer = peft_update
 
 
 def _lycoris_plain(layer: nn.Module, *parts: str) -> bool:

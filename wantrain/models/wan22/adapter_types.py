@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from wantrain.core.errors import UserError
-from wantrain.core.parallel.sharding import whole, whole_to_writer
+from wantrain.core.parallel.sharding import is_sharded, whole, whole_to_writer
 
 ADAPTER_NAME = "wantrain"
 ADAPTER_TYPES = ("lora", "lokr", "loha", "dora")
@@ -198,6 +198,23 @@ class LoKr(AdapterType):
         return None
 
 
+def base_rows(base: nn.Module, rows: slice = slice(None), dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Output rows ``rows`` of the frozen ``base`` Linear's weight as its forward computes with it, in ``dtype``
+    (default: that compute dtype), on the weight's device: an fp8_scaled or low-bit Linear's dequantised rows (its
+    ``dequantised_rows``: only those rows are dequantised, so DoRA's row norms never hold a bf16 copy of a whole
+    weight beside the codes), a layerwise-cast fp8 weight (float8 between forwards) upcast to bf16, as the cast in
+    its forward does exactly, any other weight as it is."""
+    dequantised_rows = getattr(base, "dequantised_rows", None)
+    if dequantised_rows is not None:
+        if dtype is None:
+            dtype = base.bias.dtype if getattr(base, "bias", None) is not None else torch.bfloat16
+        return dequantised_rows(rows, dtype)
+    weight = base.weight[rows]
+    if dtype is None:
+        dtype = torch.bfloat16 if weight.dtype.itemsize == 1 else weight.dtype
+    return weight.to(dtype)
+
+
 class DoRA(AdapterType):
     name = "dora"
     reads_base = True
@@ -210,7 +227,8 @@ class DoRA(AdapterType):
 
     @staticmethod
     def base_weight(layer: nn.Module, *, to_writer: bool = False) -> torch.Tensor:
-        """The frozen base weight in float32 on the CPU (an fp8_scaled Linear's rows times their scales). Under
+        """The frozen base weight in float32 on the CPU, as the forward computes with it (:func:`base_rows`: an fp8
+        or low-bit Linear's dequantised weight, one Linear at a time, wherever block swap holds it). Under
         ``model.parallel = "fsdp"``: on a rank that built the model on ``meta`` (its values come from rank 0's host
         copy) an empty ``meta`` tensor; sharded, the whole weight (an all-gather: every rank calls it, in the same
         order, as the export's LoRA factors); ``to_writer`` (a save): gathered to the writing rank only, ``meta``
@@ -218,12 +236,10 @@ class DoRA(AdapterType):
         base = layer.get_base_layer()
         if base.weight.is_meta:
             return torch.empty(base.weight.shape, dtype=torch.float32, device="meta")
-        weight = (whole_to_writer(base.weight, torch.float32) if to_writer
-                  else whole(base.weight.detach()).to("cpu", torch.float32))
-        if weight.is_meta:
-            return weight
-        scale = getattr(base, "scale", None)
-        return weight * scale.detach().to("cpu", torch.float32).view(-1, 1) if scale is not None else weight
+        if is_sharded(base.weight):  # fsdp keeps the base bf16 (rule fsdp-memory-settings)
+            return (whole_to_writer(base.weight, torch.float32) if to_writer
+                    else whole(base.weight.detach()).to("cpu", torch.float32))
+        return base_rows(base).detach().to("cpu", torch.float32)
 
     def _adapted_norm(self, layer: nn.Module, a: torch.Tensor, b: torch.Tensor, alpha: float,
                       base: torch.Tensor | None = None) -> torch.Tensor:

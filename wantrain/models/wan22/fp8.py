@@ -88,6 +88,11 @@ class ScaledFp8Linear(nn.Linear):
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, dequantise(self.weight, self.weight_scale, x.dtype), bias)
 
+    def dequantised_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        """Output rows ``rows`` of the weight the forward computes with, in ``dtype`` (DoRA's row norms and export
+        read it: ``adapter_forward.base_rows``)."""
+        return dequantise(self.weight[rows], self.weight_scale[rows], dtype)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 + per-row scale"
 

@@ -33,8 +33,9 @@ The codes are the Linear's frozen ``weight_codes`` parameter (``uint8``: ``[out,
 for nf4), the absmax its ``weight_absmax`` buffer and the column scales its ``weight_column_scale`` one; the bias
 stays in the compute dtype. Its ``weight`` is a stand-in that holds no memory (a bf16 scalar expanded to
 ``[out, in]`` on the codes' device): what peft reads of a base layer's weight (its shape for LoHa's and LoKr's
-factors, its device) is right, and its values (zeros) are never computed with, because DoRA, the only adapter that
-reads them, is refused on these storages.
+factors, its device) is right, and its values (zeros) are never computed with: DoRA, the only adapter that reads the
+base weight outside the forward, reads :meth:`LowBitLinear.dequantised_rows` instead (``adapter_forward.base_rows``),
+a few rows at a time, the values the forward computes with.
 """
 
 from __future__ import annotations
@@ -68,15 +69,6 @@ BYTES_PER_WEIGHT = {"int8": 1.0 + 4.0 / BLOCK, "nf4": 0.5 + 4.0 / BLOCK}
 # On the CPU a weight is quantised this many weights at a time (whole rows): bitsandbytes' CPU nf4 quantiser (0.50)
 # allocates ~14 bytes of float32 working copies per weight (VmHWM over a 13824 x 5120 weight: 1.0 GB at once)
 CPU_CHUNK_WEIGHTS = 1 << 22
-
-
-def problems(model) -> list[str]:
-    """What ``model.base_dtype = "int8"`` / ``"nf4"`` refuses in ``model`` (a ``ModelConfig``), one line each."""
-    if model.base_dtype not in LOW_BIT_DTYPES or model.compile == "off":
-        return []
-    return [f"model.base_dtype = '{model.base_dtype}' with model.compile = '{model.compile}': bitsandbytes' "
-            "dequantisation inside compiled blocks is not verified yet (no GPU has run it); set model.compile = "
-            "'off' or base_dtype = 'bf16' / 'fp8_scaled'"]
 
 
 def _functional():
@@ -168,6 +160,21 @@ def dequantise(codes: torch.Tensor, absmax: torch.Tensor, kind: str, shape: tupl
     return weight if scale is None else weight.mul_(scale.to(dtype))
 
 
+# One opaque operator for the compiled blocks (``model.compile``): dynamo would otherwise trace into bitsandbytes'
+# Python wrappers and this module's cached codebook and break the graph at each Linear; here it sees one op whose
+# fake implementation gives the weight's shape and dtype, and the eager implementation is :func:`dequantise`, so a
+# compiled step computes the same values as an eager one
+@torch.library.custom_op("wantrain::low_bit_dequantise", mutates_args=())
+def _dequantise_op(codes: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, kind: str, out_features: int,
+                   in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantise(codes, absmax, kind, (out_features, in_features), dtype, scale)
+
+
+@_dequantise_op.register_fake
+def _(codes, absmax, scale, kind, out_features, in_features, dtype):
+    return codes.new_empty((out_features, in_features), dtype=dtype)
+
+
 def _dequantise_codes(codes: torch.Tensor, absmax: torch.Tensor, kind: str, shape: tuple[int, int],
                       dtype: torch.dtype) -> torch.Tensor:
     bnb = _functional()
@@ -200,8 +207,18 @@ class LowBitLinear(nn.Linear):
 
     def dequantised(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight ``[out, in]`` as it computes, in ``dtype``."""
-        return dequantise(self.weight_codes, self.weight_absmax, self.kind, (self.out_features, self.in_features),
-                          dtype, self.weight_column_scale)
+        return _dequantise_op(self.weight_codes, self.weight_absmax, self.weight_column_scale, self.kind,
+                              self.out_features, self.in_features, dtype)
+
+    def dequantised_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+        """Output rows ``rows`` (a step-1 slice) of :meth:`dequantised`, bit for bit, dequantising only them where a
+        row is whole blocks of :data:`BLOCK` (a block never crosses a row), else the whole weight first."""
+        start, stop, _ = rows.indices(self.out_features)
+        if self.in_features % BLOCK:
+            return self.dequantised(dtype)[start:stop]
+        per_row = self.in_features // BLOCK
+        return _dequantise_op(self.weight_codes[start:stop], self.weight_absmax[start * per_row:stop * per_row],
+                              self.weight_column_scale, self.kind, max(0, stop - start), self.in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None

@@ -554,7 +554,7 @@ def estimate(variant: str, settings: MemorySettings, *, width: int, height: int,
 
 
 AUTO_DTYPES = ("bf16", "fp8")  # what base_dtype = "auto" tries, in this order ...
-AUTO_LOW_BIT = ("int8", "nf4")  # ... then these where bitsandbytes is installed (and compile is off: lowbit.py)
+AUTO_LOW_BIT = ("int8", "nf4")  # ... then these where bitsandbytes is installed and the blocks checkpointed
 
 
 def low_bit_available() -> bool:
@@ -595,7 +595,7 @@ def plan(variant: str, budget_gib: float, *, base_dtype: str, width: int, height
     fits (training and, with ``sample``, sampling), within it the first recompute path that fits (``recompute``
     ``auto``: the whole block, else the lean one), and within those the fitting setting moving the fewest bytes
     over the host link per step. ``low_bit``: ``base_dtype = "auto"`` may go on to int8 and nf4
-    (:func:`auto_dtypes`; the caller knows whether bitsandbytes is there and the blocks are not compiled)."""
+    (:func:`auto_dtypes`; the caller knows whether bitsandbytes is there and the blocks are checkpointed)."""
     from wantrain.models.wan22.variants import VARIANTS
 
     spec = VARIANTS[variant]

@@ -238,6 +238,10 @@ class ExpertPlacement:
         self._waiting[expert] = [(owner, attr, copy, is_param)
                                  for (owner, attr, _, is_param), copy in zip(tensors, copies, strict=True)]
 
+    def on_disk(self, expert: str | None) -> bool:
+        """Whether ``expert`` waits on disk now (its base tensors are placeholders: ``disk``)."""
+        return self.where.get(expert) == _DROPPED
+
     def resident(self) -> list[str | None]:
         """The experts whose base weights are on the training device and may leave it (at most one; sharded
         experts, 1/N of an expert each, stay beside it: the other expert of a sharded run comes in for samples)."""

@@ -15,7 +15,6 @@ import torch
 from wantrain.core.problems import Problem, Rule
 from wantrain.models.wan22.adapter_types import check_pattern
 from wantrain.models.wan22.dtypes import LOW_BIT_DTYPES, QUANTISED_DTYPES
-from wantrain.models.wan22.lowbit import problems as low_bit_problems
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.models.wan22.waiting import problems as waiting_problems
 
@@ -73,9 +72,6 @@ MODEL_RULES = (
     WAITING_DISK := R("waiting-expert-disk", ("model.waiting_expert", "model.experts", "model.expert_groups"),
                       "the waiting expert on disk where no expert waits (one expert, or expert groups)",
                       ("model.waiting_expert = disk", "one trained expert or model.expert_groups > 1")),
-    LOW_BIT_COMPILE := R("low-bit-compile", ("model.base_dtype", "model.compile"),
-                         "int8 / nf4 storage inside compiled blocks (not verified on a GPU yet)",
-                         ("model.base_dtype = int8 or nf4", "model.compile")),
     CONTROL_VARIANT := R("control-variant",
                          ("model.condition", "model.vace_blocks", "model.variant"),
                          "a control setting its variant lacks (first_last off I2V, vace_blocks off VACE)"),
@@ -150,7 +146,6 @@ def model_problems(model: ModelConfig) -> list[Problem]:
     from wantrain.models.wan22.control import problems as control_problems
 
     out += [WAITING_DISK.problem(line) for line in waiting_problems(model)]
-    out += [LOW_BIT_COMPILE.problem(line) for line in low_bit_problems(model)]
     out += [CONTROL_VARIANT.problem(line) for line in control_problems(model)]
     out.extend(_timestep_problems(model, spec.boundary_ratio))
     return out
@@ -280,8 +275,6 @@ def lora_problems(lora: LoraConfig) -> list[Problem]:
 
 
 ADAPTER_RULES = (
-    DORA_FP8 := R("dora-fp8", ("lora.type", "model.base_dtype"), "DoRA on fp8 or low-bit storage",
-                  ("lora.type = dora", "model.base_dtype = fp8, fp8_scaled, int8 or nf4")),
     MODULES_MATCH := R("modules-match", ("lora.include", "lora.exclude", "model.variant"),
                        "include/exclude patterns that select no module of the variant"),
 )
@@ -289,14 +282,9 @@ ADAPTER_RULES = (
 
 def adapter_problems(cfg: Any) -> list[Problem]:
     """The adapter (``[lora]``) against the model it adapts: DoRA reads the base weights outside their forward
-    pass, which fp8 storage does not dequantize (FSDP's shards are gathered there: ``adapter_types.DoRA``);
-    ``include`` / ``exclude`` must select among the variant's module names."""
+    pass (an fp8 or low-bit base is dequantised for it: ``adapter_types.base_rows``; FSDP's shards are gathered
+    there: ``adapter_types.DoRA``); ``include`` / ``exclude`` must select among the variant's module names."""
     lora, model, out = cfg.lora, cfg.model, []
-    if lora.type == "dora" and model.base_dtype in QUANTISED_DTYPES:  # "auto" plans bf16 for DoRA
-        out.append(DORA_FP8.problem(
-            f"lora.type = 'dora' reads the base weights outside their forward pass, which fp8 and low-bit "
-            f"storage do not dequantize there (model.base_dtype = '{model.base_dtype}'); set "
-            "model.base_dtype = 'bf16' or use another lora.type"))
     if lora.include or lora.exclude:  # against the variant's module names, before anything is written
         from wantrain.core.errors import UserError
         from wantrain.models.wan22.adapter_types import candidate_modules, select_modules

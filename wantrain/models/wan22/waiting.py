@@ -190,6 +190,38 @@ class WaitingOnDisk:
             yield handle.get_tensor
 
 
+@contextlib.contextmanager
+def lending(transformer: nn.Module, read: Callable[[str], torch.Tensor],
+            device: torch.device) -> Iterator[Callable[[nn.Module], None]]:
+    """``lend(block)``: the frozen tensors of ``block`` (a submodule of ``transformer``, an expert waiting on disk:
+    its own are ``meta`` placeholders) read from its file by ``read`` (:meth:`WaitingOnDisk.reader`) onto
+    ``device``, the block lent before given its placeholders back; at the end every placeholder is back. What DoRA's
+    export of the waiting expert reads (its base rows), one block at a time."""
+    name = qualified_names(transformer)
+    lent: list[Entry] = []
+
+    def give_back() -> None:
+        for _, owner, attr, is_param, placeholder in lent:
+            (owner._parameters if is_param else owner._buffers)[attr] = placeholder
+        lent.clear()
+
+    def lend(block: nn.Module) -> None:
+        give_back()
+        for entry in frozen_entries(block):
+            _, owner, attr, is_param, placeholder = entry
+            value = read(name(owner, attr)).to(device)
+            if is_param:
+                owner._parameters[attr] = nn.Parameter(value, requires_grad=False)
+            else:
+                owner._buffers[attr] = value
+            lent.append(entry)
+
+    try:
+        yield lend
+    finally:
+        give_back()
+
+
 def _header(named: list[tuple[str, torch.Tensor]]) -> dict:
     header: dict = {}
     offset = 0
