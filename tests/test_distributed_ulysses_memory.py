@@ -2,8 +2,10 @@
 clip's tokens (``model.sequence_degree = 2``) of the tiny model and train what one process trains with the same
 settings, once with one block swapped (``model.blocks_to_swap``, gradient checkpointing on) and once with the frozen
 base stored in float8 (``model.base_dtype = "fp8"``, diffusers' layerwise casting, and ``"fp8_scaled"``; allowed on
-the CPU only in tests, where it is refused for its cost). Ulysses exchanges tokens inside each attention and leaves
-the weights whole on every rank, so the swap's block copies and the fp8 Linears work as in one process."""
+the CPU only in tests, where it is refused for its cost), and in bitsandbytes' int8 and nf4 codes
+(``model.base_dtype = "int8"`` / ``"nf4"``, models/wan22/lowbit.py). Ulysses exchanges tokens inside each attention
+and leaves the weights whole on every rank, so the swap's block copies and the fp8 and low-bit Linears work as in
+one process."""
 
 from __future__ import annotations
 
@@ -51,6 +53,14 @@ def test_a_ulysses_run_with_block_swap_equals_one_process(workspace):
 @pytest.mark.parametrize("storage", ["fp8", "fp8_scaled"])
 def test_a_ulysses_run_with_fp8_storage_equals_one_process(workspace, monkeypatch, storage):
     monkeypatch.setattr("wantrain.models.wan22.adapter.FP8_DEVICE_TYPES", ("cuda", "cpu"))
+    split, one = two_ranks_and_one(workspace, f"ulysses_{storage}", *GC, "--set", f'model.base_dtype="{storage}"')
+    assert split[0] == pytest.approx(one[0], rel=LOSS_TOLERANCE)
+    assert split == pytest.approx(one, rel=BF16_LOSS)
+
+
+@pytest.mark.parametrize("storage", ["int8", "nf4"])
+def test_a_ulysses_run_on_a_low_bit_base_equals_one_process(workspace, storage):
+    """As fp8 storage: the Linears compute in bf16 from the dequantised codes (losses equal here at each step)."""
     split, one = two_ranks_and_one(workspace, f"ulysses_{storage}", *GC, "--set", f'model.base_dtype="{storage}"')
     assert split[0] == pytest.approx(one[0], rel=LOSS_TOLERANCE)
     assert split == pytest.approx(one, rel=BF16_LOSS)

@@ -40,7 +40,6 @@ TRIGGERS: dict[str, tuple[dict, dict]] = {
     "shard-degree-needs-fsdp": ({"model.shard_degree": 2}, {}),
     "fsdp-memory-settings": ({"model.parallel": "fsdp", **ONE, "model.blocks_to_swap": 1}, {}),
     "sequence-degree-heads": ({"model.sequence_degree": 3}, {}),
-    "sequence-memory-settings": ({"model.sequence_degree": 2, "model.base_dtype": "int8"}, {}),
     "sequence-expert-groups": ({"model.sequence_degree": 2, "model.expert_groups": 2}, {}),
     "lokr-factor-zero": ({"lora.type": "lokr", "lora.lokr_factor": 0}, {}),
     "lokr-keys-on-other-type": ({"lora.lokr_factor": 4}, {}),

@@ -22,13 +22,13 @@ T2V = {"variant": "tiny-t2v", "sequence_degree": 2}
      "model.sequence_degree = 4 does not divide the 2 attention heads of tiny-t2v (Ulysses gives each GPU whole "
      "heads); use one of 1, 2"),
     ({"model": {**T2V, "expert_groups": 2}}, "does not work with model.expert_groups = 2 yet"),
-    ({"model": {**T2V, "base_dtype": "int8"}}, "does not work with model.base_dtype = 'int8' yet"),
 ])
 def test_a_sequence_degree_is_refused_with_what_it_does_not_work_with_when_the_config_is_read(keys, says):
     with pytest.raises(ConfigError) as refused:
         structure(RunConfig, keys)
     assert says in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     assert structure(RunConfig, {"model": T2V}).model.sequence_degree == 2  # alone: fine
+    assert structure(RunConfig, {"model": {**T2V, "base_dtype": "nf4"}}).model.base_dtype == "nf4"  # low-bit codes too
     # with fsdp too (the sequence groups folded into the shard dimension); its other refusals still hold
     assert structure(RunConfig, {"model": {**T2V, "experts": "high_noise", "parallel": "fsdp"}}).model.parallel \
         == "fsdp"

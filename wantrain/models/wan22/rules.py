@@ -14,7 +14,7 @@ import torch
 
 from wantrain.core.problems import Problem, Rule
 from wantrain.models.wan22.adapter_types import check_pattern
-from wantrain.models.wan22.dtypes import LOW_BIT_DTYPES, QUANTISED_DTYPES
+from wantrain.models.wan22.dtypes import QUANTISED_DTYPES
 from wantrain.models.wan22.variants import VARIANTS
 from wantrain.models.wan22.waiting import problems as waiting_problems
 
@@ -63,9 +63,6 @@ MODEL_RULES = (
                      ("model.parallel = fsdp", "block swap, fp8")),
     SEQUENCE_HEADS := R("sequence-degree-heads", ("model.sequence_degree", "model.variant"),
                         "a sequence degree that does not divide the attention heads"),
-    SEQUENCE_MEMORY := R("sequence-memory-settings", ("model.sequence_degree", "model.base_dtype"),
-                         "a sequence degree with int8 / nf4 storage (not verified)",
-                         ("model.sequence_degree > 1", "model.base_dtype = int8 or nf4")),
     SEQUENCE_GROUPS := R("sequence-expert-groups", ("model.sequence_degree", "model.expert_groups"),
                          "a sequence degree inside expert groups",
                          ("model.sequence_degree > 1", "model.expert_groups > 1")),
@@ -218,12 +215,8 @@ def _sequence_problems(model: ModelConfig) -> list[Problem]:
         return [SEQUENCE_GROUPS.problem(f"model.sequence_degree = {degree} does not work with model.expert_groups "
                                         f"= {model.expert_groups} yet", "set expert_groups = 1 or sequence_degree = 1")]
     # Ulysses leaves the weights whole on every rank: compile (diffusers' context-parallel hooks break each block's
-    # graph at its attention), block swap, fp8 storage and a VRAM budget (which picks those two) run as in one process
-    if model.base_dtype in LOW_BIT_DTYPES:
-        return [SEQUENCE_MEMORY.problem(
-            f"model.sequence_degree = {degree} does not work with model.base_dtype = '{model.base_dtype}' yet "
-            "(bitsandbytes' low-bit Linears under a split sequence are not verified)",
-            "set base_dtype = 'bf16', 'fp8' or 'fp8_scaled', or sequence_degree = 1")]
+    # graph at its attention), block swap, fp8 and int8 / nf4 storage and a VRAM budget (which picks those) run as in
+    # one process (tests/test_distributed_ulysses_memory.py)
     return []
 
 
