@@ -3,10 +3,10 @@ the lean recompute (one module: they share the filled cache):
 
 * the waiting expert on disk: the LoRA files and the logged metrics are byte-equal to the run with the waiting
   expert resident, through expert switches, validation, a sample round and a resume;
-* low-bit frozen bases (``model.base_dtype = "int8"`` and ``"nf4"``, models/wan22/lowbit.py) with the waiting
-  expert on disk, a LoRA, a DoRA, a LoKr (int8) and a LoHa (nf4): each trains, a run stopped at step 2 resumes to
-  files byte-equal to the uninterrupted run's, and the LoRA and DoRA files load into diffusers' Wan transformer
-  (diffusers has no loader for LoKr or LoHa on Wan: docs/models.md)."""
+* quantised frozen bases (``model.base_dtype = "int8"`` and ``"nf4"``, models/wan22/lowbit.py; ``"fp8"`` and
+  ``"fp8_scaled"``) with the waiting expert on disk, each adapter type on each: each trains, a run stopped at step 2
+  resumes to files byte-equal to the uninterrupted run's, and the LoRA and DoRA files load into diffusers' Wan
+  transformer (diffusers has no loader for LoKr or LoHa on Wan: docs/models.md)."""
 
 from __future__ import annotations
 
@@ -113,18 +113,20 @@ def _diffusers_state(path: Path, transformer) -> dict[str, torch.Tensor]:
     return state
 
 
-# each adapter type on each low-bit base (DoRA on fp8 storage, which needs CUDA for a run: its norms, forward and
-# export in tests/models/test_low_bit.py); LoKr and LoHa files have no loader in diffusers (docs/models.md)
+# each adapter type on each quantised base (fp8 storage is refused on a CPU for its cost only: allowed here, as in
+# tests/test_fp8_scaled_runs.py); LoKr and LoHa files have no loader in diffusers (docs/models.md)
 @pytest.mark.parametrize("base_dtype, kind", [("int8", "lora"), ("nf4", "lora"), ("int8", "dora"), ("nf4", "dora"),
-                                              ("int8", "lokr"), ("nf4", "loha")])
-def test_a_low_bit_run_trains_resumes_bitwise_and_exports_its_files(workspace, tmp_path,  # noqa: F811
-                                                                    base_dtype, kind):
+                                              ("int8", "lokr"), ("nf4", "loha"), ("fp8", "lora"),
+                                              ("fp8_scaled", "dora"), ("fp8", "loha"), ("fp8_scaled", "lokr")])
+def test_a_quantised_run_trains_resumes_bitwise_and_exports_its_files(workspace, tmp_path, monkeypatch,  # noqa: F811
+                                                                      base_dtype, kind):
     from diffusers import WanTransformer3DModel
     from diffusers.loaders import WanLoraLoaderMixin
 
     from wantrain.models.wan22.architecture import transformer_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
+    monkeypatch.setattr("wantrain.models.wan22.adapter.FP8_DEVICE_TYPES", ("cuda", "cpu"))
     extra = (f"model.base_dtype={base_dtype}", f"lora.type={kind}")
     straight = _low_bit_run(workspace, tmp_path / "straight", *extra)
     assert set(straight) == {"quickstart_high_noise.safetensors", "quickstart_low_noise.safetensors"}
