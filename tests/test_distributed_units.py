@@ -323,7 +323,6 @@ TI2V = {"variant": "tiny-ti2v", "parallel": "fsdp"}
 
 
 @pytest.mark.parametrize(("keys", "says"), [
-    ({"model": {**TI2V, "blocks_to_swap": 2}}, "does not work with model.blocks_to_swap = 2 yet; set blocks_to_swap"),
     ({"model": {**TI2V, "base_dtype": "fp8_scaled"}}, "base_dtype = 'fp8_scaled' (quantised storage)"),
     ({"model": {"variant": "tiny-ti2v", "shard_degree": 2}}, "model.shard_degree applies to model.parallel = 'fsdp'"),
 ])
@@ -337,6 +336,7 @@ def test_fsdp_refuses_what_it_cannot_shard_yet_when_the_config_is_read(keys, say
     structure(RunConfig, {"model": {"variant": "tiny-t2v", "parallel": "fsdp"}})  # both experts
     structure(RunConfig, {"model": TI2V, "lora": {"type": "dora"}})
     structure(RunConfig, {"model": {**TI2V, "vram_budget_gb": 20.0}})  # it plans per GPU (test_check_fsdp_load.py)
+    assert structure(RunConfig, {"model": {**TI2V, "blocks_to_swap": 2}}).model.blocks_to_swap == 2  # FSDP2's offload
 
 
 def test_fsdp_against_the_launch_one_process_trains_unsharded_and_a_degree_must_divide_the_ranks():
