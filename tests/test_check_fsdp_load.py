@@ -143,3 +143,12 @@ def test_a_vram_budget_under_fsdp_swaps_blocks_when_nothing_else_fits_and_moves_
     (host,) = [x for x in swapped.splitlines() if "offloaded blocks' shards + LoRA state (FSDP)" in x]
     assert float(host.split()[-2]) == pytest.approx(frozen + lora + rounding, abs=0.011)  # pinned: real model, CUDA
     assert "offloaded blocks' shards" not in plain
+    # docs/distributed.md's example ("Block swap under fsdp"): the same 19 blocks set by hand, the same plan per GPU
+    explicit = check("model.blocks_to_swap=19")
+
+    def per_gpu(out: str) -> list[str]:
+        lines = out.splitlines()
+        start = next(k for k, x in enumerate(lines) if x.startswith("plan per GPU at"))
+        return lines[start:start + 8]
+
+    assert per_gpu(explicit) == per_gpu(swapped) and card == 11.8
