@@ -329,12 +329,18 @@ def whole_to_writer(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> t
 
 def like(value: torch.Tensor, target: Any) -> torch.Tensor:
     """``value`` (a whole tensor every rank holds alike: read from a checkpoint) laid out as ``target``: this
-    rank's shard of it when ``target`` is a ``DTensor`` (sliced locally, nothing travels), else ``value``."""
+    rank's shard of it when ``target`` is a ``DTensor`` (sliced locally, nothing travels), on the device of
+    ``target``'s shard (the host for a block FSDP2 offloads), else ``value``."""
     if not is_sharded(target) or is_sharded(value) or value.shape != target.shape:
         return value
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    return distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    out = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    device = target.to_local().device  # a block held on the host (FSDP2's CPU offload): its state stays there too
+    if out.to_local().device != device:
+        out = DTensor.from_local(out.to_local().to(device), target.device_mesh, target.placements, run_check=False,
+                                 shape=target.shape, stride=target.stride())
+    return out
 
 
 def shard_mesh(device_type: str, world_size: int, shard_degree: int | None = None) -> Any:
