@@ -143,6 +143,13 @@ def test_a_vram_budget_under_fsdp_swaps_blocks_when_nothing_else_fits_and_moves_
     (host,) = [x for x in swapped.splitlines() if "offloaded blocks' shards + LoRA state (FSDP)" in x]
     assert float(host.split()[-2]) == pytest.approx(frozen + lora + rounding, abs=0.011)  # pinned: real model, CUDA
     assert "offloaded blocks' shards" not in plain
+    assert "offloaded shards pinned (FSDP2)" in swapped and "offloaded shards pinned" not in plain
+
+    def save_peak(out: str) -> float:  # every other GPU's peak at a save: its resident shards and one to send
+        (line,) = [x for x in out.splitlines() if "save, every other GPU" in x]
+        return float(line.rsplit(", ", 1)[1].split()[0])
+
+    assert save_peak(plain) - save_peak(swapped) == pytest.approx(frozen + lora, abs=0.011)
     # docs/distributed.md's example ("Block swap under fsdp"): the same 19 blocks set by hand, the same plan per GPU
     explicit = check("model.blocks_to_swap=19")
 

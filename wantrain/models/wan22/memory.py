@@ -936,7 +936,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
 
             training["offload slabs' unused ends"] = _slab_waste(offloaded, OFFLOAD_SLAB_MAX)
     phases["while training"] = training
-    if not cuda:
+    if offloaded_shards and cuda and pin:  # FSDP2 pins the shards it offloads; nothing else is held (one expert)
+        pinned = "offloaded shards pinned (FSDP2)" + (
+            "" if not placed else "; waiting copies pinned" if pin_placed else "; waiting copies pageable")
+    elif not cuda:
         pinned = "nothing pinned (not training on CUDA)"
     elif not pin:
         pinned = "nothing pinned (model.pin_host_copies = false)"

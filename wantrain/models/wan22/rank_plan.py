@@ -248,15 +248,20 @@ def _size(nbytes: float) -> str:
 
 
 def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None = None,
-                adapter: AdapterSpec = LORA) -> SaveGather:
+                adapter: AdapterSpec = LORA, blocks_to_swap: int = 0) -> SaveGather:
     """The gathers of one save under ``layout`` (its shard degree > 1; module docstring's weights and LoRA parts).
-    Rank 0's host holds the gathered state twice at the checkpoint's write (``core.checkpoint`` copies the tree)."""
+    Rank 0's host holds the gathered state twice at the checkpoint's write (``core.checkpoint`` copies the tree).
+    ``blocks_to_swap``: those blocks' shards and LoRA state wait on the host (``rank_offload``), not on the GPU."""
     from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     s = layout.shard_degree
     resident = sharded_weight_bytes(variant, s, layers)[0] + lora_shard_params(variant, rank, s, layers) * \
         LORA_BYTES_PER_PARAM
+    if blocks_to_swap:
+        from wantrain.models.wan22.rank_offload import offloaded_shards
+
+        resident -= sum(offloaded_shards(variant, s, blocks_to_swap, rank, layers)[:2])
     largest = max(_lora_sizes(variant, rank)) * 4.0  # fp32, gathered whole on rank 0's GPU
     if adapter.type == "dora":  # its export's base norm: the largest frozen Linear weight, bf16
         kwargs = planner_kwargs(VARIANTS[variant])
