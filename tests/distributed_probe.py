@@ -8,7 +8,8 @@ write, directory creation, rename or removal under ``WANTRAIN_PROBE_WATCH`` (the
 ``WANTRAIN_PROBE_STOP_AT`` / ``WANTRAIN_PROBE_STOP_RANK``: request a stop after that step on that rank only;
 ``WANTRAIN_PROBE_KILL_AT``: SIGKILL that rank after that step instead (a peer that dies without a word).
 The record also holds ``block_numel``: the elements of the trained experts' block parameters this rank holds
-(its shards under fsdp) and their whole count.
+(its shards under fsdp) and their whole count; ``on_host``: per trained expert, the run-order indices of the blocks
+whose shards FSDP2 keeps on the host (``model.blocks_to_swap`` under fsdp: every parameter's ``offload_to_cpu``).
 ``rank<R>_grads.safetensors``: the first optimizer step's gradients as ``GradsReady`` sees them (averaged over the
 ranks; under fsdp the rank's shard), by LoRA parameter name.
 The record's ``whole``: [how many ``DTensor``\\ s this rank made whole with ``full_tensor`` (an all-gather), the most
@@ -55,6 +56,20 @@ def _count_full_tensor() -> None:
 
 
 _count_full_tensor()
+def _on_host(transformer) -> list[int]:
+    from wantrain.models.wan22.swap import run_order
+
+    out = []
+    for k, block in enumerate(run_order(transformer)):
+        state = getattr(block, "_get_fsdp_state", None)
+        group = state()._fsdp_param_group if state is not None else None
+        flags = {p.offload_to_cpu for p in group.fsdp_params} if group is not None else {False}
+        assert len(flags) == 1, "a block half on the host"
+        if flags.pop():
+            out.append(k)
+    return out
+
+
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
@@ -133,6 +148,9 @@ class RankProbe(Observer):
         blocks = [p for e in ctx.adapter.experts for p in ctx.adapter.transformer_for(e).blocks.parameters()]
         self.record["block_numel"] = [sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in blocks),
                                       sum(p.numel() for p in blocks)]
+        # model.blocks_to_swap under fsdp: the run-order indices of the blocks whose shards FSDP2 holds on the host
+        # (each of their parameters flagged offload_to_cpu), per trained expert
+        self.record["on_host"] = [_on_host(ctx.adapter.transformer_for(e)) for e in ctx.adapter.experts]
         self._save_weights(ctx, "")
         (self.directory / f"rank{self.rank}.json").write_text(json.dumps(self.record))
 

@@ -38,7 +38,7 @@ TRIGGERS: dict[str, tuple[dict, dict]] = {
     "expert-groups-need-both": ({"model.expert_groups": 2, "model.experts": "high_noise"}, {}),
     "timestep-range": ({"model.min_t": 0.5, "model.max_t": 0.4}, {}),
     "shard-degree-needs-fsdp": ({"model.shard_degree": 2}, {}),
-    "fsdp-memory-settings": ({"model.parallel": "fsdp", **ONE, "model.blocks_to_swap": 1}, {}),
+    "fsdp-memory-settings": ({"model.parallel": "fsdp", **ONE, "model.base_dtype": "fp8"}, {}),
     "sequence-degree-heads": ({"model.sequence_degree": 3}, {}),
     "sequence-expert-groups": ({"model.sequence_degree": 2, "model.expert_groups": 2}, {}),
     "lokr-factor-zero": ({"lora.type": "lokr", "lora.lokr_factor": 0}, {}),

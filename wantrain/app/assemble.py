@@ -57,6 +57,7 @@ from wantrain.core.parallel.distributed import (
     ProcessGroupSync,
     SingleProcess,
     detect_topology,
+    init_default_group,
     rank_view,
 )
 from wantrain.core.parallel.expert_groups import ExpertGroupSync, GroupSaver
@@ -514,6 +515,8 @@ def _load(plan: RunPlan, config_dir: Path | None, topology: Any, allow_data_chan
                                                   alpha=adapter.lora_config.alpha))
     if cfg.sample.enabled and topology.is_main and groups is None:  # one trained expert: the other one's weights
         adapter.add_sampling_expert(cfg.sample.other_expert_lora)
+    if sharded and cfg.model.blocks_to_swap and topology.distributed:  # FSDP2 keeps those blocks' shards on the host
+        init_default_group(topology, device, host_collectives=True)
     if groups is not None:
         sync = ExpertGroupSync.start(topology, device, groups=groups, experts=spec.experts)
     else:
@@ -527,7 +530,8 @@ def _load(plan: RunPlan, config_dir: Path | None, topology: Any, allow_data_chan
         sync.split_sequences(sequence)
     if sharded:
         shard_experts(adapter, device, topology.world_size, cfg.model.shard_degree, sequence,
-                      sync if groups is not None else None)
+                      sync if groups is not None else None, blocks_to_swap=cfg.model.blocks_to_swap,
+                      pin=cfg.model.pin_host_copies)
         sync.shard()
     return PreparedRun(cfg, plan.plain, config_dir, device, data, adapter, plan.extra_observers, point,
                        validation_data=plan.validation_data, sync=sync, data_changes=data_changes,
@@ -535,7 +539,8 @@ def _load(plan: RunPlan, config_dir: Path | None, topology: Any, allow_data_chan
 
 
 def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_degree: int | None,
-                  sequence_degree: int = 1, groups: ExpertGroupSync | None = None) -> None:
+                  sequence_degree: int = 1, groups: ExpertGroupSync | None = None, *, blocks_to_swap: int = 0,
+                  pin: bool = True) -> None:
     """model.parallel = "fsdp" under torchrun: ``fully_shard`` every block of each trained expert, then the
     expert's root (``core.parallel.sharding.shard_per_block``), on the mesh of ``shard_degree`` ranks per copy (HSDP
     across the groups). After the LoRA is injected and before the optimizer is built: it is built over the ``DTensor``
@@ -548,9 +553,14 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
     With expert groups (``groups``, the run's sync; refused with a sequence degree): each group shards its own expert
     over its own ranks (``core.parallel.sharding.group_shard_mesh``; ``shard_degree`` of them per copy, unset: the whole
     group) and fills it from the group leader's host copy over the group only
-    (``core.parallel.sharding.load_from_leader``): the groups load side by side."""
+    (``core.parallel.sharding.load_from_leader``): the groups load side by side.
+
+    ``blocks_to_swap`` (block swap under fsdp): the shards of the last N blocks in run order -- the blocks one-GPU
+    block swap takes (``models.wan22.swap.swapped_blocks``) -- live on the host (FSDP2's CPU offload: their LoRA
+    steps there too) and cross to the device for each forward and backward; ``pin``: pinned host shards (CUDA
+    only)."""
     from wantrain.core.parallel import sharding
-    from wantrain.models.wan22.swap import run_order  # every block, a VACE expert's VACE blocks too
+    from wantrain.models.wan22.swap import swapped_blocks  # every block, a VACE expert's VACE blocks too
 
     if groups is None:
         mesh = sharding.shard_mesh(device.type, world_size, shard_degree)
@@ -559,8 +569,10 @@ def shard_experts(adapter: Any, device: torch.device, world_size: int, shard_deg
     divide = world_size / sequence_degree if sequence_degree > 1 else None
     for expert in adapter.experts:
         transformer = adapter.transformer_for(expert)
-        sharding.shard_per_block(transformer, run_order(transformer), mesh=mesh, gradient_divide_factor=divide,
-                                 param_dtype=sharding.compute_dtype(transformer), reduce_dtype=torch.float32)
+        blocks, held = swapped_blocks(transformer, blocks_to_swap)
+        sharding.shard_per_block(transformer, blocks, mesh=mesh, gradient_divide_factor=divide,
+                                 param_dtype=sharding.compute_dtype(transformer), reduce_dtype=torch.float32,
+                                 on_host=[blocks[k] for k in held], pin=pin and device.type == "cuda")
         source = adapter.host_sources.pop(expert, None)
         if groups is None:
             sharding.load_from_rank0(transformer, source, device)

@@ -237,6 +237,7 @@ def layout_lines(cfg: Any, report: Any, layout: Any) -> list[str]:
 
         lines.append("  " + load_peak(cfg.model.variant, layout.shard_degree, trained_rank(cfg)).line(
             layout.shard_degree, layout.expert_groups))
-        gather = save_gather(cfg.model.variant, layout, trained_rank(cfg), adapter=AdapterSpec.of(cfg.lora))
+        gather = save_gather(cfg.model.variant, layout, trained_rank(cfg), adapter=AdapterSpec.of(cfg.lora),
+                             blocks_to_swap=settings.blocks_to_swap if settings is not None else 0)
         lines += ["  " + line for line in gather.lines()]  # each save: rank 0 gathers, the other GPUs send
     return lines

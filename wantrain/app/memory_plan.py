@@ -64,6 +64,7 @@ def plan_memory(cfg: Any, data: Any, *, gpus: int | None = None) -> Any:
     elif model.parallel == "fsdp":  # the budget holds per GPU, with the shard, and picks what fsdp runs with
         chosen, per_gpu = _plan_sharded(cfg, dtype, size, b, gpus)
         model = attrs.evolve(model, vram_budget_gb=None, offload_activations=chosen.settings.offload_activations,
+                             blocks_to_swap=chosen.settings.blocks_to_swap,
                              recompute=chosen.settings.recompute if model.gradient_checkpointing else model.recompute,
                              base_dtype=model.base_dtype if dtype != "auto" else chosen.settings.base_dtype)
     else:
@@ -104,9 +105,9 @@ def _record_plan(cfg: Any, data: Any, b: Any, chosen: Any, per_gpu: Any = None) 
 
 def _plan_sharded(cfg: Any, dtype: str, size: dict, b: Any, gpus: int | None) -> tuple[Any, Any]:
     """``model.vram_budget_gb`` under ``model.parallel = "fsdp"``: (the one-GPU estimate of the settings chosen,
-    for the report and the host plan; the per-GPU estimate they were chosen by) (``rank_plan.plan_sharded``: bf16,
-    no block swap; activation offload and the recompute path planned per GPU of the launch's shard degree). Nothing
-    that fits is a one-line ``UserError``."""
+    for the report and the host plan; the per-GPU estimate they were chosen by) (``rank_plan.plan_sharded``: bf16;
+    the recompute path, activation offload and block swap -- FSDP2's CPU offload of the shards -- planned per GPU of
+    the launch's shard degree, in the one-GPU planner's order). Nothing that fits is a one-line ``UserError``."""
     from wantrain.models.wan22.memory import estimate
     from wantrain.models.wan22.rank_plan import Layout, plan_sharded
 
@@ -266,6 +267,14 @@ def host_estimate_of(cfg: Any, model: Any, settings: Any, size: dict, *, gpus: i
                            dtype_name="fp32" if settings.base_dtype == "fp32" else "bf16").rank0_host
         # the leaders on the first machine: ranks 0, group, 2 x group ... below the ranks it holds
         load = dict(load_source=source, loaders_on_host=min(groups, -(-on_host // group)))
+        if settings.blocks_to_swap:  # FSDP2 offloads the swapped blocks' shards: 1/degree of them on each rank's host
+            from wantrain.models.wan22.rank_offload import offloaded_shards
+
+            frozen, lora, rounding = offloaded_shards(model.variant, model.shard_degree or group,
+                                                      settings.blocks_to_swap, size["rank"])
+            pinned = rounding if _trains_on_cuda(cfg, model) and model.pin_host_copies else 0.0
+            load["offloaded_shards"] = len(experts) * (frozen + lora + pinned)  # each of this rank's experts
+            settings = attrs.evolve(settings, blocks_to_swap=0)  # no one-GPU swap copies
     return host_estimate(model.variant, settings, experts=experts, cuda=_trains_on_cuda(cfg, model),
                          sampling_only=other, pin=model.pin_host_copies,
                          pin_budget=pin_budget(model.host_ram_budget_gb), encoders_first=not launched,

@@ -236,10 +236,7 @@ class ProcessGroupSync:
               patient_timeout_s: float = PATIENT_TIMEOUT_S) -> ProcessGroupSync:
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, rank=topology.rank, world_size=topology.world_size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+        init_default_group(topology, device, timeout_s=timeout_s)  # no-op when the caller initialised it
         # Every rank creates it, in the same order: a host-side group whose barrier may wait for hours.
         patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=patient_timeout_s))
         sync = cls(topology, device, patient)
@@ -541,3 +538,21 @@ def _decode_tree(payload: bytes) -> Any:
     data = json.loads(payload[8:8 + length].decode("utf-8"))
     rest = payload[8 + length:]
     return join_tree(data, load(rest) if rest else {})
+
+
+def init_default_group(topology: Topology, device: torch.device, *, timeout_s: float = 1800.0,
+                       host_collectives: bool = False) -> None:
+    """Initialise the default process group of ``topology`` (once; a no-op when it exists): NCCL on CUDA, gloo on
+    the CPU. ``host_collectives`` on CUDA: gloo beside NCCL for tensors on the host ("cuda:nccl,cpu:gloo", as
+    torchtitan does for FSDP2's CPU offload), which the shards FSDP2 keeps on the host need (``model.blocks_to_swap``
+    under ``model.parallel = "fsdp"``: their saves and norms gather host tensors); every group made from the
+    default one, device meshes included, gets both backends."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if host_collectives and device.type == "cuda":
+        backend = "cuda:nccl,cpu:gloo"
+    dist.init_process_group(backend, rank=topology.rank, world_size=topology.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))

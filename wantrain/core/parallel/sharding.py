@@ -39,9 +39,16 @@ from torch import nn
 def shard_per_block(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Any = None,
                     param_dtype: torch.dtype | None = torch.bfloat16,
                     reduce_dtype: torch.dtype | None = torch.float32,
-                    gradient_divide_factor: float | None = None) -> nn.Module:
+                    gradient_divide_factor: float | None = None, on_host: Sequence[nn.Module] = (),
+                    pin: bool = False) -> nn.Module:
     """``fully_shard`` each of ``blocks`` and then ``module`` itself (the embeddings and head left over) on
     ``mesh`` (None: every rank of the default group), in place; returns ``module``.
+
+    ``on_host``: those of ``blocks`` whose shards live in host memory (block swap under FSDP,
+    ``model.blocks_to_swap``): FSDP2's ``CPUOffloadPolicy`` for them, so their shards (frozen and LoRA alike), their
+    gradients and the optimizer's step on them stay on the host; each forward and backward copies the block's
+    shards to the device before its all-gather, and its reduce-scattered gradient back. ``pin``: pinned host shards
+    (CUDA only: the copies overlap). Materialise the module with :func:`materialise` (those blocks on the CPU).
 
     ``param_dtype``: the dtype a block's weights are all-gathered and computed in (bf16 on a GPU; None keeps each
     parameter's own, fp32 for the CPU tests' exactness); ``reduce_dtype``: the dtype gradients are averaged in
@@ -54,22 +61,46 @@ def shard_per_block(module: nn.Module, blocks: Sequence[nn.Module], *, mesh: Any
     ranks, a mean). Ranks that split one sample's tokens (Ulysses) each hold a share of its gradient, so they are
     summed and divided by the data-parallel size only (``wan22.sequence.split_sequences``). A sum in fp32 and a
     division after it: the same arithmetic on gloo (which has no pre-multiplied sum) as on NCCL."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    host = {id(block) for block in on_host}
     for part in [*blocks, module]:
-        fully_shard(part, mesh=mesh, mp_policy=policy)
+        offload = CPUOffloadPolicy(pin_memory=pin) if id(part) in host else OffloadPolicy()
+        fully_shard(part, mesh=mesh, mp_policy=policy, offload_policy=offload)
         if gradient_divide_factor is not None:
             part.set_gradient_divide_factor(gradient_divide_factor)
             part.set_force_sum_reduction_for_comms(True)
     return module
 
 
+def held_on_host(part: nn.Module) -> bool:
+    """Whether ``part`` (a module :func:`shard_per_block` wrapped) keeps its shards on the host (``on_host``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    state = getattr(part, "_get_fsdp_state", None)
+    group = state()._fsdp_param_group if state is not None else None
+    return group is not None and isinstance(group.offload_policy, CPUOffloadPolicy)
+
+
+def materialise(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=device)`` for a module sharded on ``meta``, except the blocks held on the host
+    (:func:`held_on_host`), allocated on the CPU (FSDP2 refuses offloaded shards anywhere else): each module's own
+    tensors, children first (a wrapped module re-registers its shards after its own)."""
+    def walk(part: nn.Module, where: torch.device) -> None:
+        where = torch.device("cpu") if held_on_host(part) else where
+        for child in part.children():
+            walk(child, where)
+        part.to_empty(device=where, recurse=False)
+
+    walk(module, torch.device(device))
+
+
 def load_from_rank0(module: nn.Module, source: nn.Module | None, device: torch.device) -> None:
     """Fill ``module`` -- built on ``meta`` and sharded (:func:`shard_per_block`) on every rank -- with the values
     of ``source``, the same model whole on rank 0's host (None on the other ranks). Every rank calls it.
 
-    ``module.to_empty`` allocates this rank's shards on ``device`` (uninitialised); then
+    :func:`materialise` allocates this rank's shards on ``device`` (uninitialised; host-held blocks' on the CPU); then
     ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` sends rank 0's tensors one at a time:
     each arrives whole on every rank's ``device`` and is sliced into the shards, so a rank's peak at load is its
     shards plus the largest tensor whole. The non-persistent buffers (a state dict has none: the RoPE tables) are
@@ -78,7 +109,7 @@ def load_from_rank0(module: nn.Module, source: nn.Module | None, device: torch.d
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    module.to_empty(device=device)
+    materialise(module, device)
     full = get_model_state_dict(source) if source is not None else {}  # plain tensors, names without wrappers
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     persistent = set(module.state_dict())
@@ -103,7 +134,7 @@ def load_from_leader(module: nn.Module, source: nn.Module | None, device: torch.
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
 
-    module.to_empty(device=device)
+    materialise(module, device)
     group = group if group is not None else mesh.get_group()
     leader = dist.get_global_rank(group, 0)
     held = dict(source.named_parameters()) | dict(source.named_buffers()) if source is not None else {}
@@ -298,12 +329,18 @@ def whole_to_writer(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> t
 
 def like(value: torch.Tensor, target: Any) -> torch.Tensor:
     """``value`` (a whole tensor every rank holds alike: read from a checkpoint) laid out as ``target``: this
-    rank's shard of it when ``target`` is a ``DTensor`` (sliced locally, nothing travels), else ``value``."""
+    rank's shard of it when ``target`` is a ``DTensor`` (sliced locally, nothing travels), on the device of
+    ``target``'s shard (the host for a block FSDP2 offloads), else ``value``."""
     if not is_sharded(target) or is_sharded(value) or value.shape != target.shape:
         return value
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
-    return distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    out = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    device = target.to_local().device  # a block held on the host (FSDP2's CPU offload): its state stays there too
+    if out.to_local().device != device:
+        out = DTensor.from_local(out.to_local().to(device), target.device_mesh, target.placements, run_check=False,
+                                 shape=target.shape, stride=target.stride())
+    return out
 
 
 def shard_mesh(device_type: str, world_size: int, shard_degree: int | None = None) -> Any:

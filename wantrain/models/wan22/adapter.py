@@ -177,7 +177,8 @@ class Wan22Adapter:
             if self.waiting is not None:  # every frozen tensor still on the module: before the swap takes some
                 self.waiting.keep(expert, self.source.transformer_identity(expert), model.base_dtype,
                                   self._transformers[expert])
-            if model.blocks_to_swap:  # the host copies are the loaded tensors: made before any move to the device
+            if model.blocks_to_swap and shard_load is None:  # the host copies: the loaded tensors, before any move
+                # (under fsdp FSDP2 keeps the swapped blocks' shards on the host: app.assemble.shard_experts)
                 blocks, swapped = swapped_blocks(self._transformers[expert], model.blocks_to_swap)
                 self._swaps[expert] = BlockSwap(self._transformers[expert], blocks, swapped, self.device,
                                                 pin=model.pin_host_copies)

@@ -828,7 +828,7 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
                   sampling_only: tuple[str, ...] = (), encoders_first: bool = True,
                   adapter: AdapterSpec = LORA, ranks_on_host: int = 1, load_source: float | None = None,
                   loaders_on_host: int = 1, waiting: str = "resident", switch_every: int = 10,
-                  read_rate: float | None = None) -> HostEstimate:
+                  read_rate: float | None = None, offloaded_shards: float = 0.0) -> HostEstimate:
     """The host memory of a run of ``experts`` with ``settings`` (what ``models/wan22/placement.py`` and
     ``swap.py`` keep; docs/models.md "Host memory"):
 
@@ -859,7 +859,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
       ``ranks_on_host`` ranks sharing the host (``loaders_on_host`` of them loading) add up per machine;
       while the cache fills (``encoders``): UMT5 in the
       compute dtype and the VAE in float32, loaded on the host before they move to the device (a
-      ``model.text_encoder_file`` streams into the compute dtype: the same once).
+      ``model.text_encoder_file`` streams into the compute dtype: the same once);
+    * ``offloaded_shards``: block swap under ``model.parallel = "fsdp"`` (FSDP2's CPU offload, ``settings`` then
+      without swap): this rank's shards of the swapped blocks, their LoRA state and the pinned rounding
+      (``rank_plan.offloaded_shards``), held by every rank on the host.
 
     Phases in the run's order: with ``encoders_first`` (one process, ``app.assemble.encode_before_the_experts``)
     the cache fills first, with the encoders and the runtime alone, and the encoders are released before the
@@ -901,6 +904,8 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
     if len(experts) > 1:
         parts[WAITING_LORA_PART] = (len(experts) - 1) * lora_params(variant, rank, adapter=adapter) * \
             WAITING_LORA_BYTES_PER_PARAM
+    if offloaded_shards:
+        parts["offloaded blocks' shards + LoRA state (FSDP)"] = float(offloaded_shards)
     parts["one batch from the cache"] = _batch_bytes(spec, width, height, frames, batch)
     parts[RUNTIME_PART] = RUNTIME_ALLOWANCE
     largest = max([*rest, *(s for block in blocks for s in block)], default=0)
@@ -931,7 +936,10 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
 
             training["offload slabs' unused ends"] = _slab_waste(offloaded, OFFLOAD_SLAB_MAX)
     phases["while training"] = training
-    if not cuda:
+    if offloaded_shards and cuda and pin:  # FSDP2 pins the shards it offloads; nothing else is held (one expert)
+        pinned = "offloaded shards pinned (FSDP2)" + (
+            "" if not placed else "; waiting copies pinned" if pin_placed else "; waiting copies pageable")
+    elif not cuda:
         pinned = "nothing pinned (not training on CUDA)"
     elif not pin:
         pinned = "nothing pinned (model.pin_host_copies = false)"

@@ -19,7 +19,9 @@ recompute, adapter type, kernel: at one GPU the parts add up to the one-GPU plan
 * ``weights (shard)``: the expert's frozen weights over ``shard_degree``, each tensor's rows rounded up to a
   multiple of the degree (FSDP2 pads dim 0), exactly as :func:`sharded_weight_bytes` counts them on ``meta``;
 * ``gathered blocks``: with ``shard_degree`` > 1, two blocks' whole weights (the one running and the one
-  prefetched), less this GPU's own shard of them;
+  prefetched), less this GPU's own shard of them; with block swap (FSDP2's CPU offload of the last N blocks'
+  shards: ``weights (shard)`` and ``LoRA + optimizer`` without them, ``rank_offload``) each offloaded block of the
+  two adds its shard, copied to the GPU for its all-gather (:func:`rank_estimate`);
 * ``LoRA + optimizer``: 16 bytes per LoRA parameter (``memory.LORA_BYTES_PER_PARAM``) over ``shard_degree``;
 * ``checkpointed inputs``, ``one recomputed block``: the one-GPU figures of ``tokens / sequence_degree`` tokens;
 * ``sequence exchange``: with ``sequence_degree`` > 1, the all-to-all's send and receive buffers of q, k, v and
@@ -119,18 +121,9 @@ def sharded_weight_bytes(variant: str, shard_degree: int, layers: int | None = N
     """(bytes of one expert's bf16 frozen weights one GPU holds under FSDP2 with ``shard_degree``, bytes of its
     largest block whole), counted on a ``meta`` build: each tensor's dim 0 rounded up to a multiple of the degree
     (``fully_shard``'s padding), the ``_keep_in_fp32_modules`` tensors in fp32."""
-    import torch
-    from diffusers import WanTransformer3DModel
+    from wantrain.models.wan22.rank_offload import meta_expert
 
-    from wantrain.models.wan22.architecture import cast_keeping_fp32_modules, planner_kwargs
-    from wantrain.models.wan22.variants import VARIANTS
-
-    kwargs = planner_kwargs(VARIANTS[variant])
-    if layers is not None:
-        kwargs["num_layers"] = layers
-    with torch.device("meta"):
-        model = WanTransformer3DModel(**kwargs)
-    cast_keeping_fp32_modules(model, torch.bfloat16)
+    _, model = meta_expert(variant, layers)
 
     def shard(t: Any) -> float:
         if t.dim() == 0:
@@ -255,15 +248,20 @@ def _size(nbytes: float) -> str:
 
 
 def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None = None,
-                adapter: AdapterSpec = LORA) -> SaveGather:
+                adapter: AdapterSpec = LORA, blocks_to_swap: int = 0) -> SaveGather:
     """The gathers of one save under ``layout`` (its shard degree > 1; module docstring's weights and LoRA parts).
-    Rank 0's host holds the gathered state twice at the checkpoint's write (``core.checkpoint`` copies the tree)."""
+    Rank 0's host holds the gathered state twice at the checkpoint's write (``core.checkpoint`` copies the tree).
+    ``blocks_to_swap``: those blocks' shards and LoRA state wait on the host (``rank_offload``), not on the GPU."""
     from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     s = layout.shard_degree
     resident = sharded_weight_bytes(variant, s, layers)[0] + lora_shard_params(variant, rank, s, layers) * \
         LORA_BYTES_PER_PARAM
+    if blocks_to_swap:
+        from wantrain.models.wan22.rank_offload import offloaded_shards
+
+        resident -= sum(offloaded_shards(variant, s, blocks_to_swap, rank, layers)[:2])
     largest = max(_lora_sizes(variant, rank)) * 4.0  # fp32, gathered whole on rank 0's GPU
     if adapter.type == "dora":  # its export's base norm: the largest frozen Linear weight, bf16
         kwargs = planner_kwargs(VARIANTS[variant])
@@ -292,6 +290,8 @@ class RankEstimate:
 
     attention_backward: float = 0.0  # bytes: memory.attention_backward_bytes at this GPU's heads and tokens
     settings: MemorySettings | None = None  # what it was planned with (None: bf16, nothing swapped or offloaded)
+    link_bytes: float = 0.0  # host<->device bytes per step of this GPU the settings add (swap, offloaded inputs)
+    host_bytes: float = 0.0  # block swap under FSDP: the offloaded blocks' shards and LoRA state on this GPU's host
 
     @property
     def total(self) -> float:
@@ -316,9 +316,17 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
     """The parts of one training step's peak on one GPU of ``layout`` (module docstring), planned as the one-GPU
     planner plans (:func:`memory.estimate` with the same ``settings`` -- base dtype, block swap, activation offload,
     recompute --, ``adapter`` type, ``attention`` kernel and checkpointing): at one GPU its parts add up to the
-    one-GPU estimate's. Sharded (``shard_degree`` > 1), the weights are FSDP2's bf16 shards (fsdp refuses block swap
-    and fp8 storage); the adapter's parameters and state are split over the shard degree, the token-proportional
-    parts over the sequence degree."""
+    one-GPU estimate's. Sharded (``shard_degree`` > 1), the weights are FSDP2's bf16 shards (fsdp refuses fp8
+    storage); the adapter's parameters and state are split over the shard degree, the token-proportional parts over
+    the sequence degree.
+
+    Block swap sharded (``settings.blocks_to_swap`` = N, FSDP2's CPU offload of the last N blocks: the model): those
+    blocks' frozen shards and their LoRA's shards, gradients and AdamW moments leave the GPU for the host
+    (``rank_offload.offloaded_shards``, ``host_bytes``); the GPU keeps ``gathered blocks``, two blocks whole at a
+    time (the one running and the one prefetched, as without swap) plus, for each of the two that is an offloaded
+    block, its shard copied to the GPU for the all-gather (a resident block's own shard is part of its whole
+    weights). Each offloaded shard crosses the host link twice per step (the forward, and the backward's recompute
+    all-gathers it again) and its LoRA gradient once (``link_bytes``)."""
     check_layout(variant, layout)
     settings = settings if settings is not None else MemorySettings("bf16")
     single = memory.estimate(variant, settings, width=width, height=height, frames=frames, rank=rank,
@@ -326,13 +334,26 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
                              gradient_checkpointing=gradient_checkpointing)
     s, q = layout.shard_degree, layout.sequence_degree
     p = single.parts
+    trainable = (lora_shard_params(variant, rank, s, layers) * LORA_BYTES_PER_PARAM if adapter == LORA
+                 else p["LoRA + optimizer"] / s)  # other types: their rows split alike (rounding not counted)
+    link, host = single.link_bytes, 0.0
     if s > 1:
         weights, largest = sharded_weight_bytes(variant, s, layers)
         gathered = 2.0 * largest * (1.0 - 1.0 / s)
+        swap = settings.blocks_to_swap
+        if swap:  # FSDP2's CPU offload of the last ``swap`` blocks' shards (the one-GPU ring is not used)
+            from wantrain.models.wan22.rank_offload import offloaded_shards
+
+            frozen, lora, _ = offloaded_shards(variant, s, swap, rank, layers)
+            n = layers if layers is not None else planner_kwargs_layers(variant)
+            lora = lora if adapter == LORA else trainable * min(swap, n) / n
+            weights, trainable, host = weights - frozen, trainable - lora, frozen + lora
+            gathered += min(swap, 2) * largest / s  # an offloaded block's shard, copied up for its all-gather
+            _, blocks = memory.weight_bytes(variant, settings.base_dtype, layers)
+            one_gpu = 2.0 * sum(blocks[len(blocks) - min(swap, len(blocks)):])  # the one-GPU swap's share of link
+            link = link - one_gpu + 2.0 * frozen + lora / LORA_BYTES_PER_PARAM * 4.0
     else:  # whole on every GPU: the one-GPU figures (Ulysses runs with block swap and fp8 storage)
         weights, gathered = p["weights resident"] + p["swap buffers"], 0.0
-    trainable = (lora_shard_params(variant, rank, s, layers) * LORA_BYTES_PER_PARAM if adapter == LORA
-                 else p["LoRA + optimizer"] / s)  # other types: their rows split alike (rounding not counted)
     # the token-proportional parts at this GPU's share of the tokens (the text tokens' share of a recomputed block
     # is counted split too: a few percent of it at 832x480x81); the workspace keeps its fixed part whole
     from wantrain.models.wan22.architecture import planner_kwargs
@@ -352,26 +373,38 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
         "workspace": memory.WORKSPACE_FIXED + (p["workspace"] - memory.WORKSPACE_FIXED) / q,
     }
     # Ulysses: all tokens and 1/q of the heads in the attention, so its backward buffer is 1/q of one GPU's
-    return RankEstimate(layout, parts, single.attention_backward / q, settings)
+    return RankEstimate(layout, parts, single.attention_backward / q, settings, link, host)
+
+
+def planner_kwargs_layers(variant: str) -> int:
+    """The main blocks of one expert of ``variant`` (what :func:`sharded_weight_bytes` builds)."""
+    from wantrain.models.wan22.architecture import planner_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    return int(planner_kwargs(VARIANTS[variant])["num_layers"])
 
 
 def plan_sharded(variant: str, budget_gib: float, layout: Layout, *, base_dtype: str, recompute: str = "auto",
                  **size: Any) -> tuple[RankEstimate | None, RankEstimate]:
     """``model.vram_budget_gb`` under ``model.parallel = "fsdp"``: (the chosen per-GPU estimate or None, the
-    smallest). It chooses only what fsdp runs with -- ``base_dtype`` as stored (bf16; fp32 for the tiny twins), no
-    block swap -- in :func:`memory.candidates`' order: within the first recompute path that fits (``auto``: the
-    whole block before the lean one), activations on the device before offloaded. Each candidate is planned per
-    GPU with the shard (:func:`rank_estimate` at ``layout``) and its card figure held against the budget. ``size``:
+    smallest). It chooses what fsdp runs with -- ``base_dtype`` as stored (bf16; fp32 for the tiny twins), activation
+    offload and block swap (FSDP2's CPU offload of the last N blocks' shards) -- in the one-GPU planner's order
+    (:func:`memory.plan`): the first recompute path in which something fits (``auto``: the whole block before the
+    lean one), and in it the fitting setting that moves the fewest bytes over this GPU's host link per step (ties:
+    fewer swapped blocks, activations on the device). Each candidate is planned per GPU with the shard
+    (:func:`rank_estimate` at ``layout``) and its card figure held against the budget. ``size``:
     :func:`rank_estimate`'s size keywords (width, height, frames, rank, batch, adapter, attention, checkpointing)."""
     best: RankEstimate | None = None
     smallest: RankEstimate | None = None
-    for settings in memory.candidates(base_dtype, 0, recompute):
+    n = planner_kwargs_layers(variant) if size.get("layers") is None else size["layers"]
+    blocks = n if layout.shard_degree > 1 and size.get("gradient_checkpointing", True) else 0
+    for settings in memory.candidates(base_dtype, blocks, recompute):
         if best is not None and settings.recompute != best.settings.recompute:
             break
         est = rank_estimate(variant, layout, settings=settings, **size)
         if smallest is None or est.card_gib < smallest.card_gib:
             smallest = est
-        if best is None and est.card_gib <= budget_gib:
+        if est.card_gib <= budget_gib and (best is None or est.link_bytes < best.link_bytes):
             best = est
     assert smallest is not None
     return best, smallest

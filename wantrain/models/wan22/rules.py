@@ -58,9 +58,9 @@ MODEL_RULES = (
     SHARD_NEEDS_FSDP := R("shard-degree-needs-fsdp", ("model.shard_degree", "model.parallel"),
                           "model.shard_degree without model.parallel = 'fsdp'"),
     FSDP_MEMORY := R("fsdp-memory-settings",
-                     ("model.parallel", "model.blocks_to_swap", "model.base_dtype"),
-                     "fsdp with block swap or fp8 / quantised storage",
-                     ("model.parallel = fsdp", "block swap, fp8")),
+                     ("model.parallel", "model.base_dtype"),
+                     "fsdp with fp8 / quantised storage",
+                     ("model.parallel = fsdp", "fp8")),
     SEQUENCE_HEADS := R("sequence-degree-heads", ("model.sequence_degree", "model.variant"),
                         "a sequence degree that does not divide the attention heads"),
     SEQUENCE_GROUPS := R("sequence-expert-groups", ("model.sequence_degree", "model.expert_groups"),
@@ -180,19 +180,20 @@ def _parallel_problems(model: ModelConfig) -> list[Problem]:
                                              "'fsdp' or remove model.shard_degree")]
         return []
     # compile runs under fsdp: each block's compiled forward sees the gathered weights (FSDP2's hooks stay eager);
-    # experts = "both": each expert is sharded and stays on the device (1/N of it per GPU), nothing alternates
-    clash = _memory_clash(model, "parallel = 'dp'", " (sharding is what makes the blocks fit)")
+    # experts = "both": each expert is sharded and stays on the device (1/N of it per GPU), nothing alternates;
+    # blocks_to_swap: the last N blocks' shards live on the host (FSDP2's CPU offload, app.assemble.shard_experts)
+    clash = _memory_clash(model, "parallel = 'dp'")
     if clash is not None:
         return [FSDP_MEMORY.problem(f"model.parallel = 'fsdp' does not work with {clash[0]} yet", clash[1])]
     return []
 
 
-def _memory_clash(model: ModelConfig, undo: str, swap_note: str = "") -> tuple[str, str] | None:
-    """The first memory-saving key ``model`` sets that a several-GPU layout does not work with yet (block swap, fp8
-    or quantised storage), as (the key and its value, how to resolve it: change it or ``undo``). Compile works with
-    both layouts; a VRAM budget under fsdp chooses only what fsdp runs with (``app.memory_plan``)."""
-    if model.blocks_to_swap:
-        return f"model.blocks_to_swap = {model.blocks_to_swap}", f"set blocks_to_swap = 0{swap_note} or {undo}"
+def _memory_clash(model: ModelConfig, undo: str) -> tuple[str, str] | None:
+    """The memory-saving key ``model`` sets that a several-GPU layout does not work with yet (fp8 or quantised
+    storage: FSDP2 shards and all-gathers plain tensors, and a quantised weight is a tensor subclass with its scales
+    that no all-gather of it is written for), as (the key and its value, how to resolve it: change it or ``undo``).
+    Compile and block swap work with both layouts; a VRAM budget under fsdp chooses only what fsdp runs with
+    (``app.memory_plan``)."""
     if model.base_dtype in QUANTISED_DTYPES:
         return f"model.base_dtype = '{model.base_dtype}' (quantised storage)", f"set base_dtype = 'bf16' or {undo}"
     return None
