@@ -124,7 +124,7 @@ def lr_finder_problems(cfg: Any) -> list[Problem]:
             f"directory name breaks the rule ({SAFE_NAME_RULE}); use at most {room} characters"))
     if cfg.model.expert_groups > 1:
         out.append(LR_FINDER_EXPERT_GROUPS.problem(
-            f"model.expert_groups = {cfg.model.expert_groups} does not run with lr_finder (each group holds one "
-            "expert; the sweep and the alpha decisions run on one rank): turn lr_finder off, or set "
-            "model.expert_groups = 1", ""))
+            f"model.expert_groups = {cfg.model.expert_groups} does not run with lr_finder (it sweeps the experts "
+            "one after the other, and each group holds one expert): turn lr_finder off, or set model.expert_groups = 1",
+            ""))
     return out

@@ -1,0 +1,92 @@
+"""One expert per group of GPUs (``model.expert_groups = 2``) with the alpha schedule (docs/distributed.md, "One
+expert per GPU"), on two gloo ranks forked from the test process, one per expert.
+
+Each group trains its expert as a one-process run of that expert alone does, bit for bit (docs/distributed.md), so
+the reference of each expert is such a run with the same settings: its decisions (``AlphaChanged``) and its LoRA
+file must be the groups' run's. The groups' event log is rank 0's: it must hold the low-noise group's decisions
+too, and ``replay`` must reproduce them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from test_end_to_end import copy_examples
+from test_expert_groups_run import RUN_SETTINGS, _launch
+
+from wantrain.app.replay import replay
+from wantrain.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+EXPERTS = ("high_noise", "low_noise")
+SCHEDULE = ('lora.alpha_schedule={enabled=true, window=4, min_samples=3, phases=[{name="a", alpha=4, min_steps=3, '
+            'loss_improvement_rate_below=1000.0, max_loss_cv=10.0, min_gradient_stability=0.0}, {name="b", alpha=8}]}')
+ALPHA = ["train.max_steps=6", "train.log_every=1", SCHEDULE]
+"""A first phase that ends at the first look (step 4) on each expert's own statistics."""
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """The demo data, 4 clips and 2 images, cached once for the module (the runs only read the cache)."""
+    tmp = tmp_path_factory.mktemp("groups_compose")
+    config = copy_examples(tmp)
+    keep = {"clip_000", "clip_001", "clip_002", "clip_003", "image_000", "image_001"}
+    for path in (tmp / "demo_data").iterdir():
+        if path.stem not in keep:
+            path.unlink()
+    assert main(["cache", str(config)]) == 0
+    return tmp
+
+
+def one_expert(workspace: Path, name: str, expert: str, settings: list[str]) -> Path:
+    """The quickstart training ``expert`` alone in this process, with the groups' run's settings; its folder."""
+    args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / name}"',
+            "--set", f'model.experts="{expert}"']
+    for item in [*RUN_SETTINGS, *settings]:
+        args += ["--set", item]
+    assert main(args) == 0
+    return workspace / name
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    """The event log's records of type ``kind``, without their place in the log (sequence number, time)."""
+    out = []
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["_type"] == kind:
+            out.append({k: v for k, v in record.items() if k not in ("seq", "wall_time")})
+    return out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def file_alphas(path: Path) -> set[float]:
+    """The alphas a LoRA file carries (its ``.alpha`` keys), as ComfyUI reads them."""
+    return {float(v) for k, v in load_file(str(path)).items() if k.endswith(".alpha")}
+
+
+def test_each_group_moves_its_expert_to_the_next_alpha_as_a_one_expert_run_and_rank_0_records_both(workspace):
+    groups = _launch(workspace, "alpha", 2, ["model.expert_groups=2", *ALPHA])
+    changed = events(groups, "AlphaChanged")
+    assert sorted(e["expert"] for e in changed) == list(EXPERTS)  # the low-noise group's decision is in the log
+    for expert in EXPERTS:
+        (reference,) = one_expert(workspace, f"alpha_{expert}", expert, ALPHA).iterdir()
+        mine = [e for e in changed if e["expert"] == expert]
+        # decided from that expert's own statistics, at the same step, as the one-expert run decides
+        assert mine == events(reference, "AlphaChanged") and mine[0]["to_alpha"] == 8.0, expert
+        name = f"quickstart_{expert}.safetensors"
+        assert (groups / name).read_bytes() == (reference / name).read_bytes(), expert
+        assert file_alphas(groups / name) == {8.0}  # applied on the ranks that hold it
+    assert changed[0]["statistics"] != changed[1]["statistics"]
+    # every figure of an expert comes from its own group (rank 0 counts no steps of the low-noise expert)
+    last = metrics(groups)[-1]
+    assert last["alpha/steps_in_phase/low_noise"] == last["alpha/steps_in_phase/high_noise"] == 6 - changed[0]["step"]
+    lines = [json.loads(x) for x in (groups / "alpha_metrics.jsonl").read_text().splitlines()]
+    assert sorted({x["expert"] for x in lines}) == list(EXPERTS)
+    replayed = replay(groups, out=workspace / "alpha_replay")
+    assert len(replayed.replayed) == 2 and replayed.replayed == replayed.recorded
