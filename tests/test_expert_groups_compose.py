@@ -1,20 +1,21 @@
-"""One expert per group of GPUs (``model.expert_groups = 2``) with the alpha schedule (docs/distributed.md, "One
-expert per GPU"), on two gloo ranks forked from the test process, one per expert.
+"""One expert per group of GPUs (``model.expert_groups = 2``) with the alpha schedule and with the LR finder
+(docs/distributed.md, "One expert per GPU"), on two gloo ranks forked from the test process, one per expert.
 
 Each group trains its expert as a one-process run of that expert alone does, bit for bit (docs/distributed.md), so
-the reference of each expert is such a run with the same settings: its decisions (``AlphaChanged``) and its LoRA
-file must be the groups' run's. The groups' event log is rank 0's: it must hold the low-noise group's decisions
-too, and ``replay`` must reproduce them."""
+the reference of each expert is such a run with the same settings: its decisions (``AlphaChanged``, the finder's
+rungs and result) and its LoRA file must be the groups' run's. The groups' event log is rank 0's: it must hold the
+low-noise group's decisions too, and ``replay`` must reproduce them."""
 
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 from test_end_to_end import copy_examples
-from test_expert_groups_run import RUN_SETTINGS, _launch
+from test_expert_groups_run import RUN_SETTINGS, _launch, launch_ranks
 
 from wantrain.app.replay import replay
 from wantrain.cli.main import main
@@ -26,6 +27,13 @@ SCHEDULE = ('lora.alpha_schedule={enabled=true, window=4, min_samples=3, phases=
             'loss_improvement_rate_below=1000.0, max_loss_cv=10.0, min_gradient_stability=0.0}, {name="b", alpha=8}]}')
 ALPHA = ["train.max_steps=6", "train.log_every=1", SCHEDULE]
 """A first phase that ends at the first look (step 4) on each expert's own statistics."""
+
+
+FINDER = ["lr_finder.then_train=true", "lr_finder.steps=6", "lr_finder.burn_in=2", "lr_finder.probe_clips=1",
+          "lr_finder.probe_timesteps=2", "model.lr_low_noise=1e-3"]
+"""A short sweep, then 4 training steps; the low-noise expert's own configured LR (what it trains with when its
+suggestion is not trusted, as on the tiny model) differs from the high-noise one's (``optimizer.lr``)."""
+CONFIGURED = {"high_noise": 3e-3, "low_noise": 1e-3}  # RUN_SETTINGS' optimizer.lr, FINDER's model.lr_low_noise
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +98,36 @@ def test_each_group_moves_its_expert_to_the_next_alpha_as_a_one_expert_run_and_r
     assert sorted({x["expert"] for x in lines}) == list(EXPERTS)
     replayed = replay(groups, out=workspace / "alpha_replay")
     assert len(replayed.replayed) == 2 and replayed.replayed == replayed.recorded
+
+
+def test_the_groups_sweep_their_experts_side_by_side_and_each_trains_on_with_its_own_result(workspace):
+    launch_ranks(workspace, "finder", 2, ["model.expert_groups=2", *FINDER])
+    (sweep,) = (workspace / "finder").glob("*__lr_finder")
+    (trained,) = [d for d in (workspace / "finder").iterdir() if d.is_dir() and d != sweep]
+    rungs, results = events(sweep, "LrFinderRung"), events(sweep, "LrFinderResult")
+    assert events(sweep, "RunStarted")[0]["total_steps"] == 6  # side by side: 6 rungs in 6 steps, both experts
+    assert sorted(r["expert"] for r in results) == list(EXPERTS)
+    config = tomllib.loads((trained / "config.toml").read_text())
+    assert (config["model"]["experts"], config["model"]["expert_groups"]) == ("both", 2)
+    assert not config["lr_finder"]["enabled"] and not config["lr_finder"]["then_train"]
+    lrs = {}
+    for expert in EXPERTS:
+        reference = one_expert(workspace, f"finder_{expert}", expert, FINDER)
+        (ref_sweep,) = reference.glob("*__lr_finder")
+        (ref_trained,) = [d for d in reference.iterdir() if d.is_dir() and d != ref_sweep]
+        mine = [r for r in rungs if r["expert"] == expert]
+        assert [r["step"] for r in mine] == list(range(1, 7))
+        assert mine == events(ref_sweep, "LrFinderRung"), expert  # its own group's losses, rung by rung
+        (result,) = [r for r in results if r["expert"] == expert]
+        assert [result] == events(ref_sweep, "LrFinderResult"), expert
+        # trained on with the result the event log holds: the suggestion when trusted, else its configured LR
+        trusted = result["suggested_lr"] is not None and not result["invalid"] and result["suggested_lr"] <= 1.0
+        base = config["model"].get(f"lr_{expert}") or config["optimizer"]["lr"]
+        assert base == (result["suggested_lr"] if trusted else CONFIGURED[expert]), expert
+        ref_config = tomllib.loads((ref_trained / "config.toml").read_text())
+        assert config["model"].get(f"lr_{expert}") == ref_config["model"].get(f"lr_{expert}"), expert
+        lrs[expert] = [r[f"train/lr/{expert}"] for r in metrics(trained)]
+        assert lrs[expert] == [r["train/lr"] for r in metrics(ref_trained)], expert
+        name = f"quickstart_{expert}.safetensors"
+        assert (trained / name).read_bytes() == (ref_trained / name).read_bytes(), expert
+    assert lrs["high_noise"] != lrs["low_noise"]  # each group's optimizer its own expert's LR

@@ -65,7 +65,6 @@ TRIGGERS: dict[str, tuple[dict, dict]] = {
     "alpha-vs-first-phase": ({"lora.alpha": 2.0, "lora.alpha_schedule": SCHEDULE}, {}),
     "validation-signal": ({"lora.alpha_schedule": {**SCHEDULE, "signal": "validation"}}, {}),
     "lr-finder-run-id": ({"lr_finder.enabled": True, "run.run_id": "a" * 95}, {}),
-    "lr-finder-expert-groups": ({"lr_finder.enabled": True, "model.expert_groups": 2}, {"world_size": 2}),
     "other-expert-lora-expert-groups": ({"model.expert_groups": 2, "sample.enabled": True,
                                          "sample.other_expert_lora": "other.safetensors",
                                          "sample.prompts": ["a cat"]}, {"world_size": 2}),
