@@ -29,7 +29,15 @@ ALPHA = ["train.max_steps=6", "train.log_every=1", SCHEDULE]
 """A first phase that ends at the first look (step 4) on each expert's own statistics."""
 
 
-FINDER = ["lr_finder.then_train=true", "lr_finder.steps=6", "lr_finder.burn_in=2", "lr_finder.probe_clips=1",
+def doc_example() -> list[str]:
+    """docs/distributed.md's config example of the LR finder across the groups, as ``--set`` items."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text(encoding="utf-8")
+    block = page.split("**The LR finder across the groups**", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    return [f"{section}.{key}={json.dumps(value)}" for section, table in tomllib.loads(block).items()
+            for key, value in table.items()]
+
+
+FINDER = ["lr_finder.steps=6", "lr_finder.burn_in=2", "lr_finder.probe_clips=1",
           "lr_finder.probe_timesteps=2", "model.lr_low_noise=1e-3"]
 """A short sweep, then 4 training steps; the low-noise expert's own configured LR (what it trains with when its
 suggestion is not trusted, as on the tiny model) differs from the high-noise one's (``optimizer.lr``)."""
@@ -101,7 +109,9 @@ def test_each_group_moves_its_expert_to_the_next_alpha_as_a_one_expert_run_and_r
 
 
 def test_the_groups_sweep_their_experts_side_by_side_and_each_trains_on_with_its_own_result(workspace):
-    launch_ranks(workspace, "finder", 2, ["model.expert_groups=2", *FINDER])
+    example = doc_example()
+    assert {"model.expert_groups=2", "lr_finder.then_train=true"} <= set(example), example
+    launch_ranks(workspace, "finder", 2, [*example, *FINDER])
     (sweep,) = (workspace / "finder").glob("*__lr_finder")
     (trained,) = [d for d in (workspace / "finder").iterdir() if d.is_dir() and d != sweep]
     rungs, results = events(sweep, "LrFinderRung"), events(sweep, "LrFinderResult")
@@ -112,7 +122,7 @@ def test_the_groups_sweep_their_experts_side_by_side_and_each_trains_on_with_its
     assert not config["lr_finder"]["enabled"] and not config["lr_finder"]["then_train"]
     lrs = {}
     for expert in EXPERTS:
-        reference = one_expert(workspace, f"finder_{expert}", expert, FINDER)
+        reference = one_expert(workspace, f"finder_{expert}", expert, ["lr_finder.then_train=true", *FINDER])
         (ref_sweep,) = reference.glob("*__lr_finder")
         (ref_trained,) = [d for d in reference.iterdir() if d.is_dir() and d != ref_sweep]
         mine = [r for r in rungs if r["expert"] == expert]
