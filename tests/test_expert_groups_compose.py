@@ -25,8 +25,10 @@ pytestmark = pytest.mark.slow
 EXPERTS = ("high_noise", "low_noise")
 SCHEDULE = ('lora.alpha_schedule={enabled=true, window=4, min_samples=3, phases=[{name="a", alpha=4, min_steps=3, '
             'loss_improvement_rate_below=1000.0, max_loss_cv=10.0, min_gradient_stability=0.0}, {name="b", alpha=8}]}')
-ALPHA = ["train.max_steps=6", "train.log_every=1", SCHEDULE]
-"""A first phase that ends at the first look (step 4) on each expert's own statistics."""
+ALPHA = ["train.max_steps=6", "train.log_every=1", 'lr_scheduler.type="constant"', "lr_scheduler.warmup_steps=0",
+         SCHEDULE]
+"""A first phase that ends at the first look (step 4) on each expert's own statistics (a constant LR: a run of 3
+steps resumed to 6 trains what 6 steps train)."""
 
 
 def doc_example() -> list[str]:
@@ -87,7 +89,12 @@ def file_alphas(path: Path) -> set[float]:
 
 
 def test_each_group_moves_its_expert_to_the_next_alpha_as_a_one_expert_run_and_rank_0_records_both(workspace):
-    groups = _launch(workspace, "alpha", 2, ["model.expert_groups=2", *ALPHA])
+    # stopped at step 3 with a checkpoint, before the decision; resumed to step 6: each group's controller continues
+    # from its leader's state (its windows, its step counts)
+    saved = ["model.expert_groups=2", *ALPHA, "checkpoint.enabled=true", "checkpoint.every=3"]
+    groups = _launch(workspace, "alpha", 2, [*saved, "train.max_steps=3"])
+    launch_ranks(workspace, "alpha", 2, saved, flags=("--resume", str(groups)), code="_resumed")
+    assert events(groups, "RunStarted")[-1]["resumed_from"].endswith("step_000003")
     changed = events(groups, "AlphaChanged")
     assert sorted(e["expert"] for e in changed) == list(EXPERTS)  # the low-noise group's decision is in the log
     for expert in EXPERTS:
