@@ -111,6 +111,10 @@ def test_each_group_moves_its_expert_to_the_next_alpha_as_a_one_expert_run_and_r
     assert last["alpha/steps_in_phase/low_noise"] == last["alpha/steps_in_phase/high_noise"] == 6 - changed[0]["step"]
     lines = [json.loads(x) for x in (groups / "alpha_metrics.jsonl").read_text().splitlines()]
     assert sorted({x["expert"] for x in lines}) == list(EXPERTS)
+    (sidecar,) = (groups / "checkpoints").glob("step_000006/*_alpha_scheduler.json")  # rank 0's, both experts
+    experts = json.loads(sidecar.read_text())["experts"]
+    assert experts["low_noise"]["steps_as_of_log_step"] and experts["low_noise"]["total_steps"] == 6
+    assert [experts[e]["alpha"] for e in EXPERTS] == [8.0, 8.0] and len(experts["high_noise"]["losses"]) == 4
     replayed = replay(groups, out=workspace / "alpha_replay")
     assert len(replayed.replayed) == 2 and replayed.replayed == replayed.recorded
 
