@@ -35,8 +35,9 @@ LONGEST_FIRST = (
     "tests/test_newcomer_path.py", "tests/test_distributed_sequence.py", "tests/test_distributed_fsdp_sequence.py",
     "tests/test_first_hour.py", "tests/test_waiting_expert_runs.py", "tests/test_gpu_acceptance_smoke.py",
     "tests/observers/test_wandb.py", "tests/test_resume_storage.py", "tests/test_end_to_end.py",
-    "tests/test_expert_groups_run.py", "tests/test_distributed_fsdp_resume.py", "tests/test_distributed_fsdp_load.py",
-    "tests/test_distributed_fsdp_groups.py", "tests/test_distributed_failures.py",
+    "tests/test_expert_groups_run.py", "tests/test_expert_groups_compose.py", "tests/test_distributed_fsdp_resume.py",
+    "tests/test_distributed_fsdp_load.py", "tests/test_distributed_fsdp_groups.py",
+    "tests/test_distributed_failures.py",
 )
 """The files that take longest (docs/benchmarks.md, "Quickstart and test suite"), longest first: pytest-xdist hands
 each worker one file at a time in this order (``--no-loadscope-reorder`` keeps it; xdist's default puts the files

@@ -134,19 +134,27 @@ def _launch_rank(rank: int, world: int, port: int, args: list[str], out: str) ->
 
 def _launch(workspace: Path, name: str, world: int, settings: list[str]) -> Path:
     """``wantrain run`` on ``world`` gloo ranks forked from the test process; the run directory."""
+    launch_ranks(workspace, name, world, settings)
+    (run_dir,) = [d for d in (workspace / name).iterdir() if d.is_dir()]
+    return run_dir
+
+
+def launch_ranks(workspace: Path, name: str, world: int, settings: list[str], flags: tuple[str, ...] = (),
+                 code: str = "") -> None:
+    """``wantrain run`` of ``workspace``'s quickstart into ``workspace / name`` on ``world`` gloo ranks forked from
+    the test process (with :data:`RUN_SETTINGS`, then ``settings``, and the command line's ``flags``: ``--resume
+    DIR``, ...); every rank must exit 0 (their exit codes go to ``workspace / (name + code + ".code.<rank>")``)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ["run", str(workspace / "quickstart.toml"), "--set", f'run.output_dir="{workspace / name}"']
+    args = ["run", str(workspace / "quickstart.toml"), *flags, "--set", f'run.output_dir="{workspace / name}"']
     for item in [*RUN_SETTINGS, *settings]:
         args += ["--set", item]
-    mp.start_processes(_launch_rank, args=(world, port, args, str(workspace / f"{name}.code")), nprocs=world,
-                       start_method="fork")
-    assert [(workspace / f"{name}.code.{r}").read_text() for r in range(world)] == ["0"] * world, name
-    (run_dir,) = [d for d in (workspace / name).iterdir() if d.is_dir()]
-    return run_dir
+    codes = workspace / f"{name}{code}.code"
+    mp.start_processes(_launch_rank, args=(world, port, args, str(codes)), nprocs=world, start_method="fork")
+    assert [Path(f"{codes}.{r}").read_text() for r in range(world)] == ["0"] * world, name
 
 
 def test_four_ranks_two_per_expert_train_what_two_data_parallel_one_expert_runs_train_and_sample_across(tmp_path):

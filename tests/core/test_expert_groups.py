@@ -91,7 +91,6 @@ def test_a_launch_that_cannot_split_into_the_expert_groups_is_refused_in_one_lin
 
 @pytest.mark.parametrize(("overrides", "words"), [
     (['sample.other_expert_lora="x.safetensors"'], "config key 'sample.other_expert_lora' does nothing with model."),
-    (["lr_finder.enabled=true"], "does not run with lr_finder (each group holds one expert; the sweep"),
     (['model.variant="tiny-ti2v"'], "tiny-ti2v has one transformer; set model.expert_groups = 1"),
     (['model.experts="low_noise"'], "model.experts = 'low_noise' trains one; set model.expert_groups = 1 or"),
 ])

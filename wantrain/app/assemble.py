@@ -309,11 +309,12 @@ class PreparedRun:
         scheduler = build_scheduler(cfg.lr_scheduler, optimizer, total_steps=cfg.train.max_steps)
         bus = Bus()
         for observer in build_observers(cfg, run_dir, extra=self.extra_observers, hparams=self.plain,
-                                        writes_files=main, without=options.without):
+                                        writes_files=main, without=options.without,
+                                        experts=run_experts(sync, adapter)):
             bus.attach(observer)
         if options.saves and main and hasattr(adapter, "sampling_scheduler"):  # a ComfyUI graph beside each save
             bus.attach(ComfyWorkflow(workflow_settings(cfg, variant_spec(cfg.model.variant),
-                                                       adapter.sampling_scheduler()), _run_experts(sync, adapter)))
+                                                       adapter.sampling_scheduler()), run_experts(sync, adapter)))
         for observer in [*options.observers, *watchers]:
             if hasattr(observer, "attach_to"):
                 observer.attach_to(bus)  # it emits events of its own (the finder; validation at step 0)
@@ -390,7 +391,7 @@ class PreparedRun:
             share, padding = evaluation_share(len(batches), place, ranks, in_step=exchanges)
             out.append(Validation([batches[c] for c in share], timesteps=v.timesteps, seed=v.seed, every=v.every,
                                   sync=self.sync if topology.distributed else None, clip_indices=share,
-                                  clips_total=len(batches), run_experts=_run_experts(self.sync, adapter),
+                                  clips_total=len(batches), run_experts=run_experts(self.sync, adapter),
                                   padding=[batches[0]] * padding))
         if cfg.sample.enabled:
             out.append(build_sample_observer(cfg, variant_spec(cfg.model.variant), adapter, run_dir, sync=self.sync,
@@ -423,7 +424,7 @@ def _clip_frames(data: Any, width: int, height: int) -> Iterator[np.ndarray]:
             yield decoded.frames
 
 
-def _run_experts(sync: Any, adapter: Any) -> tuple[str | None, ...]:
+def run_experts(sync: Any, adapter: Any) -> tuple[str | None, ...]:
     """The experts the run trains: this rank's adapter's, or with expert groups every group's, in group order."""
     return sync.experts if isinstance(sync, ExpertGroupSync) else tuple(adapter.experts)
 

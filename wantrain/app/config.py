@@ -90,7 +90,7 @@ class RunConfig:
 
         refuse(config_problems(self))
         if self.lora.schedule_enabled and not stability_applicable(self.model.trained_experts,
-                                                                   self.model.switch_every):
+                                                                   self.model.switch_every, self.model.expert_groups):
             import logging
 
             logging.getLogger("wantrain.alpha").warning(

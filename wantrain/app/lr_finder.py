@@ -24,20 +24,26 @@
    the one exception: it is built for the new LR (the copy's schedule is at the same step but scaled to the old
    base LR). The continued run therefore computes exactly what a run started with the suggested LR computes
    (a test checks that).
+
+One expert per group of GPUs (``model.expert_groups``): the groups sweep their experts side by side
+(``LrFinder(concurrent=True)``: ``steps * steps_per_lr`` steps in all, each group setting its own expert's LR and
+measuring its own probe), every rank judges every expert from the reduced metrics, and each group then trains its
+expert with that expert's suggestion (every rank builds the same suggested config).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import attrs
 import structlog
 import torch
 
-from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome
-from wantrain.app.config import to_plain
+from wantrain.app.assemble import PreparedRun, RunOptions, RunOutcome, run_experts
 from wantrain.app.run_plan import build_validation_data
 from wantrain.core.checkpoint import copy_tree
+from wantrain.core.parallel.expert_groups import ExpertGroupSync
 from wantrain.data import ensure_cache
 from wantrain.models.wan22.variants import variant_spec
 from wantrain.observers.evaluation.validation import cached_batches, validate
@@ -179,12 +185,27 @@ def suggested_config(cfg: Any, lrs: dict[str | None, float]) -> Any:
                         **changes)
 
 
+def suggested_plain(plain: dict[str, Any], lrs: dict[str | None, float]) -> dict[str, Any]:
+    """The run's config as given (``PreparedRun.plain``: with ``model.expert_groups``, every group's, not the rank's
+    one-expert view) with :func:`suggested_config`'s changes: what the trained run's ``config.toml`` says."""
+    out = copy.deepcopy(plain)
+    for expert, lr in lrs.items():
+        if expert is None:
+            out["optimizer"]["lr"] = lr
+        else:
+            out["model"][f"lr_{expert}"] = lr
+    out["lr_finder"] = {**out["lr_finder"], "enabled": False, "then_train": False}
+    return out
+
+
 def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
     """Run the range test of ``prepared`` (its config has ``[lr_finder]`` on) and, with ``then_train``, the training
     that follows it."""
     cfg, adapter = prepared.cfg, prepared.adapter
-    finder = LrFinder(cfg.lr_finder, experts=tuple(adapter.experts), grad_accum=cfg.train.grad_accum,
-                      tensorboard=cfg.observers.tensorboard)
+    experts = run_experts(prepared.sync, adapter)  # with model.expert_groups every group's, not only this rank's
+    concurrent = isinstance(prepared.sync, ExpertGroupSync)  # the groups sweep side by side
+    finder = LrFinder(cfg.lr_finder, experts=experts, grad_accum=cfg.train.grad_accum,
+                      tensorboard=cfg.observers.tensorboard, concurrent=concurrent)
     clips = probe_data(cfg) if cfg.lr_finder.noise == "probe" else None
     snapshot: dict[str, Any] = {}
 
@@ -201,7 +222,7 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
         without=("alpha",),  # the sweep's LRs are no training: no alpha phases (then-train's run has them)
         loop=attrs.evolve(cfg.train, max_steps=finder.total_steps, log_every=1, save_every=None,
                          divergence_factor=None),  # the sweep diverges on purpose: its own stop rule ends it
-        model_view=lambda model: SweepOrder(model, finder.steps_per_expert),
+        model_view=None if concurrent else lambda model: SweepOrder(model, finder.steps_per_expert),
     )
     outcome = prepared.execute(sweep)
     summary = tuple(summary_lines(finder.results))
@@ -211,16 +232,16 @@ def run_lr_finder(prepared: PreparedRun) -> RunOutcome:
     outcome = attrs.evolve(outcome, status=status, reason=reason, lr_finder=summary, lr_finder_dir=outcome.run_dir)
     if not cfg.lr_finder.then_train or status != "completed":
         return outcome
-    lrs, fallbacks = training_lrs(cfg, adapter.experts, finder.results)
+    lrs, fallbacks = training_lrs(cfg, experts, finder.results)
     summary = (*summary, *fallbacks)
     new_cfg = suggested_config(cfg, lrs)
     # The adapter was built for the old LR; it now serves the new config (param_groups() reads these two).
     adapter.base_lr = new_cfg.optimizer.lr
     adapter.model_config = new_cfg.model
     log.info("lr_finder_then_train", finder_run=str(outcome.run_dir),
-             lrs={e or "lora": lrs.get(e, configured_lr(cfg, e)) for e in adapter.experts})
-    follow = PreparedRun(new_cfg, to_plain(new_cfg), prepared.config_dir, prepared.device, prepared.data, adapter,
-                         prepared.extra_observers, sync=prepared.sync, validation_data=prepared.validation_data,
-                         config_file=prepared.config_file)
+             lrs={e or "lora": lrs.get(e, configured_lr(cfg, e)) for e in experts})
+    follow = PreparedRun(new_cfg, suggested_plain(prepared.plain, lrs), prepared.config_dir, prepared.device,
+                         prepared.data, adapter, prepared.extra_observers, sync=prepared.sync,
+                         validation_data=prepared.validation_data, config_file=prepared.config_file)
     trained = follow.execute(RunOptions(before_run=lambda trainer: load_initial_state(trainer, snapshot["tree"])))
     return attrs.evolve(trained, lr_finder=summary, lr_finder_dir=outcome.run_dir)

@@ -33,6 +33,7 @@ class Where:
     run_dir: Path
     hparams: dict[str, Any] | None
     writes_files: bool  # False: a torchrun rank other than 0
+    experts: tuple[str | None, ...]  # the run's trained experts: with model.expert_groups every group's, in order
 
 
 @attrs.frozen
@@ -86,12 +87,13 @@ BUILT_IN: tuple[BuiltIn, ...] = (
     BuiltIn("progress", "wantrain.observers.progress:ProgressLine", lambda cfg: cfg.observers.progress,
             lambda cls, cfg, w: cls(alpha_phases=_phase_names(cfg), compiling=cfg.model.compile != "off"),
             flag="observers.progress=true", sink=True),
-    # every rank decides alike; only rank 0 writes alpha_metrics.jsonl
+    # every rank decides alike, for every expert of the run (with model.expert_groups: every group's, from the
+    # reduced metrics); only rank 0 writes alpha_metrics.jsonl
     BuiltIn("alpha", "wantrain.observers.alpha.controller:AlphaController", _alpha_enabled,
-            lambda cls, cfg, w: cls(cfg.lora.alpha_schedule, cfg.model.trained_experts,
+            lambda cls, cfg, w: cls(cfg.lora.alpha_schedule, w.experts,
                                     metrics_path=w.run_dir / "alpha_metrics.jsonl" if w.writes_files else None,
-                                    stability_applicable=stability_applicable(cfg.model.trained_experts,
-                                                                              cfg.model.switch_every))),
+                                    stability_applicable=stability_applicable(
+                                        w.experts, cfg.model.switch_every, cfg.model.expert_groups))),
     BuiltIn("wandb", "wantrain.observers.wandb_logger:WandbLogger", lambda cfg: cfg.observers.wandb,
             lambda cls, cfg, w: cls(project=cfg.observers.wandb_project, run_name=cfg.observers.wandb_run_name,
                                     tags=cfg.observers.wandb_tags, mode=cfg.observers.wandb_mode, config=w.hparams),
@@ -116,13 +118,15 @@ def require_wandb() -> None:
 
 def build_observers(cfg: Any, run_dir: Path, *, extra: Sequence[type] = (),
                     hparams: dict[str, Any] | None = None, writes_files: bool = True,
-                    without: Sequence[str] = ()) -> list[Any]:
+                    without: Sequence[str] = (), experts: Sequence[str | None] | None = None) -> list[Any]:
     """The observers a run config asks for, in attachment order. ``extra`` are the users' classes from
     :func:`resolve_extra_observers`, built here with no arguments. ``writes_files`` False (torchrun ranks other
     than 0): the same observers, minus the sinks (TensorBoard, JSONL, the progress line) and the alpha controller's
     JSONL file, so that every rank computes and decides alike and only rank 0 writes. ``without``: names of built-in
-    rows left out (the LR finder's sweep runs no alpha controller)."""
-    where = Where(Path(run_dir), hparams, writes_files)
+    rows left out (the LR finder's sweep runs no alpha controller). ``experts``: the run's trained experts when
+    they are not ``cfg``'s (with ``model.expert_groups`` each rank's ``cfg`` holds its group's expert only)."""
+    run_experts = tuple(experts) if experts is not None else tuple(cfg.model.trained_experts)
+    where = Where(Path(run_dir), hparams, writes_files, run_experts)
     observers = [row.build(row.load(), cfg, where) for row in BUILT_IN
                  if row.enabled(cfg) and (writes_files or not row.sink) and row.key not in without]
     for i, (spec, cls) in enumerate(zip(cfg.observers.extra, extra, strict=True)):

@@ -25,11 +25,12 @@ ALPHA_PRESETS: dict[str, dict[str, float | int | None]] = {
 }
 """Defaults per ``preset`` for every key a phase or the schedule leaves unset (docs/alpha_schedule.md)."""
 
-def stability_applicable(experts: tuple[str | None, ...], switch_every: int) -> bool:
+def stability_applicable(experts: tuple[str | None, ...], switch_every: int, expert_groups: int = 1) -> bool:
     """Whether gradient stability has samples: with two experts alternating every step, every stint of an expert
     is one step, with no previous step of its own to compare with (``min_gradient_stability`` is not applied then,
-    with a warning when the config is read)."""
-    return not (len(experts) > 1 and switch_every == 1)
+    with a warning when the config is read). With ``model.expert_groups`` > 1 nothing alternates: each group
+    trains its expert at every step."""
+    return not (len(experts) > 1 and switch_every == 1 and expert_groups <= 1)
 
 
 CRITERIA = ("loss_improvement_rate_below", "min_gradient_stability", "min_loss_r2", "max_loss_cv")
@@ -191,16 +192,13 @@ ALPHA_RULES = (
                                                     "validation.timesteps", "model.experts"),
                               "signal = 'validation' without a validation loss of every trained expert",
                               ("lora.alpha_schedule (signal = validation)", "validation.enabled = false")),
-    ALPHA_EXPERT_GROUPS := Rule("alpha-expert-groups", ("model.expert_groups", "lora.alpha_schedule"),
-                                "an alpha schedule with expert groups",
-                                ("model.expert_groups > 1", "lora.alpha_schedule")),
 )
 
 
 def alpha_schedule_problems(cfg: Any) -> list[Problem]:
     """An enabled ``[lora.alpha_schedule]`` against the rest of the run config ``cfg``: its first phase sets the
-    alpha, a validation signal needs validation losses of every trained expert, and one expert per group of GPUs
-    would let the low-noise group's controller decide where rank 0's event log never sees it."""
+    alpha, and a validation signal needs validation losses of every trained expert. (With ``model.expert_groups``
+    every rank decides for every group's expert from the reduced metrics: ``observers.alpha.controller``.)"""
     if not cfg.lora.schedule_enabled:
         return []
     schedule, out = cfg.lora.alpha_schedule, []
@@ -211,11 +209,6 @@ def alpha_schedule_problems(cfg: Any) -> list[Problem]:
             f"sets alpha {first.alpha:g} from the first step; remove lora.alpha or make the two equal"))
     if schedule.signal == "validation":
         out.extend(_validation_signal_problems(cfg))
-    if cfg.model.expert_groups > 1:
-        out.append(ALPHA_EXPERT_GROUPS.problem(
-            f"model.expert_groups = {cfg.model.expert_groups} does not run with lora.alpha_schedule (each group holds "
-            "one expert; the sweep and the alpha decisions run on one rank): turn lora.alpha_schedule off, or set "
-            "model.expert_groups = 1", ""))
     return out
 
 

@@ -26,6 +26,13 @@ logged at the log steps of the intervals in which that expert trained:
   experts (the run is in phase i once every expert has reached it; the report shades it).
 
 ``<run_dir>/alpha_metrics.jsonl`` carries the seed's fields, one line per evaluated expert and log step.
+
+One expert per group of GPUs (``model.expert_groups``): every rank's controller holds the policy of every expert of
+the run. Each rank computes the statistics of the expert it trains (its group's); the core's reduction of the log
+step's metrics (a collective every rank enters at every log step) hands every rank the same values, with each
+expert's statistics from its own group. So every rank decides every expert's transitions, identically and at the
+same step, without a collective of its own; each rank requests only the changes of the experts it holds, and rank 0,
+which records the event log, emits every expert's ``AlphaChanged`` (the low-noise group's decisions included).
 Replay: :class:`AlphaPolicy` is a pure function of ``MetricsLogged.values`` and its own state, so feeding a
 recorded run's MetricsLogged events to a fresh policy (or a fresh controller without an adapter) reproduces its
 AlphaChanged events exactly.
@@ -390,6 +397,10 @@ class AlphaController(Observer):
         self._stability: dict[str, DeviceWindow] = {}
         self._signs = {expert_key(e): SignAgreement() for e in experts}
         self._trained: set[str] = set()  # experts that trained since the last log step
+        # the experts this process trains (ctx.adapter's, at RunStarted): with model.expert_groups its group's only;
+        # None until then, and in a replay (no adapter): every expert
+        self._held: set[str] | None = None
+        self._logged_steps: dict[str, float] = {}  # alpha/steps/<k> at the last log step that carried it
         self._step_loss: torch.Tensor | None = None
         self._micro = 0
 
@@ -399,6 +410,9 @@ class AlphaController(Observer):
     # -- device side, every step (no sync) ---------------------------------------------------------------------
     @on(RunStarted)
     def on_run_started(self, event: RunStarted, ctx) -> None:
+        adapter = getattr(ctx, "adapter", None)
+        if adapter is not None:
+            self._held = {expert_key(e) for e in adapter.experts}
         if self.metrics_path is not None:
             cut_back(self.metrics_path, event.step)
 
@@ -459,13 +473,23 @@ class AlphaController(Observer):
             k = expert_key(expert)
             st = self.policy.state[k]
             metrics.put(f"alpha/phase/{k}", float(st.phase))
-            metrics.put(f"alpha/steps_in_phase/{k}", float(self._steps[k] - st.phase_start))
+            if self.holds(k):  # an expert another group trains: its group puts its step count
+                metrics.put(f"alpha/steps_in_phase/{k}", float(self._steps[k] - st.phase_start))
             metrics.put(f"alpha/linear_alpha/{k}", self.policy.alpha_of(expert))
         metrics.put("alpha/phase", float(min(st.phase for st in self.policy.state.values())))
+
+    def holds(self, k: str) -> bool:
+        """Whether this process trains expert key ``k`` (every expert in one process; under
+        ``model.expert_groups`` its group's)."""
+        return self._held is None or k in self._held
 
     # -- host side, once per log interval ----------------------------------------------------------------------
     @on(MetricsLogged)
     def on_metrics_logged(self, event: MetricsLogged, ctx) -> None:
+        for expert in self.policy.experts:
+            k = expert_key(expert)
+            if f"alpha/steps/{k}" in event.values:
+                self._logged_steps[k] = float(event.values[f"alpha/steps/{k}"])
         before = {k: (st.phase, st.phase_start) for k, st in self.policy.state.items()}
         transitions = self.policy.observe(event.step, event.values)
         looks = {expert_key(x["expert"]): x for x in self.policy.looks}
@@ -488,8 +512,9 @@ class AlphaController(Observer):
                 self._bus.emit(held)
         for t in transitions:
             if ctx is not None:  # replay: nobody applies the request (there is no model)
-                ctx.control.set_lora_alpha(t["expert"], t["to_alpha"],
-                                           preserve_output=t["transition"] == "preserve_output")
+                if self.holds(expert_key(t["expert"])):  # expert groups: the ranks of the expert's group
+                    ctx.control.set_lora_alpha(t["expert"], t["to_alpha"],
+                                               preserve_output=t["transition"] == "preserve_output")
                 stats = t["statistics"]
                 log.info("alpha_changed", step=t["step"], expert=expert_key(t["expert"]),
                          phase=f"{t['from_phase']} -> {t['to_phase']}",
@@ -561,19 +586,25 @@ class AlphaController(Observer):
 
     def write_sidecars(self, directory: Path, stem: str) -> None:
         """``<stem>_alpha_scheduler.json``: the seed's file, readable without wantrain (phases, steps, the
-        windows' values oldest first, the transition history). Resume reads the checkpoint's state, not this."""
+        windows' values oldest first, the transition history). Resume reads the checkpoint's state, not this.
+        Under ``model.expert_groups`` (written by rank 0) an expert another group trains has its phase and alpha,
+        its step counts as of the last log step (``steps_as_of_log_step``: true) and no windows (they are in that
+        group leader's state in the checkpoint)."""
         experts = {}
         for expert in self.policy.experts:
             k = expert_key(expert)
             st = self.policy.state[k]
+            steps = self._steps[k] if self.holds(k) else int(self._logged_steps.get(k, st.phase_start))
             experts[k] = {
                 "current_phase_idx": st.phase, "phase": self.schedule.phases[st.phase].name,
-                "alpha": self.policy.alpha_of(expert), "total_steps": self._steps[k],
-                "steps_in_phase": self._steps[k] - st.phase_start,
+                "alpha": self.policy.alpha_of(expert), "total_steps": steps,
+                "steps_in_phase": steps - st.phase_start,
                 "losses": [_finite(v) for v in self._losses[k].host_values()] if k in self._losses else [],
                 "grad_stability": ([_finite(v) for v in self._stability[k].host_values()]
                                    if k in self._stability else []),
             }
+            if not self.holds(k):
+                experts[k]["steps_as_of_log_step"] = True
         history = [{**t, "statistics": {n: _finite(v) for n, v in t["statistics"].items()},
                     "checks": {n: {key: _finite(v) for key, v in c.items()} for n, c in t.get("checks", {}).items()}}
                    for t in self.policy.history]

@@ -104,15 +104,13 @@ class LrFinderConfig:
 LR_FINDER_RULES = (
     LR_FINDER_RUN_ID := Rule("lr-finder-run-id", ("run.run_id", "lr_finder.enabled"),
                              "a run id too long for the sweep's suffix"),
-    LR_FINDER_EXPERT_GROUPS := Rule("lr-finder-expert-groups", ("model.expert_groups", "lr_finder.enabled"),
-                                    "the LR finder with expert groups", ("model.expert_groups > 1", "LR finder")),
 )
 
 
 def lr_finder_problems(cfg: Any) -> list[Problem]:
     """The LR finder (``lr_finder.enabled`` / ``then_train`` or ``--lr-finder``) against the run config: its
-    run directory's suffix must fit the run id, and it sweeps the experts one after the other on every rank, which
-    one expert per group of GPUs has nothing to do with."""
+    run directory's suffix must fit the run id. (With ``model.expert_groups`` the groups sweep their experts side by
+    side: ``wantrain.app.lr_finder``.)"""
     if not cfg.lr_finder.active:
         return []
     out = []
@@ -122,9 +120,4 @@ def lr_finder_problems(cfg: Any) -> list[Problem]:
         out.append(LR_FINDER_RUN_ID.problem(
             f"run.run_id is {len(run_id)} characters: with the LR finder's '__{RUN_ID_SUFFIX}' suffix the run "
             f"directory name breaks the rule ({SAFE_NAME_RULE}); use at most {room} characters"))
-    if cfg.model.expert_groups > 1:
-        out.append(LR_FINDER_EXPERT_GROUPS.problem(
-            f"model.expert_groups = {cfg.model.expert_groups} does not run with lr_finder (each group holds one "
-            "expert; the sweep and the alpha decisions run on one rank): turn lr_finder off, or set "
-            "model.expert_groups = 1", ""))
     return out

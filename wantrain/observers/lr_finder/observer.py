@@ -35,6 +35,15 @@ suggestions (``math.suggest``). A stopped expert that is not the last one skips 
 (``skip_optimizer_step``; their forward and backward passes still run, the price of a loop without a finder
 branch); the last one asks the run to stop.
 
+One expert per group of GPUs (``model.expert_groups``; ``concurrent=True``): the experts sweep side by side, each on
+the ranks of its group, in ``steps * steps_per_lr`` optimizer steps (rung r of every expert at the same steps).
+Each rank sets the LR, pins the draws and measures the probe of the expert it holds only, and puts the probe loss
+as ``lr_finder/probe_loss/<expert>``; the core's reduction of the log step's metrics hands every rank the same
+values, with each expert's own ``train/loss/<expert>``, ``train/nan_skipped_steps/<expert>`` and probe loss from its
+group. So every rank judges every expert's rungs and suggestions alike, with no collective of its own, and rank 0's
+event log holds every expert's ``LrFinderRung`` and ``LrFinderResult``. A group whose sweep stopped early skips its
+optimizer steps until the other's ends; the run stops once every sweep has.
+
 Outputs, in the run directory: ``lr_finder.csv`` (every rung), ``lr_finder.json`` (settings, suggestions, warnings),
 ``lr_finder.png`` (log-x chart: raw and smoothed loss, the running median the suggestions read, the suggested
 LR's 90 % band, one marker per
@@ -172,8 +181,10 @@ class LrFinder(Observer):
     critical = True  # a broken finder makes the whole test meaningless
 
     def __init__(self, cfg: LrFinderConfig, *, experts: tuple[str | None, ...], grad_accum: int,
-                 run_dir: Path | None = None, tensorboard: bool = False, probe: Probe | None = None) -> None:
+                 run_dir: Path | None = None, tensorboard: bool = False, probe: Probe | None = None,
+                 concurrent: bool = False) -> None:
         self.cfg = cfg
+        self.concurrent = concurrent  # model.expert_groups: every expert's sweep at the same steps (module docstring)
         self.probe = probe
         self.experts = tuple(experts)
         self.grad_accum = grad_accum
@@ -181,13 +192,13 @@ class LrFinder(Observer):
         self.tensorboard = tensorboard
         self.lrs = sweep_lrs(cfg.start_lr, cfg.end_lr, cfg.steps, cfg.mode)
         self.steps_per_expert = cfg.steps * cfg.steps_per_lr
-        self.total_steps = self.steps_per_expert * len(self.experts)
+        self.total_steps = self.steps_per_expert * (1 if concurrent else len(self.experts))
         self.sweeps = [_Sweep(e, Smoother(cfg.smoothing)) for e in self.experts]
         self.results: dict[str | None, LrFinderResult] = {}
         self._bus: Any = None
         self._writer: Any = None
         self._warned_no_quantile = False
-        self._nan_skipped = 0.0  # train/nan_skipped_steps at the last MetricsLogged
+        self._nan_skipped: dict[str, float] = {}  # train/nan_skipped_steps[/<expert>] at the last MetricsLogged
 
     def attach_to(self, bus: Any) -> LrFinder:
         self._bus = bus
@@ -201,9 +212,27 @@ class LrFinder(Observer):
 
     # -- where a step sits in the sweep ------------------------------------------------------------------------
     def locate(self, step: int) -> tuple[int, int, int]:
-        """(expert index, rung, step index within the rung) of optimizer step ``step`` (1-based)."""
+        """(expert index, rung, step index within the rung) of optimizer step ``step`` (1-based); ``concurrent``:
+        the first expert's (every expert is at that rung)."""
         local = (step - 1) % self.steps_per_expert
-        return (step - 1) // self.steps_per_expert, local // self.cfg.steps_per_lr, local % self.cfg.steps_per_lr
+        index = 0 if self.concurrent else (step - 1) // self.steps_per_expert
+        return index, local // self.cfg.steps_per_lr, local % self.cfg.steps_per_lr
+
+    def _positions(self, step: int) -> list[tuple[int, _Sweep, int, int]]:
+        """(expert index, sweep, rung, step index within the rung) of every sweep that step ``step`` belongs to:
+        one, or with ``concurrent`` all of them."""
+        index, rung, in_rung = self.locate(step)
+        indices = range(len(self.sweeps)) if self.concurrent else (index,)
+        return [(i, self.sweeps[i], rung, in_rung) for i in indices]
+
+    def _held(self, sweep: _Sweep, ctx: Any) -> bool:
+        """Whether this process trains ``sweep``'s expert (one at a time: always; ``concurrent``: its group's)."""
+        return not self.concurrent or sweep.expert in ctx.adapter.experts
+
+    def _key(self, name: str, sweep: _Sweep) -> str:
+        """The logged metric ``name`` of ``sweep``'s expert: ``name`` itself while one expert trains at a time,
+        ``name/<expert>`` with ``concurrent`` (each group's own value)."""
+        return f"{name}/{sweep.expert or 'lora'}" if self.concurrent else name
 
     # -- handlers ----------------------------------------------------------------------------------------------
     @on(RunStarted)
@@ -223,8 +252,11 @@ class LrFinder(Observer):
 
     @on(StepStarted)
     def on_step_started(self, event: StepStarted, ctx: Any) -> None:
-        index, rung, in_rung = self.locate(event.step)
-        sweep = self.sweeps[index]
+        for _, sweep, rung, in_rung in self._positions(event.step):
+            if self._held(sweep, ctx):
+                self._start_step(event, ctx, sweep, rung, in_rung)
+
+    def _start_step(self, event: StepStarted, ctx: Any, sweep: _Sweep, rung: int, in_rung: int) -> None:
         if sweep.done:
             ctx.control.skip_optimizer_step(f"lr_finder: the {sweep.expert or 'lora'} sweep has ended")
             return
@@ -249,32 +281,37 @@ class LrFinder(Observer):
         """``noise = "probe"``: measure the LoRA after the rung's last step (its value joins this step's log)."""
         if self.cfg.noise != "probe" or event.step > self.total_steps:
             return
-        index, _, in_rung = self.locate(event.step)
-        sweep = self.sweeps[index]
-        if sweep.done or in_rung < self.cfg.steps_per_lr - 1:
-            return
-        values = self.probe.evaluate(ctx.adapter, self.probe.batches, self.probe.timesteps[sweep.expert],
-                                     self.probe.seed, ctx.control)
-        ctx.metrics.put(PROBE_METRIC, values.get("val/loss", math.nan))
+        for _, sweep, _, in_rung in self._positions(event.step):
+            if sweep.done or in_rung < self.cfg.steps_per_lr - 1 or not self._held(sweep, ctx):
+                continue
+            values = self.probe.evaluate(ctx.adapter, self.probe.batches, self.probe.timesteps[sweep.expert],
+                                         self.probe.seed, ctx.control)
+            ctx.metrics.put(self._key(PROBE_METRIC, sweep), values.get("val/loss", math.nan))
 
     @on(MetricsLogged)
     def on_metrics_logged(self, event: MetricsLogged, ctx: Any) -> None:
         if event.step < 1 or event.step > self.total_steps:
             return  # another observer's own line (step 0)
-        index, rung, in_rung = self.locate(event.step)
-        sweep = self.sweeps[index]
-        if sweep.done:
-            return
+        for index, sweep, rung, in_rung in self._positions(event.step):
+            if not sweep.done:
+                self._take_rung(event, ctx, index, sweep, rung, in_rung)
+        if self.concurrent and self.finished and event.step < self.total_steps:
+            ctx.control.request_stop("lr_finder: every expert's sweep finished")
+
+    def _take_rung(self, event: MetricsLogged, ctx: Any, index: int, sweep: _Sweep, rung: int, in_rung: int) -> None:
+        """Step ``event.step``'s logged loss into ``sweep``; at the rung's last step the rung, and the stop rule."""
         values = event.values
-        skipped = float(values.get("train/nan_skipped_steps", self._nan_skipped))
-        bad_step, self._nan_skipped = skipped > self._nan_skipped, skipped  # a non-finite micro-loss or gradient
-        sweep.rung_losses.append(math.nan if bad_step else float(values.get("train/loss", math.nan)))
+        name = self._key("train/nan_skipped_steps", sweep)
+        before = self._nan_skipped.get(name, 0.0)
+        skipped = float(values.get(name, before))
+        bad_step, self._nan_skipped[name] = skipped > before, skipped  # a non-finite micro-loss or gradient
+        sweep.rung_losses.append(math.nan if bad_step else float(values.get(self._key("train/loss", sweep), math.nan)))
         if in_rung < self.cfg.steps_per_lr - 1:
             return
         train = math.fsum(sweep.rung_losses) / len(sweep.rung_losses)
         sweep.rung_losses.clear()
         if self.cfg.noise == "probe":
-            raw = float(values.get(PROBE_METRIC, math.nan)) if math.isfinite(train) else math.nan
+            raw = float(values.get(self._key(PROBE_METRIC, sweep), math.nan)) if math.isfinite(train) else math.nan
         else:
             raw = train
         smoothed = sweep.smoother.add(raw) if math.isfinite(raw) else math.nan
@@ -293,7 +330,7 @@ class LrFinder(Observer):
         if reason is not None or rung == self.cfg.steps - 1:
             sweep.stop_reason = None if reason is None else f"stopped at LR {lr:.3g}: {reason}"
             self._finish(sweep, event.step)
-            if reason is not None and index == len(self.sweeps) - 1:
+            if reason is not None and index == len(self.sweeps) - 1 and not self.concurrent:
                 ctx.control.request_stop(f"lr_finder: sweep finished ({sweep.stop_reason})")
 
     @on(RunEnded)
