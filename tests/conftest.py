@@ -32,6 +32,7 @@ LONGEST_FIRST = (
     "tests/models/test_wan22_compile.py", "tests/test_compiled_runs.py", "tests/test_distributed_ulysses_evaluation.py",
     "tests/test_distributed_ulysses_memory.py", "tests/test_distributed_padding.py",
     "tests/test_resume.py", "tests/test_expert_groups_fsdp_run.py", "tests/test_adapter_type_runs.py",
+    "tests/test_distributed_launch.py",
     "tests/test_newcomer_path.py", "tests/test_distributed_sequence.py", "tests/test_distributed_fsdp_sequence.py",
     "tests/test_first_hour.py", "tests/test_waiting_expert_runs.py", "tests/test_gpu_acceptance_smoke.py",
     "tests/observers/test_wandb.py", "tests/test_resume_storage.py", "tests/test_end_to_end.py",

@@ -2,7 +2,7 @@
 swap and gradient checkpointing on, validation and samples): each trains and exports its LyCORIS keys, a run
 killed with SIGKILL after its first checkpoint resumes with ``--resume auto`` to files byte-equal to an
 uninterrupted run, and ``wantrain inspect-lora`` names the type. The LR finder and the alpha schedule run with a
-non-LoRA type too (torchrun with a DoRA: tests/test_distributed.py's two-node run)."""
+non-LoRA type too (torchrun with a DoRA: tests/test_distributed_launch.py's two-node run)."""
 
 from __future__ import annotations
 
