@@ -5,8 +5,8 @@ in torchrun's environment. Each rank then costs a fork, not ~16 s of CPU importi
 The relay is the process torchrun starts and watches: it hands its stdout, stderr, environment (the rank's
 ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) and working directory to the fork, passes on the
 signals torchrun sends (SIGINT, SIGTERM, SIGHUP, SIGQUIT), and ends as the fork ended: its exit code, or the same
-signal. Only for the torchrun tests that are not about ``torchrun -m wantrain`` itself (tests/test_distributed_launch.py's
-quickstart and two-node tests launch that)."""
+signal. Only for the torchrun tests that are not about ``torchrun -m wantrain`` itself
+(tests/test_distributed_launch.py's quickstart and two-node tests launch that)."""
 
 from __future__ import annotations
 
