@@ -28,9 +28,9 @@ def offloaded_shards(variant: str, shard_degree: int, blocks_to_swap: int, rank:
             float(sum(rounding[len(rounding) - len(held):]) + len(held) * pinned_lora))
 
 
-def meta_expert(variant: str, layers: int | None = None) -> tuple[dict[str, Any], Any]:
-    """(the diffusers keywords, one expert of ``variant`` built on ``meta`` in bf16, the ``_keep_in_fp32_modules``
-    tensors in fp32): what the plans per GPU count tensor by tensor."""
+def meta_expert(variant: str, layers: int | None = None) -> Any:
+    """One expert of ``variant`` built on ``meta`` in bf16, the ``_keep_in_fp32_modules`` tensors in fp32: what the
+    plans per GPU count tensor by tensor."""
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -43,7 +43,7 @@ def meta_expert(variant: str, layers: int | None = None) -> tuple[dict[str, Any]
     with torch.device("meta"):
         model = WanTransformer3DModel(**kwargs)
     cast_keeping_fp32_modules(model, torch.bfloat16)
-    return kwargs, model
+    return model
 
 
 @functools.lru_cache(maxsize=32)
@@ -51,15 +51,14 @@ def _block_shards(variant: str, shard_degree: int, rank: int, layers: int | None
                   ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[int, ...]]:
     """(each block's bf16 frozen shard bytes, each block's power-of-two rounding of them pinned, the byte sizes of
     one block's fp32 LoRA shards), per GPU of ``shard_degree``, on a ``meta`` build."""
-    kwargs, model = meta_expert(variant, layers)
+    model = meta_expert(variant, layers)
     frozen, rounding = [], []
     for block in model.blocks:
         shards = [math.ceil(p.shape[0] / shard_degree) * (p.numel() // max(p.shape[0], 1)) * p.element_size()
                   if p.dim() else p.element_size() for p in block.parameters()]
         frozen.append(float(sum(shards)))
         rounding.append(float(sum(2 ** math.ceil(math.log2(t)) - t for t in shards if t > 0)))
-    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
-    f = kwargs["ffn_dim"]
-    lora = tuple(math.ceil(r / shard_degree) * c * 4 for i, o in [(d, d)] * 8 + [(d, f), (f, d)]
-                 for r, c in ((rank, i), (o, rank)))
+    from wantrain.models.wan22.rank_plan import block_lora_shards
+
+    lora = tuple(4 * n for n in block_lora_shards(variant, rank, shard_degree))  # fp32
     return tuple(frozen), tuple(rounding), lora

@@ -123,7 +123,7 @@ def sharded_weight_bytes(variant: str, shard_degree: int, layers: int | None = N
     (``fully_shard``'s padding), the ``_keep_in_fp32_modules`` tensors in fp32."""
     from wantrain.models.wan22.rank_offload import meta_expert
 
-    _, model = meta_expert(variant, layers)
+    model = meta_expert(variant, layers)
 
     def shard(t: Any) -> float:
         if t.dim() == 0:
@@ -137,23 +137,29 @@ def sharded_weight_bytes(variant: str, shard_degree: int, layers: int | None = N
     return params + buffers, largest
 
 
-def lora_shard_params(variant: str, rank: int, shard_degree: int, layers: int | None = None) -> float:
-    """LoRA parameters one GPU holds: every A [rank, in] and B [out, rank] matrix's rows rounded up to a multiple
-    of ``shard_degree``."""
+def block_lora_shards(variant: str, rank: int, shard_degree: int) -> tuple[int, ...]:
+    """The elements one GPU holds of each LoRA matrix of one block (A [rank, in] and B [out, rank] of its 10
+    Linears), each matrix's rows rounded up to a multiple of ``shard_degree`` (FSDP2's padding; 1: whole)."""
     from wantrain.models.wan22.architecture import planner_kwargs
     from wantrain.models.wan22.variants import VARIANTS
 
     kwargs = planner_kwargs(VARIANTS[variant])
     d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
     f = kwargs["ffn_dim"]
-    n = layers if layers is not None else kwargs["num_layers"]
 
     def rows(count: int) -> int:
         return math.ceil(count / shard_degree)
 
     # (in, out) of the 10 Linears of a block: 8 attention projections d -> d, the FFN d -> f and f -> d
     linears = [(d, d)] * 8 + [(d, f), (f, d)]
-    return float(n * sum(rows(rank) * i + rows(o) * rank for i, o in linears))
+    return tuple(n for i, o in linears for n in (rows(rank) * i, rows(o) * rank))
+
+
+def lora_shard_params(variant: str, rank: int, shard_degree: int, layers: int | None = None) -> float:
+    """LoRA parameters one GPU holds: every A [rank, in] and B [out, rank] matrix's rows rounded up to a multiple
+    of ``shard_degree`` (:func:`block_lora_shards` of each block)."""
+    n = layers if layers is not None else planner_kwargs_layers(variant)
+    return float(n * sum(block_lora_shards(variant, rank, shard_degree)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -213,7 +219,7 @@ def load_peak(variant: str, shard_degree: int, rank: int, *, dtype_name: str = "
         shard += math.ceil(rows / s) * (numel // max(rows, 1)) * size if shape else size
     lora_shard = lora_shard_params(variant, rank, s, layers) * 4.0
     lora_whole = lora_shard_params(variant, rank, 1, layers) * 4.0
-    largest = max(largest, max(_lora_sizes(variant, rank)) * 4.0)  # a LoRA matrix (fp32) may be the largest
+    largest = max(largest, max(block_lora_shards(variant, rank, 1)) * 4.0)  # a LoRA matrix (fp32) may be the largest
     return LoadPeak(per_gpu=shard + buffers + lora_shard + largest, rank0_host=whole + buffers + lora_whole,
                     whole_expert=whole + buffers + lora_whole)
 
@@ -262,7 +268,7 @@ def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None =
         from wantrain.models.wan22.rank_offload import offloaded_shards
 
         resident -= sum(offloaded_shards(variant, s, blocks_to_swap, rank, layers)[:2])
-    largest = max(_lora_sizes(variant, rank)) * 4.0  # fp32, gathered whole on rank 0's GPU
+    largest = max(block_lora_shards(variant, rank, 1)) * 4.0  # fp32, gathered whole on rank 0's GPU
     if adapter.type == "dora":  # its export's base norm: the largest frozen Linear weight, bf16
         kwargs = planner_kwargs(VARIANTS[variant])
         largest = max(largest, kwargs["num_attention_heads"] * kwargs["attention_head_dim"] * kwargs["ffn_dim"] * 2.0)
@@ -270,17 +276,6 @@ def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None =
     host = 2.0 * lora_shard_params(variant, rank, 1, layers) * SAVE_BYTES_PER_PARAM
     return SaveGather(host=host, writer_extra=largest, writer_peak=resident + largest, other_extra=send,
                       other_peak=resident + send)
-
-
-def _lora_sizes(variant: str, rank: int) -> list[int]:
-    """The element counts of one block's LoRA matrices (A [rank, in], B [out, rank])."""
-    from wantrain.models.wan22.architecture import planner_kwargs
-    from wantrain.models.wan22.variants import VARIANTS
-
-    kwargs = planner_kwargs(VARIANTS[variant])
-    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
-    f = kwargs["ffn_dim"]
-    return [rank * i for i, _ in [(d, d), (d, f), (f, d)]] + [o * rank for _, o in [(d, d), (d, f), (f, d)]]
 
 
 @attrs.frozen
