@@ -118,7 +118,7 @@ def test_a_vram_budget_under_fsdp_swaps_blocks_when_nothing_else_fits_and_moves_
     """Over 2 GPUs at 768x512x1 the smallest setting without swap needs 18.2 GiB per card: a 12 GiB budget takes
     block swap under fsdp (FSDP2's CPU offload of the last blocks' shards), the fewest blocks that fit. The GPU's
     weights drop by exactly those blocks' shards and its LoRA part by their LoRA state, which the host plan counts
-    instead (``rank_plan.offloaded_shards``, with the pinned allocator's rounding on CUDA)."""
+    instead (``rank_offload.offloaded_shards``, with the pinned allocator's rounding on CUDA)."""
     from wantrain.models.wan22.memory import GIB
     from wantrain.models.wan22.rank_offload import offloaded_shards
 

@@ -90,7 +90,7 @@ class ScaledFp8Linear(nn.Linear):
 
     def dequantised_rows(self, rows: slice, dtype: torch.dtype) -> torch.Tensor:
         """Output rows ``rows`` of the weight the forward computes with, in ``dtype`` (DoRA's row norms and export
-        read it: ``adapter_forward.base_rows``)."""
+        read it: ``adapter_types.base_rows``)."""
         return dequantise(self.weight[rows], self.weight_scale[rows], dtype)
 
     def extra_repr(self) -> str:

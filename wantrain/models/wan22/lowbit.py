@@ -34,7 +34,7 @@ for nf4), the absmax its ``weight_absmax`` buffer and the column scales its ``we
 stays in the compute dtype. Its ``weight`` is a stand-in that holds no memory (a bf16 scalar expanded to
 ``[out, in]`` on the codes' device): what peft reads of a base layer's weight (its shape for LoHa's and LoKr's
 factors, its device) is right, and its values (zeros) are never computed with: DoRA, the only adapter that reads the
-base weight outside the forward, reads :meth:`LowBitLinear.dequantised_rows` instead (``adapter_forward.base_rows``),
+base weight outside the forward, reads :meth:`LowBitLinear.dequantised_rows` instead (``adapter_types.base_rows``),
 a few rows at a time, the values the forward computes with.
 """
 

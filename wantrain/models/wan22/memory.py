@@ -862,7 +862,7 @@ def host_estimate(variant: str, settings: MemorySettings, *, experts: tuple[str 
       ``model.text_encoder_file`` streams into the compute dtype: the same once);
     * ``offloaded_shards``: block swap under ``model.parallel = "fsdp"`` (FSDP2's CPU offload, ``settings`` then
       without swap): this rank's shards of the swapped blocks, their LoRA state and the pinned rounding
-      (``rank_plan.offloaded_shards``), held by every rank on the host.
+      (``rank_offload.offloaded_shards``), held by every rank on the host.
 
     Phases in the run's order: with ``encoders_first`` (one process, ``app.assemble.encode_before_the_experts``)
     the cache fills first, with the encoders and the runtime alone, and the encoders are released before the
