@@ -2,7 +2,8 @@
 docs/distributed.md, "Block swap under fsdp"): FSDP2's CPU offload of the last N blocks' shards
 (``app.assemble.shard_experts``) moves them, their LoRA shards, gradients and AdamW moments from each GPU to its
 host. ``rank_plan.rank_estimate`` takes them off the GPU's parts, ``app.memory_plan`` counts them on every rank's
-host."""
+host. Also the counts both share (``rank_plan`` imports them from here): one block's LoRA shards
+(:func:`block_lora_shards`) and an expert built on ``meta`` (:func:`meta_expert`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,24 @@ def offloaded_shards(variant: str, shard_degree: int, blocks_to_swap: int, rank:
     pinned_lora = sum(2 ** math.ceil(math.log2(t)) - t for t in lora_tensors if t > 0) * 2  # value and gradient
     return (float(sum(held)), float(lora),
             float(sum(rounding[len(rounding) - len(held):]) + len(held) * pinned_lora))
+
+
+def block_lora_shards(variant: str, rank: int, shard_degree: int) -> tuple[int, ...]:
+    """The elements one GPU holds of each LoRA matrix of one block (A [rank, in] and B [out, rank] of its 10
+    Linears), each matrix's rows rounded up to a multiple of ``shard_degree`` (FSDP2's padding; 1: whole)."""
+    from wantrain.models.wan22.architecture import planner_kwargs
+    from wantrain.models.wan22.variants import VARIANTS
+
+    kwargs = planner_kwargs(VARIANTS[variant])
+    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
+    f = kwargs["ffn_dim"]
+
+    def rows(count: int) -> int:
+        return math.ceil(count / shard_degree)
+
+    # (in, out) of the 10 Linears of a block: 8 attention projections d -> d, the FFN d -> f and f -> d
+    linears = [(d, d)] * 8 + [(d, f), (f, d)]
+    return tuple(n for i, o in linears for n in (rows(rank) * i, rows(o) * rank))
 
 
 def meta_expert(variant: str, layers: int | None = None) -> Any:
@@ -58,7 +77,5 @@ def _block_shards(variant: str, shard_degree: int, rank: int, layers: int | None
                   if p.dim() else p.element_size() for p in block.parameters()]
         frozen.append(float(sum(shards)))
         rounding.append(float(sum(2 ** math.ceil(math.log2(t)) - t for t in shards if t > 0)))
-    from wantrain.models.wan22.rank_plan import block_lora_shards
-
     lora = tuple(4 * n for n in block_lora_shards(variant, rank, shard_degree))  # fp32
     return tuple(frozen), tuple(rounding), lora

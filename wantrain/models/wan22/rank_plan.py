@@ -51,6 +51,7 @@ import attrs
 from wantrain.core.errors import UserError
 from wantrain.models.wan22 import memory
 from wantrain.models.wan22.memory import GIB, LORA, LORA_BYTES_PER_PARAM, AdapterSpec, MemorySettings
+from wantrain.models.wan22.rank_offload import block_lora_shards, meta_expert, offloaded_shards
 
 
 @attrs.frozen
@@ -121,8 +122,6 @@ def sharded_weight_bytes(variant: str, shard_degree: int, layers: int | None = N
     """(bytes of one expert's bf16 frozen weights one GPU holds under FSDP2 with ``shard_degree``, bytes of its
     largest block whole), counted on a ``meta`` build: each tensor's dim 0 rounded up to a multiple of the degree
     (``fully_shard``'s padding), the ``_keep_in_fp32_modules`` tensors in fp32."""
-    from wantrain.models.wan22.rank_offload import meta_expert
-
     model = meta_expert(variant, layers)
 
     def shard(t: Any) -> float:
@@ -135,24 +134,6 @@ def sharded_weight_bytes(variant: str, shard_degree: int, layers: int | None = N
     buffers = sum(float(b.numel() * b.element_size()) for b in model.buffers())  # buffers stay whole
     largest = max(float(sum(p.numel() * p.element_size() for p in b.parameters())) for b in model.blocks)
     return params + buffers, largest
-
-
-def block_lora_shards(variant: str, rank: int, shard_degree: int) -> tuple[int, ...]:
-    """The elements one GPU holds of each LoRA matrix of one block (A [rank, in] and B [out, rank] of its 10
-    Linears), each matrix's rows rounded up to a multiple of ``shard_degree`` (FSDP2's padding; 1: whole)."""
-    from wantrain.models.wan22.architecture import planner_kwargs
-    from wantrain.models.wan22.variants import VARIANTS
-
-    kwargs = planner_kwargs(VARIANTS[variant])
-    d = kwargs["num_attention_heads"] * kwargs["attention_head_dim"]
-    f = kwargs["ffn_dim"]
-
-    def rows(count: int) -> int:
-        return math.ceil(count / shard_degree)
-
-    # (in, out) of the 10 Linears of a block: 8 attention projections d -> d, the FFN d -> f and f -> d
-    linears = [(d, d)] * 8 + [(d, f), (f, d)]
-    return tuple(n for i, o in linears for n in (rows(rank) * i, rows(o) * rank))
 
 
 def lora_shard_params(variant: str, rank: int, shard_degree: int, layers: int | None = None) -> float:
@@ -265,8 +246,6 @@ def save_gather(variant: str, layout: Layout, rank: int, *, layers: int | None =
     resident = sharded_weight_bytes(variant, s, layers)[0] + lora_shard_params(variant, rank, s, layers) * \
         LORA_BYTES_PER_PARAM
     if blocks_to_swap:
-        from wantrain.models.wan22.rank_offload import offloaded_shards
-
         resident -= sum(offloaded_shards(variant, s, blocks_to_swap, rank, layers)[:2])
     largest = max(block_lora_shards(variant, rank, 1)) * 4.0  # fp32, gathered whole on rank 0's GPU
     if adapter.type == "dora":  # its export's base norm: the largest frozen Linear weight, bf16
@@ -337,8 +316,6 @@ def rank_estimate(variant: str, layout: Layout, *, width: int, height: int, fram
         gathered = 2.0 * largest * (1.0 - 1.0 / s)
         swap = settings.blocks_to_swap
         if swap:  # FSDP2's CPU offload of the last ``swap`` blocks' shards (the one-GPU ring is not used)
-            from wantrain.models.wan22.rank_offload import offloaded_shards
-
             frozen, lora, _ = offloaded_shards(variant, s, swap, rank, layers)
             n = layers if layers is not None else planner_kwargs_layers(variant)
             lora = lora if adapter == LORA else trainable * min(swap, n) / n
